@@ -1,0 +1,112 @@
+"""Model configuration: plain dataclasses, validated on construction.
+
+The model library owns these; the trainer fills them from YAML (train/config.py).
+Every field here is read by the model builder; tests/nsa/test_config_effect.py proves it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class ModelConfigError(ValueError):
+    """A model or NSA configuration that cannot be built."""
+
+
+@dataclass
+class NSAConfig:
+    """Native Sparse Attention hyper-parameters (Yuan et al. 2025, defaults from the paper)."""
+
+    l: int = 32  # compression block length
+    d: int = 16  # compression stride
+    l_sel: int = 64  # selection block length (l')
+    n_sel: int = 16  # selected blocks per query, forced blocks included (n)
+    w: int = 512  # sliding window length
+    q_chunk: int = 256  # queries processed together in the vectorised path (memory bound)
+    gate_hidden: int = 0  # hidden width of the gate MLP; 0 means dim // 4
+
+    def validate(self) -> None:
+        for name in ("l", "d", "l_sel", "n_sel", "w", "q_chunk"):
+            if getattr(self, name) <= 0:
+                raise ModelConfigError(f"nsa.{name} must be positive, got {getattr(self, name)}")
+        if self.l % self.d:
+            raise ModelConfigError(f"nsa.d={self.d} must divide nsa.l={self.l}")
+        if self.l_sel % self.d:
+            raise ModelConfigError(f"nsa.d={self.d} must divide nsa.l_sel={self.l_sel}")
+        if self.l > self.l_sel:
+            raise ModelConfigError(f"nsa.l={self.l} must be <= nsa.l_sel={self.l_sel}")
+        if self.gate_hidden < 0:
+            raise ModelConfigError(f"nsa.gate_hidden must be >= 0, got {self.gate_hidden}")
+
+
+@dataclass
+class ModelConfig:
+    """A decoder-only Transformer. Presets live in configs/*.yaml; see docs/MODELS.md."""
+
+    vocab_size: int = 50304
+    dim: int = 768
+    n_layers: int = 12
+    n_heads: int = 12
+    n_kv_heads: int = 0  # 0 means n_heads (MHA)
+    head_dim: int = 0  # 0 means dim // n_heads
+    ffn_dim: int = 3072
+    max_seq_len: int = 1024
+    norm: str = "rmsnorm"  # rmsnorm | layernorm
+    norm_eps: float = 1e-5
+    mlp: str = "swiglu"  # swiglu | gelu
+    pos_emb: str = "rope"  # rope | learned
+    rope_theta: float = 10000.0
+    rope_scale: float = 1.0  # linear position interpolation factor (>= 1)
+    qk_norm: bool = False  # RMSNorm on q and k per head (Qwen3)
+    tie_embeddings: bool = False
+    bias: bool = False  # biases in linear layers and LayerNorm (GPT-2)
+    attention: str = "dense"  # dense | nsa
+    attn_backend: str = "sdpa"  # sdpa | flash | manual (dense attention only)
+    dropout: float = 0.0
+    init_std: float = 0.02
+    nsa: NSAConfig = field(default_factory=NSAConfig)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.nsa, dict):
+            self.nsa = NSAConfig(**self.nsa)
+        if self.n_kv_heads == 0:
+            self.n_kv_heads = self.n_heads
+        if self.head_dim == 0:
+            if self.dim % self.n_heads:
+                raise ModelConfigError(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}")
+            self.head_dim = self.dim // self.n_heads
+        self.validate()
+
+    @property
+    def n_groups(self) -> int:
+        """Query heads per KV head (G in the GQA formulas)."""
+        return self.n_heads // self.n_kv_heads
+
+    def validate(self) -> None:
+        positive = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "max_seq_len")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ModelConfigError(f"model.{name} must be positive, got {getattr(self, name)}")
+        if self.n_heads % self.n_kv_heads:
+            raise ModelConfigError(
+                f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.n_heads}"
+            )
+        choices = {
+            "norm": ("rmsnorm", "layernorm"),
+            "mlp": ("swiglu", "gelu"),
+            "pos_emb": ("rope", "learned"),
+            "attention": ("dense", "nsa"),
+            "attn_backend": ("sdpa", "flash", "manual"),
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ModelConfigError(f"model.{name}={getattr(self, name)!r}; valid: {', '.join(allowed)}")
+        if self.pos_emb == "rope" and self.head_dim % 2:
+            raise ModelConfigError(f"RoPE needs an even head_dim, got {self.head_dim}")
+        if self.rope_scale < 1.0:
+            raise ModelConfigError(f"model.rope_scale must be >= 1, got {self.rope_scale}")
+        if self.norm_eps <= 0:
+            raise ModelConfigError(f"model.norm_eps must be positive, got {self.norm_eps}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ModelConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
+        if self.attention == "nsa":
+            self.nsa.validate()

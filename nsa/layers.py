@@ -1,0 +1,72 @@
+"""Building blocks shared by every model: norms, rotary embeddings, MLPs."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from nsa.config import ModelConfig
+
+
+def make_norm(cfg: ModelConfig, dim: int | None = None) -> nn.Module:
+    """LayerNorm (GPT-2, bias optional) or RMSNorm (LLaMA / Qwen3)."""
+    dim = cfg.dim if dim is None else dim
+    if cfg.norm == "layernorm":
+        return nn.LayerNorm(dim, eps=cfg.norm_eps, bias=cfg.bias)
+    return nn.RMSNorm(dim, eps=cfg.norm_eps)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding with optional linear position interpolation.
+
+    `rope_scale` > 1 divides positions by the scale (Chen et al. 2023, "position interpolation"),
+    so a model trained at context T runs at context T * scale with positions inside its range.
+    """
+
+    def __init__(self, head_dim: int, theta: float, scale: float = 1.0):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)  # [hd/2]
+        self.scale = scale
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T] int64 -> (cos, sin), each [T, hd/2] float32."""
+        t = positions.to(torch.float32) / self.scale
+        angles = torch.outer(t, self.inv_freq.to(positions.device))  # [T, hd/2]
+        return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[..., :hd/2], x[..., hd/2:]) ("rotate half" layout).
+
+    x: [B, H, T, hd]; cos, sin: [T, hd/2]. Computed in float32, returned in x's dtype.
+    """
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    cos, sin = cos.to(x1.dtype), sin.to(x1.dtype)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.to(x.dtype)
+
+
+class MLP(nn.Module):
+    """GELU MLP (GPT-2) or SwiGLU (LLaMA / Qwen3): dim -> ffn_dim -> dim."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.kind = cfg.mlp
+        if cfg.mlp == "swiglu":
+            # gate and up projections fused into one matmul: [dim] -> [2 * ffn_dim]
+            self.w_in = nn.Linear(cfg.dim, 2 * cfg.ffn_dim, bias=cfg.bias)
+        else:
+            self.w_in = nn.Linear(cfg.dim, cfg.ffn_dim, bias=cfg.bias)
+        self.w_out = nn.Linear(cfg.ffn_dim, cfg.dim, bias=cfg.bias)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, dim] -> [B, T, dim]
+        h = self.w_in(x)
+        if self.kind == "swiglu":
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h, approximate="tanh")
+        return self.dropout(self.w_out(h))

@@ -1,0 +1,113 @@
+"""Decoder-only Transformer: GPT-2, LLaMA-2/3, Qwen3 and M7C (NSA) are configurations of this one model.
+
+    tokens [B, T] -> embedding (+ learned positions) -> n_layers x Block -> final norm -> logits [B, T, V]
+    Block: x + attn(norm(x)), then x + mlp(norm(x))   (pre-norm)
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from nsa.attention import build_attention
+from nsa.config import ModelConfig
+from nsa.layers import MLP, RotaryEmbedding, make_norm
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = make_norm(cfg)
+        self.attn = build_attention(cfg)
+        self.mlp_norm = make_norm(cfg)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, rope=None, cache=None) -> torch.Tensor:  # [B, T, dim] -> same
+        x = x + self.attn(self.attn_norm(x), rope, cache)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.dim) if cfg.pos_emb == "learned" else None
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scale) if cfg.pos_emb == "rope" else None
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = make_norm(cfg)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        # activation checkpointing: every k-th block (k=1: all blocks; 0: none). Set by the trainer.
+        self.checkpoint_every = 0
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Normal(0, init_std) weights, zero biases; residual output projections scaled by 1/sqrt(2L)."""
+        std = self.cfg.init_std
+        for name, p in self.named_parameters():
+            if p.dim() < 2:
+                if name.endswith(".bias"):
+                    nn.init.zeros_(p)
+                elif "norm" in name:
+                    nn.init.ones_(p)
+                continue  # other vectors (e.g. NSA position encodings) keep their module's own init
+            is_residual_out = name.endswith(("attn.proj.weight", "mlp.w_out.weight"))
+            nn.init.normal_(p, mean=0.0, std=std / math.sqrt(2 * self.cfg.n_layers) if is_residual_out else std)
+        for module in self.modules():
+            if module is not self and hasattr(module, "reset_extra_parameters"):
+                module.reset_extra_parameters()
+
+    def num_params(self, include_embeddings: bool = True) -> int:
+        """Unique parameters (a tied head counts once). Without embeddings: no token/position tables."""
+        n = sum(p.numel() for p in self.parameters())
+        if not include_embeddings:
+            n -= self.tok_emb.weight.numel()
+            if self.pos_emb is not None:
+                n -= self.pos_emb.weight.numel()
+        return n
+
+    def new_caches(self) -> list:
+        """One decode cache per layer (dense: KV cache; NSA: per-branch caches)."""
+        return [blk.attn.new_cache() if hasattr(blk.attn, "new_cache") else _dense_cache() for blk in self.blocks]
+
+    def forward(
+        self,
+        idx: torch.Tensor,  # [B, T] int64 token ids
+        targets: torch.Tensor | None = None,  # [B, T] int64 next-token ids
+        start_pos: int = 0,  # absolute position of idx[:, 0] (decode / chunked prefill)
+        caches: list | None = None,
+    ) -> torch.Tensor:
+        """Returns the mean cross-entropy if targets are given, else logits [B, T, V] (float32)."""
+        B, T = idx.shape
+        if start_pos + T > self.cfg.max_seq_len and self.pos_emb is not None:
+            raise ValueError(f"sequence end {start_pos + T} exceeds max_seq_len={self.cfg.max_seq_len}")
+        x = self.tok_emb(idx)  # [B, T, dim]
+        positions = torch.arange(start_pos, start_pos + T, device=idx.device)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(positions)
+        rope = self.rope(positions) if self.rope is not None else None
+        x = self.drop(x)
+        for i, blk in enumerate(self.blocks):
+            cache = caches[i] if caches is not None else None
+            k = self.checkpoint_every
+            if k and self.training and cache is None and i % k == 0 and torch.is_grad_enabled():
+                x = checkpoint(blk, x, rope, None, use_reentrant=False)
+            else:
+                x = blk(x, rope, cache)
+        x = self.norm(x)
+        logits = self.lm_head(x).float()  # [B, T, V]
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def _dense_cache():
+    from nsa.attention.dense import KVCache
+
+    return KVCache()

@@ -1,0 +1,29 @@
+"""Shared fixtures. Tests may read ../shared (corpus, GPT-2 BPE files); the product never does."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+
+
+@pytest.fixture(scope="session")
+def repo_dir() -> Path:
+    return REPO
+
+
+@pytest.fixture(scope="session")
+def corpus_path() -> Path:
+    path = SHARED / "corpus" / "kjv.txt"
+    if not path.exists():
+        pytest.fail(f"test corpus missing: {path} (../shared must sit beside the repo)")
+    return path
+
+
+@pytest.fixture(autouse=True)
+def _deterministic_torch():
+    torch.manual_seed(0)
+    yield

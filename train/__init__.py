@@ -1,0 +1,1 @@
+"""The trainer: config loading, data, the training loop, checkpoints, telemetry, run safety."""

@@ -1,0 +1,19 @@
+"""Errors a user can cause. The entrypoints print them as one line and exit non-zero."""
+
+
+class UserError(Exception):
+    """Base class: bad input from the user (config, data, checkpoint, environment)."""
+
+    exit_code = 2
+
+
+class ConfigError(UserError):
+    pass
+
+
+class DataError(UserError):
+    pass
+
+
+class CheckpointError(UserError):
+    pass
