@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Create .venv and install what this machine needs: CUDA torch on a CUDA machine, CPU torch otherwise.
+# flash-attn is optional: tried only on CUDA (NSA_INSTALL_FLASH=1), never fatal. Idempotent.
+#
+#   bash scripts/prime_bootstrap.sh            # set-up command of the README
+#   TORCH_VERSION=2.13.0 TORCH_CUDA=cu124 bash scripts/prime_bootstrap.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+TORCH_VERSION=${TORCH_VERSION:-2.13.0}
+TORCH_CUDA=${TORCH_CUDA:-cu128}
+VENV=${VENV:-.venv}
+
+log() { printf '[bootstrap] %s\n' "$*"; }
+
+if ! "$PYTHON" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else 1)'; then
+  echo "[bootstrap] error: Python >= 3.10 required ($("$PYTHON" --version 2>&1))" >&2
+  exit 1
+fi
+if [ ! -x "$VENV/bin/python" ]; then
+  log "creating $VENV"
+  "$PYTHON" -m venv "$VENV"
+fi
+PY="$VENV/bin/python"
+PIP=("$PY" -m pip install --disable-pip-version-check -q)
+
+has_gpu=0
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  has_gpu=1
+fi
+
+installed_torch=$("$PY" -c 'import torch; print(torch.__version__)' 2>/dev/null || true)
+if [ "$has_gpu" = 1 ]; then
+  if [[ "$installed_torch" != *+cu* ]] && ! "$PY" -c 'import torch,sys; sys.exit(0 if torch.version.cuda else 1)' 2>/dev/null; then
+    log "installing CUDA torch ($TORCH_CUDA)"
+    "${PIP[@]}" torch --index-url "https://download.pytorch.org/whl/${TORCH_CUDA}" \
+      || "${PIP[@]}" torch  # PyPI's default Linux wheel is a CUDA build
+  fi
+else
+  if [ -z "$installed_torch" ]; then
+    log "installing CPU torch==$TORCH_VERSION"
+    # a local CPU wheel when the machine has one; otherwise the CPU index (never a multi-GB CUDA build)
+    "${PIP[@]}" "torch==$TORCH_VERSION" --only-binary=:all: 2>/dev/null \
+      && "$PY" -c 'import torch,sys; sys.exit(1 if torch.version.cuda else 0)' \
+      || "${PIP[@]}" "torch==$TORCH_VERSION" --index-url https://download.pytorch.org/whl/cpu
+  fi
+fi
+
+log "installing requirements.txt"
+"${PIP[@]}" -r requirements.txt
+
+if [ "$has_gpu" = 1 ] && [ "${NSA_INSTALL_FLASH:-0}" = 1 ]; then
+  log "trying flash-attn (optional)"
+  "${PIP[@]}" flash-attn --no-build-isolation || log "flash-attn not installed (optional; SDPA is used)"
+fi
+
+"$PY" - <<'PY'
+import platform, torch
+print(f"[bootstrap] python {platform.python_version()} | torch {torch.__version__} | cuda {torch.version.cuda}")
+if torch.cuda.is_available():
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        print(f"[bootstrap] gpu {i}: {p.name} | {p.total_memory / 2**30:.1f} GiB")
+else:
+    print("[bootstrap] no CUDA GPU: CPU training only")
+try:
+    import flash_attn
+    print(f"[bootstrap] flash-attn {flash_attn.__version__}")
+except Exception:
+    print("[bootstrap] flash-attn: not installed (optional)")
+PY
+log "ready: source $VENV/bin/activate"

@@ -1,0 +1,115 @@
+"""Strict config loading: unknown keys, wrong types, malformed YAML, overrides and aliases."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from train.config import load_config, parse_overrides
+from train.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "cfg.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_every_shipped_config_loads():
+    configs = sorted((REPO / "configs").glob("*.yaml"))
+    assert len(configs) >= 10
+    for path in configs:
+        cfg = load_config(path)
+        assert cfg.model.vocab_size % 64 == 0, path
+
+
+def test_unknown_key_names_file_key_and_valid_keys(tmp_path):
+    path = write(tmp_path, "model:\n  dim: 64\n  n_kv_head: 2\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    msg = str(err.value)
+    assert str(path) in msg and "n_kv_head" in msg and "n_kv_heads" in msg
+
+
+def test_unknown_section(tmp_path):
+    with pytest.raises(ConfigError, match="unknown section 'optim'"):
+        load_config(write(tmp_path, "optim:\n  lr: 1\n"))
+
+
+def test_wrong_type_is_an_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"train\.steps: expected an integer"):
+        load_config(write(tmp_path, "train:\n  steps: many\n"))
+    with pytest.raises(ConfigError, match=r"model\.qk_norm: expected true/false"):
+        load_config(write(tmp_path, "model:\n  qk_norm: 3\n"))
+    with pytest.raises(ConfigError, match=r"train\.lr: expected a number"):
+        load_config(write(tmp_path, "train:\n  lr: fast\n"))
+
+
+def test_malformed_yaml_reports_line(tmp_path):
+    with pytest.raises(ConfigError, match=r"malformed YAML at line \d+, column \d+"):
+        load_config(write(tmp_path, "model:\n  dim: [64\n"))
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config("/nonexistent/cfg.yaml")
+
+
+def test_nsa_section_without_nsa_attention_is_rejected(tmp_path):
+    with pytest.raises(ConfigError, match="nsa"):
+        load_config(write(tmp_path, "nsa:\n  l: 32\n"))
+
+
+def test_rope_keys_ignored_by_learned_positions_are_rejected(tmp_path):
+    with pytest.raises(ConfigError, match="rope_theta has no effect"):
+        load_config(write(tmp_path, "model:\n  pos_emb: learned\n  rope_theta: 500000.0\n"))
+
+
+def test_invalid_model_values(tmp_path):
+    with pytest.raises(ConfigError, match="must divide"):
+        load_config(write(tmp_path, "model:\n  n_heads: 12\n  n_kv_heads: 5\n"))
+    with pytest.raises(ConfigError, match="model.norm="):
+        load_config(write(tmp_path, "model:\n  norm: batchnorm\n"))
+    with pytest.raises(ConfigError, match="d=5 must divide"):
+        load_config(write(tmp_path, "model:\n  attention: nsa\nnsa:\n  d: 5\n"))
+
+
+def test_overrides_section_leaf_and_aliases():
+    cfg = load_config(None, [
+        "--model.dim=96", "--n_layers=3", "--max_iters=7", "--batch_size", "5",
+        "--gradient_accumulation_steps=4", "--block_size=64", "--learning_rate=3e-4", "--compile=False",
+        "--dtype=bfloat16", "--eval_interval=3", "--eval_only=false", "--always_save_checkpoint=False",
+        "--keep_all_checkpoints=True", "--init_from=resume", "--model.n_heads=4",
+    ])
+    assert cfg.model.dim == 96 and cfg.model.n_layers == 3
+    assert cfg.train.steps == 7 and cfg.train.batch_size == 5 and cfg.train.accumulate_grad_batches == 4
+    assert cfg.train.seq_len == 64 and cfg.train.lr == pytest.approx(3e-4)
+    assert cfg.runtime.compile is False and cfg.runtime.precision == "bf16"
+    assert cfg.train.eval_every == 3 and cfg.train.always_save_checkpoint is False
+    assert cfg.train.keep_all_checkpoints is True and cfg.train.resume == "auto"
+    assert load_config(None, ["--init_from=scratch"]).train.resume == "none"
+
+
+def test_override_errors():
+    with pytest.raises(ConfigError, match="unknown option"):
+        parse_overrides(["--no_such_key=1"])
+    with pytest.raises(ConfigError, match="unknown section"):
+        parse_overrides(["--optim.lr=1"])
+    with pytest.raises(ConfigError, match="unexpected argument"):
+        parse_overrides(["stray"])
+    with pytest.raises(ConfigError, match="expected an integer"):
+        load_config(None, ["--train.steps=1.5"])
+
+
+def test_yaml_then_override_precedence(tmp_path):
+    path = write(tmp_path, "train:\n  steps: 10\n  lr: 1.0e-3\n")
+    cfg = load_config(path, ["--train.steps=20"])
+    assert cfg.train.steps == 20 and cfg.train.lr == pytest.approx(1e-3)
+
+
+def test_gradient_checkpointing_accepts_bool_and_int(tmp_path):
+    assert load_config(write(tmp_path, "runtime:\n  gradient_checkpointing: false\n")).runtime.gradient_checkpointing == 0
+    assert load_config(write(tmp_path, "runtime:\n  gradient_checkpointing: true\n")).runtime.gradient_checkpointing == 1
+    assert load_config(write(tmp_path, "runtime:\n  gradient_checkpointing: 3\n")).runtime.gradient_checkpointing == 3

@@ -1,0 +1,32 @@
+"""python -m train CONFIG.yaml [--section.key=value ...]   (also under torchrun)
+
+Bad input is reported as one line on stderr with exit code 2; see train/runner.py for the others.
+"""
+from __future__ import annotations
+
+import sys
+
+from train.errors import UserError
+
+USAGE = "usage: python -m train CONFIG.yaml [--section.key=value | --alias=value ...]"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    config_path, overrides = (argv[0], argv[1:]) if not argv[0].startswith("--") else (None, argv)
+    try:
+        from train.config import load_config
+        from train.runner import run_training
+
+        cfg = load_config(config_path, overrides)
+        return run_training(cfg)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

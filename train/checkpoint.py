@@ -1,0 +1,159 @@
+"""Full-state checkpoints: atomic writes, a `latest.pt` link, retention, validated loading.
+
+A checkpoint holds everything exact resume needs: model, optimizer, step, tokens seen, every RNG
+state, the data sampler's state and the effective config. Files are written to a temporary name,
+fsynced and renamed, so `checkpoint_step{N}.pt` exists only when complete.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import random
+import re
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from train.errors import CheckpointError
+
+FORMAT_VERSION = 1
+CKPT_RE = re.compile(r"^checkpoint_step(\d+)\.pt$")
+LATEST = "latest.pt"
+
+
+def checkpoint_name(step: int) -> str:
+    return f"checkpoint_step{step}.pt"
+
+
+def list_checkpoints(out_dir: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints in out_dir, oldest first."""
+    if not out_dir.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in out_dir.iterdir() if (m := CKPT_RE.match(p.name))]
+    return sorted(found)
+
+
+def latest_checkpoint(out_dir: Path) -> Path | None:
+    found = list_checkpoints(out_dir)
+    return found[-1][1] if found else None
+
+
+def rng_state() -> dict:
+    """Every RNG the run touches, as tensors / plain types (loadable with weights_only=True)."""
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": {"name": np_name, "keys": torch.from_numpy(np_keys.astype(np.int64)), "pos": int(np_pos),
+                  "has_gauss": int(np_has_gauss), "gauss": float(np_gauss)},
+        "python": _to_lists(random.getstate()),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    n = state["numpy"]
+    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    random.setstate(_to_tuples(state["python"]))
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _to_lists(x):
+    return [_to_lists(v) for v in x] if isinstance(x, tuple) else x
+
+
+def _to_tuples(x):
+    return tuple(_to_tuples(v) for v in x) if isinstance(x, list) else x
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_save(obj: dict, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    _fsync_dir(path.parent)
+
+
+def update_latest_link(out_dir: Path, target: Path) -> None:
+    link = out_dir / LATEST
+    tmp = out_dir / f".{LATEST}.tmp{os.getpid()}"
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    os.symlink(target.name, tmp)
+    os.replace(tmp, link)
+
+
+def apply_retention(out_dir: Path, keep_last: int, keep_all: bool) -> list[Path]:
+    """Delete all but the newest keep_last checkpoints (none when keep_all). Returns deleted paths."""
+    if keep_all:
+        return []
+    found = list_checkpoints(out_dir)
+    doomed = [p for _, p in found[:-keep_last]] if keep_last > 0 else []
+    for p in doomed:
+        p.unlink(missing_ok=True)
+    return doomed
+
+
+def save_checkpoint(out_dir: Path, step: int, state: dict, keep_last: int, keep_all: bool) -> Path:
+    """state: model, optimizer, tokens_seen, data, config, ... ; adds step, RNG states, format version."""
+    path = out_dir / checkpoint_name(step)
+    payload = {"format_version": FORMAT_VERSION, "step": step, "rng": rng_state(), **state}
+    atomic_save(payload, path)
+    update_latest_link(out_dir, path)
+    apply_retention(out_dir, keep_last, keep_all)
+    return path
+
+
+def load_checkpoint(path: Path) -> dict:
+    """torch.load(weights_only=True) with one-line errors for missing, truncated or foreign files."""
+    if not path.exists():
+        raise CheckpointError(f"checkpoint not found: {path}")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, zipfile.BadZipFile, pickle.UnpicklingError, OSError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"checkpoint {path} is corrupt or not a checkpoint: {first[:200]}") from None
+    if not isinstance(ckpt, dict) or ckpt.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {path} has an unknown format (expected format_version={FORMAT_VERSION})")
+    for key in ("model", "optimizer", "step", "rng", "config"):
+        if key not in ckpt:
+            raise CheckpointError(f"checkpoint {path} lacks '{key}'")
+    return ckpt
+
+
+def check_architecture(ckpt: dict, model_config: dict, path: Path) -> None:
+    """The checkpoint's model section must equal the run's (shapes and semantics)."""
+    saved = ckpt["config"].get("model", {})
+    saved_nsa = ckpt["config"].get("nsa", {})
+    current_nsa = model_config.get("nsa", {})
+    current = {k: v for k, v in model_config.items() if k != "nsa"}
+    # fields that change neither shapes nor the function computed may differ between runs
+    free = {"attn_backend", "dropout", "init_std", "rope_scale"}
+    diffs = [f"model.{k}: checkpoint {saved.get(k)!r} vs config {v!r}"
+             for k, v in current.items() if k not in free and saved.get(k) != v]
+    if current["attention"] == "nsa":
+        diffs += [f"nsa.{k}: checkpoint {saved_nsa.get(k)!r} vs config {v!r}"
+                  for k, v in current_nsa.items() if k != "q_chunk" and saved_nsa.get(k) != v]
+    if diffs:
+        raise CheckpointError(f"checkpoint {path} does not match the config's architecture ({'; '.join(diffs[:3])})")

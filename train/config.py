@@ -1,0 +1,351 @@
+"""Run configuration: YAML sections model / nsa / train / data / runtime -> typed dataclasses.
+
+Strict by design: an unknown key, a key nothing reads, or a value of the wrong type is a
+ConfigError naming the file, the key and the valid keys. Command-line overrides use
+`--section.key=value`, a bare `--key=value` when the leaf name is unambiguous, or one of the
+nanoGPT-style aliases in ALIASES (the seeds' commands).
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from nsa.config import ModelConfig, ModelConfigError, NSAConfig
+from train.data.config import DataConfig
+from train.errors import ConfigError, UserError
+
+
+@dataclass
+class TrainConfig:
+    out_dir: str = "artifacts/run"
+    steps: int = 1000  # optimizer steps; the LR schedule's horizon
+    stop_after: int = 0  # stop (checkpoint, exit 0) after this many steps in this invocation; 0 = never
+    seed: int = 1337
+    seq_len: int = 1024
+    batch_size: int = 8  # micro-batch per rank
+    accumulate_grad_batches: int = 1  # micro-batches per optimizer step
+    lr: float = 6e-4
+    min_lr_ratio: float = 0.1  # cosine floor = lr * min_lr_ratio
+    warmup_steps: int = 100
+    lr_schedule: str = "cosine"  # cosine | linear | constant (after warmup)
+    weight_decay: float = 0.1  # applied to matrices (>= 2-D parameters) only
+    beta1: float = 0.9
+    beta2: float = 0.95
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0  # clip by the global gradient norm; 0 disables
+    log_every: int = 10
+    eval_every: int = 0  # 0 disables periodic evaluation
+    eval_steps: int = 20  # held-out batches per evaluation
+    eval_at_start: bool = False
+    eval_only: bool = False
+    save_every: int = 0  # 0: only the final checkpoint
+    keep_last: int = 3  # checkpoints kept unless keep_all_checkpoints
+    keep_all_checkpoints: bool = False
+    always_save_checkpoint: bool = True  # False: a periodic save happens only if val loss improved
+    resume: str = "auto"  # auto | none | PATH to a checkpoint
+    nonfinite_skip_limit: int = 3  # non-finite steps skipped before the run halts
+    loss_floor: float = 0.0  # alert (heartbeat 'alert') if loss < floor before loss_floor_steps
+    loss_floor_steps: int = 0
+
+    def validate(self) -> None:
+        positive = ("steps", "seq_len", "batch_size", "accumulate_grad_batches", "log_every", "eval_steps")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"train.{name} must be positive, got {getattr(self, name)}")
+        for name in ("stop_after", "warmup_steps", "eval_every", "save_every", "keep_last", "nonfinite_skip_limit"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+        if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"train.lr must be > 0 and train.min_lr_ratio in [0, 1]")
+        if self.lr_schedule not in ("cosine", "linear", "constant"):
+            raise ConfigError(f"train.lr_schedule={self.lr_schedule!r}; valid: cosine, linear, constant")
+        if self.keep_last == 0 and not self.keep_all_checkpoints:
+            raise ConfigError("train.keep_last must be >= 1 (or set keep_all_checkpoints)")
+
+
+@dataclass
+class RuntimeConfig:
+    device: str = "auto"  # auto | cpu | cuda
+    precision: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16 | fp16
+    compile: bool = False
+    gradient_checkpointing: int = 0  # 0/false: off; 1/true: every block; k: every k-th block
+    watchdog_s: float = 900.0  # dump stacks if no step completes for this long; 0 disables
+    threads: int = 0  # torch intra-op threads on CPU; 0 = torch default
+    # distributed
+    ddp_compress: str = "none"  # none | bf16 | fp16 (DDP gradient-compression hook)
+    ddp_bucket_mb: int = 25
+    ddp_static_graph: bool = False
+    zero1: bool = False  # ZeroRedundancyOptimizer
+    fsdp: bool = False  # FSDP2 fully_shard with bf16 mixed precision
+
+    def validate(self) -> None:
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"runtime.device={self.device!r}; valid: auto, cpu, cuda")
+        if self.precision not in ("auto", "fp32", "bf16", "fp16"):
+            raise ConfigError(f"runtime.precision={self.precision!r}; valid: auto, fp32, bf16, fp16")
+        if self.gradient_checkpointing < 0:
+            raise ConfigError("runtime.gradient_checkpointing must be >= 0")
+        if self.ddp_compress not in ("none", "bf16", "fp16"):
+            raise ConfigError(f"runtime.ddp_compress={self.ddp_compress!r}; valid: none, bf16, fp16")
+        if self.zero1 and self.fsdp:
+            raise ConfigError("runtime.zero1 and runtime.fsdp are exclusive; pick one")
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    source: str = "<defaults>"  # where the config came from (for messages)
+
+    def to_dict(self) -> dict:
+        model = dataclasses.asdict(self.model)
+        nsa = model.pop("nsa")
+        return {
+            "model": model,
+            "nsa": nsa,
+            "train": dataclasses.asdict(self.train),
+            "data": dataclasses.asdict(self.data),
+            "runtime": dataclasses.asdict(self.runtime),
+        }
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "nsa": NSAConfig,
+    "train": TrainConfig,
+    "data": DataConfig,
+    "runtime": RuntimeConfig,
+}
+
+_PRECISION_NAMES = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16", "bf16": "bf16", "fp32": "fp32",
+                    "fp16": "fp16", "auto": "auto"}
+
+
+def _init_from(value: str) -> tuple[str, str]:
+    mapping = {"resume": "auto", "scratch": "none"}
+    if value not in mapping:
+        raise ConfigError(f"--init_from={value!r}; valid: resume, scratch")
+    return "train.resume", mapping[value]
+
+
+def _dtype(value: str) -> tuple[str, str]:
+    if value not in _PRECISION_NAMES:
+        raise ConfigError(f"--dtype={value!r}; valid: {', '.join(_PRECISION_NAMES)}")
+    return "runtime.precision", _PRECISION_NAMES[value]
+
+
+def _use_flash(value) -> tuple[str, str]:
+    return "model.attn_backend", "flash" if _as_bool(value, "use_flash") else "sdpa"
+
+
+def _attention_backend(value: str) -> tuple[str, str]:
+    mapping = {"flash_attn_2": "flash", "flash": "flash", "sdpa": "sdpa", "manual": "manual"}
+    if value not in mapping:
+        raise ConfigError(f"--attention_backend={value!r}; valid: {', '.join(mapping)}")
+    return "model.attn_backend", mapping[value]
+
+
+# alias -> "section.key" or a function value -> (section.key, converted value)
+ALIASES: dict[str, object] = {
+    "max_iters": "train.steps",
+    "batch_size": "train.batch_size",
+    "gradient_accumulation_steps": "train.accumulate_grad_batches",
+    "block_size": "train.seq_len",
+    "learning_rate": "train.lr",
+    "eval_interval": "train.eval_every",
+    "eval_iters": "train.eval_steps",
+    "log_interval": "train.log_every",
+    "warmup_iters": "train.warmup_steps",
+    "grad_clip": "train.grad_clip",
+    "compile": "runtime.compile",
+    "dtype": _dtype,
+    "init_from": _init_from,
+    "use_flash": _use_flash,
+    "attention_backend": _attention_backend,
+    "use_zero1": "runtime.zero1",
+    "use_fsdp": "runtime.fsdp",
+}
+
+
+def _as_bool(value, where: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+        return value.lower() in ("true", "1", "yes")
+    raise ConfigError(f"{where}: expected true/false, got {value!r}")
+
+
+def _coerce(value, annotation, where: str):
+    """Check / convert one value against a dataclass field annotation (str, int, float, bool, X | None)."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(value, args[0], where)
+    if annotation is bool:
+        return _as_bool(value, where)
+    if annotation is int:
+        if isinstance(value, bool) and where.endswith("gradient_checkpointing"):
+            return int(value)  # the seeds write `gradient_checkpointing: false`
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)  # 5e4 in YAML
+        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    if annotation is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{where}: expected a number, got {value!r}")
+    if annotation is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{where}: expected a string, got {value!r}")
+    raise ConfigError(f"{where}: unsupported field type {annotation}")
+
+
+def _field_types(cls: type) -> dict[str, object]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.name != "nsa"}
+
+
+def _build(cls: type, values: dict, where: str):
+    types_ = _field_types(cls)
+    unknown = sorted(set(values) - set(types_))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key '{unknown[0]}' in section; valid keys: {', '.join(types_)}")
+    kwargs = {k: _coerce(v, types_[k], f"{where}.{k}") for k, v in values.items()}
+    return kwargs
+
+
+def _load_yaml(path: Path) -> dict:
+    if not path.exists():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"{path}: malformed YAML{at}: {getattr(exc, 'problem', exc)}") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections ({', '.join(SECTIONS)})")
+    for section, body in raw.items():
+        if section not in SECTIONS:
+            raise ConfigError(f"{path}: unknown section '{section}'; valid sections: {', '.join(SECTIONS)}")
+        if body is not None and not isinstance(body, dict):
+            raise ConfigError(f"{path}: section '{section}' must be a mapping, got {type(body).__name__}")
+    return {k: dict(v or {}) for k, v in raw.items()}
+
+
+def _leaf_index() -> dict[str, list[str]]:
+    index: dict[str, list[str]] = {}
+    for section, cls in SECTIONS.items():
+        for name in _field_types(cls):
+            index.setdefault(name, []).append(f"{section}.{name}")
+    return index
+
+
+def _parse_value(text: str):
+    """CLI values are YAML scalars: 3 -> int, 3e-4 -> float, true -> bool, else the string."""
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    if isinstance(value, str) or value is None and text.strip().lower() not in ("null", "none", "~"):
+        return text
+    if isinstance(value, (dict, list)):
+        return text
+    return value
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, object]]:
+    """['--train.steps=5', '--max_iters', '7'] -> [('train.steps', 5), ('train.steps', 7)]."""
+    pairs: list[tuple[str, object]] = []
+    index = _leaf_index()
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}; overrides look like --section.key=value")
+        body = arg[2:]
+        if "=" in body:
+            key, text = body.split("=", 1)
+        elif i + 1 < len(args) and not args[i + 1].startswith("--"):
+            key, text = body, args[i + 1]
+            i += 1
+        else:
+            key, text = body, "true"  # a bare flag: --compile
+        i += 1
+        key = key.replace("-", "_") if "." not in key else key
+        value = _parse_value(text)
+        if "." in key:
+            section = key.split(".", 1)[0]
+            if section not in SECTIONS:
+                raise ConfigError(f"--{key}: unknown section '{section}'; valid: {', '.join(SECTIONS)}")
+            pairs.append((key, value))
+        elif key in ALIASES:
+            target = ALIASES[key]
+            pairs.append(target(value) if callable(target) else (target, value))
+        elif key in index and len(index[key]) == 1:
+            pairs.append((index[key][0], value))
+        elif key in index:
+            raise ConfigError(f"--{key} is ambiguous ({', '.join(index[key])}); give the section")
+        else:
+            raise ConfigError(f"--{key}: unknown option; use --section.key=value (sections: {', '.join(SECTIONS)})")
+    return pairs
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
+    """YAML file (or defaults when path is None) + CLI overrides -> validated RunConfig."""
+    sections: dict[str, dict] = {name: {} for name in SECTIONS}
+    where = str(path) if path is not None else "<defaults>"
+    if path is not None:
+        for name, body in _load_yaml(Path(path)).items():
+            sections[name].update(body)
+    for key, value in parse_overrides(overrides or []):
+        section, leaf = key.split(".", 1)
+        sections[section][leaf] = value
+    built = {name: _build(cls, sections[name], f"{where}: {name}") for name, cls in SECTIONS.items()}
+    try:
+        nsa = NSAConfig(**built["nsa"])
+        model = ModelConfig(**built["model"], nsa=nsa)
+        if model.attention != "nsa" and sections["nsa"]:
+            raise ConfigError(f"{where}: an 'nsa' section is set but model.attention is {model.attention!r}; "
+                              "remove it or set model.attention: nsa")
+        if model.pos_emb != "rope":
+            ignored = sorted({"rope_theta", "rope_scale"} & set(sections["model"]))
+            if ignored:
+                raise ConfigError(f"{where}: model.{ignored[0]} has no effect with model.pos_emb={model.pos_emb!r}")
+        data = DataConfig(**built["data"])
+    except (ModelConfigError, TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    cfg = RunConfig(model=model, train=TrainConfig(**built["train"]), data=data,
+                    runtime=RuntimeConfig(**built["runtime"]), source=where)
+    cfg.train.validate()
+    cfg.runtime.validate()
+    try:
+        cfg.data.validate()
+    except (ValueError, UserError) as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    if cfg.model.pos_emb == "learned" and cfg.train.seq_len > cfg.model.max_seq_len:
+        raise ConfigError(f"{where}: train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len="
+                          f"{cfg.model.max_seq_len} (learned positions)")
+    return cfg
+
+
+def dump_config(cfg: RunConfig) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

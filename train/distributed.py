@@ -1,0 +1,132 @@
+"""Process group, device choice and model wrapping (DDP with compression hooks, ZeRO-1, FSDP2).
+
+torchrun sets RANK / WORLD_SIZE / LOCAL_RANK; without them the run is a single process.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from train.config import RuntimeConfig
+from train.errors import ConfigError
+
+
+@dataclass
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+
+def resolve_device(requested: str, local_rank: int) -> torch.device:
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ConfigError("runtime.device=cuda but no CUDA device is available")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_distributed(runtime: RuntimeConfig) -> DistInfo:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = resolve_device(runtime.device, local_rank)
+    if world > 1 and not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
+    return DistInfo(rank, world, local_rank, device)
+
+
+def shutdown_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def resolve_precision(precision: str, device: torch.device) -> torch.dtype:
+    if precision == "auto":
+        if device.type == "cuda" and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return torch.float32
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    if dtype == torch.float16 and device.type != "cuda":
+        raise ConfigError("runtime.precision=fp16 needs CUDA; use bf16 or fp32 on CPU")
+    return dtype
+
+
+def autocast_context(device: torch.device, dtype: torch.dtype):
+    """bf16/fp16 autocast with fp32 master weights; nothing for fp32."""
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def wrap_model(model: nn.Module, info: DistInfo, runtime: RuntimeConfig) -> nn.Module:
+    """DDP (optionally with a bf16/fp16 gradient-compression hook) or FSDP2 when world_size > 1."""
+    if not info.enabled:
+        return model
+    if runtime.fsdp:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in model.blocks:
+            fully_shard(block, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+        return model
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = DDP(
+        model,
+        device_ids=[info.local_rank] if info.device.type == "cuda" else None,
+        bucket_cap_mb=runtime.ddp_bucket_mb,
+        gradient_as_bucket_view=True,
+        static_graph=runtime.ddp_static_graph,
+    )
+    if runtime.ddp_compress != "none":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        hook = default_hooks.bf16_compress_hook if runtime.ddp_compress == "bf16" else default_hooks.fp16_compress_hook
+        ddp.register_comm_hook(state=None, hook=hook)
+    return ddp
+
+
+def no_sync(model: nn.Module, skip_sync: bool):
+    """Skip the gradient all-reduce on accumulation micro-steps (DDP)."""
+    if skip_sync and hasattr(model, "no_sync"):
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+def all_reduce_mean(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    if info.enabled:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        t = t / info.world_size
+    return t
+
+
+def gather_objects(obj, info: DistInfo) -> list:
+    """Every rank's obj, on every rank (small objects: data-sampler states)."""
+    if not info.enabled:
+        return [obj]
+    out = [None] * info.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def barrier(info: DistInfo) -> None:
+    if info.enabled:
+        dist.barrier()

@@ -1,0 +1,56 @@
+"""AdamW with weight decay on matrices only, and the learning-rate schedule.
+
+The schedule is a pure function of the optimizer step (not the micro-step), so resume needs
+only the step count and the horizon is `train.steps` whatever the accumulation.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from train.config import TrainConfig
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Matrices (embeddings, linear weights) decay; vectors (biases, norm gains, NSA encodings) do not."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        (decay if p.dim() >= 2 else no_decay).append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig, device_type: str) -> torch.optim.Optimizer:
+    """Fused AdamW (CPU and CUDA): it can skip a step on-device through `found_inf` (no host sync)."""
+    return torch.optim.AdamW(
+        param_groups(model, cfg.weight_decay),
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.adam_eps,
+        fused=device_type in ("cpu", "cuda"),
+    )
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """LR for optimizer step `step` (0-based): linear warmup, then cosine / linear decay to the floor."""
+    floor = cfg.lr * cfg.min_lr_ratio
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.lr_schedule == "constant":
+        return cfg.lr
+    decay_steps = max(1, cfg.steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
+    if cfg.lr_schedule == "linear":
+        return cfg.lr - (cfg.lr - floor) * progress
+    return floor + 0.5 * (cfg.lr - floor) * (1.0 + math.cos(math.pi * progress))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr

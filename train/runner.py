@@ -1,0 +1,371 @@
+"""Sets a run up (directories, resume, model, optimizer, data, telemetry) and drives the Loop.
+
+Exit codes: 0 finished or stopped gracefully (HALT / SIGTERM / SIGINT / stop_after),
+3 halted on repeated non-finite losses (.anomaly_type written, last good checkpoint intact).
+"""
+from __future__ import annotations
+
+import math
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from nsa.model import Transformer
+from train import checkpoint as ckpt_io
+from train.config import RunConfig, dump_config
+from train.data import build_data
+from train.distributed import (
+    DistInfo, barrier, gather_objects, init_distributed, resolve_precision, shutdown_distributed, wrap_model,
+)
+from train.errors import CheckpointError, ConfigError
+from train.loop import Loop, TrainState
+from train.optim import build_optimizer
+from train.safety import ANOMALY_FILE, HALT_FILE, StopFlags, Watchdog
+from train.telemetry import TRAIN_FIELDS, VAL_FIELDS, CsvLog, Heartbeat, TensorBoard, write_json_atomic
+
+EXIT_ANOMALY = 3
+RUN_FILES = ("training.csv", "val.csv", "metrics.json")
+
+
+def git_sha() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).resolve().parent)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def prepare_out_dir(cfg: RunConfig) -> tuple[Path, Path | None]:
+    """Create/check out_dir; decide which checkpoint (if any) to resume. Never clobbers a previous run."""
+    out = Path(cfg.train.out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write_probe{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"out_dir {out} is not writable: {exc.strerror or exc}") from None
+    resume = cfg.train.resume
+    if resume not in ("auto", "none"):
+        return out, Path(resume)
+    latest = ckpt_io.latest_checkpoint(out)
+    if resume == "auto" and latest is not None:
+        return out, latest
+    previous = [n for n in RUN_FILES if (out / n).exists()] + [p.name for _, p in ckpt_io.list_checkpoints(out)]
+    if previous and not cfg.train.eval_only:
+        hint = "--train.resume=auto to continue it" if latest is not None else "a new train.out_dir"
+        raise ConfigError(f"out_dir {out} already holds a run ({', '.join(previous[:3])}); use {hint}")
+    return out, None
+
+
+class Run:
+    """Everything one training run holds; the Loop reads it, this class writes the artefacts."""
+
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        self.info: DistInfo = init_distributed(cfg.runtime)
+        self.is_main = self.info.is_main
+        if cfg.runtime.threads and self.info.device.type == "cpu":
+            torch.set_num_threads(cfg.runtime.threads)
+        self.out_dir, self.resume_path = prepare_out_dir(cfg)
+        self.amp_dtype = resolve_precision(cfg.runtime.precision, self.info.device)
+        self.state = TrainState()
+        self.started = time.time()
+
+        torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
+        self.raw_model = Transformer(cfg.model).to(self.info.device)
+        self.raw_model.checkpoint_every = cfg.runtime.gradient_checkpointing
+        self.optimizer = build_optimizer(self.raw_model, cfg.train, self.info.device.type)
+        self.ckpt = ckpt_io.load_checkpoint(self.resume_path) if self.resume_path else None
+        if self.ckpt is not None:
+            self._restore_weights()
+        torch.manual_seed(cfg.train.seed + 1000 * self.info.rank)  # dropout streams differ per rank
+        self.data = build_data(
+            cfg.data, seq_len=cfg.train.seq_len, batch_size=cfg.train.batch_size, vocab_size=cfg.model.vocab_size,
+            seed=cfg.train.seed, rank=self.info.rank, world_size=self.info.world_size,
+            pin=self.info.device.type == "cuda",
+        )
+        if self.ckpt is not None:
+            self._restore_progress()
+        model = wrap_model(self.raw_model, self.info, cfg.runtime)
+        self.model = torch.compile(model) if cfg.runtime.compile else model
+        self.flops = self._flops_report()
+        self._open_telemetry()
+
+    # ---- resume ------------------------------------------------------------------------------
+    def _restore_weights(self) -> None:
+        ckpt_io.check_architecture(self.ckpt, self.cfg.to_dict()["model"] | {"nsa": self.cfg.to_dict()["nsa"]},
+                                   self.resume_path)
+        try:
+            self.raw_model.load_state_dict(self.ckpt["model"])
+            self.optimizer.load_state_dict(self.ckpt["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as exc:
+            raise CheckpointError(f"checkpoint {self.resume_path} does not fit the model: {str(exc).splitlines()[0]}") from None
+
+    def _restore_progress(self) -> None:
+        ck = self.ckpt
+        self.state.step = int(ck["step"])
+        self.state.tokens_seen = int(ck.get("tokens_seen", 0))
+        self.state.best_val_loss = float(ck.get("best_val_loss", math.inf))
+        self.state.skipped_steps = int(ck.get("skipped_steps", 0))
+        data_states = ck.get("data") or []
+        if data_states:
+            if len(data_states) != self.info.world_size:
+                raise CheckpointError(
+                    f"checkpoint {self.resume_path} was written by {len(data_states)} rank(s); this run has "
+                    f"{self.info.world_size}. The data position is per rank: resume with the same world size")
+            self.data.train.load_state_dict(data_states[self.info.rank])
+        rng = ck["rng"]
+        ranks_rng = ck.get("rng_per_rank")
+        ckpt_io.set_rng_state(ranks_rng[self.info.rank] if ranks_rng and len(ranks_rng) > self.info.rank else rng)
+
+    # ---- telemetry ---------------------------------------------------------------------------
+    def _open_telemetry(self) -> None:
+        resume_step = self.state.step if self.ckpt is not None else None
+        self.heartbeat = Heartbeat(self.out_dir / f"heartbeat_rank{self.info.rank}.jsonl", self.info.rank)
+        self.train_csv = self.val_csv = None
+        self.tb = TensorBoard(None)
+        if self.is_main and not self.cfg.train.eval_only:
+            (self.out_dir / "config.yaml").write_text(dump_config(self.cfg))
+            self.train_csv = CsvLog(self.out_dir / "training.csv", TRAIN_FIELDS, resume_step)
+            self.val_csv = CsvLog(self.out_dir / "val.csv", VAL_FIELDS, resume_step)
+            self.tb = TensorBoard(self.out_dir / "tb")
+
+    def _flops_report(self) -> dict:
+        try:
+            from nsa.flops import flops_per_token, peak_flops
+        except ImportError:
+            return {}
+        report = flops_per_token(self.cfg.model, self.cfg.train.seq_len)
+        peak = None
+        if self.info.device.type == "cuda":
+            dtype = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "tf32"}[self.amp_dtype]
+            peak = peak_flops(torch.cuda.get_device_name(self.info.device), dtype)
+        return {"report": report, "peak": peak}
+
+    def throughput_metrics(self, toks_per_s: float) -> dict:
+        out = {"toks_per_s_per_gpu": toks_per_s / self.info.world_size, "mfu": None, "tflops": None}
+        if self.flops:
+            from nsa.flops import mfu
+
+            fpt = self.flops["report"].flops_per_token
+            out["tflops"] = toks_per_s * fpt / 1e12 / self.info.world_size
+            out["mfu"] = mfu(toks_per_s, fpt, self.flops["peak"], self.info.world_size)
+        return out
+
+    def memory_mib(self) -> dict:
+        if self.info.device.type != "cuda":
+            return {"mem_alloc_mib": None, "mem_reserved_mib": None}
+        return {"mem_alloc_mib": torch.cuda.max_memory_allocated(self.info.device) / 2**20,
+                "mem_reserved_mib": torch.cuda.max_memory_reserved(self.info.device) / 2**20}
+
+    def set_stats(self, enabled: bool) -> None:
+        if self.cfg.model.attention == "nsa":
+            from nsa.attention.gate_stats import set_gate_stats
+
+            set_gate_stats(self.raw_model, enabled)
+
+    def gate_health(self) -> dict:
+        if self.cfg.model.attention != "nsa":
+            return {}
+        from nsa.attention.gate_stats import gate_health
+
+        stats = gate_health(self.raw_model)
+        if not stats:
+            return {}
+        values = torch.stack([v.float() for v in stats.values()]).tolist()
+        return dict(zip(stats.keys(), values))
+
+    def record_interval(self, row: dict, gate: dict) -> None:
+        self.heartbeat.emit("train", row["step"], **{k: v for k, v in row.items() if k != "step"},
+                            **{f"gate_{k}": v for k, v in gate.items()})
+        self.state.history.append({**row, **{f"gate_{k}": v for k, v in gate.items()}})
+        if self.is_main:
+            self.train_csv.write(row)
+            self.tb.scalars(row["step"], {f"train/{k}": v for k, v in row.items() if k != "step"}
+                            | {f"gates/{k}": v for k, v in gate.items()})
+            mfu = f" mfu {row['mfu'] * 100:.1f}%" if row.get("mfu") is not None else ""
+            print(f"step {row['step']:>6} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | "
+                  f"{row['toks_per_s']:,.0f} tok/s | norm {row['grad_norm']:.3f}{mfu}", flush=True)
+
+    def record_eval(self, val_loss: float) -> None:
+        step = self.state.step
+        ppl = math.exp(min(val_loss, 50.0))
+        self.state.last_val_loss = val_loss
+        self.state.best_val_loss = min(self.state.best_val_loss, val_loss)
+        self.heartbeat.emit("eval", step, val_loss=val_loss, ppl=ppl)
+        if self.is_main:
+            self.val_csv.write({"step": step, "val_loss": val_loss, "ppl": ppl})
+            self.tb.scalars(step, {"val/loss": val_loss, "val/ppl": ppl})
+            print(f"step {step:>6} | val loss {val_loss:.4f} | ppl {ppl:.2f}", flush=True)
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    def save(self) -> Path | None:
+        t0 = time.perf_counter()
+        data_states = gather_objects(self.data.train.state_dict(), self.info)
+        rng_states = gather_objects(ckpt_io.rng_state(), self.info)
+        optim_state = self._optimizer_state_for_save()
+        path = None
+        if self.is_main:
+            state = {
+                "model": self.raw_model.state_dict(), "optimizer": optim_state,
+                "tokens_seen": self.state.tokens_seen, "best_val_loss": self.state.best_val_loss,
+                "skipped_steps": self.state.skipped_steps, "data": data_states, "rng_per_rank": rng_states,
+                "config": self.cfg.to_dict(), "world_size": self.info.world_size,
+            }
+            path = ckpt_io.save_checkpoint(self.out_dir, self.state.step, state, self.cfg.train.keep_last,
+                                           self.cfg.train.keep_all_checkpoints)
+            self.write_metrics("running")
+        barrier(self.info)
+        self.heartbeat.emit("checkpoint", self.state.step, path=str(path) if path else None,
+                            dt_save_s=time.perf_counter() - t0)
+        return path
+
+    def _optimizer_state_for_save(self) -> dict | None:
+        consolidate = getattr(self.optimizer, "consolidate_state_dict", None)
+        if consolidate is not None:  # ZeRO-1: gather shards to rank 0
+            consolidate(to=0)
+            return self.optimizer.state_dict() if self.is_main else None
+        return self.optimizer.state_dict()
+
+    def write_metrics(self, status: str) -> None:
+        if not self.is_main:
+            return
+        ckpts = [p.name for _, p in ckpt_io.list_checkpoints(self.out_dir)]
+        last = self.state.history[-1] if self.state.history else {}
+        report = self.flops.get("report") if self.flops else None
+        write_json_atomic(self.out_dir / "metrics.json", {
+            "status": status, "step": self.state.step, "steps": self.cfg.train.steps,
+            "tokens_seen": self.state.tokens_seen, "last_loss": last.get("loss"),
+            "last_toks_per_s": last.get("toks_per_s"), "best_val_loss": _finite_or_none(self.state.best_val_loss),
+            "last_val_loss": self.state.last_val_loss, "skipped_steps": self.state.skipped_steps,
+            "params": self.raw_model.num_params(), "params_non_embedding": self.raw_model.num_params(False),
+            "flops": report.as_dict() if report is not None else None,
+            "device": str(self.info.device), "world_size": self.info.world_size,
+            "precision": str(self.amp_dtype).replace("torch.", ""), "torch": torch.__version__,
+            "python": platform.python_version(), "git_sha": git_sha(), "started": self.started,
+            "updated": time.time(), "checkpoints": ckpts, "data": self.data.describe(),
+            "stop_reason": self.state.stop_reason,
+        })
+
+    def close(self) -> None:
+        for thing in (self.train_csv, self.val_csv, self.tb, self.heartbeat):
+            if thing is not None:
+                thing.close()
+        self.data.close()
+
+
+def _finite_or_none(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def run_training(cfg: RunConfig) -> int:
+    run = Run(cfg)
+    try:
+        if cfg.train.eval_only:
+            return _eval_only(run)
+        return _train(run)
+    finally:
+        run.close()
+        shutdown_distributed()
+
+
+def _eval_only(run: Run) -> int:
+    if run.ckpt is None:
+        raise CheckpointError(f"eval_only needs a checkpoint; none found in {run.out_dir}")
+    val = Loop(run).evaluate()
+    run.heartbeat.emit("eval_only", run.state.step, val_loss=val, checkpoint=str(run.resume_path))
+    if run.is_main:
+        result = {"checkpoint": str(run.resume_path), "step": run.state.step, "val_loss": val,
+                  "ppl": math.exp(min(val, 50.0))}
+        write_json_atomic(run.out_dir / f"eval_step{run.state.step}.json", result)
+        print(f"eval_only | step {run.state.step} | val loss {val:.4f} | ppl {result['ppl']:.2f}", flush=True)
+    return 0
+
+
+def _train(run: Run) -> int:
+    cfg, state = run.cfg.train, run.state
+    loop = Loop(run)
+    flags = StopFlags(run.out_dir, on_stackdump=lambda p: run.heartbeat.emit("stackdump", state.step, path=str(p)))
+    watchdog = None
+    if run.cfg.runtime.watchdog_s > 0:
+        watchdog = Watchdog(run.out_dir, run.cfg.runtime.watchdog_s,
+                            lambda p, idle: run.heartbeat.emit("watchdog", state.step, idle_s=idle, path=str(p)))
+        watchdog.start()
+    start_step = state.step
+    run.heartbeat.emit("start", state.step, resumed_from=str(run.resume_path) if run.resume_path else None,
+                       world_size=run.info.world_size, device=str(run.info.device))
+    run.write_metrics("running")
+    if run.is_main:
+        print(f"run: {run.raw_model.num_params():,} params | {loop.tokens_per_step:,} tokens/step | "
+              f"device {run.info.device} | {str(run.amp_dtype).replace('torch.', '')} | "
+              f"{'resumed at step ' + str(state.step) if run.ckpt else 'fresh start'}", flush=True)
+    exit_code = 0
+    try:
+        if cfg.eval_at_start and state.step == 0 and cfg.eval_every:
+            run.record_eval(loop.evaluate())
+        while state.step < cfg.steps:
+            next_step = state.step + 1
+            log_now = next_step % cfg.log_every == 0 or next_step == cfg.steps
+            loop.step(collect_stats=log_now)
+            if watchdog:
+                watchdog.beat()
+            stop = flags.should_stop() or (cfg.stop_after and state.step - start_step >= cfg.stop_after)
+            if log_now or stop:
+                row = loop.log()
+                if state.skipped_steps > cfg.nonfinite_skip_limit:
+                    return _halt_anomaly(run, row)
+                _loss_alert(run, row)
+            if cfg.eval_every and state.step % cfg.eval_every == 0:
+                t_eval = time.perf_counter()
+                run.record_eval(loop.evaluate())
+                loop.i_start += time.perf_counter() - t_eval  # eval time is not training time
+            periodic = cfg.save_every and state.step % cfg.save_every == 0 and state.step < cfg.steps
+            if periodic and (cfg.always_save_checkpoint or _val_improved(run)):
+                t_save = time.perf_counter()
+                run.save()
+                loop.i_start += time.perf_counter() - t_save
+            if stop:
+                state.stop_reason = flags.reason or f"stop_after={cfg.stop_after}"
+                break
+        run.save()
+        if (run.out_dir / HALT_FILE).exists() and run.is_main and state.stop_reason == "HALT file":
+            pass  # leave .HALT in place: the operator removes it before resuming (documented)
+        run.heartbeat.emit("end", state.step, reason=state.stop_reason or "finished")
+        run.write_metrics("stopped" if state.stop_reason else "finished")
+        if run.is_main:
+            print(f"done: step {state.step} ({state.stop_reason or 'finished'}); checkpoint in {run.out_dir}", flush=True)
+    finally:
+        flags.restore()
+        if watchdog:
+            watchdog.stop()
+    return exit_code
+
+
+def _val_improved(run: Run) -> bool:
+    last = run.state.last_val_loss
+    return last is None or last <= run.state.best_val_loss
+
+
+def _halt_anomaly(run: Run, row: dict) -> int:
+    """Too many non-finite steps: flag and stop without writing a checkpoint (the last good one stays)."""
+    msg = f"nonfinite_loss: {run.state.skipped_steps} skipped steps > limit {run.cfg.train.nonfinite_skip_limit}"
+    if run.is_main:
+        (run.out_dir / ANOMALY_FILE).write_text(msg + "\n")
+        print(f"HALT: {msg}; last good checkpoint kept", flush=True)
+    run.heartbeat.emit("anomaly", run.state.step, anomaly_type="nonfinite_loss", message=msg)
+    run.state.stop_reason = "anomaly"
+    run.write_metrics("anomaly")
+    return EXIT_ANOMALY
+
+
+def _loss_alert(run: Run, row: dict) -> None:
+    cfg = run.cfg.train
+    if cfg.loss_floor > 0 and row["step"] <= cfg.loss_floor_steps and row["loss"] < cfg.loss_floor:
+        run.heartbeat.emit("alert", row["step"], alert="loss_below_floor", loss=row["loss"], floor=cfg.loss_floor,
+                           message="loss fell below the floor early: suspect data leakage (eye-test the data)")

@@ -1,0 +1,126 @@
+"""Run artefacts: training.csv, val.csv, heartbeat_rank{R}.jsonl, metrics.json, TensorBoard (tb/).
+
+Schemas are documented in docs/ARTIFACTS.md. Rank 0 writes CSVs, metrics.json and TensorBoard;
+every rank writes its own heartbeat.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import threading
+import time
+from pathlib import Path
+
+TRAIN_FIELDS = ["step", "loss", "lr", "toks_per_s", "grad_norm", "dt_step_s", "dt_fetch_s", "tokens_seen",
+                "skipped_steps", "mfu", "tflops", "toks_per_s_per_gpu", "mem_alloc_mib", "mem_reserved_mib"]
+VAL_FIELDS = ["step", "val_loss", "ppl"]
+
+
+def _fmt(v):
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return v
+
+
+class CsvLog:
+    """Append-only CSV with a header. On resume, rows logged after the checkpoint step are moved to
+    `<name>.superseded` (kept, not lost) so the live file has each step once."""
+
+    def __init__(self, path: Path, fields: list[str], resume_step: int | None):
+        self.path, self.fields = path, fields
+        if resume_step is not None and path.exists():
+            self._truncate_after(resume_step)
+        new = not path.exists() or path.stat().st_size == 0
+        self._f = open(path, "a", newline="")
+        self._w = csv.DictWriter(self._f, fieldnames=fields, extrasaction="ignore")
+        if new:
+            self._w.writeheader()
+            self._f.flush()
+
+    def _truncate_after(self, step: int) -> None:
+        with open(self.path, newline="") as f:
+            rows = list(csv.DictReader(f))
+        keep = [r for r in rows if r.get("step", "").isdigit() and int(r["step"]) <= step]
+        later = [r for r in rows if r not in keep]
+        if not later:
+            return
+        with open(self.path.with_name(self.path.name + ".superseded"), "a", newline="") as f:
+            csv.DictWriter(f, fieldnames=self.fields, extrasaction="ignore").writerows(later)
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        with open(tmp, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=self.fields, extrasaction="ignore")
+            w.writeheader()
+            w.writerows(keep)
+        os.replace(tmp, self.path)
+
+    def write(self, row: dict) -> None:
+        self._w.writerow({k: _fmt(v) for k, v in row.items()})
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class Heartbeat:
+    """One JSON object per line: ts (unix s), time (ISO), rank, step, kind, plus kind-specific fields."""
+
+    def __init__(self, path: Path, rank: int):
+        self.rank = rank
+        self._f = open(path, "a")
+        self._lock = threading.Lock()  # the watchdog thread emits too
+
+    def emit(self, kind: str, step: int, **fields) -> None:
+        now = time.time()
+        record = {"ts": round(now, 3), "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(now)),
+                  "rank": self.rank, "step": step, "kind": kind}
+        record.update({k: _json_safe(v) for k, v in fields.items()})
+        with self._lock:
+            self._f.write(json.dumps(record) + "\n")
+            self._f.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            self._f.close()
+
+
+def _json_safe(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)  # "nan" / "inf": strict JSON has no NaN
+    return v
+
+
+class TensorBoard:
+    """Scalars under tb/ (rank 0). A missing tensorboard package disables it with a warning line."""
+
+    def __init__(self, log_dir: Path | None):
+        self._w = None
+        if log_dir is None:
+            return
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            print("[telemetry] tensorboard not installed: tb/ disabled", flush=True)
+            return
+        self._w = SummaryWriter(log_dir=str(log_dir))
+
+    def scalars(self, step: int, values: dict[str, float | None]) -> None:
+        if self._w is None:
+            return
+        for name, v in values.items():
+            if v is not None and isinstance(v, (int, float)) and math.isfinite(v):
+                self._w.add_scalar(name, v, step)
+        self._w.flush()
+
+    def close(self) -> None:
+        if self._w is not None:
+            self._w.close()
+
+
+def write_json_atomic(path: Path, obj: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=str))
+    os.replace(tmp, path)
