@@ -23,9 +23,11 @@ class NSAConfig:
     w: int = 512  # sliding window length
     q_chunk: int = 256  # queries processed together in the vectorised path (memory bound)
     gate_hidden: int = 0  # hidden width of the gate MLP; 0 means dim // 4
+    sel_chunk: int = 4096  # queries per selection chunk (bounds the block-tile buffers; see docs/NSA.md)
+    sel_tile: int = 64  # (query, block) pairs per tile in block-centric selected attention
 
     def validate(self) -> None:
-        for name in ("l", "d", "l_sel", "n_sel", "w", "q_chunk"):
+        for name in ("l", "d", "l_sel", "n_sel", "w", "q_chunk", "sel_chunk", "sel_tile"):
             if getattr(self, name) <= 0:
                 raise ModelConfigError(f"nsa.{name} must be positive, got {getattr(self, name)}")
         if self.l % self.d:
@@ -34,6 +36,10 @@ class NSAConfig:
             raise ModelConfigError(f"nsa.d={self.d} must divide nsa.l_sel={self.l_sel}")
         if self.l > self.l_sel:
             raise ModelConfigError(f"nsa.l={self.l} must be <= nsa.l_sel={self.l_sel}")
+        if self.n_sel < 3:
+            raise ModelConfigError(
+                f"nsa.n_sel={self.n_sel} must be >= 3: block 0, the current and the previous block are forced picks"
+            )
         if self.gate_hidden < 0:
             raise ModelConfigError(f"nsa.gate_hidden must be >= 0, got {self.gate_hidden}")
 

@@ -76,6 +76,7 @@ class RuntimeConfig:
     gradient_checkpointing: int = 0  # 0/false: off; 1/true: every block; k: every k-th block
     watchdog_s: float = 900.0  # dump stacks if no step completes for this long; 0 disables
     threads: int = 0  # torch intra-op threads on CPU; 0 = torch default
+    disable_gc: bool = False  # no automatic Python GC; a collection runs at each log interval instead
     # distributed
     ddp_compress: str = "none"  # none | bf16 | fp16 (DDP gradient-compression hook)
     ddp_bucket_mb: int = 25

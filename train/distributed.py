@@ -75,14 +75,19 @@ def autocast_context(device: torch.device, dtype: torch.dtype):
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-def wrap_model(model: nn.Module, info: DistInfo, runtime: RuntimeConfig) -> nn.Module:
-    """DDP (optionally with a bf16/fp16 gradient-compression hook) or FSDP2 when world_size > 1."""
+def wrap_model(model: nn.Module, info: DistInfo, runtime: RuntimeConfig, compute_dtype: torch.dtype) -> nn.Module:
+    """DDP (optionally with a bf16/fp16 gradient-compression hook) or FSDP2 when world_size > 1.
+
+    FSDP2 shards each block and the root in place; parameters are gathered in `compute_dtype`
+    (bf16 under bf16 precision) and gradients reduced in fp32 onto fp32 master shards.
+    """
     if not info.enabled:
         return model
     if runtime.fsdp:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        param_dtype = None if compute_dtype == torch.float32 else compute_dtype
+        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
         for block in model.blocks:
             fully_shard(block, mp_policy=mp)
         fully_shard(model, mp_policy=mp)
@@ -96,6 +101,8 @@ def wrap_model(model: nn.Module, info: DistInfo, runtime: RuntimeConfig) -> nn.M
         gradient_as_bucket_view=True,
         static_graph=runtime.ddp_static_graph,
     )
+    if runtime.ddp_compress == "bf16" and info.device.type != "cuda":
+        raise ConfigError("runtime.ddp_compress=bf16 needs CUDA/NCCL (PyTorch's bf16 hook); use fp16 or none on CPU")
     if runtime.ddp_compress != "none":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from train.distributed import all_reduce_mean, autocast_context, no_sync
-from train.optim import lr_at, set_lr
+from train.optim import lr_at, set_found_inf, set_lr
 
 
 @dataclass
@@ -25,6 +25,7 @@ class TrainState:
     skipped_steps: int = 0  # non-finite steps skipped, whole run
     stop_reason: str | None = None
     history: list = field(default_factory=list)  # per-interval summaries for the run summary JSON
+    evals: list = field(default_factory=list)
 
 
 class Loop:
@@ -72,12 +73,15 @@ class Loop:
             self.scaler.unscale_(self.opt)
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
         norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
-        found_inf = (~torch.isfinite(norm) | ~torch.isfinite(loss_sum)).float()
+        if hasattr(norm, "full_tensor"):  # FSDP2: a replicated DTensor
+            norm = norm.full_tensor()
+        # the norm is global (gradients are already reduced), so every rank takes the same decision
+        found_inf = (~torch.isfinite(norm)).float()
         if self.scaler:
             self.scaler.step(self.opt)
             self.scaler.update()
         else:
-            self.opt.found_inf = found_inf  # fused AdamW skips the update on-device when 1
+            set_found_inf(self.opt, found_inf)  # fused AdamW skips the update on-device when 1
             self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         ok = 1.0 - found_inf
@@ -92,7 +96,9 @@ class Loop:
     # ---- once per log interval: the only host sync ----------------------------------------
     def log(self) -> dict:
         run, state = self.run, self.run.state
-        loss_sum, ok, skipped, norm_sum = torch.stack([self.i_loss, self.i_ok, self.i_skipped, self.i_norm]).tolist()
+        totals = torch.stack([self.i_loss, self.i_ok, self.i_skipped, self.i_norm])
+        loss_sum = all_reduce_mean(totals[:1], run.info)  # the global mean loss, not rank 0's
+        loss_sum, ok, skipped, norm_sum = torch.cat([loss_sum, totals[1:]]).tolist()
         gate = run.gate_health()  # {} for dense models; one more small sync for NSA
         elapsed = max(time.perf_counter() - self.i_start, 1e-9)
         state.skipped_steps += int(skipped)
@@ -112,7 +118,7 @@ class Loop:
     @torch.no_grad()
     def evaluate(self) -> float:
         run = self.run
-        model = run.raw_model if run.cfg.runtime.fsdp is False else self.model
+        model = run.raw_model  # DDP's wrapper adds nothing to a no-grad forward; FSDP2 shards in place
         model.eval()
         total = torch.zeros((), device=self.device)
         batches = run.data.val_batches(self.cfg.eval_steps)

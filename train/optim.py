@@ -26,15 +26,27 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig, device_type: str) -> torch.optim.Optimizer:
-    """Fused AdamW (CPU and CUDA): it can skip a step on-device through `found_inf` (no host sync)."""
-    return torch.optim.AdamW(
-        param_groups(model, cfg.weight_decay),
-        lr=cfg.lr,
-        betas=(cfg.beta1, cfg.beta2),
-        eps=cfg.adam_eps,
-        fused=device_type in ("cpu", "cuda"),
-    )
+def build_optimizer(model: nn.Module, cfg: TrainConfig, device_type: str, zero1: bool = False) -> torch.optim.Optimizer:
+    """Fused AdamW (CPU and CUDA): it can skip a step on-device through `found_inf` (no host sync).
+
+    zero1: shard the optimizer state across data-parallel ranks (ZeroRedundancyOptimizer).
+    """
+    kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps, fused=device_type in ("cpu", "cuda"))
+    groups = param_groups(model, cfg.weight_decay)
+    if zero1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        opt = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW,
+                                      weight_decay=groups[0]["weight_decay"], **kwargs)
+        opt.add_param_group(groups[1])
+        return opt
+    return torch.optim.AdamW(groups, **kwargs)
+
+
+def set_found_inf(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
+    """Hand the fused optimizer its skip flag (ZeRO-1 wraps the real optimizer in `.optim`)."""
+    inner = getattr(optimizer, "optim", optimizer)
+    inner.found_inf = found_inf
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

@@ -5,6 +5,7 @@ Exit codes: 0 finished or stopped gracefully (HALT / SIGTERM / SIGINT / stop_aft
 """
 from __future__ import annotations
 
+import gc
 import math
 import os
 import platform
@@ -24,6 +25,7 @@ from train.distributed import (
 from train.errors import CheckpointError, ConfigError
 from train.loop import Loop, TrainState
 from train.optim import build_optimizer
+from train.state_dicts import gather_states, load_states
 from train.safety import ANOMALY_FILE, HALT_FILE, StopFlags, Watchdog
 from train.telemetry import TRAIN_FIELDS, VAL_FIELDS, CsvLog, Heartbeat, TensorBoard, write_json_atomic
 
@@ -80,7 +82,12 @@ class Run:
         torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
         self.raw_model = Transformer(cfg.model).to(self.info.device)
         self.raw_model.checkpoint_every = cfg.runtime.gradient_checkpointing
-        self.optimizer = build_optimizer(self.raw_model, cfg.train, self.info.device.type)
+        self._note_single_process_options()
+        fsdp = cfg.runtime.fsdp and self.info.enabled
+        if fsdp:  # shard before the optimizer sees the parameters
+            wrap_model(self.raw_model, self.info, cfg.runtime, self.amp_dtype)
+        self.optimizer = build_optimizer(self.raw_model, cfg.train, self.info.device.type,
+                                         zero1=cfg.runtime.zero1 and self.info.enabled)
         self.ckpt = ckpt_io.load_checkpoint(self.resume_path) if self.resume_path else None
         if self.ckpt is not None:
             self._restore_weights()
@@ -92,7 +99,7 @@ class Run:
         )
         if self.ckpt is not None:
             self._restore_progress()
-        model = wrap_model(self.raw_model, self.info, cfg.runtime)
+        model = self.raw_model if fsdp else wrap_model(self.raw_model, self.info, cfg.runtime, self.amp_dtype)
         self.model = torch.compile(model) if cfg.runtime.compile else model
         self.flops = self._flops_report()
         self._open_telemetry()
@@ -102,10 +109,15 @@ class Run:
         ckpt_io.check_architecture(self.ckpt, self.cfg.to_dict()["model"] | {"nsa": self.cfg.to_dict()["nsa"]},
                                    self.resume_path)
         try:
-            self.raw_model.load_state_dict(self.ckpt["model"])
-            self.optimizer.load_state_dict(self.ckpt["optimizer"])
+            load_states(self.raw_model, self.optimizer, self.ckpt["model"], self.ckpt["optimizer"])
         except (RuntimeError, ValueError, KeyError) as exc:
             raise CheckpointError(f"checkpoint {self.resume_path} does not fit the model: {str(exc).splitlines()[0]}") from None
+
+    def _note_single_process_options(self) -> None:
+        rt = self.cfg.runtime
+        if not self.info.enabled and self.is_main and (rt.zero1 or rt.fsdp or rt.ddp_compress != "none"):
+            print("note: zero1 / fsdp / ddp_compress apply to multi-process runs; this run has one process",
+                  flush=True)
 
     def _restore_progress(self) -> None:
         ck = self.ckpt
@@ -201,6 +213,7 @@ class Run:
         self.heartbeat.emit("eval", step, val_loss=val_loss, ppl=ppl)
         if self.is_main:
             self.val_csv.write({"step": step, "val_loss": val_loss, "ppl": ppl})
+            self.state.evals.append({"iter": step, "val_loss": val_loss, "ppl": ppl})
             self.tb.scalars(step, {"val/loss": val_loss, "val/ppl": ppl})
             print(f"step {step:>6} | val loss {val_loss:.4f} | ppl {ppl:.2f}", flush=True)
 
@@ -209,11 +222,11 @@ class Run:
         t0 = time.perf_counter()
         data_states = gather_objects(self.data.train.state_dict(), self.info)
         rng_states = gather_objects(ckpt_io.rng_state(), self.info)
-        optim_state = self._optimizer_state_for_save()
+        model_state, optim_state = gather_states(self.raw_model, self.optimizer, self.is_main)
         path = None
         if self.is_main:
             state = {
-                "model": self.raw_model.state_dict(), "optimizer": optim_state,
+                "model": model_state, "optimizer": optim_state,
                 "tokens_seen": self.state.tokens_seen, "best_val_loss": self.state.best_val_loss,
                 "skipped_steps": self.state.skipped_steps, "data": data_states, "rng_per_rank": rng_states,
                 "config": self.cfg.to_dict(), "world_size": self.info.world_size,
@@ -221,17 +234,11 @@ class Run:
             path = ckpt_io.save_checkpoint(self.out_dir, self.state.step, state, self.cfg.train.keep_last,
                                            self.cfg.train.keep_all_checkpoints)
             self.write_metrics("running")
+            self.write_run_summary()
         barrier(self.info)
         self.heartbeat.emit("checkpoint", self.state.step, path=str(path) if path else None,
                             dt_save_s=time.perf_counter() - t0)
         return path
-
-    def _optimizer_state_for_save(self) -> dict | None:
-        consolidate = getattr(self.optimizer, "consolidate_state_dict", None)
-        if consolidate is not None:  # ZeRO-1: gather shards to rank 0
-            consolidate(to=0)
-            return self.optimizer.state_dict() if self.is_main else None
-        return self.optimizer.state_dict()
 
     def write_metrics(self, status: str) -> None:
         if not self.is_main:
@@ -253,11 +260,48 @@ class Run:
             "stop_reason": self.state.stop_reason,
         })
 
+    def write_run_summary(self) -> None:
+        """run_YYYYMMDD_HHMMSS.json (seeds 001/002): config, hardware, per-interval metrics, summary."""
+        if not self.is_main:
+            return
+        hist = self.state.history
+        warm = hist[1:] if len(hist) > 1 else hist  # the first interval includes start-up
+        mfus = [h["mfu"] for h in warm if h.get("mfu") is not None]
+        tps = [h["toks_per_s"] for h in warm]
+        report = self.flops.get("report") if self.flops else None
+        name = time.strftime("run_%Y%m%d_%H%M%S.json", time.localtime(self.started))
+        write_json_atomic(self.out_dir / name, {
+            "config": self.cfg.to_dict(),
+            "hardware": {"device": str(self.info.device), "device_name": _device_name(self.info.device),
+                         "world_size": self.info.world_size, "peak_flops_per_gpu": self.flops.get("peak") if self.flops else None},
+            "parallelism": {"ddp": self.info.enabled and not (self.cfg.runtime.fsdp or self.cfg.runtime.zero1),
+                            "zero1": self.cfg.runtime.zero1 and self.info.enabled,
+                            "fsdp": self.cfg.runtime.fsdp and self.info.enabled,
+                            "ddp_compress": self.cfg.runtime.ddp_compress},
+            "calculation_method": report.calculation_method if report is not None else None,
+            "flops_per_token": report.flops_per_token if report is not None else None,
+            "attention_to_ffn_ratio": report.attention_to_ffn_ratio if report is not None else None,
+            "training_iterations": [{"iter": h["step"], **{k: v for k, v in h.items() if k != "step"}} for h in hist],
+            "eval_steps": self.state.evals, "checkpoints": [p.name for _, p in ckpt_io.list_checkpoints(self.out_dir)],
+            "summary": {"steps": self.state.step, "tokens_seen": self.state.tokens_seen,
+                        "avg_mfu": sum(mfus) / len(mfus) if mfus else None, "peak_mfu": max(mfus) if mfus else None,
+                        "avg_toks_per_s": sum(tps) / len(tps) if tps else None,
+                        "final_loss": hist[-1]["loss"] if hist else None,
+                        "best_val_loss": _finite_or_none(self.state.best_val_loss),
+                        "wall_s": time.time() - self.started},
+        })
+
     def close(self) -> None:
         for thing in (self.train_csv, self.val_csv, self.tb, self.heartbeat):
             if thing is not None:
                 thing.close()
         self.data.close()
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine()
 
 
 def _finite_or_none(x: float) -> float | None:
@@ -298,6 +342,10 @@ def _train(run: Run) -> int:
                             lambda p, idle: run.heartbeat.emit("watchdog", state.step, idle_s=idle, path=str(p)))
         watchdog.start()
     start_step = state.step
+    if run.cfg.runtime.disable_gc:  # seed 004's NSA_DDP_DISABLE_GC: no GC pauses inside steps
+        gc.collect()
+        gc.freeze()
+        gc.disable()
     run.heartbeat.emit("start", state.step, resumed_from=str(run.resume_path) if run.resume_path else None,
                        world_size=run.info.world_size, device=str(run.info.device))
     run.write_metrics("running")
@@ -318,6 +366,8 @@ def _train(run: Run) -> int:
             stop = flags.should_stop() or (cfg.stop_after and state.step - start_step >= cfg.stop_after)
             if log_now or stop:
                 row = loop.log()
+                if run.cfg.runtime.disable_gc:
+                    gc.collect(1)
                 if state.skipped_steps > cfg.nonfinite_skip_limit:
                     return _halt_anomaly(run, row)
                 _loss_alert(run, row)
@@ -338,12 +388,16 @@ def _train(run: Run) -> int:
             pass  # leave .HALT in place: the operator removes it before resuming (documented)
         run.heartbeat.emit("end", state.step, reason=state.stop_reason or "finished")
         run.write_metrics("stopped" if state.stop_reason else "finished")
+        run.write_run_summary()
         if run.is_main:
             print(f"done: step {state.step} ({state.stop_reason or 'finished'}); checkpoint in {run.out_dir}", flush=True)
     finally:
         flags.restore()
         if watchdog:
             watchdog.stop()
+        if run.cfg.runtime.disable_gc:
+            gc.enable()
+            gc.unfreeze()
     return exit_code
 
 

@@ -1,0 +1,187 @@
+"""build_data: DataConfig -> DataBundle (train BatchStream + fixed validation batches + description).
+
+Everything a user can get wrong is checked here, before the first training step: source syntax,
+metadata, file sizes, tokenizer, ids that would not fit the model's vocabulary, and (stream
+sources) that a first batch arrives within data.first_batch_timeout_s.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from train.data.config import DataConfig
+from train.data.memmap import MemmapStream
+from train.data.meta import dtype_for_vocab, read_meta, split_tokens
+from train.data.state import TRAIN_STREAM, VAL_STREAM
+from train.data.synthetic import SyntheticStream
+from train.data.tensors import windows_to_xy
+from train.errors import DataError
+
+log = logging.getLogger("train.data")
+
+
+class BatchStream(Protocol):
+    """What DataBundle.train is (SyntheticStream, MemmapStream, StreamBatches)."""
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]: ...  # int64 [B, T] each, y = x shifted by one
+
+    def state_dict(self) -> dict: ...  # plain Python data; loads under torch.load(weights_only=True)
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class DataBundle:
+    """train: BatchStream; val_batches(n): the same n held-out batches on every call."""
+
+    def __init__(self, train, val, info: dict, *, pin: bool = False):
+        self.train, self._val, self.info, self._pin = train, val, info, pin
+        self._val_windows: list[np.ndarray] = []
+
+    def val_batches(self, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if hasattr(self._val, "batch_at"):  # stateless sources: recompute, nothing cached
+            return [self._val.batch_at(i) for i in range(n)]
+        while len(self._val_windows) < n:  # streams: read once, keep compact windows
+            x, y = self._val.next_batch()
+            self._val_windows.append(torch.cat([x, y[:, -1:]], dim=1).numpy().astype(np.int32))
+        return [windows_to_xy(w, self._pin) for w in self._val_windows[:n]]
+
+    def describe(self) -> dict:
+        return dict(self.info)
+
+    def close(self) -> None:
+        for stream in (self.train, self._val):
+            if stream is not None:
+                stream.close()
+
+
+def build_data(cfg: DataConfig, *, seq_len: int, batch_size: int, vocab_size: int, seed: int,
+               rank: int = 0, world_size: int = 1, pin: bool = False) -> DataBundle:
+    cfg.validate()
+    if seq_len < 1 or batch_size < 1 or vocab_size < 1:
+        raise DataError(f"seq_len, batch_size and vocab_size must be >= 1, got {seq_len}, {batch_size}, {vocab_size}")
+    if not 0 <= rank < world_size:
+        raise DataError(f"rank {rank} is outside world_size {world_size}")
+    pin = bool(pin and cfg.pin_memory and torch.cuda.is_available())
+    shape = dict(seq_len=seq_len, batch_size=batch_size, vocab_size=vocab_size, seed=seed, rank=rank, world_size=world_size, pin=pin)
+    kind = cfg.source_kind
+    if kind == "synthetic":
+        return _synthetic(**shape)
+    if kind == "bin":
+        return _bin(cfg, Path(cfg.source[4:]), **shape)
+    from train.data.sources import StreamUnavailable
+
+    try:
+        return _stream(cfg, **shape)
+    except StreamUnavailable as e:
+        if not cfg.synthetic_on_fail:
+            raise
+        log.warning("data: %s -- falling back to synthetic data (data.synthetic_on_fail=true)", e)
+        bundle = _synthetic(**shape)
+        bundle.info.update(fallback_from=cfg.source, fallback_reason=str(e))
+        return bundle
+
+
+def _synthetic(*, seq_len, batch_size, vocab_size, seed, rank, world_size, pin) -> DataBundle:
+    common = dict(seq_len=seq_len, batch_size=batch_size, vocab_size=vocab_size, seed=seed, rank=rank, pin=pin)
+    train = SyntheticStream(stream=TRAIN_STREAM, **common)
+    val = SyntheticStream(stream=VAL_STREAM, **common)
+    info = {"source": "synthetic", "kind": "synthetic", "tokenizer": None, "token_dtype": "int64", "vocab_size": vocab_size,
+            "seq_len": seq_len, "batch_size": batch_size, "rank": rank, "world_size": world_size,
+            "phrases": int(train.book.shape[0]), "phrase_len": train.phrase_len}
+    return DataBundle(train, val, info, pin=pin)
+
+
+def _bin(cfg: DataConfig, data_dir: Path, *, seq_len, batch_size, vocab_size, seed, rank, world_size, pin) -> DataBundle:
+    meta = read_meta(data_dir)
+    _check_tokenizer_matches(data_dir, meta.tokenizer, cfg.tokenizer)
+    if meta.id_bound >= vocab_size:
+        raise DataError(f"{data_dir} holds token ids up to {meta.id_bound} (tokenizer vocabulary {meta.vocab_size}) "
+                        f"but the model's vocab_size is {vocab_size}; set model.vocab_size >= {meta.vocab_size} (e.g. a multiple of 64)")
+    counts = {split: split_tokens(data_dir, meta, split) for split in ("train", "val")}
+    common = dict(dtype=meta.np_dtype, seq_len=seq_len, batch_size=batch_size, seed=seed, rank=rank, world_size=world_size, pin=pin)
+    train = MemmapStream(data_dir / meta.splits["train"].file, n_tokens=counts["train"], stream=TRAIN_STREAM, **common)
+    val = MemmapStream(data_dir / meta.splits["val"].file, n_tokens=counts["val"], stream=VAL_STREAM, **common)
+    info = {"source": cfg.source, "kind": "bin", "dir": str(data_dir), "tokenizer": meta.tokenizer, "eos_id": meta.eos_id,
+            "token_dtype": meta.dtype, "tokenizer_vocab": meta.vocab_size, "max_token_id": meta.max_token_id,
+            "vocab_size": vocab_size, "train_tokens": counts["train"], "val_tokens": counts["val"],
+            "rank_train_tokens": train.hi - train.lo, "legacy_meta": meta.legacy, "seq_len": seq_len,
+            "batch_size": batch_size, "rank": rank, "world_size": world_size}
+    return DataBundle(train, val, info, pin=pin)
+
+
+def _check_tokenizer_matches(data_dir: Path, prepared_with: str | None, configured: str) -> None:
+    """The token files decide; data.tokenizer must name the same tokenizer (hf: paths may differ by machine)."""
+    if not prepared_with or prepared_with == configured:
+        return
+    if prepared_with.startswith("hf:") and configured.startswith("hf:"):
+        log.warning("data: %s was prepared with %s; data.tokenizer is %s (assumed to be the same tokenizer)",
+                    data_dir, prepared_with, configured)
+        return
+    raise DataError(f"{data_dir} was prepared with tokenizer {prepared_with} but data.tokenizer={configured}; "
+                    f"set data.tokenizer={prepared_with}")
+
+
+def _stream(cfg: DataConfig, *, seq_len, batch_size, vocab_size, seed, rank, world_size, pin) -> DataBundle:
+    from train.data.sources import StreamUnavailable, open_documents
+    from train.data.stream import StreamBatches
+    from train.data.tokenizers import load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    if tokenizer.n_vocab > vocab_size:
+        raise DataError(f"tokenizer {tokenizer.name} has {tokenizer.n_vocab} ids but the model's vocab_size is {vocab_size}; "
+                        f"set model.vocab_size >= {tokenizer.n_vocab} (e.g. padded_vocab = {-(-tokenizer.n_vocab // 64) * 64})")
+    open_args = dict(subset=cfg.subset, split=cfg.split, text_field=cfg.text_field, text_sample_by=cfg.text_sample_by)
+    stream_args = dict(tokenizer_name=tokenizer.name, text_field=cfg.text_field, split_seed=cfg.split_seed,
+                       val_fraction=cfg.val_fraction, seq_len=seq_len, batch_size=batch_size,
+                       tokenize_batch_docs=cfg.tokenize_batch_docs, world_size=world_size, pin=pin,
+                       persistent_workers=cfg.persistent_workers, prefetch_factor=cfg.prefetch_factor)
+
+    def open_train():
+        ds = open_documents(cfg.source, **open_args)
+        train = StreamBatches(ds, source=cfg.source, role="all" if cfg.val_source else "train", rank=rank,
+                              num_workers=cfg.num_workers, **stream_args)
+        train.prime()
+        return ds, train
+
+    ds, train = _within(cfg.first_batch_timeout_s, open_train,
+                        f"no first batch from {cfg.source} within data.first_batch_timeout_s={cfg.first_batch_timeout_s:g}s "
+                        f"(stalled download or too slow a source)", StreamUnavailable)
+    if cfg.val_source:
+        val_ds, val_role = open_documents(cfg.val_source, **open_args), "all"
+    else:
+        val_ds, val_role = ds, "val"
+    val = StreamBatches(val_ds, source=cfg.val_source or cfg.source, role=val_role, rank=rank, num_workers=0, **stream_args)
+    info = {"source": cfg.source, "kind": cfg.source_kind, "tokenizer": tokenizer.name, "eos_id": tokenizer.eos_id,
+            "tokenizer_vocab": tokenizer.n_vocab, "vocab_size": vocab_size,
+            "token_dtype": dtype_for_vocab(tokenizer.n_vocab), "shards": int(ds.n_shards),
+            "readers_per_rank": train.readers_per_rank, "num_workers": cfg.num_workers,
+            "validation": cfg.val_source or f"documents hashed into the held-out {cfg.val_fraction:.2%} (split_seed={cfg.split_seed})",
+            "seq_len": seq_len, "batch_size": batch_size, "rank": rank, "world_size": world_size}
+    return DataBundle(train, val, info, pin=pin)
+
+
+def _within(timeout_s: float, fn, message: str, error_type):
+    """Run fn() in a helper thread; raise error_type(message) if it has not finished in timeout_s."""
+    result: dict = {}
+
+    def target():
+        try:
+            result["value"] = fn()
+        except BaseException as e:  # re-raised in the caller's thread
+            result["error"] = e
+
+    thread = threading.Thread(target=target, name="data-first-batch", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise error_type(message)
+    if "error" in result:
+        raise result["error"]
+    return result["value"]

@@ -1,0 +1,213 @@
+"""Tokenize a source once into train.bin / val.bin / meta.json (see docs/DATA.md).
+
+    python -m train.data.prepare --source text:corpus/*.txt --tokenizer gpt2 --out data/NAME \\
+        [--val-fraction 0.005] [--split-seed 0] [--workers N] [--max-docs N] [--overwrite]
+
+Documents are read once through the same sources as training (sources.iter_documents),
+tokenized in chunks by a process pool (results kept in order, at most 2 chunks per worker in
+flight), each followed by EOS, and appended to train.bin or val.bin by a keyed hash of the
+document (the same rule the streaming loader uses). Files stream to disk with running sha256,
+so memory stays bounded by the chunks in flight. meta.json is written last: a directory
+without it was not finished.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import multiprocessing
+import os
+import sys
+import time
+from collections import deque
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+from train.data.meta import FORMAT, FORMAT_VERSION, dtype_for_vocab
+from train.data.sources import ReaderPlan, is_held_out, iter_documents, open_documents
+from train.data.tokenizers import load_tokenizer
+from train.errors import DataError, UserError
+
+CHUNK_DOCS = 256
+
+
+class _SplitWriter:
+    """Appends token arrays to NAME.bin.partial, tracking count, documents, max id and sha256."""
+
+    def __init__(self, out: Path, name: str, dtype):
+        self.path, self.final = out / f"{name}.bin.partial", out / f"{name}.bin"
+        self.file, self.dtype = open(self.path, "wb"), dtype
+        self.sha, self.tokens, self.documents, self.max_id = hashlib.sha256(), 0, 0, -1
+
+    def write(self, tokens: np.ndarray, documents: int) -> None:
+        if not len(tokens):
+            return
+        data = tokens.astype(self.dtype, copy=False).tobytes()
+        self.file.write(data)
+        self.sha.update(data)
+        self.tokens += len(tokens)
+        self.documents += documents
+        self.max_id = max(self.max_id, int(tokens.max()))
+
+    def finish(self) -> dict:
+        self.file.close()
+        os.replace(self.path, self.final)
+        return {"file": self.final.name, "tokens": self.tokens, "documents": self.documents,
+                "bytes": self.final.stat().st_size, "sha256": self.sha.hexdigest()}
+
+
+_worker_job: dict = {}
+
+
+def _init_worker(tokenizer_name: str, split_seed: int, val_fraction: float) -> None:
+    _worker_job.update(tokenizer=load_tokenizer(tokenizer_name), split_seed=split_seed, val_fraction=val_fraction)
+
+
+def _tokenize_chunk(texts: list[str]) -> tuple[np.ndarray, int, np.ndarray, int, int]:
+    """-> (train tokens, train docs, val tokens, val docs, text bytes), each document followed by EOS."""
+    tok = _worker_job["tokenizer"]
+    dtype = np.dtype(dtype_for_vocab(tok.n_vocab))
+    held_out = [is_held_out(t, _worker_job["split_seed"], _worker_job["val_fraction"]) for t in texts]
+    parts: dict[bool, list] = {False: [], True: []}
+    for ids, val in zip(tok.encode_batch(texts), held_out):
+        parts[val].append(np.asarray(ids, dtype=dtype))
+        parts[val].append(np.array([tok.eos_id], dtype=dtype))
+    joined = {val: np.concatenate(p) if p else np.zeros(0, dtype) for val, p in parts.items()}
+    n_val = sum(held_out)
+    return joined[False], len(texts) - n_val, joined[True], n_val, sum(len(t.encode("utf-8")) for t in texts)
+
+
+def _chunks(documents, max_docs: int | None):
+    chunk, seen = [], 0
+    for _, text in documents:
+        chunk.append(text)
+        seen += 1
+        if len(chunk) == CHUNK_DOCS or seen == max_docs:
+            yield chunk
+            chunk = []
+        if seen == max_docs:
+            break
+    if chunk:
+        yield chunk
+
+
+def _ordered_map(fn, items, workers: int, init_args: tuple):
+    """map(fn, items) over a process pool, in order, holding at most 2 * workers results in flight."""
+    if workers <= 1:
+        _init_worker(*init_args)
+        yield from map(fn, items)
+        return
+    context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+    with context.Pool(workers, initializer=_init_worker, initargs=init_args) as pool:
+        pending: deque = deque()
+        for item in items:
+            pending.append(pool.apply_async(fn, (item,)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+class _Progress:
+    def __init__(self):
+        try:
+            from tqdm import tqdm
+            self.bar = tqdm(unit="doc", unit_scale=True, dynamic_ncols=True, file=sys.stderr)
+        except ImportError:
+            self.bar = None
+        self.docs, self.last_print = 0, time.monotonic()
+
+    def update(self, docs: int, tokens: int, mbytes: float) -> None:
+        self.docs += docs
+        if self.bar is not None:
+            self.bar.update(docs)
+            self.bar.set_postfix(tokens=f"{tokens:,}", MB=f"{mbytes:.1f}", refresh=False)
+        elif time.monotonic() - self.last_print > 5:
+            print(f"prepare: {self.docs:,} documents, {tokens:,} tokens, {mbytes:.1f} MB", file=sys.stderr, flush=True)
+            self.last_print = time.monotonic()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def prepare(source: str, tokenizer_name: str, out: Path, *, val_fraction: float = 0.005, split_seed: int = 0,
+            workers: int = 1, max_docs: int | None = None, subset: str | None = None, split: str = "train",
+            text_field: str = "text", text_sample_by: str = "document", overwrite: bool = False) -> dict:
+    """Write out/{train,val}.bin and out/meta.json; return the metadata."""
+    if source.split(":", 1)[0] in ("synthetic", "bin"):
+        raise DataError(f"--source {source}: prepare reads a document source (text:/jsonl:/parquet:/hf:/fineweb_edu)")
+    if not 0.0 <= val_fraction < 1.0:
+        raise DataError(f"--val-fraction must be in [0, 1), got {val_fraction}")
+    out = Path(out)
+    if (out / "meta.json").exists() and not overwrite:
+        raise DataError(f"{out} already holds a prepared dataset; pass --overwrite to replace it")
+    tokenizer = load_tokenizer(tokenizer_name)
+    dtype_name = dtype_for_vocab(tokenizer.n_vocab)
+    ds = open_documents(source, subset=subset, split=split, text_field=text_field, text_sample_by=text_sample_by)
+    documents = iter_documents(ds, ReaderPlan.make(ds.n_shards, 1, 0), text_field, keep=lambda text: True, once=True)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "meta.json").unlink(missing_ok=True)
+    writers = {name: _SplitWriter(out, name, np.dtype(dtype_name)) for name in ("train", "val")}
+    progress, started, text_bytes = _Progress(), time.monotonic(), 0
+    try:
+        results = _ordered_map(_tokenize_chunk, _chunks(documents, max_docs), workers,
+                               (tokenizer.name, split_seed, val_fraction))
+        for train_tokens, train_docs, val_tokens, val_docs, n_bytes in results:
+            writers["train"].write(train_tokens, train_docs)
+            writers["val"].write(val_tokens, val_docs)
+            text_bytes += n_bytes
+            progress.update(train_docs + val_docs, writers["train"].tokens + writers["val"].tokens, text_bytes / 1e6)
+    finally:
+        progress.close()
+    splits = {name: w.finish() for name, w in writers.items()}
+    if not splits["train"]["tokens"]:
+        raise DataError(f"{source}: no documents were read; nothing to train on")
+    seconds = time.monotonic() - started
+    meta = {"format": FORMAT, "version": FORMAT_VERSION, "tokenizer": tokenizer.name, "eos_id": tokenizer.eos_id,
+            "vocab_size": tokenizer.n_vocab, "dtype": dtype_name,
+            "max_token_id": max(w.max_id for w in writers.values()), "splits": splits,
+            "split_seed": split_seed, "val_fraction": val_fraction, "source": source, "subset": subset, "split": split,
+            "text_field": text_field, "text_sample_by": text_sample_by, "max_docs": max_docs,
+            "text_bytes": text_bytes, "seconds": round(seconds, 3),
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    tmp = out / "meta.json.partial"
+    tmp.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, out / "meta.json")
+    return meta
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m train.data.prepare", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--source", required=True, help="text:GLOB | jsonl:GLOB | parquet:GLOB | hf:NAME | fineweb_edu")
+    parser.add_argument("--tokenizer", default="gpt2", help="gpt2 | byte | hf:<local dir>")
+    parser.add_argument("--out", required=True, type=Path, help="output directory, e.g. data/NAME")
+    parser.add_argument("--val-fraction", type=float, default=0.005, help="share of documents held out into val.bin")
+    parser.add_argument("--split-seed", type=int, default=0, help="salt of the held-out hash")
+    parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 1) - 1), help="tokenizer processes")
+    parser.add_argument("--max-docs", type=int, default=None, help="stop after this many documents")
+    parser.add_argument("--subset", default=None, help="Hugging Face config name (fineweb_edu: sample-10BT)")
+    parser.add_argument("--split", default="train", help="Hugging Face split")
+    parser.add_argument("--text-field", default="text", help="column with the document text")
+    parser.add_argument("--text-sample-by", default="document", choices=("document", "paragraph", "line"),
+                        help="text:GLOB documents: whole files, blank-line paragraphs or lines")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing prepared dataset")
+    args = parser.parse_args(argv)
+    try:
+        meta = prepare(args.source, args.tokenizer, args.out, val_fraction=args.val_fraction, split_seed=args.split_seed,
+                       workers=args.workers, max_docs=args.max_docs, subset=args.subset, split=args.split,
+                       text_field=args.text_field, text_sample_by=args.text_sample_by, overwrite=args.overwrite)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    s = meta["splits"]
+    print(f"ok {args.out}: train {s['train']['tokens']:,} tokens / {s['train']['documents']:,} docs, "
+          f"val {s['val']['tokens']:,} tokens / {s['val']['documents']:,} docs, {meta['dtype']}, "
+          f"{meta['text_bytes'] / 1e6 / max(meta['seconds'], 1e-9):.1f} MB/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

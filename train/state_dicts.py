@@ -1,0 +1,71 @@
+"""Model and optimizer state in one format, whatever the parallelism.
+
+Checkpoints hold the full (unsharded) model state dict and an optimizer state keyed by parameter
+name (FQN) rather than by position, so a checkpoint written by one rank, DDP, ZeRO-1 or FSDP2
+loads into any of them.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from train.errors import CheckpointError
+
+
+def _group_param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+
+
+def _index_to_fqn(state: dict, group_names: list[list[str]]) -> dict:
+    flat = [n for g in group_names for n in g]
+    groups = []
+    for g, names in zip(state["param_groups"], group_names):
+        groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": names})
+    return {"state": {flat[i]: s for i, s in state["state"].items()}, "param_groups": groups}
+
+
+def _fqn_to_index(state: dict, group_names: list[list[str]]) -> dict:
+    index = {n: i for i, n in enumerate(n for g in group_names for n in g)}
+    saved = [n for g in state["param_groups"] for n in g["params"]]
+    if sorted(saved) != sorted(index):
+        missing = sorted(set(index) - set(saved))[:3]
+        raise CheckpointError(f"optimizer state does not cover the model's parameters (e.g. {missing})")
+    groups = []
+    for g, names in zip(state["param_groups"], group_names):
+        groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": [index[n] for n in names]})
+    return {"state": {index[n]: s for n, s in state["state"].items()}, "param_groups": groups}
+
+
+def is_fsdp(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def gather_states(model: nn.Module, optimizer: torch.optim.Optimizer, is_main: bool) -> tuple[dict | None, dict | None]:
+    """Collective (call on every rank). Returns full model / FQN optimizer states on rank 0, else None."""
+    if is_fsdp(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=opts)
+        return (model_sd, optim_sd) if is_main else (None, None)
+    consolidate = getattr(optimizer, "consolidate_state_dict", None)
+    if consolidate is not None:  # ZeRO-1: shards gathered to rank 0
+        consolidate(to=0)
+    if not is_main:
+        return None, None
+    optim_sd = _index_to_fqn(optimizer.state_dict(), _group_param_names(model, optimizer))
+    return model.state_dict(), optim_sd
+
+
+def load_states(model: nn.Module, optimizer: torch.optim.Optimizer, model_sd: dict, optim_sd: dict) -> None:
+    if is_fsdp(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                       options=StateDictOptions(full_state_dict=True))
+        return
+    model.load_state_dict(model_sd)
+    optimizer.load_state_dict(_fqn_to_index(optim_sd, _group_param_names(model, optimizer)))
