@@ -48,27 +48,27 @@ class NSAConfig:
 class ModelConfig:
     """A decoder-only Transformer. Presets live in configs/*.yaml; see docs/MODELS.md."""
 
-    vocab_size: int = 50304
-    dim: int = 768
-    n_layers: int = 12
-    n_heads: int = 12
+    vocab_size: int = 50304  # embedding rows; >= the tokenizer's size, a multiple of 64
+    dim: int = 768  # model width
+    n_layers: int = 12  # Transformer blocks
+    n_heads: int = 12  # query heads
     n_kv_heads: int = 0  # 0 means n_heads (MHA)
     head_dim: int = 0  # 0 means dim // n_heads
-    ffn_dim: int = 3072
-    max_seq_len: int = 1024
+    ffn_dim: int = 3072  # MLP hidden width (SwiGLU: width of each of the gate and up projections)
+    max_seq_len: int = 1024  # rows of the learned position table; with RoPE only a documented limit
     norm: str = "rmsnorm"  # rmsnorm | layernorm
-    norm_eps: float = 1e-5
+    norm_eps: float = 1e-5  # epsilon of every norm (Qwen3: 1e-6)
     mlp: str = "swiglu"  # swiglu | gelu
     pos_emb: str = "rope"  # rope | learned
-    rope_theta: float = 10000.0
+    rope_theta: float = 10000.0  # RoPE base (LLaMA-2 1e4, LLaMA-3 5e5, Qwen3 1e6)
     rope_scale: float = 1.0  # linear position interpolation factor (>= 1)
     qk_norm: bool = False  # RMSNorm on q and k per head (Qwen3)
-    tie_embeddings: bool = False
+    tie_embeddings: bool = False  # output head shares the token embedding matrix
     bias: bool = False  # biases in linear layers and LayerNorm (GPT-2)
     attention: str = "dense"  # dense | nsa
     attn_backend: str = "sdpa"  # sdpa | flash | manual (dense attention only)
-    dropout: float = 0.0
-    init_std: float = 0.02
+    dropout: float = 0.0  # dropout on embeddings, attention output and MLP output
+    init_std: float = 0.02  # std of the normal init; residual output projections use std / sqrt(2 * n_layers)
     nsa: NSAConfig = field(default_factory=NSAConfig)
 
     def __post_init__(self) -> None:

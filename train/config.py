@@ -22,35 +22,35 @@ from train.errors import ConfigError, UserError
 
 @dataclass
 class TrainConfig:
-    out_dir: str = "artifacts/run"
+    out_dir: str = "artifacts/run"  # every artefact of the run (docs/ARTIFACTS.md)
     steps: int = 1000  # optimizer steps; the LR schedule's horizon
     stop_after: int = 0  # stop (checkpoint, exit 0) after this many steps in this invocation; 0 = never
-    seed: int = 1337
-    seq_len: int = 1024
+    seed: int = 1337  # model init, data order and dropout derive from it
+    seq_len: int = 1024  # tokens per training sequence
     batch_size: int = 8  # micro-batch per rank
     accumulate_grad_batches: int = 1  # micro-batches per optimizer step
-    lr: float = 6e-4
+    lr: float = 6e-4  # peak learning rate
     min_lr_ratio: float = 0.1  # cosine floor = lr * min_lr_ratio
-    warmup_steps: int = 100
+    warmup_steps: int = 100  # linear warmup, in optimizer steps
     lr_schedule: str = "cosine"  # cosine | linear | constant (after warmup)
     weight_decay: float = 0.1  # applied to matrices (>= 2-D parameters) only
-    beta1: float = 0.9
-    beta2: float = 0.95
-    adam_eps: float = 1e-8
+    beta1: float = 0.9  # AdamW
+    beta2: float = 0.95  # AdamW
+    adam_eps: float = 1e-8  # AdamW
     grad_clip: float = 1.0  # clip by the global gradient norm; 0 disables
-    log_every: int = 10
+    log_every: int = 10  # steps per training.csv row / heartbeat (the only host sync)
     eval_every: int = 0  # 0 disables periodic evaluation
     eval_steps: int = 20  # held-out batches per evaluation
-    eval_at_start: bool = False
-    eval_only: bool = False
+    eval_at_start: bool = False  # evaluate before the first step (needs eval_every > 0)
+    eval_only: bool = False  # evaluate the resumed checkpoint, write eval_step{N}.json, exit
     save_every: int = 0  # 0: only the final checkpoint
     keep_last: int = 3  # checkpoints kept unless keep_all_checkpoints
-    keep_all_checkpoints: bool = False
+    keep_all_checkpoints: bool = False  # never delete checkpoints
     always_save_checkpoint: bool = True  # False: a periodic save happens only if val loss improved
     resume: str = "auto"  # auto | none | PATH to a checkpoint
     nonfinite_skip_limit: int = 3  # non-finite steps skipped before the run halts
     loss_floor: float = 0.0  # alert (heartbeat 'alert') if loss < floor before loss_floor_steps
-    loss_floor_steps: int = 0
+    loss_floor_steps: int = 0  # the window (in steps) of the loss_floor alert
 
     def validate(self) -> None:
         positive = ("steps", "seq_len", "batch_size", "accumulate_grad_batches", "log_every", "eval_steps")
@@ -72,15 +72,15 @@ class TrainConfig:
 class RuntimeConfig:
     device: str = "auto"  # auto | cpu | cuda
     precision: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16 | fp16
-    compile: bool = False
+    compile: bool = False  # torch.compile the model
     gradient_checkpointing: int = 0  # 0/false: off; 1/true: every block; k: every k-th block
     watchdog_s: float = 900.0  # dump stacks if no step completes for this long; 0 disables
     threads: int = 0  # torch intra-op threads on CPU; 0 = torch default
     disable_gc: bool = False  # no automatic Python GC; a collection runs at each log interval instead
     # distributed
     ddp_compress: str = "none"  # none | bf16 | fp16 (DDP gradient-compression hook)
-    ddp_bucket_mb: int = 25
-    ddp_static_graph: bool = False
+    ddp_bucket_mb: int = 25  # DDP gradient bucket size (MB)
+    ddp_static_graph: bool = False  # DDP static_graph=True (same graph every step)
     zero1: bool = False  # ZeroRedundancyOptimizer
     fsdp: bool = False  # FSDP2 fully_shard with bf16 mixed precision
 
@@ -130,6 +130,7 @@ _PRECISION_NAMES = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16", "b
 
 
 def _init_from(value: str) -> tuple[str, str]:
+    """`train.resume`: resume -> auto, scratch -> none"""
     mapping = {"resume": "auto", "scratch": "none"}
     if value not in mapping:
         raise ConfigError(f"--init_from={value!r}; valid: resume, scratch")
@@ -137,16 +138,19 @@ def _init_from(value: str) -> tuple[str, str]:
 
 
 def _dtype(value: str) -> tuple[str, str]:
+    """`runtime.precision`: bfloat16 -> bf16, float32 -> fp32, float16 -> fp16"""
     if value not in _PRECISION_NAMES:
         raise ConfigError(f"--dtype={value!r}; valid: {', '.join(_PRECISION_NAMES)}")
     return "runtime.precision", _PRECISION_NAMES[value]
 
 
 def _use_flash(value) -> tuple[str, str]:
+    """`model.attn_backend`: true -> flash, false -> sdpa"""
     return "model.attn_backend", "flash" if _as_bool(value, "use_flash") else "sdpa"
 
 
 def _attention_backend(value: str) -> tuple[str, str]:
+    """`model.attn_backend`: flash_attn_2 -> flash, sdpa, manual"""
     mapping = {"flash_attn_2": "flash", "flash": "flash", "sdpa": "sdpa", "manual": "manual"}
     if value not in mapping:
         raise ConfigError(f"--attention_backend={value!r}; valid: {', '.join(mapping)}")

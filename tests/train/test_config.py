@@ -113,3 +113,13 @@ def test_gradient_checkpointing_accepts_bool_and_int(tmp_path):
     assert load_config(write(tmp_path, "runtime:\n  gradient_checkpointing: false\n")).runtime.gradient_checkpointing == 0
     assert load_config(write(tmp_path, "runtime:\n  gradient_checkpointing: true\n")).runtime.gradient_checkpointing == 1
     assert load_config(write(tmp_path, "runtime:\n  gradient_checkpointing: 3\n")).runtime.gradient_checkpointing == 3
+
+
+def test_config_reference_is_current():
+    """docs/CONFIG.md is generated from the dataclasses; regenerate it when a field changes."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "gen_config_docs.py")], capture_output=True,
+                         text=True, check=True).stdout
+    assert (REPO / "docs" / "CONFIG.md").read_text() == out, "run: python scripts/gen_config_docs.py > docs/CONFIG.md"

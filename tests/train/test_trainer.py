@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from train import checkpoint as ckpt_io
-from train.errors import CheckpointError, ConfigError
+from train.errors import CheckpointError, ConfigError, DataError
 from train.optim import lr_at
 from train.runner import EXIT_ANOMALY, run_training
 
@@ -310,3 +310,30 @@ def test_watchdog_dumps_stacks_on_stall(tmp_path, monkeypatch):
     beats = [b for b in read_jsonl(out / "heartbeat_rank0.jsonl") if b["kind"] == "watchdog"]
     assert len(beats) == 1 and beats[0]["idle_s"] > 0.5
     assert Path(beats[0]["path"]).exists()
+
+
+# ---- real text (../shared/corpus, byte tokenizer) -------------------------------------------------
+
+def test_real_text_training_learns_and_resumes_exactly(tmp_path, kjv_bin):
+    common = (f"--data.source=bin:{kjv_bin}", "--data.tokenizer=byte", "--train.steps=30", "--train.log_every=5",
+              "--train.eval_every=15", "--train.eval_steps=4", "--train.batch_size=8", "--train.seq_len=64",
+              "--train.lr=1e-2")
+    full, split = tmp_path / "full", tmp_path / "split"
+    assert run_training(tiny_config(full, *common)) == 0
+    rows = read_csv(full / "training.csv")
+    val = read_csv(full / "val.csv")
+    assert float(rows[-1]["loss"]) < 0.8 * math.log(257)  # below the uniform-byte loss
+    assert float(val[-1]["val_loss"]) < float(val[0]["val_loss"])
+    metrics = json.loads((full / "metrics.json").read_text())
+    assert metrics["data"]["tokenizer"] == "byte"
+    assert run_training(tiny_config(split, *common, "--train.stop_after=15")) == 0
+    assert run_training(tiny_config(split, *common)) == 0
+    assert [(r["step"], r["loss"]) for r in read_csv(split / "training.csv")] == [(r["step"], r["loss"]) for r in rows]
+    assert read_csv(split / "val.csv") == val
+
+
+def test_vocab_smaller_than_dataset_ids_fails_before_training(tmp_path, kjv_bin):
+    cfg = tiny_config(tmp_path / "r", f"--data.source=bin:{kjv_bin}", "--data.tokenizer=byte", "--model.vocab_size=128")
+    with pytest.raises(DataError, match="vocab"):
+        run_training(cfg)
+    assert not (tmp_path / "r" / "training.csv").exists()
