@@ -15,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 from nsa.attention import build_attention
 from nsa.config import ModelConfig
 from nsa.layers import MLP, RotaryEmbedding, make_norm
+from nsa.profiling import nvtx_range
 
 
 class Block(nn.Module):
@@ -26,8 +27,10 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, rope=None, cache=None) -> torch.Tensor:  # [B, T, dim] -> same
-        x = x + self.attn(self.attn_norm(x), rope, cache)
-        return x + self.mlp(self.mlp_norm(x))
+        with nvtx_range("attention"):
+            x = x + self.attn(self.attn_norm(x), rope, cache)
+        with nvtx_range("mlp"):
+            return x + self.mlp(self.mlp_norm(x))
 
 
 class Transformer(nn.Module):

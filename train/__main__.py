@@ -19,9 +19,13 @@ def main(argv: list[str] | None = None) -> int:
     config_path, overrides = (argv[0], argv[1:]) if not argv[0].startswith("--") else (None, argv)
     try:
         from train.config import load_config
+        from train.env import env_overrides
         from train.runner import run_training
 
-        cfg = load_config(config_path, overrides)
+        from_env, notes = env_overrides()
+        for note in notes:
+            print(note, file=sys.stderr, flush=True)
+        cfg = load_config(config_path, from_env + overrides)  # the command line wins
         return run_training(cfg)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)

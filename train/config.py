@@ -8,6 +8,7 @@ nanoGPT-style aliases in ALIASES (the seeds' commands).
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -51,6 +52,8 @@ class TrainConfig:
     nonfinite_skip_limit: int = 3  # non-finite steps skipped before the run halts
     loss_floor: float = 0.0  # alert (heartbeat 'alert') if loss < floor before loss_floor_steps
     loss_floor_steps: int = 0  # the window (in steps) of the loss_floor alert
+    loss_spike_sigma: float = 6.0  # record a 'loss_spike' alert when an interval's loss exceeds mean + k*std
+    loss_spike_window: int = 50  # log intervals in the spike statistics' window
 
     def validate(self) -> None:
         positive = ("steps", "seq_len", "batch_size", "accumulate_grad_batches", "log_every", "eval_steps")
@@ -77,6 +80,15 @@ class RuntimeConfig:
     watchdog_s: float = 900.0  # dump stacks if no step completes for this long; 0 disables
     threads: int = 0  # torch intra-op threads on CPU; 0 = torch default
     disable_gc: bool = False  # no automatic Python GC; a collection runs at each log interval instead
+    cuda_graphs: bool = False  # torch.compile mode 'reduce-overhead' (CUDA graphs); needs compile on CUDA
+    nvtx: bool = False  # NVTX ranges around the step and the NSA branches (for nsys); zero cost when off
+    sdpa_audit: bool = False  # log once which attention kernel each call site used
+    profile_steps: str = ""  # 'A:B': torch.profiler trace of steps A..B (and a CUDA memory snapshot)
+    throughput_alert_drop: float = 0.2  # alert when tokens/s falls this far below its running median ...
+    throughput_alert_s: float = 300.0  # ... for this long; then a profiler trace is captured once
+    wandb: bool = False  # log to Weights & Biases (pre-flight fails if the package is missing)
+    wandb_project: str = "nsa-train"
+    wandb_run_name: str | None = None
     # distributed
     ddp_compress: str = "none"  # none | bf16 | fp16 (DDP gradient-compression hook)
     ddp_bucket_mb: int = 25  # DDP gradient bucket size (MB)
@@ -93,6 +105,10 @@ class RuntimeConfig:
             raise ConfigError("runtime.gradient_checkpointing must be >= 0")
         if self.ddp_compress not in ("none", "bf16", "fp16"):
             raise ConfigError(f"runtime.ddp_compress={self.ddp_compress!r}; valid: none, bf16, fp16")
+        if self.profile_steps and not re.fullmatch(r"\d+:\d+", self.profile_steps):
+            raise ConfigError(f"runtime.profile_steps={self.profile_steps!r}; expected A:B, e.g. 10:15")
+        if self.cuda_graphs and not self.compile:
+            raise ConfigError("runtime.cuda_graphs needs runtime.compile=true (CUDA graphs come from torch.compile)")
         if self.zero1 and self.fsdp:
             raise ConfigError("runtime.zero1 and runtime.fsdp are exclusive; pick one")
 
@@ -157,6 +173,12 @@ def _attention_backend(value: str) -> tuple[str, str]:
     return "model.attn_backend", mapping[value]
 
 
+def _use_dataloader(value) -> tuple[str, int]:
+    """`data.num_workers`: true -> 4 worker processes (stream sources), false -> 0; give
+    --dataloader_num_workers after it to choose the count"""
+    return "data.num_workers", 4 if _as_bool(value, "use_dataloader") else 0
+
+
 # alias -> "section.key" or a function value -> (section.key, converted value)
 ALIASES: dict[str, object] = {
     "max_iters": "train.steps",
@@ -176,6 +198,13 @@ ALIASES: dict[str, object] = {
     "attention_backend": _attention_backend,
     "use_zero1": "runtime.zero1",
     "use_fsdp": "runtime.fsdp",
+    "use_cuda_graphs": "runtime.cuda_graphs",
+    "use_dataloader": _use_dataloader,
+    "dataloader_num_workers": "data.num_workers",
+    "wandb_log": "runtime.wandb",
+    "wandb_project": "runtime.wandb_project",
+    "wandb_run_name": "runtime.wandb_run_name",
+    "profile_steps": "runtime.profile_steps",
 }
 
 
@@ -187,8 +216,17 @@ def _as_bool(value, where: str) -> bool:
     raise ConfigError(f"{where}: expected true/false, got {value!r}")
 
 
+class CliText(str):
+    """A command-line value: text, typed only once the target field's type is known."""
+
+
 def _coerce(value, annotation, where: str):
     """Check / convert one value against a dataclass field annotation (str, int, float, bool, X | None)."""
+    if isinstance(value, CliText):
+        wants_text = annotation is str or str in typing.get_args(annotation)
+        if wants_text and value.strip().lower() not in ("null", "none", "~"):
+            return str(value)  # '3:4' stays text (YAML 1.1 would read it as the integer 184)
+        value = _parse_value(value)
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
@@ -265,14 +303,15 @@ def _leaf_index() -> dict[str, list[str]]:
 
 
 def _parse_value(text: str):
-    """CLI values are YAML scalars: 3 -> int, 3e-4 -> float, true -> bool, else the string."""
+    """CLI values are YAML scalars: 3 -> int, 3e-4 -> float, true -> bool, none -> None, else the string."""
+    text = str(text)
+    if text.strip().lower() in ("null", "none", "~"):
+        return None
     try:
         value = yaml.safe_load(text)
     except yaml.YAMLError:
         return text
-    if isinstance(value, str) or value is None and text.strip().lower() not in ("null", "none", "~"):
-        return text
-    if isinstance(value, (dict, list)):
+    if value is None or isinstance(value, (str, dict, list)):
         return text
     return value
 
@@ -296,7 +335,7 @@ def parse_overrides(args: list[str]) -> list[tuple[str, object]]:
             key, text = body, "true"  # a bare flag: --compile
         i += 1
         key = key.replace("-", "_") if "." not in key else key
-        value = _parse_value(text)
+        value = CliText(text)
         if "." in key:
             section = key.split(".", 1)[0]
             if section not in SECTIONS:
@@ -304,7 +343,7 @@ def parse_overrides(args: list[str]) -> list[tuple[str, object]]:
             pairs.append((key, value))
         elif key in ALIASES:
             target = ALIASES[key]
-            pairs.append(target(value) if callable(target) else (target, value))
+            pairs.append(target(_parse_value(value)) if callable(target) else (target, value))
         elif key in index and len(index[key]) == 1:
             pairs.append((index[key][0], value))
         elif key in index:

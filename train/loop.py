@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from train.distributed import all_reduce_mean, autocast_context, no_sync
+from nsa.profiling import nvtx_range
 from train.optim import lr_at, set_found_inf, set_lr
 
 
@@ -55,20 +56,28 @@ class Loop:
         n_micro = cfg.accumulate_grad_batches
         for micro in range(n_micro):
             t0 = time.perf_counter()
-            x, y = run.data.train.next_batch()
-            x = x.to(self.device, non_blocking=True)
-            y = y.to(self.device, non_blocking=True)
+            with nvtx_range("fetch"):
+                x, y = run.data.train.next_batch()
+                x = x.to(self.device, non_blocking=True)
+                y = y.to(self.device, non_blocking=True)
             self.i_fetch_s += time.perf_counter() - t0
             last = micro == n_micro - 1
             if collect_stats and last:
                 run.set_stats(True)
-            with no_sync(self.model, skip_sync=not last), autocast_context(self.device, self.amp_dtype):
-                loss = self.model(x, y)
-            scaled = loss / n_micro
-            (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+            with no_sync(self.model, skip_sync=not last):
+                with autocast_context(self.device, self.amp_dtype), nvtx_range("forward"):
+                    loss = self.model(x, y)
+                scaled = loss / n_micro
+                with nvtx_range("backward"):
+                    (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             loss_sum += loss.detach()
             if collect_stats and last:
                 run.set_stats(False)
+        with nvtx_range("optimizer"):
+            self._optimizer_step(loss_sum, n_micro)
+
+    def _optimizer_step(self, loss_sum: torch.Tensor, n_micro: int) -> None:
+        cfg, run = self.cfg, self.run
         if self.scaler:
             self.scaler.unscale_(self.opt)
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf

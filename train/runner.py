@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from nsa.model import Transformer
+from nsa.profiling import audit_log, set_nvtx, set_sdpa_audit
 from train import checkpoint as ckpt_io
 from train.config import RunConfig, dump_config
 from train.data import build_data
@@ -26,6 +27,8 @@ from train.errors import CheckpointError, ConfigError
 from train.loop import Loop, TrainState
 from train.optim import build_optimizer
 from train.state_dicts import gather_states, load_states
+from train.alerts import Alerts
+from train.profiler import StepProfiler
 from train.safety import ANOMALY_FILE, HALT_FILE, StopFlags, Watchdog
 from train.telemetry import TRAIN_FIELDS, VAL_FIELDS, CsvLog, Heartbeat, TensorBoard, write_json_atomic
 
@@ -76,6 +79,8 @@ class Run:
             torch.set_num_threads(cfg.runtime.threads)
         self.out_dir, self.resume_path = prepare_out_dir(cfg)
         self.amp_dtype = resolve_precision(cfg.runtime.precision, self.info.device)
+        set_nvtx(cfg.runtime.nvtx)
+        set_sdpa_audit(cfg.runtime.sdpa_audit)
         self.state = TrainState()
         self.started = time.time()
 
@@ -100,9 +105,18 @@ class Run:
         if self.ckpt is not None:
             self._restore_progress()
         model = self.raw_model if fsdp else wrap_model(self.raw_model, self.info, cfg.runtime, self.amp_dtype)
-        self.model = torch.compile(model) if cfg.runtime.compile else model
+        self.model = self._compile(model)
         self.flops = self._flops_report()
         self._open_telemetry()
+
+    def _compile(self, model):
+        rt = self.cfg.runtime
+        if not rt.compile:
+            return model
+        if rt.cuda_graphs and self.info.device.type != "cuda":
+            print("note: runtime.cuda_graphs needs CUDA; compiling without CUDA graphs", flush=True)
+        mode = "reduce-overhead" if rt.cuda_graphs and self.info.device.type == "cuda" else None
+        return torch.compile(model, mode=mode)
 
     # ---- resume ------------------------------------------------------------------------------
     def _restore_weights(self) -> None:
@@ -354,15 +368,24 @@ def _train(run: Run) -> int:
               f"device {run.info.device} | {str(run.amp_dtype).replace('torch.', '')} | "
               f"{'resumed at step ' + str(state.step) if run.ckpt else 'fresh start'}", flush=True)
     exit_code = 0
+    alerts = Alerts(run.cfg)
+    profiler = StepProfiler(run.out_dir, run.cfg.runtime.profile_steps if run.is_main else "",
+                            on_written=lambda tag, paths: run.heartbeat.emit("profile", state.step, tag=tag, paths=paths))
     try:
         if cfg.eval_at_start and state.step == 0 and cfg.eval_every:
             run.record_eval(loop.evaluate())
         while state.step < cfg.steps:
             next_step = state.step + 1
             log_now = next_step % cfg.log_every == 0 or next_step == cfg.steps
+            profiler.before_step(next_step)
             loop.step(collect_stats=log_now)
+            profiler.after_step(state.step)
             if watchdog:
                 watchdog.beat()
+            if state.step == start_step + 1 and run.cfg.runtime.sdpa_audit:
+                run.heartbeat.emit("sdpa_audit", state.step, sites=audit_log())
+                if run.is_main:
+                    print(f"sdpa audit: {audit_log()}", flush=True)
             stop = flags.should_stop() or (cfg.stop_after and state.step - start_step >= cfg.stop_after)
             if log_now or stop:
                 row = loop.log()
@@ -370,7 +393,11 @@ def _train(run: Run) -> int:
                     gc.collect(1)
                 if state.skipped_steps > cfg.nonfinite_skip_limit:
                     return _halt_anomaly(run, row)
-                _loss_alert(run, row)
+                for alert in alerts.observe(row):
+                    run.heartbeat.emit("alert", state.step, **alert)
+                if alerts.profile_requested:
+                    alerts.profile_requested = False
+                    profiler.start(state.step + 1, state.step + 5, tag=f"throughput_drop_step{state.step}")
             if cfg.eval_every and state.step % cfg.eval_every == 0:
                 t_eval = time.perf_counter()
                 run.record_eval(loop.evaluate())
@@ -392,6 +419,7 @@ def _train(run: Run) -> int:
         if run.is_main:
             print(f"done: step {state.step} ({state.stop_reason or 'finished'}); checkpoint in {run.out_dir}", flush=True)
     finally:
+        profiler.close(state.step)
         flags.restore()
         if watchdog:
             watchdog.stop()
@@ -416,10 +444,3 @@ def _halt_anomaly(run: Run, row: dict) -> int:
     run.state.stop_reason = "anomaly"
     run.write_metrics("anomaly")
     return EXIT_ANOMALY
-
-
-def _loss_alert(run: Run, row: dict) -> None:
-    cfg = run.cfg.train
-    if cfg.loss_floor > 0 and row["step"] <= cfg.loss_floor_steps and row["loss"] < cfg.loss_floor:
-        run.heartbeat.emit("alert", row["step"], alert="loss_below_floor", loss=row["loss"], floor=cfg.loss_floor,
-                           message="loss fell below the floor early: suspect data leakage (eye-test the data)")

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from nsa.config import ModelConfig
 from nsa.layers import apply_rotary
+from nsa.profiling import audit
 
 try:  # optional; never required
     from flash_attn import flash_attn_func  # type: ignore
@@ -55,15 +56,19 @@ def manual_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "sdpa") -> torch.Tensor:
     """q: [B, H, Tq, hd]; k, v: [B, H_kv, Tk, hd] with Tq <= Tk -> [B, H, Tq, hd]."""
     if backend == "manual":
+        audit("dense.causal_attention", "manual", q, k)
         return manual_attention(q, k, v)
     t_q, t_k = q.shape[2], k.shape[2]
     if backend == "flash" and flash_attn_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         # flash-attn aligns the causal mask bottom-right and handles GQA natively; layout [B, T, H, hd]
+        audit("dense.causal_attention", "flash_attn", q, k)
         out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
         return out.transpose(1, 2)
     gqa = q.shape[1] != k.shape[1]
     if t_q == t_k:
+        audit("dense.causal_attention", "sdpa_is_causal", q, k, requested=backend)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    audit("dense.causal_attention[Tq<Tk]", "sdpa_explicit_mask", q, k, requested=backend)
     mask = causal_mask(t_q, t_k, q.device)  # never is_causal here: it would align top-left
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 

@@ -1,0 +1,54 @@
+"""Seed-compatible entrypoint (seed 003): a thin shim over `python -m train`.
+
+    CONFIG=configs/m7c_125m_40g.yaml python -u scripts/train_showcase.py --dataset synthetic --steps 200
+    CONFIG=... torchrun --nproc_per_node=2 scripts/train_showcase.py --dataset fineweb_edu \
+        --resume artifacts/m7c_125m/checkpoint_step{N}.pt
+
+The flags map onto config keys in FLAG_TO_CONFIG (the one place); any other argument is passed
+through as a trainer override (--section.key=value). `python -m train` is the primary entrypoint.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+FLAG_TO_CONFIG = {
+    "dataset": "data.source",
+    "steps": "train.steps",
+    "resume": "train.resume",
+    "seq_len": "train.seq_len",
+    "batch_size": "train.batch_size",
+    "synthetic_on_fail": "data.synthetic_on_fail",
+    "out_dir": "train.out_dir",
+}
+
+
+def to_overrides(argv: list[str]) -> tuple[str | None, list[str]]:
+    parser = argparse.ArgumentParser(prog="scripts/train_showcase.py", allow_abbrev=False)
+    parser.add_argument("--config", default=os.environ.get("CONFIG"), help="YAML config (default: $CONFIG)")
+    parser.add_argument("--dataset", help="synthetic | fineweb_edu | bin:DIR | text:GLOB | ...")
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--resume", help="checkpoint path, or auto / none")
+    parser.add_argument("--seq-len", dest="seq_len", type=int)
+    parser.add_argument("--batch-size", dest="batch_size", type=int)
+    parser.add_argument("--synthetic-on-fail", dest="synthetic_on_fail", action="store_true", default=None)
+    parser.add_argument("--out-dir", dest="out_dir")
+    args, passthrough = parser.parse_known_args(argv)
+    overrides = [f"--{key}={str(getattr(args, flag)).lower() if isinstance(getattr(args, flag), bool) else getattr(args, flag)}"
+                 for flag, key in FLAG_TO_CONFIG.items() if getattr(args, flag) is not None]
+    return args.config, overrides + passthrough
+
+
+def main(argv: list[str] | None = None) -> int:
+    config, overrides = to_overrides(list(sys.argv[1:] if argv is None else argv))
+    from train.__main__ import main as train_main
+
+    return train_main(([config] if config else []) + overrides)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

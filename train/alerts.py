@@ -1,0 +1,56 @@
+"""Alerts computed once per log interval (seed 000 §3): early loss floor (data-leak suspicion),
+loss spikes, and sustained throughput drops (which ask for a profiler trace)."""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections import deque
+
+from train.config import RunConfig
+
+
+class Alerts:
+    def __init__(self, cfg: RunConfig, clock=time.monotonic):
+        self.train, self.runtime = cfg.train, cfg.runtime
+        self.clock = clock
+        self.losses: deque[float] = deque(maxlen=max(2, cfg.train.loss_spike_window))
+        self.rates: deque[float] = deque(maxlen=20)
+        self.degraded_since: float | None = None
+        self.profile_requested = False  # set once when a throughput drop has lasted long enough
+        self._profiled = False
+
+    def observe(self, row: dict) -> list[dict]:
+        """row: a training.csv row. Returns alert records for the heartbeat (possibly none)."""
+        alerts = []
+        step, loss, rate = row["step"], row["loss"], row["toks_per_s"]
+        t = self.train
+        if t.loss_floor > 0 and step <= t.loss_floor_steps and loss < t.loss_floor:
+            alerts.append({"alert": "loss_below_floor", "loss": loss, "floor": t.loss_floor,
+                           "message": "loss fell below the floor early: suspect data leakage (eye-test the data)"})
+        if math.isfinite(loss):
+            if len(self.losses) >= 10:
+                mean, std = statistics.fmean(self.losses), statistics.pstdev(self.losses)
+                if std > 0 and loss > mean + t.loss_spike_sigma * std:
+                    alerts.append({"alert": "loss_spike", "loss": loss, "window_mean": mean, "window_std": std,
+                                   "sigma": (loss - mean) / std})
+            self.losses.append(loss)
+        alerts += self._throughput(rate)
+        return alerts
+
+    def _throughput(self, rate: float) -> list[dict]:
+        alerts = []
+        if len(self.rates) >= 5:
+            median = statistics.median(self.rates)
+            if rate < (1.0 - self.runtime.throughput_alert_drop) * median:
+                now = self.clock()
+                self.degraded_since = self.degraded_since or now
+                lasted = now - self.degraded_since
+                if lasted >= self.runtime.throughput_alert_s and not self._profiled:
+                    self._profiled = self.profile_requested = True
+                    alerts.append({"alert": "throughput_drop", "toks_per_s": rate, "median_toks_per_s": median,
+                                   "lasted_s": lasted, "message": "capturing a profiler trace"})
+                return alerts  # a degraded interval does not enter the baseline
+            self.degraded_since = None
+        self.rates.append(rate)
+        return alerts

@@ -1,0 +1,56 @@
+"""The one place where environment variables become config overrides.
+
+The seeds' runbooks set knobs in the environment (NSA_DDP_COMPRESS=bf16, NSA_NVTX=1, ...). They map
+onto config keys here; explicit command-line overrides come after and win. Knobs that named
+optional code paths of the earlier system are accepted and reported as unnecessary.
+"""
+from __future__ import annotations
+
+import os
+
+# env var -> (config key, value translation)
+ENV_TO_CONFIG: dict[str, tuple[str, object]] = {
+    "NSA_DDP_COMPRESS": ("runtime.ddp_compress", lambda v: v.lower()),
+    "NSA_DDP_BUCKET_MB": ("runtime.ddp_bucket_mb", int),
+    "NSA_DDP_DISABLE_GC": ("runtime.disable_gc", lambda v: v.lower() in ("1", "true", "yes")),
+    "NSA_NVTX": ("runtime.nvtx", lambda v: v.lower() in ("1", "true", "yes")),
+    "NSA_SDPA_AUDIT": ("runtime.sdpa_audit", lambda v: v.lower() in ("1", "true", "yes")),
+}
+# knobs of the earlier system whose code paths no longer exist: the vectorised path is the only path
+UNNECESSARY = {
+    "NSA_PREFILL_BATCHED": "the batched prefill is the only NSA path",
+    "NSA_SEL_RANGES_V2": "vectorised selection is the only NSA path",
+}
+
+
+def env_overrides(environ: dict[str, str] | None = None) -> tuple[list[str], list[str]]:
+    """-> (['--runtime.ddp_compress=bf16', ...], ['note: ...']) from the environment."""
+    environ = os.environ if environ is None else environ
+    overrides, notes = [], []
+    for name, (key, convert) in ENV_TO_CONFIG.items():
+        raw = environ.get(name)
+        if raw is None or raw == "":
+            continue
+        try:
+            value = convert(raw)
+        except ValueError:
+            from train.errors import ConfigError
+
+            raise ConfigError(f"environment {name}={raw!r} is not valid for {key}") from None
+        overrides.append(f"--{key}={str(value).lower() if isinstance(value, bool) else value}")
+    for name, why in UNNECESSARY.items():
+        if name in environ:
+            notes.append(f"note: {name} is accepted but unnecessary: {why}")
+    return overrides, notes
+
+
+def main() -> None:
+    """`python -m train.env`: print the overrides the environment implies (used by the bash runbooks)."""
+    overrides, notes = env_overrides()
+    for note in notes:
+        print(note, file=__import__("sys").stderr)
+    print(" ".join(overrides))
+
+
+if __name__ == "__main__":
+    main()
