@@ -25,7 +25,7 @@ train:
 	bash scripts/train_m7c_prime.sh
 
 monitor:
-	bash scripts/monitor_run.sh $(or $(RUN),artifacts/m7c_125m)
+	bash scripts/monitor_run.sh $(MONITOR_ARGS) $(RUN)
 
 tb:
 	bash scripts/run_tensorboard.sh $(RUN)
@@ -34,7 +34,11 @@ bench:
 	$(PY) bench/bench_train.py
 
 handoff:
-	$(PY) scripts/handoff.py $(RUN)
+	$(PY) scripts/handoff.py $(RUN) $(HANDOFF_ARGS)
+
+# seed 000's pre-flight checklist for CONFIG (docs/PRODUCTION.md); e.g. PREFLIGHT_ARGS="--gpus 8"
+preflight:
+	$(PY) -m train.preflight $(CONFIG) $(PREFLIGHT_ARGS)
 
 clean:
 	rm -rf .pytest_cache artifacts/smoke* artifacts/showcase*

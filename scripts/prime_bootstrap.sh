@@ -40,10 +40,14 @@ if [ "$has_gpu" = 1 ]; then
 else
   if [ -z "$installed_torch" ]; then
     log "installing CPU torch==$TORCH_VERSION"
-    # a local CPU wheel when the machine has one; otherwise the CPU index (never a multi-GB CUDA build)
-    "${PIP[@]}" "torch==$TORCH_VERSION" --only-binary=:all: 2>/dev/null \
-      && "$PY" -c 'import torch,sys; sys.exit(1 if torch.version.cuda else 0)' \
-      || "${PIP[@]}" "torch==$TORCH_VERSION" --index-url https://download.pytorch.org/whl/cpu
+    # 1) a local wheel (find-links / wheel cache) when the machine has one; 2) PyTorch's CPU index.
+    # Never PyPI's default Linux wheel: it is a multi-GB CUDA build.
+    "${PIP[@]}" --no-index "torch==$TORCH_VERSION" 2>/dev/null \
+      || "${PIP[@]}" "torch==$TORCH_VERSION" --index-url https://download.pytorch.org/whl/cpu \
+      || { echo "[bootstrap] error: could not install a CPU build of torch==$TORCH_VERSION (no local wheel, CPU index unreachable)" >&2; exit 1; }
+  fi
+  if "$PY" -c 'import torch,sys; sys.exit(0 if torch.version.cuda else 1)' 2>/dev/null; then
+    log "warning: a CUDA build of torch is installed on a machine without a GPU"
   fi
 fi
 

@@ -122,6 +122,7 @@ class RunConfig:
     source: str = "<defaults>"  # where the config came from (for messages)
 
     def to_dict(self) -> dict:
+        """Every section in full (checkpoints and run summaries store this)."""
         model = dataclasses.asdict(self.model)
         nsa = model.pop("nsa")
         return {
@@ -223,8 +224,8 @@ class CliText(str):
 def _coerce(value, annotation, where: str):
     """Check / convert one value against a dataclass field annotation (str, int, float, bool, X | None)."""
     if isinstance(value, CliText):
-        wants_text = annotation is str or str in typing.get_args(annotation)
-        if wants_text and value.strip().lower() not in ("null", "none", "~"):
+        nullable_text = str in typing.get_args(annotation)
+        if annotation is str or (nullable_text and value.strip().lower() not in ("null", "none", "~")):
             return str(value)  # '3:4' stays text (YAML 1.1 would read it as the integer 184)
         value = _parse_value(value)
     origin = typing.get_origin(annotation)
@@ -392,4 +393,12 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
 
 
 def dump_config(cfg: RunConfig) -> str:
-    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+    """The effective config as YAML that load_config accepts again: keys that have no effect for
+    this model (the nsa section of a dense model, rope_* with learned positions) are left out."""
+    doc = cfg.to_dict()
+    if cfg.model.attention != "nsa":
+        doc.pop("nsa")
+    if cfg.model.pos_emb != "rope":
+        for key in ("rope_theta", "rope_scale"):
+            doc["model"].pop(key)
+    return yaml.safe_dump(doc, sort_keys=False)

@@ -52,9 +52,16 @@ def init_distributed(runtime: RuntimeConfig) -> DistInfo:
     return DistInfo(rank, world, local_rank, device)
 
 
-def shutdown_distributed() -> None:
+def shutdown_distributed(clean_exit: bool) -> None:
+    """Leave together after a clean run: a rank that tears gloo down while its peer is still
+    writing files can abort ("terminate called without an active exception"). After an error,
+    leave at once (a barrier could wait on a peer that is busy elsewhere)."""
     if dist.is_initialized():
-        dist.destroy_process_group()
+        try:
+            if clean_exit:
+                dist.barrier()
+        finally:
+            dist.destroy_process_group()
 
 
 def resolve_precision(precision: str, device: torch.device) -> torch.dtype:

@@ -9,12 +9,21 @@ from __future__ import annotations
 import os
 
 # env var -> (config key, value translation)
+def _flag(value: str) -> bool:
+    lowered = value.lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(value)
+
+
 ENV_TO_CONFIG: dict[str, tuple[str, object]] = {
     "NSA_DDP_COMPRESS": ("runtime.ddp_compress", lambda v: v.lower()),
     "NSA_DDP_BUCKET_MB": ("runtime.ddp_bucket_mb", int),
-    "NSA_DDP_DISABLE_GC": ("runtime.disable_gc", lambda v: v.lower() in ("1", "true", "yes")),
-    "NSA_NVTX": ("runtime.nvtx", lambda v: v.lower() in ("1", "true", "yes")),
-    "NSA_SDPA_AUDIT": ("runtime.sdpa_audit", lambda v: v.lower() in ("1", "true", "yes")),
+    "NSA_DDP_DISABLE_GC": ("runtime.disable_gc", _flag),
+    "NSA_NVTX": ("runtime.nvtx", _flag),
+    "NSA_SDPA_AUDIT": ("runtime.sdpa_audit", _flag),
 }
 # knobs of the earlier system whose code paths no longer exist: the vectorised path is the only path
 UNNECESSARY = {
@@ -44,13 +53,22 @@ def env_overrides(environ: dict[str, str] | None = None) -> tuple[list[str], lis
     return overrides, notes
 
 
-def main() -> None:
+def main() -> int:
     """`python -m train.env`: print the overrides the environment implies (used by the bash runbooks)."""
-    overrides, notes = env_overrides()
+    import sys
+
+    from train.errors import UserError
+
+    try:
+        overrides, notes = env_overrides()
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
     for note in notes:
-        print(note, file=__import__("sys").stderr)
+        print(note, file=sys.stderr)
     print(" ".join(overrides))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

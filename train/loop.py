@@ -1,8 +1,8 @@
 """The training loop: fetch, forward, backward, clip, step; log / evaluate / checkpoint on schedule.
 
-Host syncs: none per step. Loss, gradient norm and skipped-step counts stay on the device and are
-read once per log interval (one `.tolist()`); a non-finite step is skipped on-device by the fused
-optimizer's `found_inf` input.
+Host syncs on CUDA: none per step. Loss, gradient norm and skipped-step counts stay on the device
+and are read once per log interval (one `.tolist()`); a non-finite step is skipped on-device by the
+fused optimizer's `found_inf` input.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 
 from train.distributed import all_reduce_mean, autocast_context, no_sync
 from nsa.profiling import nvtx_range
-from train.optim import lr_at, set_found_inf, set_lr
+from train.optim import lr_at, set_lr, step_unless_nonfinite
 
 
 @dataclass
@@ -71,8 +71,6 @@ class Loop:
                 with nvtx_range("backward"):
                     (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             loss_sum += loss.detach()
-            if collect_stats and last:
-                run.set_stats(False)
         with nvtx_range("optimizer"):
             self._optimizer_step(loss_sum, n_micro)
 
@@ -90,8 +88,7 @@ class Loop:
             self.scaler.step(self.opt)
             self.scaler.update()
         else:
-            set_found_inf(self.opt, found_inf)  # fused AdamW skips the update on-device when 1
-            self.opt.step()
+            step_unless_nonfinite(self.opt, found_inf)
         self.opt.zero_grad(set_to_none=True)
         ok = 1.0 - found_inf
         self.i_loss += torch.nan_to_num(loss_sum / n_micro * ok, nan=0.0, posinf=0.0, neginf=0.0)
@@ -109,6 +106,7 @@ class Loop:
         loss_sum = all_reduce_mean(totals[:1], run.info)  # the global mean loss, not rank 0's
         loss_sum, ok, skipped, norm_sum = torch.cat([loss_sum, totals[1:]]).tolist()
         gate = run.gate_health()  # {} for dense models; one more small sync for NSA
+        run.set_stats(False)  # recorded on this interval's last step only
         elapsed = max(time.perf_counter() - self.i_start, 1e-9)
         state.skipped_steps += int(skipped)
         loss = loss_sum / ok if ok else float("nan")

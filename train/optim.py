@@ -27,11 +27,13 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig, device_type: str, zero1: bool = False) -> torch.optim.Optimizer:
-    """Fused AdamW (CPU and CUDA): it can skip a step on-device through `found_inf` (no host sync).
+    """AdamW. On CUDA the fused kernel, which skips a step on-device through `found_inf` (no host
+    sync); on CPU the foreach implementation (faster there; a CPU has no device queue to stall).
 
     zero1: shard the optimizer state across data-parallel ranks (ZeroRedundancyOptimizer).
     """
-    kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps, fused=device_type in ("cpu", "cuda"))
+    fused = device_type == "cuda"
+    kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps, fused=fused, foreach=None if fused else True)
     groups = param_groups(model, cfg.weight_decay)
     if zero1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -43,10 +45,15 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, device_type: str, zero1:
     return torch.optim.AdamW(groups, **kwargs)
 
 
-def set_found_inf(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
-    """Hand the fused optimizer its skip flag (ZeRO-1 wraps the real optimizer in `.optim`)."""
+def step_unless_nonfinite(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
+    """Apply the update unless found_inf is 1. Fused optimizers take the flag on-device; others
+    (CPU) read it on the host, which costs nothing there. ZeRO-1 wraps the optimizer in `.optim`."""
     inner = getattr(optimizer, "optim", optimizer)
-    inner.found_inf = found_inf
+    if inner.defaults.get("fused"):
+        inner.found_inf = found_inf
+        optimizer.step()
+    elif not found_inf.item():
+        optimizer.step()
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

@@ -140,7 +140,7 @@ class Run:
         self.state.best_val_loss = float(ck.get("best_val_loss", math.inf))
         self.state.skipped_steps = int(ck.get("skipped_steps", 0))
         data_states = ck.get("data") or []
-        if data_states:
+        if data_states and not self.cfg.train.eval_only:  # evaluation reads held-out data only
             if len(data_states) != self.info.world_size:
                 raise CheckpointError(
                     f"checkpoint {self.resume_path} was written by {len(data_states)} rank(s); this run has "
@@ -161,6 +161,11 @@ class Run:
             self.train_csv = CsvLog(self.out_dir / "training.csv", TRAIN_FIELDS, resume_step)
             self.val_csv = CsvLog(self.out_dir / "val.csv", VAL_FIELDS, resume_step)
             self.tb = TensorBoard(self.out_dir / "tb")
+        self.wandb = None
+        if self.is_main and self.cfg.runtime.wandb and not self.cfg.train.eval_only:
+            from train.wandb_log import WandbLogger
+
+            self.wandb = WandbLogger(self.cfg, self.out_dir)
 
     def _flops_report(self) -> dict:
         try:
@@ -208,13 +213,15 @@ class Run:
         return dict(zip(stats.keys(), values))
 
     def record_interval(self, row: dict, gate: dict) -> None:
-        self.heartbeat.emit("train", row["step"], **{k: v for k, v in row.items() if k != "step"},
-                            **{f"gate_{k}": v for k, v in gate.items()})
-        self.state.history.append({**row, **{f"gate_{k}": v for k, v in gate.items()}})
+        # gate keys are already namespaced (gate_*, sel_*): see nsa/attention/gate_stats.py
+        self.heartbeat.emit("train", row["step"], **{k: v for k, v in row.items() if k != "step"}, **gate)
+        self.state.history.append({**row, **gate})
         if self.is_main:
             self.train_csv.write(row)
-            self.tb.scalars(row["step"], {f"train/{k}": v for k, v in row.items() if k != "step"}
-                            | {f"gates/{k}": v for k, v in gate.items()})
+            scalars = {f"train/{k}": v for k, v in row.items() if k != "step"} | {f"gates/{k}": v for k, v in gate.items()}
+            self.tb.scalars(row["step"], scalars)
+            if self.wandb:
+                self.wandb.log(row["step"], scalars)
             mfu = f" mfu {row['mfu'] * 100:.1f}%" if row.get("mfu") is not None else ""
             print(f"step {row['step']:>6} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | "
                   f"{row['toks_per_s']:,.0f} tok/s | norm {row['grad_norm']:.3f}{mfu}", flush=True)
@@ -229,6 +236,8 @@ class Run:
             self.val_csv.write({"step": step, "val_loss": val_loss, "ppl": ppl})
             self.state.evals.append({"iter": step, "val_loss": val_loss, "ppl": ppl})
             self.tb.scalars(step, {"val/loss": val_loss, "val/ppl": ppl})
+            if self.wandb:
+                self.wandb.log(step, {"val/loss": val_loss, "val/ppl": ppl})
             print(f"step {step:>6} | val loss {val_loss:.4f} | ppl {ppl:.2f}", flush=True)
 
     # ---- checkpoints -------------------------------------------------------------------------
@@ -309,6 +318,8 @@ class Run:
         for thing in (self.train_csv, self.val_csv, self.tb, self.heartbeat):
             if thing is not None:
                 thing.close()
+        if self.wandb:
+            self.wandb.finish()
         self.data.close()
 
 
@@ -323,14 +334,19 @@ def _finite_or_none(x: float) -> float | None:
 
 
 def run_training(cfg: RunConfig) -> int:
-    run = Run(cfg)
     try:
-        if cfg.train.eval_only:
-            return _eval_only(run)
-        return _train(run)
+        run = Run(cfg)
+    except BaseException:
+        shutdown_distributed(clean_exit=False)
+        raise
+    clean = False
+    try:
+        code = _eval_only(run) if cfg.train.eval_only else _train(run)
+        clean = True
+        return code
     finally:
         run.close()
-        shutdown_distributed()
+        shutdown_distributed(clean_exit=clean)
 
 
 def _eval_only(run: Run) -> int:

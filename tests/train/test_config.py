@@ -123,3 +123,14 @@ def test_config_reference_is_current():
     out = subprocess.run([sys.executable, str(REPO / "scripts" / "gen_config_docs.py")], capture_output=True,
                          text=True, check=True).stdout
     assert (REPO / "docs" / "CONFIG.md").read_text() == out, "run: python scripts/gen_config_docs.py > docs/CONFIG.md"
+
+
+def test_effective_config_round_trips(tmp_path):
+    from train.config import dump_config
+
+    for name in ("full_gpt2_1.36b.yaml", "full_qwen3_1.8b_optimal.yaml", "m7c_125m_80g.yaml"):
+        cfg = load_config(REPO / "configs" / name, ["--train.steps=7"])
+        path = tmp_path / f"effective_{name}"
+        path.write_text(dump_config(cfg))
+        again = load_config(path)
+        assert again.to_dict() == cfg.to_dict(), name

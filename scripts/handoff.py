@@ -1,0 +1,265 @@
+#!/usr/bin/env python3
+"""Pack a training run for a person to look at: one tarball with the run record, logs, CSVs,
+metrics, effective config, heartbeats, a checkpoint manifest (names, sizes, sha256) and PNG plots.
+
+    python scripts/handoff.py [RUN_OR_OUT_DIR] [--with-weights | --all-weights] [--out-dir DIR]
+    make handoff RUN=artifacts/train_runs/m7c_20250101_120000
+
+RUN_OR_OUT_DIR: a run dir (artifacts/train_runs/m7c_*, run.info names the out_dir) or a trainer
+out_dir; default: the newest run dir under artifacts/train_runs. Output:
+artifacts/handoff/<run>_<timestamp>.tar.gz, holding <run>_<timestamp>/ with
+  MANIFEST.txt      every file of the tarball: size, sha256, path; then the checkpoint manifest
+  run/              run.info, launch_info.txt, smoke.log, train.log, preflight.log, causality.log
+  out/              config.yaml, training.csv, val.csv, metrics.json, heartbeat_rank*.jsonl, flags,
+                    stack dumps, eval results (top-level files of the out_dir; no tb/, no weights)
+  checkpoints.json  the checkpoint manifest (name, step, bytes, sha256)
+  plots/            loss.png (train + val), throughput.png, lr.png, gates.png (NSA runs)
+  weights/          only with --with-weights (newest checkpoint) or --all-weights
+Weights are large (params x 12 bytes); the manifest lets a receiver check copies made separately.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import hashlib
+import io
+import json
+import math
+import os
+import re
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CKPT_RE = re.compile(r"^checkpoint_step(\d+)\.pt$")
+RUN_FILES = ("run.info", "launch_info.txt", "smoke.log", "train.log", "preflight.log", "causality.log")
+OUT_SUFFIXES = (".csv", ".superseded", ".json", ".jsonl", ".yaml", ".txt", ".log")
+OUT_FLAGS = {".anomaly_type": "anomaly_type.txt", ".HALT": "HALT.flag"}
+
+
+class HandoffError(Exception):
+    pass
+
+
+def read_kv(path: Path) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        if not line.startswith("#") and ": " in line:
+            k, v = line.split(": ", 1)
+            out[k.strip()] = v.strip()
+    return out
+
+
+def resolve(target: Path) -> tuple[Path | None, Path]:
+    info = target / "run.info"
+    if info.is_file():
+        out = read_kv(info).get("out_dir")
+        if not out:
+            raise HandoffError(f"{info} names no out_dir")
+        p = Path(out)
+        return target, p if p.is_absolute() else REPO / p
+    if (target / "training.csv").exists() or (target / "metrics.json").exists() or any(target.glob("heartbeat_rank*.jsonl")):
+        return None, target
+    raise HandoffError(f"{target} is neither a run dir (run.info) nor a trainer out_dir (training.csv / metrics.json)")
+
+
+def newest_run(artifacts: Path) -> Path:
+    runs = sorted(p for p in (artifacts / "train_runs").glob("*") if (p / "run.info").is_file())
+    if not runs:
+        raise HandoffError(f"no run given and no run dir under {artifacts / 'train_runs'}")
+    return max(runs, key=lambda p: (p / "run.info").stat().st_mtime)
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def to_float(v) -> float | None:
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        return None
+    return x if math.isfinite(x) else None
+
+
+def read_csv(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    with open(path, newline="", encoding="utf-8") as f:
+        return [r for r in csv.DictReader(f) if (r.get("step") or "").isdigit()]
+
+
+def gate_series(out: Path) -> dict[str, list[tuple[int, float]]]:
+    """gate entropy / collapse per step from rank 0's heartbeat 'train' records (both key spellings)."""
+    series: dict[str, list[tuple[int, float]]] = {}
+    path = out / "heartbeat_rank0.jsonl"
+    if not path.exists():
+        return series
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if rec.get("kind") != "train":
+            continue
+        for key, value in rec.items():
+            if not key.startswith("gate_"):
+                continue
+            name = key[5:] if key[5:].startswith(("gate_", "sel_")) else key
+            if ("entropy" in name or "collapse" in name) and to_float(value) is not None:
+                series.setdefault(name, []).append((int(rec["step"]), float(value)))
+    return series
+
+
+def make_plots(out: Path, dest: Path) -> list[str]:
+    """PNG plots (matplotlib, Agg); returns notes for the manifest."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return ["plots skipped: matplotlib not installed (run bash scripts/prime_bootstrap.sh)"]
+    rows = read_csv(out / "training.csv")
+    val = read_csv(out / "val.csv")
+    notes = []
+    dest.mkdir(parents=True, exist_ok=True)
+
+    def series(rs, key):
+        pts = [(int(r["step"]), to_float(r.get(key))) for r in rs]
+        return [p[0] for p in pts if p[1] is not None], [p[1] for p in pts if p[1] is not None]
+
+    def plot(name, title, ylabel, lines, logy=False):
+        fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+        drawn = False
+        for xs, ys, label, style in lines:
+            if xs:
+                ax.plot(xs, ys, style, label=label, linewidth=1.2, markersize=3)
+                drawn = True
+        if not drawn:
+            plt.close(fig)
+            notes.append(f"{name}: no data")
+            return
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        if logy:
+            ax.set_yscale("log")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(dest / name)
+        plt.close(fig)
+
+    tx, ty = series(rows, "loss")
+    vx, vy = series(val, "val_loss")
+    plot("loss.png", f"loss - {out.name}", "loss", [(tx, ty, "train", "-"), (vx, vy, "val", "o-")])
+    sx, sy = series(rows, "toks_per_s")
+    plot("throughput.png", f"tokens/s - {out.name}", "tokens/s (all GPUs)", [(sx, sy, "toks_per_s", "-")])
+    lx, ly = series(rows, "lr")
+    plot("lr.png", f"learning rate - {out.name}", "lr", [(lx, ly, "lr", "-")])
+    gates = gate_series(out)
+    if gates:
+        plot("gates.png", f"NSA gate health - {out.name}", "value",
+             [([s for s, _ in pts], [v for _, v in pts], name, "-") for name, pts in sorted(gates.items())])
+    else:
+        notes.append("gates.png: no gate_* keys in the heartbeat (dense model or stats not logged)")
+    return notes
+
+
+def checkpoint_manifest(out: Path) -> list[dict]:
+    found = sorted((int(m.group(1)), p) for p in out.iterdir() if (m := CKPT_RE.match(p.name))) if out.is_dir() else []
+    return [{"name": p.name, "step": s, "bytes": p.stat().st_size, "sha256": sha256(p)} for s, p in found]
+
+
+def build(target: Path, out_root: Path, weights: str = "none", now: float | None = None) -> tuple[Path, str]:
+    """-> (tarball path, MANIFEST text)."""
+    run_dir, out = resolve(target)
+    if not out.is_dir():
+        raise HandoffError(f"out_dir {out} does not exist")
+    name = (run_dir or out).resolve().name
+    stamp = time.strftime("%Y%m%d_%H%M%S", time.localtime(now))
+    base = f"{name}_{stamp}"
+    files: list[tuple[Path, str]] = []  # (source, path inside base/)
+    if run_dir is not None:
+        files += [(run_dir / f, f"run/{f}") for f in RUN_FILES if (run_dir / f).is_file()]
+    for p in sorted(out.iterdir()):
+        if p.is_file() and not p.is_symlink() and p.suffix in OUT_SUFFIXES and not p.name.startswith("."):
+            files.append((p, f"out/{p.name}"))
+        elif p.name in OUT_FLAGS and p.is_file():
+            files.append((p, f"out/{OUT_FLAGS[p.name]}"))
+    ckpts = checkpoint_manifest(out)
+    if weights != "none" and ckpts:
+        chosen = ckpts if weights == "all" else ckpts[-1:]
+        files += [(out / c["name"], f"weights/{c['name']}") for c in chosen]
+
+    with tempfile.TemporaryDirectory(prefix="handoff_") as tmp:
+        staging = Path(tmp)
+        (staging / "checkpoints.json").write_text(json.dumps(
+            {"out_dir": str(out), "checkpoints": ckpts,
+             "latest": os.readlink(out / "latest.pt") if (out / "latest.pt").is_symlink() else None}, indent=2))
+        files.append((staging / "checkpoints.json", "checkpoints.json"))
+        notes = make_plots(out, staging / "plots")
+        files += [(p, f"plots/{p.name}") for p in sorted((staging / "plots").glob("*.png"))]
+
+        entries = [(src, arc, src.stat().st_size, sha256(src)) for src, arc in files]
+        lines = [f"# handoff {base}", f"# created {time.strftime('%Y-%m-%dT%H:%M:%S%z', time.localtime(now))}",
+                 f"# source run dir: {run_dir if run_dir else '-'}", f"# out_dir: {out}",
+                 f"# weights: {weights}", "# files: bytes  sha256  path"]
+        lines += [f"{size:>12}  {digest}  {arc}" for _, arc, size, digest in entries]
+        lines.append("# checkpoints (in out_dir; weights/ holds them only with --with-weights/--all-weights)")
+        if ckpts:
+            lines += [f"{c['bytes']:>12}  {c['sha256']}  {c['name']}" for c in ckpts]
+        else:
+            lines.append("# (none)")
+        lines += [f"# note: {n}" for n in notes]
+        manifest = "\n".join(lines) + "\n"
+
+        out_root.mkdir(parents=True, exist_ok=True)
+        tar_path = out_root / f"{base}.tar.gz"
+        tmp_tar = out_root / f".{base}.tar.gz.tmp"
+        with tarfile.open(tmp_tar, "w:gz") as tar:
+            data = manifest.encode()
+            ti = tarfile.TarInfo(f"{base}/MANIFEST.txt")
+            ti.size, ti.mtime, ti.mode = len(data), int(time.time()), 0o644
+            tar.addfile(ti, io.BytesIO(data))
+            for src, arc, _, _ in entries:
+                tar.add(src, arcname=f"{base}/{arc}", recursive=False)
+        os.replace(tmp_tar, tar_path)
+    return tar_path, manifest
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Pack a training run into artifacts/handoff/<run>_<ts>.tar.gz")
+    ap.add_argument("target", nargs="?", help="run dir (run.info) or trainer out_dir; default: newest run dir")
+    g = ap.add_mutually_exclusive_group()
+    g.add_argument("--with-weights", action="store_true", help="include the newest checkpoint")
+    g.add_argument("--all-weights", action="store_true", help="include every kept checkpoint")
+    ap.add_argument("--out-dir", default=None, help="where the tarball goes (default ARTIFACTS_DIR/handoff)")
+    args = ap.parse_args(argv)
+    artifacts = Path(os.environ.get("ARTIFACTS_DIR", "artifacts"))
+    if not artifacts.is_absolute():
+        artifacts = Path.cwd() / artifacts
+    try:
+        target = Path(args.target) if args.target else newest_run(artifacts)
+        if not target.exists():
+            raise HandoffError(f"{target} does not exist")
+        weights = "all" if args.all_weights else "latest" if args.with_weights else "none"
+        tar_path, manifest = build(target, Path(args.out_dir) if args.out_dir else artifacts / "handoff", weights)
+    except HandoffError as exc:
+        print(f"handoff: error: {exc}", file=sys.stderr)
+        return 2
+    print(manifest, end="")
+    print(f"handoff: {tar_path} ({tar_path.stat().st_size / 1e6:.1f} MB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

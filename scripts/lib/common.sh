@@ -1,0 +1,327 @@
+# shellcheck shell=bash
+# Shared helpers for the runbook scripts (sourced, never run). Callers set SCRIPT_TAG first and
+# `set -euo pipefail`. Everything here works from the repository root (cd_repo).
+#
+# Knobs read here: VENV (default .venv), NVIDIA_SMI (default nvidia-smi on PATH),
+# CUDA_VISIBLE_DEVICES (limits which GPUs count), ARTIFACTS_DIR (default artifacts).
+
+SCRIPT_TAG=${SCRIPT_TAG:-runbook}
+REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+
+log() { printf '[%s] %s\n' "$SCRIPT_TAG" "$*"; }
+warn() { printf '[%s] warning: %s\n' "$SCRIPT_TAG" "$*" >&2; }
+# die MESSAGE [EXIT_CODE]: one line on stderr, then exit (default 1)
+die() {
+  printf '[%s] error: %s\n' "$SCRIPT_TAG" "$1" >&2
+  exit "${2:-1}"
+}
+
+cd_repo() { cd "$REPO_ROOT" || die "cannot cd to $REPO_ROOT"; }
+
+# require_venv: sets PY (the venv's python); dies with the set-up hint when the venv is missing.
+require_venv() {
+  VENV=${VENV:-.venv}
+  PY="$VENV/bin/python"
+  if [ ! -x "$PY" ]; then
+    die "virtual environment '$VENV' not found: run bash scripts/prime_bootstrap.sh"
+  fi
+}
+
+# any_python: the venv's python when there is one, else python3 (for stdlib-only tools).
+any_python() {
+  local venv=${VENV:-.venv}
+  if [ -x "$venv/bin/python" ]; then
+    printf '%s\n' "$venv/bin/python"
+  elif command -v python3 >/dev/null 2>&1; then
+    command -v python3
+  else
+    die "no python found (.venv missing and no python3 on PATH): run bash scripts/prime_bootstrap.sh"
+  fi
+}
+
+now_iso() { date '+%Y-%m-%dT%H:%M:%S%z'; }
+now_stamp() { date '+%Y%m%d_%H%M%S'; }
+
+git_sha() { git -C "$REPO_ROOT" rev-parse HEAD 2>/dev/null || echo unknown; }
+git_branch() { git -C "$REPO_ROOT" rev-parse --abbrev-ref HEAD 2>/dev/null || echo unknown; }
+git_dirty() {
+  if [ -n "$(git -C "$REPO_ROOT" status --porcelain --untracked-files=no 2>/dev/null | head -n 1)" ]; then
+    echo "yes (uncommitted changes to tracked files)"
+  else
+    echo no
+  fi
+}
+
+# torch / python versions without importing torch (fast)
+torch_version() {
+  "$PY" -c 'import importlib.metadata as m; print(m.version("torch"))' 2>/dev/null || echo unknown
+}
+python_version() { "$PY" -c 'import platform; print(platform.python_version())' 2>/dev/null || echo unknown; }
+
+# print a command as a copy-pasteable shell line
+quote_cmd() {
+  local out
+  printf -v out '%q ' "$@"
+  printf '%s\n' "${out% }"
+}
+
+# split_words STRING -> the words, one per line (EXTRA_ARGS / SMOKE_ARGS; values cannot hold spaces)
+split_words() {
+  local -a words=()
+  read -r -a words <<<"${1:-}" || true
+  if [ "${#words[@]}" -gt 0 ]; then
+    printf '%s\n' "${words[@]}"
+  fi
+}
+
+# ---- GPUs -------------------------------------------------------------------------------------
+# detect_gpus: sets GPU_COUNT, GPU_NAMES[], GPU_MEM_MIB[], GPU_MAX_MIB from
+#   $NVIDIA_SMI --query-gpu=name,memory.total --format=csv,noheader,nounits
+# honouring CUDA_VISIBLE_DEVICES (numeric indices select rows; other forms only limit the count).
+# No nvidia-smi, or one that fails (no driver / no devices), means no GPU.
+detect_gpus() {
+  NVIDIA_SMI=${NVIDIA_SMI:-nvidia-smi}
+  GPU_COUNT=0
+  GPU_NAMES=()
+  GPU_MEM_MIB=()
+  GPU_MAX_MIB=0
+  if ! command -v "$NVIDIA_SMI" >/dev/null 2>&1; then
+    return 0
+  fi
+  local out
+  if ! out=$("$NVIDIA_SMI" --query-gpu=name,memory.total --format=csv,noheader,nounits 2>/dev/null); then
+    warn "$NVIDIA_SMI failed (no driver or no devices): treating this machine as having no GPU"
+    return 0
+  fi
+  local -a names=() mems=()
+  local line name mem
+  while IFS= read -r line; do
+    [ -n "${line//[[:space:]]/}" ] || continue
+    name=${line%,*}
+    mem=${line##*,}
+    mem=${mem//[[:space:]]/}
+    name=$(printf '%s' "$name" | sed 's/^[[:space:]]*//; s/[[:space:]]*$//')
+    [[ "$mem" =~ ^[0-9]+$ ]] || mem=0
+    names+=("$name")
+    mems+=("$mem")
+  done <<<"$out"
+
+  local -a pick=()
+  local i
+  if [ "${CUDA_VISIBLE_DEVICES+set}" = set ]; then
+    local -a vis=()
+    IFS=',' read -r -a vis <<<"$CUDA_VISIBLE_DEVICES" || true
+    local numeric=1 v
+    for v in "${vis[@]}"; do
+      [[ "$v" =~ ^[0-9]+$ ]] || numeric=0
+    done
+    if [ "${#vis[@]}" -eq 0 ] || [ "${vis[0]}" = "-1" ]; then
+      pick=()
+    elif [ "$numeric" = 1 ]; then
+      for v in "${vis[@]}"; do
+        if [ "$v" -lt "${#names[@]}" ]; then pick+=("$v"); fi
+      done
+    else
+      for ((i = 0; i < ${#vis[@]} && i < ${#names[@]}; i++)); do pick+=("$i"); done
+    fi
+  else
+    for ((i = 0; i < ${#names[@]}; i++)); do pick+=("$i"); done
+  fi
+  for i in "${pick[@]}"; do
+    GPU_NAMES+=("${names[$i]}")
+    GPU_MEM_MIB+=("${mems[$i]}")
+    if [ "${mems[$i]}" -gt "$GPU_MAX_MIB" ]; then GPU_MAX_MIB=${mems[$i]}; fi
+  done
+  GPU_COUNT=${#GPU_NAMES[@]}
+}
+
+# mib_to_gb MIB -> decimal GB with one digit (81920 -> 85.9)
+mib_to_gb() { awk -v m="$1" 'BEGIN { printf "%.1f", m * 1048576 / 1e9 }'; }
+
+# gpu_summary -> "2 x NVIDIA A100-SXM4-80GB (81920 MiB = 85.9 GB)" or "none"
+gpu_summary() {
+  if [ "$GPU_COUNT" -eq 0 ]; then
+    echo "none"
+    return
+  fi
+  local i parts=()
+  for ((i = 0; i < GPU_COUNT; i++)); do
+    parts+=("gpu$i ${GPU_NAMES[$i]} ${GPU_MEM_MIB[$i]} MiB ($(mib_to_gb "${GPU_MEM_MIB[$i]}") GB)")
+  done
+  local IFS=';'
+  printf '%s\n' "${parts[*]}"
+}
+
+# launcher_for NPROC -> sets LAUNCH[]: python for 0/1 process, torchrun --standalone for more
+# shellcheck disable=SC2034  # LAUNCH is read by the caller
+launcher_for() {
+  local n=$1
+  if [ "$n" -ge 2 ]; then
+    if [ -x "$VENV/bin/torchrun" ]; then
+      LAUNCH=("$VENV/bin/torchrun" --standalone "--nproc_per_node=$n" -m train)
+    else
+      LAUNCH=("$PY" -m torch.distributed.run --standalone "--nproc_per_node=$n" -m train)
+    fi
+  else
+    LAUNCH=("$PY" -m train)
+  fi
+}
+
+# ---- config facts -----------------------------------------------------------------------------
+# config_facts [--params] CONFIG [OVERRIDES...]: loads the effective config (train.config.load_config)
+# and sets CFG_<KEY> shell variables: CFG_OUT_DIR CFG_STEPS CFG_SAVE_EVERY CFG_KEEP_LAST CFG_KEEP_ALL
+# CFG_PRECISION CFG_RESUME CFG_SOURCE CFG_ATTENTION, and with --params CFG_PARAMS (model built on
+# the meta device: no memory, no GPU). A bad config exits 2 with the trainer's one-line message.
+config_facts() {
+  local want_params=0
+  if [ "${1:-}" = "--params" ]; then
+    want_params=1
+    shift
+  fi
+  local out rc=0
+  out=$(NSA_WANT_PARAMS=$want_params "$PY" - "$@" 2>&1 <<'PY'
+import os, sys
+from train.errors import UserError
+try:
+    from train.config import load_config
+    cfg = load_config(sys.argv[1], sys.argv[2:])
+except UserError as exc:
+    print(f"error: {exc}")
+    sys.exit(2)
+t, r = cfg.train, cfg.runtime
+facts = {
+    "OUT_DIR": t.out_dir, "STEPS": t.steps, "SAVE_EVERY": t.save_every, "KEEP_LAST": t.keep_last,
+    "KEEP_ALL": int(t.keep_all_checkpoints), "PRECISION": r.precision, "RESUME": t.resume,
+    "SOURCE": cfg.data.source, "ATTENTION": cfg.model.attention,
+}
+if os.environ.get("NSA_WANT_PARAMS") == "1":
+    import torch
+    from nsa.model import Transformer
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    facts["PARAMS"] = sum(p.numel() for p in model.parameters())
+for k, v in facts.items():
+    print(f"FACT {k}={v}")
+PY
+) || rc=$?
+  if [ "$rc" -ne 0 ]; then
+    local msg
+    msg=$(printf '%s\n' "$out" | grep -m1 '^error: ' || printf '%s\n' "$out" | tail -n 1)
+    die "config $1: ${msg#error: }" 2
+  fi
+  local line key value
+  while IFS= read -r line; do
+    case "$line" in
+      "FACT "*)
+        line=${line#FACT }
+        key=${line%%=*}
+        value=${line#*=}
+        printf -v "CFG_$key" '%s' "$value"
+        ;;
+    esac
+  done <<<"$out"
+}
+
+# newest_checkpoint DIR -> path of the newest complete checkpoint_step{N}.pt, or nothing
+# (the trainer's rule: files appear under that name only once complete)
+newest_checkpoint() {
+  local dir=$1 best="" best_step=-1 f step
+  [ -d "$dir" ] || return 0
+  for f in "$dir"/checkpoint_step*.pt; do
+    [ -f "$f" ] || continue
+    step=${f##*/checkpoint_step}
+    step=${step%.pt}
+    [[ "$step" =~ ^[0-9]+$ ]] || continue
+    if [ "$step" -gt "$best_step" ]; then
+      best_step=$step
+      best=$f
+    fi
+  done
+  if [ -n "$best" ]; then printf '%s\n' "$best"; fi
+}
+
+count_checkpoints() {
+  local dir=$1 n=0 f
+  for f in "$dir"/checkpoint_step*.pt; do
+    if [ -f "$f" ]; then n=$((n + 1)); fi
+  done
+  echo "$n"
+}
+
+# resume_note OUT_DIR RESUME -> what the trainer's train.resume will do (for run.info)
+resume_note() {
+  local dir=$1 resume=$2 ck
+  case "$resume" in
+    auto)
+      ck=$(newest_checkpoint "$dir")
+      if [ -n "$ck" ]; then echo "$ck"; else echo "none (fresh start: no checkpoint in $dir)"; fi
+      ;;
+    none) echo "none (train.resume=none)" ;;
+    *) echo "$resume (train.resume)" ;;
+  esac
+}
+
+# check_halt OUT_DIR: a leftover .HALT would stop the new run after one step
+check_halt() {
+  if [ -e "$1/.HALT" ]; then
+    die "$1/.HALT exists (a graceful stop was requested earlier); remove it to resume: rm '$1/.HALT'"
+  fi
+}
+
+# lock_out_dir OUT_DIR: one launcher per out_dir. The lock (fd 9) is inherited by the trainer
+# processes and released when the last of them exits, whatever way it exits.
+lock_out_dir() {
+  mkdir -p "$1" || die "cannot create out_dir $1"
+  if ! command -v flock >/dev/null 2>&1; then
+    warn "flock not found: cannot guard $1 against a second launcher"
+    return 0
+  fi
+  exec 9>"$1/.launch.lock"
+  if ! flock -n 9; then
+    die "another launch is running on $1 (lock $1/.launch.lock held): attach to it (tmux attach -t m7c) or stop it first"
+  fi
+}
+
+# new_run_dir PREFIX -> creates and prints $ARTIFACTS_DIR/train_runs/PREFIX_<timestamp>[_n]
+new_run_dir() {
+  local base dir n=1
+  base="${ARTIFACTS_DIR:-artifacts}/train_runs/$1_$(now_stamp)"
+  mkdir -p "$(dirname "$base")" || die "cannot create $(dirname "$base")"
+  dir=$base
+  while ! mkdir "$dir" 2>/dev/null; do
+    n=$((n + 1))
+    dir="${base}_$n"
+    [ "$n" -lt 100 ] || die "cannot create a run directory under $(dirname "$base")"
+  done
+  printf '%s\n' "$dir"
+}
+
+# kv KEY VALUE...: print one run.info line "key: value"; info FILE KEY VALUE...: append it to FILE
+kv() {
+  local key=$1
+  shift
+  printf '%s: %s\n' "$key" "$*"
+}
+info() {
+  local file=$1
+  shift
+  kv "$@" >>"$file"
+}
+
+# env_snapshot: the environment variables that shape a run, one NAME=value per line
+env_snapshot() {
+  env | LC_ALL=C sort | grep -E '^(NCCL_|NSA_|TORCH_|PYTORCH_|CUDA_|OMP_|HF_|MASTER_|PYTHONPATH=)' || true
+}
+
+# metrics_field OUT_DIR KEY -> a top-level value of metrics.json (empty when absent)
+metrics_field() {
+  [ -f "$1/metrics.json" ] || return 0
+  "$(any_python)" - "$1/metrics.json" "$2" <<'PY' 2>/dev/null || true
+import json, sys
+try:
+    v = json.load(open(sys.argv[1])).get(sys.argv[2])
+except (OSError, ValueError):
+    v = None
+print("" if v is None else v)
+PY
+}

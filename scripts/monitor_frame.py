@@ -1,0 +1,444 @@
+#!/usr/bin/env python3
+"""One monitor frame for a training run: progress, ETA, loss, throughput, validation, GPUs,
+heartbeats, NSA gate health, checkpoints, flags and alerts. Standard library only (runs without
+the venv); scripts/monitor_run.sh calls it in a loop.
+
+    python3 scripts/monitor_frame.py RUN_OR_OUT_DIR [--window 20] [--stale-s 300] [--loss-floor 1.5]
+
+RUN_OR_OUT_DIR is a run directory (artifacts/train_runs/m7c_*, holding run.info, which names the
+out_dir) or a trainer out_dir (training.csv, heartbeat_rank*.jsonl, metrics.json; docs/ARTIFACTS.md).
+
+Alerts (thresholds also from the environment: WINDOW, STALE_S, LOSS_FLOOR, LOSS_FLOOR_FRAC,
+THROUGHPUT_DROP, GATE_COLLAPSE_MAX, GATE_ENTROPY_MIN):
+  throughput  last toks/s more than THROUGHPUT_DROP (0.2) below the mean of the window
+  stale       no heartbeat line for STALE_S (300) seconds while the run is not finished
+  gates       gate collapse fraction > GATE_COLLAPSE_MAX (0.01) or mean gate entropy < GATE_ENTROPY_MIN (0.5)
+  nan         a non-finite loss, newly skipped steps, or an anomaly halt
+  leak        loss < LOSS_FLOOR (1.5) before LOSS_FLOOR_FRAC (10%) of the steps (seed 000: suspect leakage)
+  watchdog    the trainer's watchdog fired (no step for runtime.watchdog_s) in the current session
+  trainer     'alert' records the trainer wrote to the heartbeat
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CKPT_RE = re.compile(r"^checkpoint_step(\d+)\.pt$")
+
+
+# ---- reading ----------------------------------------------------------------------------------
+def read_kv(path: Path) -> dict[str, str]:
+    """run.info / launch_info.txt: 'key: value' lines (the last value of a key wins)."""
+    out: dict[str, str] = {}
+    try:
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            if line.startswith("#") or ": " not in line:
+                continue
+            key, value = line.split(": ", 1)
+            out[key.strip()] = value.strip()
+    except OSError:
+        pass
+    return out
+
+
+def resolve(target: Path, repo: Path | None = None) -> tuple[Path | None, Path]:
+    """-> (run_dir or None, out_dir). A run dir's out_dir is relative to the repository root."""
+    info = target / "run.info"
+    if info.is_file():
+        out = read_kv(info).get("out_dir")
+        if out:
+            p = Path(out)
+            if not p.is_absolute():
+                p = (repo or Path(__file__).resolve().parents[1]) / p
+            return target, p
+        return target, target
+    return None, target
+
+
+def to_float(v) -> float | None:
+    if v is None or v == "":
+        return None
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def read_csv(path: Path) -> list[dict]:
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            return [r for r in csv.DictReader(f) if (r.get("step") or "").isdigit()]
+    except OSError:
+        return []
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    records = []
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    records.append(json.loads(line))
+                except ValueError:
+                    continue  # a line being written right now
+    except OSError:
+        pass
+    return records
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+
+
+def config_steps(path: Path) -> int | None:
+    """train.steps from config.yaml (yaml.safe_dump output: 'train:' then '  steps: N')."""
+    section = None
+    try:
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line and not line.startswith(" ") and line.endswith(":"):
+                section = line[:-1]
+            elif section == "train" and line.strip().startswith("steps:"):
+                return int(float(line.split(":", 1)[1]))
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def gate_values(record: dict) -> dict[str, float]:
+    """gate_* keys of a heartbeat 'train' record, normalised: the trainer prefixes 'gate_' onto the
+    stats' own names (gate_entropy_mean -> gate_gate_entropy_mean, sel_free_frac -> gate_sel_free_frac);
+    both spellings, and gate_collapse_fraction, are accepted."""
+    out = {}
+    for key, value in record.items():
+        if not key.startswith("gate_"):
+            continue
+        name = key[5:] if key[5:].startswith(("gate_", "sel_")) else key
+        v = to_float(value)
+        if v is not None:
+            out[name] = v
+    return out
+
+
+def pick(d: dict[str, float], *needles: str) -> tuple[str, float] | None:
+    for needle in needles:
+        for k, v in d.items():
+            if needle in k:
+                return k, v
+    return None
+
+
+# ---- formatting -------------------------------------------------------------------------------
+def fmt_num(v: float | None, digits: int = 4) -> str:
+    if v is None:
+        return "-"
+    if not math.isfinite(v):
+        return str(v)
+    return f"{v:.{digits}f}"
+
+
+def fmt_int(v: float | None) -> str:
+    return "-" if v is None or not math.isfinite(v) else f"{v:,.0f}"
+
+
+def fmt_dur(s: float | None) -> str:
+    if s is None or not math.isfinite(s) or s < 0:
+        return "-"
+    s = int(s)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{(s % 3600) // 60:02d}m"
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def gpu_lines(nvidia_smi: str) -> list[str]:
+    query = "--query-gpu=index,name,memory.used,memory.total,utilization.gpu"
+    try:
+        res = subprocess.run([nvidia_smi, query, "--format=csv,noheader,nounits"], capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    if res.returncode != 0:
+        return []
+    lines = []
+    for row in res.stdout.strip().splitlines():
+        parts = [p.strip() for p in row.split(",")]
+        if len(parts) < 5:
+            continue
+        idx, name, used, total, util = parts[:5]
+        try:
+            lines.append(f"gpu{idx} {name}: {float(used) / 1024:.1f}/{float(total) / 1024:.1f} GiB, util {util}%")
+        except ValueError:
+            lines.append(f"gpu{idx} {name}: {used}/{total} MiB, util {util}%")
+    return lines
+
+
+# ---- the frame --------------------------------------------------------------------------------
+def env_float(name: str, default: float) -> float:
+    v = to_float(os.environ.get(name))
+    return default if v is None else v
+
+
+def build_frame(target: Path, *, window: int = 20, stale_s: float = 300.0, loss_floor: float = 1.5,
+                loss_floor_frac: float = 0.1, drop: float = 0.2, collapse_max: float = 0.01,
+                entropy_min: float = 0.5, nvidia_smi: str | None = "nvidia-smi",
+                now: float | None = None) -> tuple[str, list[str]]:
+    """-> (frame text, alerts)."""
+    now = time.time() if now is None else now
+    run_dir, out = resolve(target)
+    lines: list[str] = []
+    alerts: list[str] = []
+    head = f"== {out}"
+    if run_dir is not None:
+        head += f"  (run {run_dir})"
+    lines.append(head + f"  {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(now))}")
+    if run_dir is not None:
+        ri = read_kv(run_dir / "run.info")
+        bits = [f"config {ri.get('config', '?')}", f"gpus {ri.get('gpu_count', '?')}"]
+        if ri.get("resume_from"):
+            bits.append(f"resume {ri['resume_from']}")
+        if ri.get("exit_code"):
+            bits.append(f"launcher exit {ri['exit_code']}")
+        lines.append("run         " + " | ".join(bits))
+    if not out.is_dir():
+        lines.append(f"out_dir     {out} does not exist yet (training not started)")
+        return "\n".join(lines), alerts
+
+    metrics = read_json(out / "metrics.json")
+    rows = read_csv(out / "training.csv")
+    val_rows = read_csv(out / "val.csv")
+    beats = {p: read_jsonl(p) for p in sorted(out.glob("heartbeat_rank*.jsonl"))}
+    rank0 = beats.get(out / "heartbeat_rank0.jsonl") or (next(iter(beats.values())) if beats else [])
+    starts = [i for i, r in enumerate(rank0) if r.get("kind") == "start"]
+    session = rank0[starts[-1]:] if starts else rank0
+    session_start_step = int(session[0].get("step", 0)) if starts else 0
+    last_kind = rank0[-1].get("kind") if rank0 else None
+
+    status = metrics.get("status") or ("running" if rank0 else "not started")
+    ended = status in ("finished", "stopped", "anomaly") or last_kind in ("end", "anomaly")
+    if last_kind == "end" and status == "running":
+        status = "ended"
+    steps = metrics.get("steps") or config_steps(out / "config.yaml")
+    step = max([int(metrics.get("step") or 0)] + [int(r["step"]) for r in rows[-1:]]
+               + [int(r.get("step") or 0) for r in rank0[-1:]])
+
+    # progress and ETA (wall time between this session's train records: includes eval/checkpoints)
+    train_recs = [r for r in session if r.get("kind") == "train"]
+    sec_per_step = None
+    recent = train_recs[-(window + 1):]
+    if len(recent) >= 2 and recent[-1]["step"] > recent[0]["step"]:
+        sec_per_step = (recent[-1]["ts"] - recent[0]["ts"]) / (recent[-1]["step"] - recent[0]["step"])
+    elif rows:
+        dts = [to_float(r.get("dt_step_s")) for r in rows[-window:]]
+        dts = [d for d in dts if d is not None]
+        sec_per_step = sum(dts) / len(dts) if dts else None
+    prog = f"step {step:,}"
+    if steps:
+        prog += f" / {int(steps):,} ({100.0 * step / int(steps):.1f}%)"
+        if not ended and sec_per_step:
+            eta = (int(steps) - step) * sec_per_step
+            prog += f" | ETA {fmt_dur(eta)} ({sec_per_step:.3f} s/step)"
+    lines.append(f"status      {status}")
+    lines.append(f"progress    {prog}")
+
+    # loss and throughput over the window of this session's rows
+    session_rows = [r for r in rows if int(r["step"]) > session_start_step]
+    win = session_rows[-window:] or rows[-window:]
+    first_is_warmup = bool(starts) and 0 < len(session_rows) <= window
+    losses = [to_float(r.get("loss")) for r in win]
+    finite = [x for x in losses if x is not None and math.isfinite(x)]
+    if rows:
+        last_loss = to_float(rows[-1].get("loss"))
+        mean = sum(finite) / len(finite) if finite else None
+        lines.append(f"loss        last {fmt_num(last_loss)} | mean of last {len(win)} {fmt_num(mean)}"
+                     f" | grad norm {fmt_num(to_float(rows[-1].get('grad_norm')), 3)}"
+                     f" | lr {rows[-1].get('lr') or '-'}")
+        tps = [to_float(r.get("toks_per_s")) for r in win]
+        tps = [t for t in tps if t is not None and math.isfinite(t)]
+        last_tps = to_float(rows[-1].get("toks_per_s"))
+        mean_tps = sum(tps) / len(tps) if tps else None
+        per_gpu = to_float(rows[-1].get("toks_per_s_per_gpu"))
+        mfu = to_float(rows[-1].get("mfu"))
+        extra = f" | per GPU {fmt_int(per_gpu)}" if per_gpu is not None else ""
+        extra += f" | MFU {mfu * 100:.1f}%" if mfu is not None else ""
+        lines.append(f"tokens/s    last {fmt_int(last_tps)} | mean of last {len(tps)} {fmt_int(mean_tps)}{extra}")
+        mem = to_float(rows[-1].get("mem_reserved_mib"))
+        if mem is not None:
+            lines.append(f"cuda mem    peak reserved {mem / 1024:.1f} GiB (rank 0)")
+        # throughput drop: last vs the window's mean (the session's first interval is warm-up)
+        base = [to_float(r.get("toks_per_s")) for r in win[:-1]]
+        if first_is_warmup:  # the window starts at this session's first interval (start-up, warm-up)
+            base = base[1:]
+        base = [b for b in base if b is not None and math.isfinite(b) and b > 0]
+        if len(base) >= 2 and last_tps is not None and not ended:
+            ref = sum(base) / len(base)
+            if last_tps < (1.0 - drop) * ref:
+                alerts.append(f"throughput: last {fmt_int(last_tps)} tok/s is {100 * (1 - last_tps / ref):.0f}% "
+                              f"below the window mean {fmt_int(ref)} (> {drop * 100:.0f}% drop)")
+        # NaN / skipped steps
+        if last_loss is None or not math.isfinite(last_loss):
+            alerts.append(f"nan: non-finite loss at step {rows[-1]['step']}")
+        skipped = [to_float(r.get("skipped_steps")) or 0 for r in win]
+        if len(skipped) >= 2 and skipped[-1] > skipped[0]:
+            alerts.append(f"nan: {skipped[-1] - skipped[0]:.0f} non-finite step(s) skipped in the window "
+                          f"({skipped[-1]:.0f} in the run)")
+        # leak suspicion: a loss far too low early on
+        if steps:
+            early = [r for r in rows if int(r["step"]) < loss_floor_frac * int(steps)]
+            low = [r for r in early if (to_float(r.get("loss")) or math.inf) < loss_floor]
+            if low:
+                r = low[0]
+                alerts.append(f"leak: loss {fmt_num(to_float(r['loss']))} at step {r['step']} < {loss_floor} before "
+                              f"{loss_floor_frac * 100:.0f}% of training: suspect data leakage "
+                              "(eye-test the data: scripts/datasets/eye_test.py)")
+    else:
+        lines.append("loss        no training.csv rows yet")
+
+    if val_rows:
+        v = val_rows[-1]
+        vals = [to_float(r.get("val_loss")) for r in val_rows]
+        best = min((x for x in vals if x is not None and math.isfinite(x)), default=None)
+        lines.append(f"val         step {v['step']} loss {fmt_num(to_float(v.get('val_loss')))} "
+                     f"ppl {fmt_num(to_float(v.get('ppl')), 2)} | best {fmt_num(best)}")
+    else:
+        lines.append("val         -")
+
+    # GPUs
+    if nvidia_smi:
+        g = gpu_lines(nvidia_smi)
+        lines.extend(("gpu         " if i == 0 else "            ") + s for i, s in enumerate(g))
+        if not g:
+            lines.append("gpu         n/a (no nvidia-smi or no GPU)")
+
+    # heartbeats
+    if beats:
+        parts = []
+        newest_age = math.inf
+        for path, recs in beats.items():
+            rank = path.stem.replace("heartbeat_rank", "")
+            if not recs:
+                parts.append(f"rank{rank}: empty")
+                continue
+            age = now - float(recs[-1].get("ts", now))
+            newest_age = min(newest_age, age)
+            parts.append(f"rank{rank}: {fmt_dur(age)} ago ({recs[-1].get('kind')}, step {recs[-1].get('step')})")
+            if not ended and age > stale_s:
+                alerts.append(f"stale: heartbeat rank {rank} silent for {fmt_dur(age)} (> {stale_s:.0f}s): "
+                              "hung or crashed? kill -USR1 <pid> dumps stacks")
+        lines.append("heartbeat   " + " | ".join(parts))
+    else:
+        lines.append("heartbeat   none yet")
+
+    # NSA gate health (last train record of rank 0 that carries gate keys)
+    gate_rec = next((r for r in reversed(train_recs or rank0) if r.get("kind") == "train" and gate_values(r)), None)
+    if gate_rec is not None:
+        gv = gate_values(gate_rec)
+        shown = []
+        for label, needles in (("entropy_mean", ("entropy_mean",)), ("entropy_min", ("entropy_min",)),
+                               ("collapse", ("collapse",)), ("saturated", ("saturated",)),
+                               ("max_mean", ("max_mean",)), ("sel_free", ("sel_free_frac",))):
+            hit = pick(gv, *needles)
+            if hit:
+                shown.append(f"{label} {hit[1]:.3f}")
+        shares = [f"{k.rsplit('_', 1)[-1]} {v:.2f}" for k, v in gv.items() if "share" in k]
+        if shares:
+            shown.append("share " + "/".join(shares))
+        lines.append(f"gates       step {gate_rec.get('step')}: " + (" | ".join(shown) or ", ".join(gv)))
+        col = pick(gv, "collapse")
+        if col and col[1] > collapse_max:
+            alerts.append(f"gates: collapse fraction {col[1]:.3f} > {collapse_max} (one branch took over)")
+        ent = pick(gv, "entropy_mean")
+        if ent and ent[1] < entropy_min:
+            alerts.append(f"gates: mean gate entropy {ent[1]:.3f} < {entropy_min} (gates saturating)")
+    else:
+        lines.append("gates       n/a (no gate_* keys in the heartbeat)")
+
+    # checkpoints
+    ckpts = sorted((int(m.group(1)), p) for p in out.iterdir() if (m := CKPT_RE.match(p.name)))
+    if ckpts:
+        s, p = ckpts[-1]
+        st = p.stat()
+        lines.append(f"checkpoint  {p.name} ({fmt_bytes(st.st_size)}, {fmt_dur(now - st.st_mtime)} ago) | "
+                     f"{len(ckpts)} kept")
+    else:
+        lines.append("checkpoint  none yet")
+
+    # flags
+    flags = []
+    if (out / ".HALT").exists():
+        flags.append("HALT requested (remove .HALT before resuming)")
+    anomaly = out / ".anomaly_type"
+    if anomaly.exists():
+        text = anomaly.read_text(encoding="utf-8", errors="replace").strip()
+        flags.append(f"ANOMALY: {text}")
+        alerts.append(f"nan: the run halted on an anomaly: {text}")
+    dumps = sorted(out.glob("stackdump_*.txt"))
+    if dumps:
+        flags.append(f"{len(dumps)} stack dump(s), newest {dumps[-1].name}")
+    lines.append("flags       " + (" | ".join(flags) if flags else "none"))
+
+    for r in session:
+        if r.get("kind") == "watchdog":
+            alerts.append(f"watchdog: no step for {fmt_dur(to_float(r.get('idle_s')))} at step {r.get('step')} "
+                          f"(stacks in {r.get('path')})")
+        elif r.get("kind") == "alert":
+            alerts.append(f"trainer: {r.get('alert')} at step {r.get('step')}: {r.get('message', '')}".rstrip(": "))
+        elif r.get("kind") == "anomaly" and not anomaly.exists():
+            alerts.append(f"nan: anomaly at step {r.get('step')}: {r.get('message', r.get('anomaly_type'))}")
+
+    alerts = list(dict.fromkeys(alerts))
+    if alerts:
+        lines.extend(("ALERTS      " if i == 0 else "            ") + f"! {a}" for i, a in enumerate(alerts))
+    else:
+        lines.append("alerts      none")
+    return "\n".join(lines), alerts
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("target", help="run dir (holding run.info) or trainer out_dir")
+    ap.add_argument("--window", type=int, default=int(env_float("WINDOW", 20)))
+    ap.add_argument("--stale-s", type=float, default=env_float("STALE_S", 300))
+    ap.add_argument("--loss-floor", type=float, default=env_float("LOSS_FLOOR", 1.5))
+    ap.add_argument("--loss-floor-frac", type=float, default=env_float("LOSS_FLOOR_FRAC", 0.1))
+    ap.add_argument("--throughput-drop", type=float, default=env_float("THROUGHPUT_DROP", 0.2))
+    ap.add_argument("--gate-collapse-max", type=float, default=env_float("GATE_COLLAPSE_MAX", 0.01))
+    ap.add_argument("--gate-entropy-min", type=float, default=env_float("GATE_ENTROPY_MIN", 0.5))
+    ap.add_argument("--nvidia-smi", default=os.environ.get("NVIDIA_SMI", "nvidia-smi"))
+    args = ap.parse_args(argv)
+    target = Path(args.target)
+    if not target.exists():
+        print(f"monitor: error: {target} does not exist (give a run dir or an out_dir)", file=sys.stderr)
+        return 2
+    frame, _ = build_frame(target, window=max(2, args.window), stale_s=args.stale_s, loss_floor=args.loss_floor,
+                           loss_floor_frac=args.loss_floor_frac, drop=args.throughput_drop,
+                           collapse_max=args.gate_collapse_max, entropy_min=args.gate_entropy_min,
+                           nvidia_smi=args.nvidia_smi)
+    print(frame, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Live monitor of a training run: progress and ETA, loss, tokens/s, val loss, GPU memory and
+# utilisation, heartbeat age, NSA gate health, latest checkpoint, HALT / anomaly flags and alerts.
+# The analysis lives in scripts/monitor_frame.py (standard library only); this loop only redraws.
+#
+#   bash scripts/monitor_run.sh [--once] [--interval N] [--window N] [RUN_OR_OUT_DIR]
+#
+# RUN_OR_OUT_DIR: a run dir (artifacts/train_runs/m7c_*, whose run.info names the out_dir) or a
+# trainer out_dir; default: the newest artifacts/train_runs/m7c_* run dir.
+# Environment: INTERVAL (10 s), WINDOW (20 rows), STALE_S (300), LOSS_FLOOR (1.5), LOSS_FLOOR_FRAC (0.1),
+# THROUGHPUT_DROP (0.2), GATE_COLLAPSE_MAX (0.01), GATE_ENTROPY_MIN (0.5), NVIDIA_SMI, ARTIFACTS_DIR.
+# Read-only: it never touches the run. Ctrl-C leaves.
+set -euo pipefail
+
+SCRIPT_TAG=monitor
+# shellcheck source=scripts/lib/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib/common.sh"
+cd_repo
+
+usage() { echo "usage: bash scripts/monitor_run.sh [--once] [--interval N] [--window N] [RUN_OR_OUT_DIR]"; }
+
+ONCE=0
+INTERVAL=${INTERVAL:-10}
+TARGET=""
+FRAME_ARGS=()
+while [ "$#" -gt 0 ]; do
+  case "$1" in
+    --once) ONCE=1 ;;
+    --interval) INTERVAL=${2:?--interval needs a value}; shift ;;
+    --interval=*) INTERVAL=${1#*=} ;;
+    --window) FRAME_ARGS+=(--window "${2:?--window needs a value}"); shift ;;
+    --window=*) FRAME_ARGS+=(--window "${1#*=}") ;;
+    -h | --help) usage; exit 0 ;;
+    -*) usage >&2; die "unknown option $1" 2 ;;
+    *)
+      [ -z "$TARGET" ] || die "give one run dir or out_dir (got '$TARGET' and '$1')" 2
+      TARGET=$1
+      ;;
+  esac
+  shift
+done
+[[ "$INTERVAL" =~ ^[0-9]+([.][0-9]+)?$ ]] || die "--interval must be a number of seconds, got '$INTERVAL'" 2
+
+if [ -z "$TARGET" ]; then
+  TARGET=$(find "${ARTIFACTS_DIR:-artifacts}/train_runs" -mindepth 1 -maxdepth 1 -type d -name 'm7c_*' 2>/dev/null | LC_ALL=C sort | tail -n 1)
+  [ -n "$TARGET" ] || die "no run given and none under ${ARTIFACTS_DIR:-artifacts}/train_runs; usage: bash scripts/monitor_run.sh RUN_OR_OUT_DIR" 2
+fi
+PYBIN=$(any_python)
+if [ "$ONCE" = 1 ]; then
+  [ -e "$TARGET" ] || die "$TARGET does not exist (give a run dir or a trainer out_dir)" 2
+  exec "$PYBIN" scripts/monitor_frame.py "${FRAME_ARGS[@]}" "$TARGET"
+fi
+
+while true; do
+  if [ -e "$TARGET" ]; then
+    frame=$("$PYBIN" scripts/monitor_frame.py "${FRAME_ARGS[@]}" "$TARGET" 2>&1) || true
+  else
+    frame="== $TARGET does not exist yet: waiting for the run to start ($(date '+%H:%M:%S'))"
+  fi
+  if [ -t 1 ]; then printf '\033[H\033[2J'; else printf '\n'; fi
+  printf '%s\n' "$frame"
+  printf '(refresh every %ss; Ctrl-C to leave)\n' "$INTERVAL"
+  sleep "$INTERVAL"
+done

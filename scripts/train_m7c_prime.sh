@@ -1,0 +1,199 @@
+#!/usr/bin/env bash
+# M7C training runner (seed 003): one command from a bootstrapped checkout to a running, resumable
+# training job. Run it inside tmux (docs/RUNBOOK.md):
+#
+#   tmux new -s m7c
+#   bash scripts/train_m7c_prime.sh
+#
+# What it does:
+#   1. requires .venv (bash scripts/prime_bootstrap.sh), exports seed 003's NCCL settings and
+#      PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the caller's values win);
+#   2. picks the config from the largest GPU's memory (>= 75 GB: 80g, >= 35 GB: 40g, else 24g;
+#      no GPU: configs/m7c_cpu.yaml) and the launcher (torchrun over every visible GPU when
+#      there are 2 or more, python otherwise);
+#   3. creates artifacts/train_runs/m7c_<timestamp>/ with run.info, smoke.log, train.log;
+#   4. smoke: SMOKE_STEPS (50) synthetic steps of configs/train_showcase.yaml with the same launcher
+#      into <run dir>/smoke; a failing smoke stops everything (exit 1);
+#   5. trains; the trainer resumes from the newest complete checkpoint of the config's out_dir
+#      (train.resume=auto) and run.info records which one.
+# Exit status: 0 finished or gracefully stopped; 1 set-up / smoke failure; otherwise the trainer's
+# (2 bad input, 3 anomaly halt).
+#
+# Knobs (environment):
+#   CONFIG=path.yaml        force a config instead of choosing by VRAM
+#   DATASET=SOURCE          --data.source: fineweb_edu | synthetic | text:GLOB | jsonl:GLOB | parquet:GLOB | bin:DIR | hf:NAME
+#   EXTRA_ARGS="--k=v ..."  overrides appended to the training command (no spaces inside a value)
+#   SMOKE_STEPS=50          smoke length; 0 skips the smoke
+#   SMOKE_ARGS="--k=v ..."  overrides appended to the smoke command
+#   ARTIFACTS_DIR=artifacts where train_runs/ goes
+#   NVIDIA_SMI=nvidia-smi   the nvidia-smi to ask (tests use a fake)
+#   DRY_RUN=1               print the selected config and the commands, then exit 0
+#   NSA_DDP_COMPRESS, NSA_DDP_BUCKET_MB, NSA_DDP_DISABLE_GC  see scripts/lib/env_overrides.sh
+#   VENV=.venv              the virtual environment
+set -euo pipefail
+
+SCRIPT_TAG=train_m7c
+# shellcheck source=scripts/lib/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib/common.sh"
+# shellcheck source=scripts/lib/env_overrides.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib/env_overrides.sh"
+cd_repo
+
+require_venv
+export_nccl_defaults
+export PYTHONUNBUFFERED=1
+
+SMOKE_STEPS=${SMOKE_STEPS:-50}
+[[ "$SMOKE_STEPS" =~ ^[0-9]+$ ]] || die "SMOKE_STEPS=$SMOKE_STEPS must be a non-negative integer"
+SMOKE_CONFIG=configs/train_showcase.yaml
+ARTIFACTS_DIR=${ARTIFACTS_DIR:-artifacts}
+
+# ---- config and launcher -------------------------------------------------------------------------
+detect_gpus
+if [ -n "${CONFIG:-}" ]; then
+  reason="forced by CONFIG"
+elif [ "$GPU_COUNT" -eq 0 ]; then
+  CONFIG=configs/m7c_cpu.yaml
+  reason="no GPU found: CPU config"
+else
+  max_gb=$(mib_to_gb "$GPU_MAX_MIB")
+  if [ $((GPU_MAX_MIB * 1048576)) -ge 75000000000 ]; then
+    CONFIG=configs/m7c_125m_80g.yaml
+    reason="largest GPU ${GPU_MAX_MIB} MiB = ${max_gb} GB >= 75 GB"
+  elif [ $((GPU_MAX_MIB * 1048576)) -ge 35000000000 ]; then
+    CONFIG=configs/m7c_125m_40g.yaml
+    reason="largest GPU ${GPU_MAX_MIB} MiB = ${max_gb} GB >= 35 GB"
+  else
+    CONFIG=configs/m7c_125m_24g.yaml
+    reason="largest GPU ${GPU_MAX_MIB} MiB = ${max_gb} GB < 35 GB"
+  fi
+fi
+[ -f "$CONFIG" ] || die "config $CONFIG not found"
+
+NPROC=$GPU_COUNT
+launcher_for "$NPROC"
+if [ "$NPROC" -ge 2 ]; then
+  export NSA_DDP_COMPRESS="${NSA_DDP_COMPRESS:-bf16}"  # seed 003: bf16 gradient compression by default
+fi
+
+OVERRIDES=()
+if [ -n "${DATASET:-}" ]; then OVERRIDES+=("--data.source=$DATASET"); fi
+read_overrides ENV_ARGS
+OVERRIDES+=("${ENV_ARGS[@]}")
+mapfile -t EXTRA < <(split_words "${EXTRA_ARGS:-}")
+OVERRIDES+=("${EXTRA[@]}")
+mapfile -t SMOKE_EXTRA < <(split_words "${SMOKE_ARGS:-}")
+
+TRAIN_CMD=("${LAUNCH[@]}" "$CONFIG" "${OVERRIDES[@]}")
+
+if [ "${DRY_RUN:-0}" = 1 ]; then
+  echo "config: $CONFIG ($reason)"
+  echo "gpus: $GPU_COUNT | $(gpu_summary)"
+  echo "launch: $(quote_cmd "${TRAIN_CMD[@]}")"
+  if [ "$SMOKE_STEPS" -gt 0 ]; then
+    echo "smoke: $(quote_cmd "${LAUNCH[@]}" "$SMOKE_CONFIG" "--train.out_dir=RUN_DIR/smoke" "--train.steps=$SMOKE_STEPS" "${SMOKE_EXTRA[@]}")"
+  else
+    echo "smoke: skipped (SMOKE_STEPS=0)"
+  fi
+  env_snapshot | sed 's/^/env: /'
+  exit 0
+fi
+
+# ---- pre-checks on the effective config ----------------------------------------------------------
+config_facts "$CONFIG" "${OVERRIDES[@]}"
+OUT_DIR=$CFG_OUT_DIR
+check_halt "$OUT_DIR"
+lock_out_dir "$OUT_DIR"
+RESUME_FROM=$(resume_note "$OUT_DIR" "$CFG_RESUME")
+
+RUN_DIR=$(new_run_dir m7c)
+RUN_INFO="$RUN_DIR/run.info"
+SMOKE_CMD=("${LAUNCH[@]}" "$SMOKE_CONFIG" "--train.out_dir=$RUN_DIR/smoke" "--train.steps=$SMOKE_STEPS"
+  "--train.resume=none" "${SMOKE_EXTRA[@]}")
+
+{
+  echo "# M7C run record (scripts/train_m7c_prime.sh); key: value lines"
+  kv run_dir "$RUN_DIR"
+  kv started "$(now_iso)"
+  kv host "$(hostname 2>/dev/null || echo unknown)"
+  kv config "$CONFIG"
+  kv config_reason "$reason"
+  kv config_sha256 "$(sha256sum "$CONFIG" | cut -d' ' -f1)"
+  kv out_dir "$OUT_DIR"
+  kv steps "$CFG_STEPS"
+  kv data_source "$CFG_SOURCE"
+  kv gpu_count "$GPU_COUNT"
+  kv gpus "$(gpu_summary)"
+  kv max_vram_mib "$GPU_MAX_MIB"
+  kv nproc "$NPROC"
+  kv git_sha "$(git_sha)"
+  kv git_branch "$(git_branch)"
+  kv git_dirty "$(git_dirty)"
+  kv torch "$(torch_version)"
+  kv python "$(python_version)"
+  kv resume_from "$RESUME_FROM"
+  kv smoke_cmd "$(quote_cmd "${SMOKE_CMD[@]}")"
+  kv train_cmd "$(quote_cmd "${TRAIN_CMD[@]}")"
+  env_snapshot | sed 's/^/env: /'
+} >"$RUN_INFO"
+
+log "run dir: $RUN_DIR"
+log "config: $CONFIG ($reason)"
+log "out_dir: $OUT_DIR | resume: $RESUME_FROM"
+log "gpus: $GPU_COUNT | launch: $(quote_cmd "${TRAIN_CMD[@]}")"
+
+finish() {
+  info "$RUN_INFO" end "$(now_iso)"
+  info "$RUN_INFO" exit_code "$1"
+  if [ -n "${2:-}" ]; then info "$RUN_INFO" failure "$2"; fi
+}
+
+# ---- smoke ---------------------------------------------------------------------------------------
+if [ "$SMOKE_STEPS" -gt 0 ]; then
+  log "smoke: $SMOKE_STEPS synthetic steps of $SMOKE_CONFIG -> $RUN_DIR/smoke.log"
+  info "$RUN_INFO" smoke_start "$(now_iso)"
+  smoke_rc=0
+  # tee -i: Ctrl-C reaches the trainer (graceful stop), never the log writer
+  "${SMOKE_CMD[@]}" 2>&1 | tee -i "$RUN_DIR/smoke.log" >/dev/null || smoke_rc=$?
+  smoke_status=$(metrics_field "$RUN_DIR/smoke" status)
+  if [ "$smoke_rc" -ne 0 ] || [ "$smoke_status" != finished ]; then
+    tail -n 5 "$RUN_DIR/smoke.log" >&2 || true
+    info "$RUN_INFO" smoke "FAILED (exit $smoke_rc, status ${smoke_status:-none})"
+    finish 1 "smoke test failed"
+    die "smoke test failed (exit $smoke_rc, status ${smoke_status:-none}): see $RUN_DIR/smoke.log; training not started"
+  fi
+  rm -f "$RUN_DIR"/smoke/checkpoint_step*.pt "$RUN_DIR/smoke/latest.pt"  # weights of a smoke are noise
+  info "$RUN_INFO" smoke "ok ($SMOKE_STEPS steps, last loss $(metrics_field "$RUN_DIR/smoke" last_loss))"
+  log "smoke: ok"
+else
+  info "$RUN_INFO" smoke "skipped (SMOKE_STEPS=0)"
+  log "smoke: skipped (SMOKE_STEPS=0)"
+fi
+
+# ---- training ------------------------------------------------------------------------------------
+info "$RUN_INFO" train_start "$(now_iso)"
+log "training -> $RUN_DIR/train.log (stop gracefully: touch $OUT_DIR/.HALT or Ctrl-C)"
+train_rc=0
+"${TRAIN_CMD[@]}" 2>&1 | tee -i -a "$RUN_DIR/train.log" || train_rc=$?
+
+final_status=$(metrics_field "$OUT_DIR" status)
+if [ "$train_rc" -ne 0 ] && [ "$final_status" = anomaly ]; then
+  train_rc=3  # torchrun reports any failed worker as 1; the run's own status says why
+fi
+info "$RUN_INFO" final_step "$(metrics_field "$OUT_DIR" step)"
+info "$RUN_INFO" final_status "$final_status"
+info "$RUN_INFO" last_checkpoint "$(newest_checkpoint "$OUT_DIR")"
+case "$train_rc" in
+  0)
+    finish 0
+    log "done: $(metrics_field "$OUT_DIR" status) at step $(metrics_field "$OUT_DIR" step); run record $RUN_INFO"
+    ;;
+  3)
+    finish 3 "anomaly halt: $(cat "$OUT_DIR/.anomaly_type" 2>/dev/null || echo see train.log)"
+    die "training halted on an anomaly ($(cat "$OUT_DIR/.anomaly_type" 2>/dev/null || echo see train.log)); last good checkpoint kept in $OUT_DIR" 3
+    ;;
+  *)
+    finish "$train_rc" "trainer exited $train_rc"
+    die "training failed (exit $train_rc): see $RUN_DIR/train.log" "$train_rc"
+    ;;
+esac

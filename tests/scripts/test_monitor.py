@@ -1,0 +1,180 @@
+"""scripts/monitor_frame.py (the analysis) on hand-made out_dirs, and scripts/monitor_run.sh /
+monitor_production_50k.sh --once: progress, ETA, gate health (every key spelling), checkpoints,
+flags and each alert (throughput drop, stale heartbeat, gate collapse, NaN, early low loss)."""
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.scripts.helpers import A100_80, REPO, run_script
+
+spec = importlib.util.spec_from_file_location("monitor_frame", REPO / "scripts" / "monitor_frame.py")
+monitor_frame = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(monitor_frame)
+
+FIELDS = ["step", "loss", "lr", "toks_per_s", "grad_norm", "dt_step_s", "dt_fetch_s", "tokens_seen",
+          "skipped_steps", "mfu", "tflops", "toks_per_s_per_gpu", "mem_alloc_mib", "mem_reserved_mib"]
+NOW = 1_800_000_000.0
+HEALTHY_GATES = {"gate_gate_entropy_mean": 0.62, "gate_gate_entropy_min": 0.2, "gate_gate_collapse_frac": 0.0,
+                 "gate_gate_share_cmp": 0.3, "gate_gate_share_sel": 0.35, "gate_gate_share_win": 0.35,
+                 "gate_sel_free_frac": 0.7}
+
+
+def make_out(root: Path, *, n=10, steps=1000, every=10, loss=lambda i: 6.0 - 0.1 * i, tps=lambda i: 1000.0,
+             gates=None, status="running", age=5.0, skipped=lambda i: 0) -> Path:
+    out = root / "out"
+    out.mkdir(parents=True)
+    with open(out / "training.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, FIELDS)
+        w.writeheader()
+        for i in range(1, n + 1):
+            w.writerow({"step": i * every, "loss": loss(i), "lr": 1e-4, "toks_per_s": tps(i), "grad_norm": 1.0,
+                        "dt_step_s": 0.5, "dt_fetch_s": 0.01, "tokens_seen": i * 1000, "skipped_steps": skipped(i),
+                        "mfu": 0.4, "toks_per_s_per_gpu": tps(i) / 2, "mem_reserved_mib": 30000})
+    (out / "val.csv").write_text("step,val_loss,ppl\n50,4.0,54.6\n100,3.5,33.1\n")
+    t0 = NOW - age - n * 5
+    recs = [{"ts": t0 - 1, "rank": 0, "step": 0, "kind": "start", "resumed_from": None}]
+    for i in range(1, n + 1):
+        r = {"ts": t0 + 5 * i, "rank": 0, "step": i * every, "kind": "train", "loss": loss(i)}
+        r.update(gates or {})
+        recs.append(r)
+    recs[-1]["ts"] = NOW - age
+    (out / "heartbeat_rank0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (out / "heartbeat_rank1.jsonl").write_text(json.dumps({"ts": NOW - age, "rank": 1, "step": n * every,
+                                                           "kind": "train"}) + "\n")
+    (out / "metrics.json").write_text(json.dumps({"status": status, "step": n * every, "steps": steps}))
+    (out / f"checkpoint_step{n * every}.pt").write_bytes(b"x" * 2000)
+    return out
+
+
+def frame(target, **kw):
+    kw.setdefault("nvidia_smi", None)
+    kw.setdefault("now", NOW)
+    return monitor_frame.build_frame(target, **kw)
+
+
+def test_healthy_run(tmp_path):
+    out = make_out(tmp_path, gates=HEALTHY_GATES)
+    text, alerts = frame(out)
+    assert alerts == []
+    assert "alerts      none" in text
+    assert "progress    step 100 / 1,000 (10.0%) | ETA" in text
+    assert "(0.500 s/step)" in text                         # 5 s per 10 steps from heartbeat timestamps
+    assert "loss        last 5.0000 | mean of last 10 5.4500" in text
+    assert "tokens/s    last 1,000 | mean of last 10 1,000 | per GPU 500 | MFU 40.0%" in text
+    assert "val         step 100 loss 3.5000 ppl 33.10 | best 3.5000" in text
+    assert "rank0: 5s ago (train, step 100) | rank1: 5s ago" in text
+    assert "gates       step 100: entropy_mean 0.620 | entropy_min 0.200 | collapse 0.000" in text
+    assert "share cmp 0.30/sel 0.35/win 0.35" in text
+    assert "checkpoint  checkpoint_step100.pt (2.0 KB" in text
+    assert "flags       none" in text
+
+
+def test_throughput_drop(tmp_path):
+    out = make_out(tmp_path, tps=lambda i: 500.0 if i == 10 else 1000.0)
+    _, alerts = frame(out)
+    assert any(a.startswith("throughput: last 500 tok/s is 50% below") for a in alerts)
+    _, alerts = frame(out, drop=0.6)  # THROUGHPUT_DROP
+    assert alerts == []
+
+
+def test_stale_heartbeat_only_while_running(tmp_path):
+    out = make_out(tmp_path / "a", age=1000)
+    _, alerts = frame(out)
+    assert sum(a.startswith("stale: heartbeat rank") for a in alerts) == 2
+    out = make_out(tmp_path / "b", age=1000, status="finished")
+    _, alerts = frame(out)
+    assert alerts == []
+
+
+@pytest.mark.parametrize("gates, expect", [
+    ({"gate_collapse_fraction": 0.25, "gate_entropy_mean": 0.6}, "gates: collapse fraction 0.250"),
+    ({"gate_gate_collapse_frac": 0.3}, "gates: collapse fraction 0.300"),
+    ({"gate_gate_entropy_mean": 0.2, "gate_gate_collapse_frac": 0.0}, "gates: mean gate entropy 0.200"),
+])
+def test_gate_collapse(tmp_path, gates, expect):
+    _, alerts = frame(make_out(tmp_path, gates=gates))
+    assert any(a.startswith(expect) for a in alerts), alerts
+
+
+def test_missing_gate_keys_are_fine(tmp_path):
+    text, alerts = frame(make_out(tmp_path))
+    assert "gates       n/a" in text and alerts == []
+
+
+def test_nan_and_anomaly(tmp_path):
+    out = make_out(tmp_path, loss=lambda i: float("nan") if i == 10 else 5.0, skipped=lambda i: 2 if i > 8 else 0)
+    (out / ".anomaly_type").write_text("nonfinite_loss: 4 skipped steps > limit 3\n")
+    text, alerts = frame(out)
+    assert "nan: non-finite loss at step 100" in alerts
+    assert any(a.startswith("nan: 2 non-finite step(s) skipped") for a in alerts)
+    assert any(a.startswith("nan: the run halted on an anomaly: nonfinite_loss") for a in alerts)
+    assert "ANOMALY: nonfinite_loss" in text
+
+
+def test_early_low_loss_suspects_leakage(tmp_path):
+    out = make_out(tmp_path, loss=lambda i: 1.2, steps=10_000)
+    _, alerts = frame(out)
+    assert any(a.startswith("leak: loss 1.2000 at step 10 < 1.5 before 10% of training") for a in alerts)
+    _, alerts = frame(out, loss_floor=1.0)  # LOSS_FLOOR
+    assert alerts == []
+    out = make_out(tmp_path / "late", loss=lambda i: 1.2, steps=100)  # rows from step 10 = 10% of 100: not early
+    _, alerts = frame(out)
+    assert not any(a.startswith("leak") for a in alerts)
+
+
+def test_watchdog_trainer_alerts_and_halt_flag(tmp_path):
+    out = make_out(tmp_path)
+    with open(out / "heartbeat_rank0.jsonl", "a") as f:
+        f.write(json.dumps({"ts": NOW - 4, "rank": 0, "step": 100, "kind": "watchdog", "idle_s": 950.0,
+                            "path": "stackdump_x.txt"}) + "\n")
+        f.write(json.dumps({"ts": NOW - 3, "rank": 0, "step": 100, "kind": "alert", "alert": "loss_below_floor",
+                            "message": "suspect data leakage"}) + "\n")
+        f.write('{"ts": 18000')  # a line being written right now
+    (out / ".HALT").touch()
+    (out / "stackdump_20250101_000000_000.txt").write_text("stacks")
+    text, alerts = frame(out)
+    assert any(a.startswith("watchdog: no step for 15m50s at step 100") for a in alerts)
+    assert "trainer: loss_below_floor at step 100: suspect data leakage" in alerts
+    assert "HALT requested" in text and "1 stack dump(s)" in text
+
+
+def test_run_dir_and_missing_out_dir(tmp_path):
+    run = tmp_path / "train_runs" / "m7c_x"
+    run.mkdir(parents=True)
+    (run / "run.info").write_text(f"config: configs/m7c_cpu.yaml\ngpu_count: 0\nout_dir: {tmp_path}/out\n")
+    text, _ = frame(run)
+    assert "does not exist yet" in text
+    make_out(tmp_path)
+    text, _ = frame(run)
+    assert f"== {tmp_path}/out  (run {run})" in text and "config configs/m7c_cpu.yaml | gpus 0" in text
+
+
+def test_monitor_scripts_once(tmp_path, fake_smi, script_env):
+    out = make_out(tmp_path, gates=HEALTHY_GATES, age=0)
+    env = script_env(fake_smi([A100_80, A100_80]), FAKE_GPU_USED_MIB="30720")
+    res = run_script("monitor_run.sh", env, "--once", str(out), timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert "gpu         gpu0 NVIDIA A100-SXM4-80GB: 30.0/80.0 GiB, util 0%" in res.stdout
+    assert "progress    step 100 / 1,000" in res.stdout
+    res = run_script("monitor_production_50k.sh", env | {"OUT_DIR": str(out), "WINDOW": "3"}, "--once", timeout=60)
+    assert res.returncode == 0 and "mean of last 3" in res.stdout
+    res = run_script("monitor_run.sh", env, "--once", str(tmp_path / "nothing"), timeout=60)
+    assert res.returncode == 2 and "does not exist" in res.stderr
+    res = run_script("monitor_run.sh", env, "--bogus", timeout=60)
+    assert res.returncode == 2
+
+
+def test_monitor_defaults_to_the_newest_run(tmp_path, script_env):
+    out = make_out(tmp_path)
+    for name in ("m7c_20250101_000000", "m7c_20250102_000000"):
+        run = tmp_path / "artifacts" / "train_runs" / name
+        run.mkdir(parents=True)
+        (run / "run.info").write_text(f"config: c_{name}.yaml\nout_dir: {out}\n")
+    res = run_script("monitor_run.sh", script_env(), "--once", timeout=60)
+    assert res.returncode == 0 and "config c_m7c_20250102_000000.yaml" in res.stdout

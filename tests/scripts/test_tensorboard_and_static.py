@@ -1,0 +1,74 @@
+"""scripts/run_tensorboard.sh (DRY_RUN=1: logdir resolution, PORT/HOST, the ssh -L hint) and static
+checks on every runbook script: syntax, strict mode, no killing by name, shellcheck when installed,
+and the Makefile targets the runbook names."""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from tests.scripts.helpers import REPO, run_script
+
+RUNBOOK = ("train_m7c_prime.sh", "production_50k_launch.sh", "run_2xa100_production.sh", "monitor_run.sh",
+           "monitor_production_50k.sh", "run_tensorboard.sh")
+OURS = [REPO / "scripts" / name for name in RUNBOOK] + sorted((REPO / "scripts" / "lib").glob("*.sh"))
+SCRIPTS = OURS + [REPO / "scripts" / "prime_bootstrap.sh"]
+
+
+def test_tensorboard_command(script_env, tmp_path):
+    res = run_script("run_tensorboard.sh", script_env(DRY_RUN="1"), timeout=30)
+    assert res.returncode == 0, res.stderr
+    assert "command: .venv/bin/tensorboard --logdir artifacts/m7c_125m/tb --port 6006 --host localhost" in res.stdout
+    assert re.search(r"ssh -L 6006:localhost:6006 \S+@\S+", res.stdout)
+    out = tmp_path / "out"
+    (out / "tb").mkdir(parents=True)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run.info").write_text(f"out_dir: {out}\n")
+    for target in (run, out, out / "tb"):
+        res = run_script("run_tensorboard.sh", script_env(DRY_RUN="1", PORT="6123", HOST="0.0.0.0"), str(target),
+                         timeout=30)
+        assert res.returncode == 0, res.stderr
+        assert f"--logdir {out}/tb --port 6123 --host 0.0.0.0" in res.stdout
+        assert "ssh -L 6123:localhost:6123" in res.stdout
+    res = run_script("run_tensorboard.sh", script_env(DRY_RUN="1", VENV=str(tmp_path / "none")), timeout=30)
+    assert res.returncode == 1 and "prime_bootstrap.sh" in res.stderr
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.name)
+def test_bash_syntax(path):
+    res = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+
+
+@pytest.mark.parametrize("path", OURS, ids=lambda p: p.name)
+def test_strict_mode_and_no_kill_by_name(path):
+    text = path.read_text()
+    if path.parent.name != "lib":
+        assert "set -euo pipefail" in text
+    code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+    code = re.sub(r"'[^'\n]*'", "''", re.sub(r'"[^"\n]*"', '""', code))  # messages may mention kill
+    assert not re.search(r"\b(pkill|killall)\b", code)
+    # the scripts never kill anything: no `kill` in command position
+    assert not re.search(r"(^|[;&|`(]|\bthen|\bdo|\belse)\s*(command\s+|exec\s+)?kill\b", code, re.M)
+
+
+def test_shellcheck_clean():
+    shellcheck = shutil.which("shellcheck")
+    if shellcheck is None:
+        pytest.skip("shellcheck not installed")
+    res = subprocess.run([shellcheck, "-x", *map(str, OURS)], cwd=REPO, capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout
+
+
+def test_makefile_targets():
+    res = subprocess.run(["make", "-n", "setup", "test", "smoke", "train", "monitor", "tb", "bench", "handoff",
+                          "clean", "RUN=artifacts/train_runs/m7c_x"], cwd=REPO, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    for line in ("bash scripts/prime_bootstrap.sh", "bash scripts/train_m7c_prime.sh",
+                 "bash scripts/monitor_run.sh  artifacts/train_runs/m7c_x",
+                 "bash scripts/run_tensorboard.sh artifacts/train_runs/m7c_x",
+                 ".venv/bin/python scripts/handoff.py artifacts/train_runs/m7c_x"):
+        assert line in res.stdout, line

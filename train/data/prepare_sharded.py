@@ -1,0 +1,262 @@
+"""Prepare a very large corpus in resumable shards, then join them into one prepared directory.
+
+    python -m train.data.prepare_sharded --source jsonl:corpus/*.jsonl --tokenizer hf:tokenizers/qwen3 \\
+        --out data/NAME --shards N [--workers W] [--max-shards K] [--keep-shards] [--overwrite] \\
+        [--val-fraction 0.005] [--split-seed 0] [--subset S] [--split train] [--text-field text] \\
+        [--text-sample-by document|paragraph|line]
+
+Shards are split by source file: shard i owns the contiguous data files [i*F/N, (i+1)*F/N) of the
+F files of the source (one per file for local globs; the dataset's data files for hf:NAME). Each
+shard is tokenized by one worker process with prepare's own writer, chunking, EOS and held-out
+rule into DIR/shards/shard_{i}.{train,val}.bin, then finished with DIR/shards/shard_{i}.done.json
+(tokens, documents, bytes, sha256, max id per split). A rerun skips every shard whose marker and
+files are intact, so an interrupted job resumes where it stopped (--max-shards K stops after K
+shards on purpose). When all shards are done they are joined in order (each shard's sha256
+re-checked on the way) into DIR/train.bin and DIR/val.bin: the same documents in the same order as
+a one-shot `python -m train.data.prepare`, so the files and meta.json are the same, and
+DIR/manifest.json lists the shards. The shard .bin files are deleted after the join unless
+--keep-shards. meta.json is written last.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import hashlib
+import json
+import multiprocessing
+import os
+import shutil
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+from train.data.meta import FORMAT, FORMAT_VERSION, dtype_for_vocab
+from train.data.prepare import _chunks, _init_worker, _SplitWriter, _tokenize_chunk
+from train.data.sources import ReaderPlan, iter_documents, open_documents
+from train.data.tokenizers import load_tokenizer
+from train.errors import DataError, UserError
+
+MANIFEST_FORMAT = "nsa-tokens-shards"
+SPLIT_NAMES = ("train", "val")
+JOIN_TOKENS = 8 << 20  # tokens copied per step while joining
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_name(path.name + ".partial")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def shard_ranges(n_files: int, n_shards: int) -> list[tuple[int, int]]:
+    """Contiguous file ranges [lo, hi), as even as possible, in source order."""
+    return [(i * n_files // n_shards, (i + 1) * n_files // n_shards) for i in range(n_shards)]
+
+
+def _marker(shards: Path, i: int) -> Path:
+    return shards / f"shard_{i}.done.json"
+
+
+def _shard_file(shards: Path, i: int, split: str) -> Path:
+    return shards / f"shard_{i}.{split}.bin"
+
+
+def completed_shard(shards: Path, i: int, itemsize: int) -> dict | None:
+    """The shard's marker when it and the sizes of its files are intact, else None (redo it)."""
+    try:
+        record = json.loads(_marker(shards, i).read_text())
+        for split in SPLIT_NAMES:
+            path = _shard_file(shards, i, split)
+            if path.stat().st_size != record["splits"][split]["tokens"] * itemsize:
+                return None
+        return record
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _tokenize_shard(job: dict) -> dict:
+    """One shard, in a worker process: its files -> shard_{i}.{train,val}.bin + the done-marker."""
+    started = time.monotonic()
+    i, (lo, hi), shards = job["index"], job["files"], Path(job["shards"])
+    p = job["params"]
+    _init_worker(p["tokenizer"], p["split_seed"], p["val_fraction"])
+    ds = open_documents(p["source"], subset=p["subset"], split=p["split"], text_field=p["text_field"],
+                        text_sample_by=p["text_sample_by"])
+    documents = iter_documents(ds, ReaderPlan(tuple(range(lo, hi)), 1, 0), p["text_field"],
+                               keep=lambda text: True, once=True)
+    writers = {s: _SplitWriter(shards, f"shard_{i}.{s}", np.dtype(p["dtype"])) for s in SPLIT_NAMES}
+    text_bytes = 0
+    for chunk in _chunks(documents, None):
+        train_tokens, train_docs, val_tokens, val_docs, n_bytes = _tokenize_chunk(chunk)
+        writers["train"].write(train_tokens, train_docs)
+        writers["val"].write(val_tokens, val_docs)
+        text_bytes += n_bytes
+    splits = {s: {**w.finish(), "max_id": w.max_id} for s, w in writers.items()}
+    record = {"shard": i, "data_files": [lo, hi], "splits": splits, "text_bytes": text_bytes,
+              "seconds": round(time.monotonic() - started, 3)}
+    _write_json(_marker(shards, i), record)
+    return record
+
+
+def _run_shards(jobs: list[dict], workers: int):
+    if workers <= 1 or len(jobs) <= 1:
+        yield from map(_tokenize_shard, jobs)
+        return
+    context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+    with context.Pool(min(workers, len(jobs))) as pool:
+        yield from pool.imap_unordered(_tokenize_shard, jobs)
+
+
+def _join(out: Path, shards: Path, records: list[dict], dtype_name: str) -> dict:
+    """Concatenate the shard files in order into out/{train,val}.bin (prepare's writer: sha256, counts)."""
+    dtype = np.dtype(dtype_name)
+    writers = {s: _SplitWriter(out, s, dtype) for s in SPLIT_NAMES}
+    for record in records:
+        i = record["shard"]
+        for split in SPLIT_NAMES:
+            info, sha = record["splits"][split], hashlib.sha256()
+            n = info["tokens"]
+            tokens = np.memmap(_shard_file(shards, i, split), dtype=dtype, mode="r", shape=(n,)) if n else np.zeros(0, dtype)
+            for start in range(0, n, JOIN_TOKENS):
+                part = np.asarray(tokens[start:start + JOIN_TOKENS])
+                sha.update(part.tobytes())
+                writers[split].write(part, info["documents"] if start == 0 else 0)
+            del tokens
+            if sha.hexdigest() != info["sha256"]:
+                for w in writers.values():
+                    w.file.close()
+                    w.path.unlink(missing_ok=True)
+                raise DataError(f"{_shard_file(shards, i, split)} changed after it was written (sha256 mismatch); "
+                                f"delete {_marker(shards, i).name} and rerun")
+    splits = {s: w.finish() for s, w in writers.items()}
+    splits["max_id"] = max((w.max_id for w in writers.values()), default=-1)
+    return splits
+
+
+def prepare_sharded(source: str, tokenizer_name: str, out: Path, *, n_shards: int, workers: int = 1,
+                    max_shards: int | None = None, val_fraction: float = 0.005, split_seed: int = 0,
+                    subset: str | None = None, split: str = "train", text_field: str = "text",
+                    text_sample_by: str = "document", keep_shards: bool = False, overwrite: bool = False) -> dict | None:
+    """Tokenize the missing shards (at most max_shards this call); join them when all are done.
+
+    Returns the metadata (as prepare does) once the directory is complete, None while shards remain.
+    """
+    if source.split(":", 1)[0] in ("synthetic", "bin"):
+        raise DataError(f"--source {source}: prepare reads a document source (text:/jsonl:/parquet:/hf:/fineweb_edu)")
+    if not 0.0 <= val_fraction < 1.0:
+        raise DataError(f"--val-fraction must be in [0, 1), got {val_fraction}")
+    if n_shards < 1 or (max_shards is not None and max_shards < 0):
+        raise DataError(f"--shards must be >= 1 and --max-shards >= 0, got {n_shards} and {max_shards}")
+    out, started = Path(out), time.monotonic()
+    if (out / "meta.json").exists() and not overwrite:
+        raise DataError(f"{out} already holds a prepared dataset; pass --overwrite to replace it")
+    tokenizer = load_tokenizer(tokenizer_name)
+    dtype_name = dtype_for_vocab(tokenizer.n_vocab)
+    n_files = open_documents(source, subset=subset, split=split, text_field=text_field,
+                             text_sample_by=text_sample_by).n_shards
+    if n_shards > n_files:
+        raise DataError(f"--shards {n_shards} exceeds the source's {n_files} data file(s); shards are ranges of "
+                        f"files: use --shards <= {n_files} or split the corpus into more files")
+    shards = out / "shards"
+    if overwrite:
+        shutil.rmtree(shards, ignore_errors=True)
+        for name in ("meta.json", "manifest.json"):
+            (out / name).unlink(missing_ok=True)
+    params = {"source": source, "tokenizer": tokenizer.name, "dtype": dtype_name, "n_shards": n_shards,
+              "n_files": n_files, "val_fraction": val_fraction, "split_seed": split_seed, "subset": subset,
+              "split": split, "text_field": text_field, "text_sample_by": text_sample_by}
+    plan_path = shards / "plan.json"
+    if plan_path.is_file() and json.loads(plan_path.read_text()) != params:
+        raise DataError(f"{shards} was started with other settings ({plan_path}); rerun with those or pass --overwrite")
+    shards.mkdir(parents=True, exist_ok=True)
+    _write_json(plan_path, params)
+
+    ranges, itemsize = shard_ranges(n_files, n_shards), np.dtype(dtype_name).itemsize
+    done = {i: r for i in range(n_shards) if (r := completed_shard(shards, i, itemsize)) is not None}
+    todo = [i for i in range(n_shards) if i not in done][:max_shards]
+    if done:
+        print(f"prepare_sharded: {len(done)} of {n_shards} shards already done; skipping them", file=sys.stderr)
+    jobs = [{"index": i, "files": ranges[i], "shards": str(shards), "params": params} for i in todo]
+    for record in _run_shards(jobs, workers):
+        done[record["shard"]] = record
+        s = record["splits"]
+        print(f"prepare_sharded: shard {record['shard']} done ({len(done)}/{n_shards}): "
+              f"{s['train']['tokens'] + s['val']['tokens']:,} tokens, {record['seconds']:.1f} s", file=sys.stderr)
+    if len(done) < n_shards:
+        print(f"prepare_sharded: {len(done)} of {n_shards} shards done; rerun the same command to continue",
+              file=sys.stderr)
+        return None
+    return _finish(out, shards, [done[i] for i in range(n_shards)], params, tokenizer, keep_shards, started)
+
+
+def _finish(out: Path, shards: Path, records: list[dict], params: dict, tokenizer, keep_shards: bool,
+            started: float) -> dict:
+    splits = _join(out, shards, records, params["dtype"])
+    max_id = splits.pop("max_id")
+    if not splits["train"]["tokens"]:
+        raise DataError(f"{params['source']}: no documents were read; nothing to train on")
+    kind, _, arg = params["source"].partition(":")
+    files = sorted(glob.glob(arg, recursive=True)) if kind in ("text", "jsonl", "parquet") else None
+    manifest = {"format": MANIFEST_FORMAT, "version": 1, **params, "shards": [
+        {"index": r["shard"], "data_files": r["data_files"],
+         "files": files[r["data_files"][0]:r["data_files"][1]] if files else None,
+         "train": r["splits"]["train"], "val": r["splits"]["val"], "text_bytes": r["text_bytes"],
+         "marker": _marker(shards, r["shard"]).name} for r in records]}
+    _write_json(out / "manifest.json", manifest)
+    p = params
+    meta = {"format": FORMAT, "version": FORMAT_VERSION, "tokenizer": tokenizer.name, "eos_id": tokenizer.eos_id,
+            "vocab_size": tokenizer.n_vocab, "dtype": p["dtype"], "max_token_id": max_id, "splits": splits,
+            "split_seed": p["split_seed"], "val_fraction": p["val_fraction"], "source": p["source"],
+            "subset": p["subset"], "split": p["split"], "text_field": p["text_field"],
+            "text_sample_by": p["text_sample_by"], "max_docs": None,
+            "text_bytes": sum(r["text_bytes"] for r in records),
+            "seconds": round(time.monotonic() - started, 3),
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    _write_json(out / "meta.json", meta)
+    if not keep_shards:
+        for r in records:
+            for split in SPLIT_NAMES:
+                _shard_file(shards, r["shard"], split).unlink(missing_ok=True)
+    return meta
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m train.data.prepare_sharded", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--source", required=True, help="text:GLOB | jsonl:GLOB | parquet:GLOB | hf:NAME | fineweb_edu")
+    parser.add_argument("--tokenizer", default="gpt2", help="gpt2 | byte | hf:<local dir>")
+    parser.add_argument("--out", required=True, type=Path, help="output directory, e.g. data/NAME")
+    parser.add_argument("--shards", required=True, type=int, help="number of shards (<= the source's files)")
+    parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 1) - 1), help="shards tokenized at once")
+    parser.add_argument("--max-shards", type=int, default=None, help="tokenize at most this many shards now, then stop")
+    parser.add_argument("--keep-shards", action="store_true", help="keep the shard .bin files after joining")
+    parser.add_argument("--val-fraction", type=float, default=0.005, help="share of documents held out into val.bin")
+    parser.add_argument("--split-seed", type=int, default=0, help="salt of the held-out hash")
+    parser.add_argument("--subset", default=None, help="Hugging Face config name (fineweb_edu: sample-10BT)")
+    parser.add_argument("--split", default="train", help="Hugging Face split")
+    parser.add_argument("--text-field", default="text", help="column with the document text")
+    parser.add_argument("--text-sample-by", default="document", choices=("document", "paragraph", "line"),
+                        help="text:GLOB documents: whole files, blank-line paragraphs or lines")
+    parser.add_argument("--overwrite", action="store_true", help="start again: delete shards and the prepared files")
+    args = parser.parse_args(argv)
+    try:
+        meta = prepare_sharded(args.source, args.tokenizer, args.out, n_shards=args.shards, workers=args.workers,
+                               max_shards=args.max_shards, val_fraction=args.val_fraction, split_seed=args.split_seed,
+                               subset=args.subset, split=args.split, text_field=args.text_field,
+                               text_sample_by=args.text_sample_by, keep_shards=args.keep_shards,
+                               overwrite=args.overwrite)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    if meta is None:
+        return 0
+    s = meta["splits"]
+    print(f"ok {args.out}: train {s['train']['tokens']:,} tokens / {s['train']['documents']:,} docs, "
+          f"val {s['val']['tokens']:,} tokens / {s['val']['documents']:,} docs, {meta['dtype']}, "
+          f"{args.shards} shards (manifest.json)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
