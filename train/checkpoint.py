@@ -157,3 +157,21 @@ def check_architecture(ckpt: dict, model_config: dict, path: Path) -> None:
                   for k, v in current_nsa.items() if k not in ("q_chunk", "sel_chunk", "sel_tile") and saved_nsa.get(k) != v]
     if diffs:
         raise CheckpointError(f"checkpoint {path} does not match the config's architecture ({'; '.join(diffs[:3])})")
+
+
+def model_from_checkpoint(path: Path, device: str = "cpu", **model_overrides):
+    """Build the checkpoint's model (from its stored config) and load its weights, for inference
+    tools (needle test, long-context demo). model_overrides: e.g. rope_scale=8.0.
+    Returns (model in eval mode, the checkpoint's config dict)."""
+    from nsa.config import ModelConfig, NSAConfig
+    from nsa.model import Transformer
+
+    ckpt = load_checkpoint(Path(path))
+    cfg = ckpt["config"]
+    try:
+        model_cfg = ModelConfig(**{**cfg["model"], **model_overrides}, nsa=NSAConfig(**cfg.get("nsa", {})))
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {path}: its model config cannot be built: {exc}") from None
+    model = Transformer(model_cfg)
+    model.load_state_dict(ckpt["model"])
+    return model.to(device).eval(), cfg
