@@ -26,24 +26,29 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, theta: float, scale: float = 1.0):
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)  # [hd/2]
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # [hd/2] float64
         self.scale = scale
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [T] int64 -> (cos, sin), each [T, hd/2] float32."""
-        t = positions.to(torch.float32) / self.scale
-        angles = torch.outer(t, self.inv_freq.to(positions.device))  # [T, hd/2]
-        return angles.cos(), angles.sin()
+        """positions: [T] int64 -> (cos, sin), each [T, hd/2] float32.
+
+        Angles are formed in float64: at position 65536 float32 would already be off by ~1e-2 rad.
+        """
+        t = positions.to(torch.float64) / self.scale
+        angles = torch.outer(t, self.inv_freq.to(device=positions.device, dtype=torch.float64))  # [T, hd/2]
+        return angles.cos().float(), angles.sin().float()
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (x[..., :hd/2], x[..., hd/2:]) ("rotate half" layout).
 
-    x: [B, H, T, hd]; cos, sin: [T, hd/2]. Computed in float32, returned in x's dtype.
+    x: [..., T, hd]; cos, sin: [T, hd/2]. Computed in float32 (float64 for float64 inputs, so the
+    float64 test oracles stay exact), returned in x's dtype.
     """
+    compute = torch.promote_types(x.dtype, torch.float32)
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    cos, sin = cos.to(x1.dtype), sin.to(x1.dtype)
+    x1, x2 = x[..., :half].to(compute), x[..., half:].to(compute)
+    cos, sin = cos.to(compute), sin.to(compute)
     out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     return out.to(x.dtype)
 
