@@ -25,9 +25,10 @@ class NSAConfig:
     gate_hidden: int = 0  # hidden width of the gate MLP; 0 means dim // 4
     sel_chunk: int = 4096  # queries per selection chunk (bounds the block-tile buffers; see docs/NSA.md)
     sel_tile: int = 64  # (query, block) pairs per tile in block-centric selected attention
+    win_block: int = 128  # queries per sliding-window block (each block reads win_block + w - 1 keys)
 
     def validate(self) -> None:
-        for name in ("l", "d", "l_sel", "n_sel", "w", "q_chunk", "sel_chunk", "sel_tile"):
+        for name in ("l", "d", "l_sel", "n_sel", "w", "q_chunk", "sel_chunk", "sel_tile", "win_block"):
             if getattr(self, name) <= 0:
                 raise ModelConfigError(f"nsa.{name} must be positive, got {getattr(self, name)}")
         if self.l % self.d:
@@ -66,7 +67,7 @@ class ModelConfig:
     tie_embeddings: bool = False  # output head shares the token embedding matrix
     bias: bool = False  # biases in linear layers and LayerNorm (GPT-2)
     attention: str = "dense"  # dense | nsa
-    attn_backend: str = "sdpa"  # sdpa | flash | manual (dense attention only)
+    attn_backend: str = "auto"  # auto (flash-attn when importable on CUDA in bf16/fp16, else SDPA) | sdpa | flash | manual
     dropout: float = 0.0  # dropout on embeddings, attention output and MLP output
     init_std: float = 0.02  # std of the normal init; residual output projections use std / sqrt(2 * n_layers)
     nsa: NSAConfig = field(default_factory=NSAConfig)
@@ -101,7 +102,7 @@ class ModelConfig:
             "mlp": ("swiglu", "gelu"),
             "pos_emb": ("rope", "learned"),
             "attention": ("dense", "nsa"),
-            "attn_backend": ("sdpa", "flash", "manual"),
+            "attn_backend": ("auto", "sdpa", "flash", "manual"),
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:

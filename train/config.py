@@ -162,8 +162,8 @@ def _dtype(value: str) -> tuple[str, str]:
 
 
 def _use_flash(value) -> tuple[str, str]:
-    """`model.attn_backend`: true -> flash, false -> sdpa"""
-    return "model.attn_backend", "flash" if _as_bool(value, "use_flash") else "sdpa"
+    """`model.attn_backend`: true -> auto (flash-attn when importable), false -> sdpa"""
+    return "model.attn_backend", "auto" if _as_bool(value, "use_flash") else "sdpa"
 
 
 def _attention_backend(value: str) -> tuple[str, str]:

@@ -53,13 +53,17 @@ def manual_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     return (scores.softmax(dim=-1) @ v.to(compute)).to(q.dtype)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "sdpa") -> torch.Tensor:
-    """q: [B, H, Tq, hd]; k, v: [B, H_kv, Tk, hd] with Tq <= Tk -> [B, H, Tq, hd]."""
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """q: [B, H, Tq, hd]; k, v: [B, H_kv, Tk, hd] with Tq <= Tk -> [B, H, Tq, hd].
+
+    backend: auto / flash use flash-attn when it is importable and the inputs are CUDA bf16/fp16
+    (otherwise SDPA); sdpa: always SDPA; manual: the explicit-mask reference.
+    """
     if backend == "manual":
         audit("dense.causal_attention", "manual", q, k)
         return manual_attention(q, k, v)
     t_q, t_k = q.shape[2], k.shape[2]
-    if backend == "flash" and flash_attn_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+    if backend in ("auto", "flash") and flash_attn_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         # flash-attn aligns the causal mask bottom-right and handles GQA natively; layout [B, T, H, hd]
         audit("dense.causal_attention", "flash_attn", q, k)
         out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)

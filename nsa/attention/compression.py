@@ -1,0 +1,119 @@
+"""NSA compression branch: block compressor phi, attention over compressed tokens, selection importance.
+
+Compressed token i summarises raw positions [i*d, i*d + l). A query at position p may see token i
+iff i*d + l - 1 <= p (the whole block is in its past). Queries that see no token get a zero output.
+Compressed keys are rotated (RoPE) at position i*d + l - 1, the last position they cover; phi itself
+sees un-rotated keys plus its own learned intra-block position encoding (docs/NSA.md, "RoPE").
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def num_compressed(t: int, l: int, d: int) -> int:
+    """Compressed tokens whose block lies inside positions [0, t): i*d + l <= t."""
+    return 0 if t < l else (t - l) // d + 1
+
+
+def visible_compressed(p: int, l: int, d: int) -> int:
+    """How many compressed tokens a query at position p sees (tokens 0 .. count-1)."""
+    return num_compressed(p + 1, l, d)
+
+
+class BlockCompressor(nn.Module):
+    """phi: a block of l raw keys (or values) -> one compressed token.
+
+    phi(X) = mean_j X_j + W2 gelu(W1 flatten(X + E)), with E [l, hd] a learned intra-block position
+    encoding. The mean-pooling shortcut makes a fresh phi a sensible summary; the MLP learns the rest.
+    """
+
+    def __init__(self, l: int, head_dim: int, bias: bool):
+        super().__init__()
+        self.pos_enc = nn.Parameter(torch.empty(l, head_dim))  # [l, hd]
+        self.fc_in = nn.Linear(l * head_dim, head_dim, bias=bias)
+        self.fc_out = nn.Linear(head_dim, head_dim, bias=bias)
+        self.reset_extra_parameters()
+
+    def reset_extra_parameters(self) -> None:
+        nn.init.normal_(self.pos_enc, mean=0.0, std=0.02)
+
+    def forward(self, blocks: torch.Tensor) -> torch.Tensor:  # [..., l, hd] -> [..., hd]
+        h = (blocks + self.pos_enc.to(blocks.dtype)).flatten(-2)  # [..., l*hd]
+        return blocks.mean(dim=-2) + self.fc_out(F.gelu(self.fc_in(h)))
+
+
+def compress(
+    phi: BlockCompressor,
+    raw: torch.Tensor,  # [B, H_kv, R, hd] raw keys or values at positions raw_start .. raw_start+R-1
+    raw_start: int,
+    first: int,  # first compressed token to emit
+    count: int,  # how many tokens to emit (first .. first+count-1)
+    l: int,
+    d: int,
+) -> torch.Tensor:  # [B, H_kv, count, hd]
+    B, H, _, hd = raw.shape
+    if count <= 0:
+        return raw.new_zeros(B, H, 0, hd)
+    lo = first * d - raw_start
+    span = raw[:, :, lo : lo + (count - 1) * d + l]  # [B, H_kv, (count-1)*d + l, hd]
+    blocks = span.unfold(2, l, d).transpose(-1, -2)  # [B, H_kv, count, l, hd] (a strided view)
+    return phi(blocks)
+
+
+def compressed_visibility(q_start: int, t_q: int, n_c: int, l: int, d: int, device) -> torch.Tensor:
+    """[t_q, n_c] bool: query q_start+t may see compressed token i (i*d + l - 1 <= position)."""
+    q_pos = torch.arange(q_start, q_start + t_q, device=device)[:, None]
+    end_pos = torch.arange(n_c, device=device)[None, :] * d + (l - 1)
+    return end_pos <= q_pos
+
+
+def compressed_attention(
+    q: torch.Tensor,  # [B, H, Tq, hd] queries at positions q_start ..
+    ck: torch.Tensor,  # [B, H_kv, N_c, hd] compressed keys (RoPE applied)
+    cv: torch.Tensor,  # [B, H_kv, N_c, hd] compressed values
+    q_start: int,
+    l: int,
+    d: int,
+    chunk: int,
+) -> torch.Tensor:  # [B, H, Tq, hd]; rows that see no compressed token are exactly zero
+    B, H, Tq, hd = q.shape
+    outs = []
+    for a, q_chunk in zip(range(0, Tq, chunk), q.split(chunk, dim=2)):  # split: cheap backward
+        n_vis = visible_compressed(q_start + a + q_chunk.shape[2] - 1, l, d)  # seen by the chunk's last query
+        if n_vis == 0:
+            outs.append(torch.zeros_like(q_chunk))
+            continue
+        mask = compressed_visibility(q_start + a, q_chunk.shape[2], n_vis, l, d, q.device)  # [C, n_vis]
+        sees_any = mask[:, :1].to(q.dtype)  # [C, 1]: token 0 is the first one any query sees
+        # rows that see nothing: let them attend to token 0, then zero their output (no NaN, zero grad)
+        mask[:, 0] = True
+        y = F.scaled_dot_product_attention(
+            q_chunk, ck[:, :, :n_vis], cv[:, :, :n_vis], attn_mask=mask, enable_gqa=H != ck.shape[1]
+        )
+        outs.append(y * sees_any)  # [B, H, C, hd]
+    return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+
+
+@torch.no_grad()
+def compression_group_probs(
+    q: torch.Tensor,  # [B, H_kv, G, Tq, hd] queries (RoPE applied), positions q_start ..
+    ck: torch.Tensor,  # [B, H_kv, N_c, hd]
+    q_start: int,
+    l: int,
+    d: int,
+) -> torch.Tensor:  # [B, H_kv, Tq, N_c]: softmax probabilities summed over the G heads of a group
+    n_c = ck.shape[2]
+    if n_c == 0:
+        return q.new_zeros(*q.shape[:2], q.shape[3], 0)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    scores = torch.einsum("bkgtd,bknd->bkgtn", q, ck) * scale  # [B, H_kv, G, Tq, N_c]
+    mask = compressed_visibility(q_start, q.shape[3], n_c, l, d, q.device)  # [Tq, N_c]
+    scores = scores.float() if scores.dtype in (torch.float16, torch.bfloat16) else scores
+    probs = torch.softmax(scores.masked_fill_(~mask, float("-inf")), dim=-1)
+    blind = min(q.shape[3], max(0, l - 1 - q_start))  # leading queries that see no token (NaN rows)
+    probs[..., :blind, :] = 0.0
+    return probs.sum(dim=2)  # Eq. 10: shared by the group

@@ -1,0 +1,197 @@
+"""Native Sparse Attention (Yuan et al. 2025), vectorised training / prefill path and cached decode.
+
+    o_p = sum_c g_p^c * Attn(q_p, K_p^c, V_p^c),  c in {cmp, sel, win};  then the output projection.
+
+One query projection; each branch has its own key/value projection (paper §3.3.3). Gates: MLP on the
+layer input -> sigmoid, one gate per head per branch. GQA: the G = H / H_kv query heads of a group
+share K/V and the selected blocks (Eq. 10). Semantics and choices: docs/NSA.md. The oracle this must
+match is nsa/attention/reference.py (plain per-token loops, float64).
+
+No Python loop runs over tokens and nothing syncs with the host: the loops below run over chunks of
+queries (memory bound) whose bounds are Python ints derived from shapes.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from nsa.attention.compression import (
+    BlockCompressor,
+    compress,
+    compressed_attention,
+    compression_group_probs,
+    num_compressed,
+)
+from nsa.attention.gate_stats import gate_statistics, selection_counts, selection_statistics
+from nsa.attention.nsa_cache import NSACache
+from nsa.attention.selection import select_blocks, selected_attention, selection_block_scores
+from nsa.attention.window import sliding_window_attention
+from nsa.config import ModelConfig
+from nsa.layers import apply_rotary
+from nsa.profiling import nvtx_range
+
+
+BRANCHES = ("cmp", "sel", "win")
+
+
+class NativeSparseAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        cfg.nsa.validate()
+        self.cfg = cfg.nsa
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.n_groups = cfg.n_heads // cfg.n_kv_heads
+        q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        self.q_proj = nn.Linear(cfg.dim, q_dim, bias=cfg.bias)
+        # keys and values of the three branches in one matmul: (cmp k, cmp v, sel k, sel v, win k, win v)
+        self.kv_proj = nn.Linear(cfg.dim, 6 * kv_dim, bias=cfg.bias)
+        self.compress_k = BlockCompressor(self.cfg.l, cfg.head_dim, cfg.bias)  # phi_K
+        self.compress_v = BlockCompressor(self.cfg.l, cfg.head_dim, cfg.bias)  # phi_V
+        gate_hidden = self.cfg.gate_hidden or max(1, cfg.dim // 4)
+        self.gate_mlp = nn.Sequential(
+            nn.Linear(cfg.dim, gate_hidden), nn.SiLU(), nn.Linear(gate_hidden, 3 * cfg.n_heads)
+        )
+        self.proj = nn.Linear(q_dim, cfg.dim, bias=cfg.bias)
+        self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.stats_enabled = False  # record self.last_stats (device tensors) on every forward
+        self.last_stats: dict[str, torch.Tensor] | None = None
+        self.forced_gates: tuple[float, float, float] | None = None  # tests: fixed (cmp, sel, win) gates
+
+    def reset_extra_parameters(self) -> None:
+        """Called by Transformer.reset_parameters after its generic init: phi position encodings."""
+        self.compress_k.reset_extra_parameters()
+        self.compress_v.reset_extra_parameters()
+
+    def new_cache(self) -> NSACache:
+        return NSACache(self.cfg)
+
+    # ---------------------------------------------------------------- projections
+    def project(self, x: torch.Tensor, rope=None):
+        """x [B, T, dim] -> q [B, H, T, hd] (rotated), {branch: (k, v)} each [B, H_kv, T, hd].
+
+        Selection and window keys are rotated at their positions; compression keys are returned raw
+        (phi compresses un-rotated keys; the compressed key is rotated afterwards, see `forward`).
+        """
+        B, T, _ = x.shape
+        H, H_kv, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        q = self.q_proj(x).view(B, T, H, hd).transpose(1, 2)
+        kv = self.kv_proj(x).view(B, T, 6, H_kv, hd).permute(2, 0, 3, 1, 4)  # [6, B, H_kv, T, hd]
+        keys, values = kv[0::2], kv[1::2]  # [3, B, H_kv, T, hd] each
+        if self.q_norm is not None:
+            q, keys = self.q_norm(q), self.k_norm(keys)
+        if rope is not None:
+            q = apply_rotary(q, *rope)
+        branches = {}
+        for i, name in enumerate(BRANCHES):
+            k = keys[i]
+            if rope is not None and name != "cmp":
+                k = apply_rotary(k, *rope)
+            branches[name] = (k, values[i])
+        return q, branches
+
+    def gates(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, dim] -> [B, T, H, 3] in (0, 1)
+        if self.forced_gates is not None:
+            g = torch.tensor(self.forced_gates, dtype=x.dtype, device=x.device)
+            return g.expand(x.shape[0], x.shape[1], self.n_heads, 3)
+        return torch.sigmoid(self.gate_mlp(x)).view(x.shape[0], x.shape[1], self.n_heads, 3)
+
+    # ---------------------------------------------------------------- forward
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, T, dim]
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,  # cos, sin [T, hd/2] for x's positions
+        cache: NSACache | None = None,  # appends x's tokens when given
+        return_indices: bool = False,  # also return the selected blocks [B, H_kv, T, n] (-1 = none)
+    ):
+        c = self.cfg
+        B, T, _ = x.shape
+        q, br = self.project(x, rope)
+        t0 = cache.t if cache is not None else 0  # absolute position of x[:, 0]
+        t_end = t0 + T
+
+        # compression: emit every token whose block [i*d, i*d+l) ends inside this call
+        raw_k, raw_v = br["cmp"]
+        if cache is not None and cache.cmp_raw_k is not None:
+            raw_k, raw_v = torch.cat((cache.cmp_raw_k, raw_k), 2), torch.cat((cache.cmp_raw_v, raw_v), 2)
+        raw_start = t_end - raw_k.shape[2]
+        first = cache.n_compressed if cache is not None else 0
+        count = num_compressed(t_end, c.l, c.d) - first
+        ck = compress(self.compress_k, raw_k, raw_start, first, count, c.l, c.d)  # [B, H_kv, count, hd]
+        cv = compress(self.compress_v, raw_v, raw_start, first, count, c.l, c.d)
+        if rope is not None and count > 0:  # rotate compressed key i at position i*d + l - 1 (in x)
+            at = torch.arange(count, device=x.device) * c.d + (first * c.d + c.l - 1 - t0)
+            ck = apply_rotary(ck, rope[0][at], rope[1][at])
+
+        sel_k, sel_v = br["sel"]
+        win_k, win_v = br["win"]
+        if cache is not None:
+            cache.cmp_k.append(ck)
+            cache.cmp_v.append(cv)
+            ck, cv = cache.cmp_k.view(), cache.cmp_v.view()
+            keep = (first + count) * c.d - raw_start  # raw positions the next compressed token needs
+            cache.cmp_raw_k, cache.cmp_raw_v = raw_k[:, :, keep:], raw_v[:, :, keep:]
+            cache.sel_k.append(sel_k)
+            cache.sel_v.append(sel_v)
+            sel_k, sel_v = cache.sel_k.data, cache.sel_v.data  # whole zero-padded blocks, positions 0 ..
+            if cache.win_k is not None:
+                win_k, win_v = torch.cat((cache.win_k, win_k), 2), torch.cat((cache.win_v, win_v), 2)
+            drop = max(0, win_k.shape[2] - (c.w - 1))
+            cache.win_k, cache.win_v = win_k[:, :, drop:], win_v[:, :, drop:]
+            cache.t = t_end
+        win_start = t_end - win_k.shape[2]
+
+        with nvtx_range("nsa.compressed"):
+            o_cmp = compressed_attention(q, ck, cv, t0, c.l, c.d, c.q_chunk)  # [B, H, T, hd]
+        with nvtx_range("nsa.selected"):
+            o_sel, block_idx, sel_counts = self._selection(q, ck, sel_k, sel_v, t0, t_end)
+        with nvtx_range("nsa.window"):
+            o_win = sliding_window_attention(q, win_k, win_v, t0, win_start, c.w, c.win_block)
+
+        g = self.gates(x)  # [B, T, H, 3]
+        gt = g.transpose(1, 2).unsqueeze(-1).to(q.dtype)  # [B, H, T, 3, 1]
+        y = gt[..., 0, :] * o_cmp + gt[..., 1, :] * o_sel + gt[..., 2, :] * o_win  # [B, H, T, hd]
+        y = self.dropout(self.proj(y.transpose(1, 2).reshape(B, T, -1)))
+        if self.stats_enabled:
+            self.last_stats = {**gate_statistics(g), **selection_statistics(sel_counts)}
+        return (y, block_idx) if return_indices else y
+
+    def _selection(self, q, ck, sel_k, sel_v, t0: int, t_end: int):
+        """Top-n block selection from the compression scores, then selected-block attention.
+
+        q [B, H, T, hd]; ck [B, H_kv, N_c, hd]; sel_k/v [B, H_kv, >= t_end, hd] (positions 0 ..).
+        Returns o [B, H, T, hd], block_idx [B, H_kv, T, n], selection counts for stats.
+        """
+        c = self.cfg
+        B, H, T, hd = q.shape
+        qg = q.view(B, self.n_kv_heads, self.n_groups, T, hd)
+        outs, idxs = [], []
+        counts = torch.zeros(4, device=q.device)
+        for a, q_chunk in zip(range(0, T, c.sel_chunk), qg.split(c.sel_chunk, dim=3)):
+            idx = self._select(q_chunk, ck, t0 + a)  # [B, H_kv, C, n]
+            outs.append(selected_attention(q_chunk, sel_k, sel_v, idx, t0 + a, c.l_sel, c.sel_tile))
+            idxs.append(idx)
+            if self.stats_enabled:
+                counts += selection_counts(idx, t0 + a, c.l_sel)
+        o = torch.cat(outs, dim=3) if len(outs) > 1 else outs[0]
+        block_idx = torch.cat(idxs, dim=2) if len(idxs) > 1 else idxs[0]
+        return o.reshape(B, H, T, hd), block_idx, counts
+
+    @torch.no_grad()
+    def _select(self, qg: torch.Tensor, ck: torch.Tensor, q_start: int) -> torch.Tensor:
+        """qg [B, H_kv, G, C, hd] at positions q_start .. -> selected blocks [B, H_kv, C, n].
+
+        Scored in sub-chunks of q_chunk queries, each over only the compressed tokens its last query
+        sees and the blocks it may select (the O(T^2 / d) part of NSA: keep it tight).
+        """
+        c = self.cfg
+        idxs = []
+        for a, q_sub in zip(range(0, qg.shape[3], c.q_chunk), qg.split(c.q_chunk, dim=3)):
+            last = q_start + a + q_sub.shape[3] - 1
+            n_vis = num_compressed(last + 1, c.l, c.d)
+            n_reach = last // c.l_sel + 1  # blocks starting at or before the last query
+            p_cmp = compression_group_probs(q_sub, ck[:, :, :n_vis], q_start + a, c.l, c.d)  # [B, H_kv, C', n_vis]
+            scores = selection_block_scores(p_cmp, c.l, c.d, c.l_sel, n_reach)  # [B, H_kv, C', n_reach]
+            idxs.append(select_blocks(scores, q_start + a, c.l_sel, c.n_sel))  # [B, H_kv, C', n]
+        return torch.cat(idxs, dim=2) if len(idxs) > 1 else idxs[0]

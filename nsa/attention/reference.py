@@ -1,0 +1,129 @@
+"""Per-token NSA reference in plain loops and float64: the test oracle for nsa.py.
+
+Uses only the module's parameters (never its helper functions) and spells every mask out per query:
+for each batch row b, position p, KV group g and head h it lists the keys that (q_p, h) may read.
+Slow by design (T ~ 100 at most). Differentiable with respect to the module's parameters and x.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def _linear(x, params, prefix):
+    y = x @ params[prefix + ".weight"].T
+    bias = params.get(prefix + ".bias")
+    return y if bias is None else y + bias
+
+
+def _rotate(vec, cos, sin):  # vec [hd], cos/sin [hd/2]: "rotate half" layout, as nsa.layers.apply_rotary
+    half = vec.shape[-1] // 2
+    x1, x2 = vec[:half], vec[half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin))
+
+
+def _rms_norm(vec, weight, eps):
+    return vec / torch.sqrt((vec * vec).mean() + eps) * weight
+
+
+def _phi(block, params, prefix):  # block [l, hd] -> [hd]: mean + W2 gelu(W1 flatten(block + E))
+    h = (block + params[prefix + ".pos_enc"]).flatten()
+    hidden = F.gelu(_linear(h, params, prefix + ".fc_in"))
+    return block.mean(dim=0) + _linear(hidden, params, prefix + ".fc_out")
+
+
+def _attend(q, keys, values):  # q [hd], keys/values [n, hd] (n >= 1) -> ([hd], probabilities [n])
+    scores = torch.stack([torch.dot(q, k) for k in keys]) / math.sqrt(q.shape[0])
+    probs = torch.softmax(scores, dim=0)
+    return (probs[:, None] * values).sum(dim=0), probs
+
+
+def _overlap(i, j, l, d, l_sel):  # |[i*d, i*d+l) & [j*l', (j+1)*l')|, in units of d positions
+    return max(0, min(i * d + l, (j + 1) * l_sel) - max(i * d, j * l_sel)) / d
+
+
+def _select(p_group, p, c):
+    """p_group: python floats over the visible compressed tokens -> sorted list of selected blocks."""
+    current = p // c.l_sel
+    score = {j: sum(pr * _overlap(i, j, c.l, c.d, c.l_sel) for i, pr in enumerate(p_group)) for j in range(current + 1)}
+    forced = {0, current} | ({current - 1} if current >= 1 else set())
+    rest = sorted((j for j in score if j not in forced), key=lambda j: (-score[j], j))  # ties -> lower j
+    return sorted(forced | set(rest[: c.n_sel - len(forced)]))
+
+
+def reference_forward(attn, x: torch.Tensor, rope=None):
+    """attn: NativeSparseAttention; x [B, T, dim]; rope (cos, sin) [T, hd/2] for positions 0 .. T-1.
+
+    Returns (out [B, T, dim] float64, selected blocks [B, H_kv, T, n] int64 ascending, -1 padded).
+    """
+    c = attn.cfg
+    H, H_kv, hd, G = attn.n_heads, attn.n_kv_heads, attn.head_dim, attn.n_groups
+    params = {name: p.double() for name, p in attn.named_parameters()}
+    eps = attn.q_norm.eps if attn.q_norm is not None else None
+    x = x.double()
+    B, T, _ = x.shape
+    cos, sin = (rope[0].double(), rope[1].double()) if rope is not None else (None, None)
+    n_cmp = 0 if T < c.l else (T - c.l) // c.d + 1
+    rows = []  # out[b][p]: [dim]
+    selected = torch.full((B, H_kv, T, c.n_sel), -1, dtype=torch.long)
+    for b in range(B):
+        rows.append([])
+        # per-token projections: Q[t][h], K[branch][t][g], V[branch][t][g]
+        Q, K, V = [], {br: [] for br in ("cmp", "sel", "win")}, {br: [] for br in ("cmp", "sel", "win")}
+        for t in range(T):
+            qt = _linear(x[b, t], params, "q_proj").view(H, hd)
+            kvt = _linear(x[b, t], params, "kv_proj").view(6, H_kv, hd)
+            if eps is not None:
+                qt = torch.stack([_rms_norm(qt[h], params["q_norm.weight"], eps) for h in range(H)])
+                kvt = torch.stack([
+                    torch.stack([_rms_norm(kvt[r, g], params["k_norm.weight"], eps) for g in range(H_kv)])
+                    if r % 2 == 0 else kvt[r] for r in range(6)
+                ])
+            if cos is not None:
+                qt = torch.stack([_rotate(qt[h], cos[t], sin[t]) for h in range(H)])
+            Q.append(qt)
+            for r, br in enumerate(("cmp", "sel", "win")):
+                kt = kvt[2 * r]
+                if cos is not None and br != "cmp":  # compression keys are rotated after phi
+                    kt = torch.stack([_rotate(kt[g], cos[t], sin[t]) for g in range(H_kv)])
+                K[br].append(kt)
+                V[br].append(kvt[2 * r + 1])
+        # compressed token i of group g: phi over raw positions [i*d, i*d + l), key rotated at i*d + l - 1
+        CK, CV = [], []
+        for i in range(n_cmp):
+            span = range(i * c.d, i * c.d + c.l)
+            ck = torch.stack([_phi(torch.stack([K["cmp"][s][g] for s in span]), params, "compress_k") for g in range(H_kv)])
+            if cos is not None:
+                end = i * c.d + c.l - 1
+                ck = torch.stack([_rotate(ck[g], cos[end], sin[end]) for g in range(H_kv)])
+            CK.append(ck)
+            CV.append(torch.stack([_phi(torch.stack([V["cmp"][s][g] for s in span]), params, "compress_v") for g in range(H_kv)]))
+        for p in range(T):
+            if attn.forced_gates is not None:
+                gates = torch.tensor(attn.forced_gates, dtype=torch.float64, device=x.device).expand(H, 3)
+            else:
+                hidden = F.silu(_linear(x[b, p], params, "gate_mlp.0"))
+                gates = torch.sigmoid(_linear(hidden, params, "gate_mlp.2")).view(H, 3)
+            visible = [i for i in range(n_cmp) if i * c.d + c.l - 1 <= p]
+            window = list(range(max(0, p - c.w + 1), p + 1))
+            heads = [None] * H
+            for g in range(H_kv):
+                group_heads = range(g * G, (g + 1) * G)
+                o_cmp, p_group = {}, [0.0] * len(visible)
+                for h in group_heads:
+                    if visible:
+                        o_cmp[h], probs = _attend(Q[p][h], torch.stack([CK[i][g] for i in visible]), torch.stack([CV[i][g] for i in visible]))
+                        p_group = [acc + pr for acc, pr in zip(p_group, probs.tolist())]  # Eq. 10
+                    else:
+                        o_cmp[h] = torch.zeros(hd, dtype=torch.float64, device=x.device)  # sees no compressed token
+                blocks = _select(p_group, p, c)
+                selected[b, g, p, : len(blocks)] = torch.tensor(blocks)
+                keys = [s for j in blocks for s in range(j * c.l_sel, (j + 1) * c.l_sel) if s <= p]
+                for h in group_heads:
+                    o_sel, _ = _attend(Q[p][h], torch.stack([K["sel"][s][g] for s in keys]), torch.stack([V["sel"][s][g] for s in keys]))
+                    o_win, _ = _attend(Q[p][h], torch.stack([K["win"][s][g] for s in window]), torch.stack([V["win"][s][g] for s in window]))
+                    heads[h] = gates[h, 0] * o_cmp[h] + gates[h, 1] * o_sel + gates[h, 2] * o_win
+            rows[b].append(_linear(torch.cat(heads), params, "proj"))
+    return torch.stack([torch.stack(r) for r in rows]), selected

@@ -1,0 +1,324 @@
+"""NSA selection branch: block importance (Eq. 9-10), top-n with forced blocks, selected attention.
+
+Selected attention is split in two parts whose softmax partials (out, log-sum-exp) are merged per query:
+  local: the forced blocks (block 0, previous, current). All queries of query block c share them, so
+         this is a batch of [l' x 3l'] problems (keys: block 0 | block c-1 | block c, causal in block c,
+         duplicates masked) with no per-query gather;
+  tiles: every other selected (query, block) pair. Such blocks lie wholly before the query (no mask).
+         Pairs are sorted by block and packed into tiles of `tile` pairs sharing one key block
+         (block-centric: each block's K/V is read once per tile); one batched call runs all tiles.
+All shapes are static (bounded by the worst case): no host syncs. The backward pass recomputes scores
+(flash-attention style) from the merged output and log-sum-exp; nothing quadratic is stored.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def selection_block_scores(
+    p_cmp: torch.Tensor,  # [..., N_c] compression probabilities (already summed over a GQA group)
+    l: int,
+    d: int,
+    l_sel: int,
+    n_blocks: int,
+) -> torch.Tensor:  # [..., n_blocks]
+    """Eq. 9 read with 1-based indices = overlap-weighted sum.
+
+    p_slc[j] = sum_i p_cmp[i] * |[i*d, i*d+l) & [j*l', (j+1)*l')| / d. In stride units u (d positions
+    each): token i covers units [i, i+m) with m = l/d, block j covers [j*r, (j+1)*r) with r = l'/d, so
+    p_slc[j] = sum_{u in block j} sum_{k<m} p_cmp[u-k]. Defaults: p[4j-1] + 2p[4j] + 2p[4j+1] + 2p[4j+2] + p[4j+3].
+    """
+    m, r = l // d, l_sel // d
+    n_c = p_cmp.shape[-1]
+    n_units = n_blocks * r
+    assert n_c <= n_units, (n_c, n_units)
+    padded = F.pad(p_cmp, (m - 1, n_units - n_c))  # [..., m-1 + n_units]
+    per_unit = sum(padded[..., m - 1 - k : m - 1 - k + n_units] for k in range(m))  # [..., n_units]
+    return per_unit.unflatten(-1, (n_blocks, r)).sum(dim=-1)
+
+
+@torch.no_grad()
+def select_blocks(
+    scores: torch.Tensor,  # [B, H_kv, Tq, N_b] block importance for queries q_start ..
+    q_start: int,
+    l_sel: int,
+    n: int,
+) -> torch.Tensor:  # [B, H_kv, Tq, n] int64 block indices, highest score first; -1 pads |I_p| < n
+    """Top-n blocks per query; block 0, the current and the previous block are forced (and counted).
+
+    Only blocks starting at or before p compete; |I_p| = min(n, p // l' + 1); ties -> lower index.
+    """
+    Tq, n_b = scores.shape[-2], scores.shape[-1]
+    q_pos = torch.arange(q_start, q_start + Tq, device=scores.device)
+    current = (q_pos // l_sel)[:, None]  # [Tq, 1]
+    blk = torch.arange(n_b, device=scores.device)[None, :]  # [1, N_b]
+    forced = (blk == 0) | (blk == current) | (blk == current - 1)
+    allowed = blk <= current
+    ranked = torch.where(forced, float("inf"), scores.masked_fill(~allowed, float("-inf")))
+    order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices  # stable: ties -> lower index
+    k = min(n, n_b)
+    top = order[..., :k]
+    valid = torch.arange(k, device=scores.device)[None, :] <= current  # first p//l'+1 picks are real
+    top = top.masked_fill(~valid, -1)
+    return F.pad(top, (0, n - k), value=-1)
+
+
+# ---------------------------------------------------------------- attention partials (two backends)
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FLASH_CPU_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+use_flash_kernels = True  # tests switch this off to check the portable (matmul) backend on CPU
+
+
+def _use_flash(q: torch.Tensor) -> bool:
+    """PyTorch's CPU flash-attention kernels return the log-sum-exp that merging needs."""
+    return (
+        use_flash_kernels and _FLASH_CPU is not None and q.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.float64, torch.bfloat16)
+    )
+
+
+def _additive(mask: torch.Tensor | None, dtype) -> torch.Tensor | None:
+    return None if mask is None else torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+def _partial_forward(q, k, v, mask, scale: float):
+    """q [N, Hq, L, E]; k, v [N, 1, S, E]; mask [N, 1, L, S] bool (True = attend, >= 1 per row) or None
+    -> out [N, Hq, L, E], lse [N, Hq, L] (float32 or wider)."""
+    if _use_flash(q):
+        k, v = k.expand(-1, q.shape[1], -1, -1), v.expand(-1, q.shape[1], -1, -1)
+        return _FLASH_CPU(q, k, v, 0.0, False, attn_mask=_additive(mask, q.dtype), scale=scale)
+    compute = torch.promote_types(q.dtype, torch.float32)
+    s = torch.matmul(q.to(compute), k.to(compute).transpose(-1, -2)) * scale  # [N, Hq, L, S]
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    out = torch.matmul(torch.exp(s - lse[..., None]), v.to(compute))
+    return out.to(q.dtype), lse
+
+
+def _partial_backward(d_out, q, k, v, out, lse, mask, scale: float):
+    """Gradients of one partial given the MERGED out and lse of its queries, i.e. the gradients of the
+    full softmax restricted to these keys. Returns dq, dk, dv shaped like q, k, v (k, v: [N, 1, S, E])."""
+    if _use_flash(q):
+        heads = q.shape[1]
+        k, v = k.expand(-1, heads, -1, -1), v.expand(-1, heads, -1, -1)
+        dq, dk, dv = _FLASH_CPU_BWD(d_out, q, k, v, out, lse, 0.0, False, attn_mask=_additive(mask, q.dtype), scale=scale)
+        return dq, dk.sum(1, keepdim=True), dv.sum(1, keepdim=True)
+    compute = torch.promote_types(q.dtype, torch.float32)
+    q, k, v, d_out, out = (t.to(compute) for t in (q, k, v, d_out, out))
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    p = torch.exp(s - lse[..., None].to(compute))  # probabilities of the merged softmax
+    delta = (d_out * out).sum(dim=-1, keepdim=True)  # [N, Hq, L, 1]
+    ds = p * (torch.matmul(d_out, v.transpose(-1, -2)) - delta) * scale
+    dv = torch.matmul(p.transpose(-1, -2), d_out).sum(1, keepdim=True)
+    dk = torch.matmul(ds.transpose(-1, -2), q).sum(1, keepdim=True)
+    return torch.matmul(ds, k), dk, dv
+
+
+# ---------------------------------------------------------------- local part (forced blocks)
+@torch.no_grad()
+def _local_layout(BH: int, n_blocks: int, q_start: int, Tq: int, l_sel: int, device):
+    """Query blocks c0 .. c0+n_loc-1 cover the chunk. Returns
+      lead: rows of block c0 before q_start; n_loc: query blocks;
+      key_rows [BH*n_loc, 3]: block rows (block 0, c-1, c) in [0, BH*n_blocks);
+      mask [BH*n_loc, 1, l', 3l'] bool: block 0 only if c >= 2, block c-1 only if c >= 1, block c causal.
+    """
+    c0 = q_start // l_sel
+    lead = q_start - c0 * l_sel
+    n_loc = (q_start + Tq - 1) // l_sel - c0 + 1
+    c = c0 + torch.arange(n_loc, device=device)  # [n_loc]
+    blocks = torch.stack((torch.zeros_like(c), (c - 1).clamp_min(0), c), dim=1)  # [n_loc, 3]
+    key_rows = (torch.arange(BH, device=device)[:, None, None] * n_blocks + blocks).reshape(BH * n_loc, 3)
+    r = torch.arange(l_sel, device=device)
+    causal = r[None, :] <= r[:, None]  # [l', l']
+    mask = torch.cat((
+        (c >= 2)[:, None, None].expand(n_loc, l_sel, l_sel),
+        (c >= 1)[:, None, None].expand(n_loc, l_sel, l_sel),
+        causal.expand(n_loc, l_sel, l_sel),
+    ), dim=2)  # [n_loc, l', 3l']
+    mask = mask[None].expand(BH, -1, -1, -1).reshape(BH * n_loc, 1, l_sel, 3 * l_sel)
+    return lead, n_loc, key_rows, mask
+
+
+def _to_local(rows: torch.Tensor, BH: int, lead: int, n_loc: int, l_sel: int) -> torch.Tensor:
+    """[BH*Tq, G, ...] query rows -> [BH*n_loc, G, l', ...], zero-padded to whole query blocks."""
+    Tq = rows.shape[0] // BH
+    x = rows.view(BH, Tq, *rows.shape[1:])
+    pad = [0, 0] * (x.dim() - 2) + [lead, n_loc * l_sel - Tq - lead]
+    x = F.pad(x, pad).view(BH * n_loc, l_sel, *rows.shape[1:])
+    return x.transpose(1, 2)
+
+
+def _from_local(x: torch.Tensor, BH: int, lead: int, Tq: int) -> torch.Tensor:
+    """Inverse of _to_local: [BH*n_loc, G, l', ...] -> [BH*Tq, G, ...]."""
+    x = x.transpose(1, 2)
+    x = x.reshape(BH, -1, *x.shape[2:])[:, lead : lead + Tq]
+    return x.reshape(BH * Tq, *x.shape[2:])
+
+
+# ---------------------------------------------------------------- tiles (free picks)
+@torch.no_grad()
+def _build_tiles(block_idx: torch.Tensor, n_blocks: int, q_start: int, l_sel: int, tile: int):
+    """Pack the non-forced (query, block) pairs into tiles of `tile` pairs sharing one key block.
+
+    block_idx: [BH, Tq, n] (-1 = none). Returns
+      tile_query [n_tiles, tile] int64: query row in [0, BH*Tq) (0 on padding slots)
+      tile_block [n_tiles] int64: key block row in [0, BH*n_blocks)
+      tile_real  [n_tiles, tile] bool: slot holds a real pair
+    n_tiles is a static bound (no sync): sum_s ceil(c_s / tile) <= min(P, ceil(P / tile) + #segments).
+    """
+    BH, Tq, n = block_idx.shape
+    dev = block_idx.device
+    n_seg = BH * n_blocks
+    current = ((q_start + torch.arange(Tq, device=dev)) // l_sel).view(1, Tq, 1)
+    free = (block_idx > 0) & (block_idx < current - 1)  # not block 0, previous or current, not empty
+    query_row = torch.arange(BH * Tq, device=dev).view(BH, Tq, 1).expand(BH, Tq, n)
+    seg = block_idx + (torch.arange(BH, device=dev) * n_blocks).view(BH, 1, 1)
+    seg = torch.where(free, seg, n_seg).flatten()  # forced / empty pairs -> dummy segment n_seg
+    seg_sorted, order = torch.sort(seg, stable=True)
+    q_sorted = query_row.flatten()[order]
+    counts = torch.zeros(n_seg + 1, dtype=torch.long, device=dev).index_add_(0, seg, torch.ones_like(seg))
+    counts[n_seg] = 0  # the dummy segment gets no tiles
+    seg_first = torch.cumsum(counts, 0) - counts  # first sorted position of each segment
+    tiles_per_seg = (counts + tile - 1) // tile
+    tile_first = torch.cumsum(tiles_per_seg, 0) - tiles_per_seg
+    pairs = BH * Tq * max(0, n - 3)  # at most n - 3 free picks per query
+    reachable = max(0, min(n_blocks, (q_start + Tq - 1) // l_sel - 1) - 1)  # blocks 1 .. current-2
+    n_tiles = max(1, min(pairs, -(-pairs // tile) + BH * reachable))
+    rank = torch.arange(seg.numel(), device=dev) - seg_first[seg_sorted]
+    real = seg_sorted < n_seg
+    slot = torch.where(real, tile_first[seg_sorted] * tile + rank, n_tiles * tile)  # dummy -> dropped
+    tile_query = torch.zeros(n_tiles * tile + 1, dtype=torch.long, device=dev).scatter_(0, slot, q_sorted)
+    tile_real = torch.zeros(n_tiles * tile + 1, dtype=torch.bool, device=dev).scatter_(0, slot, real)
+    tile_seg = torch.zeros(n_tiles * tile + 1, dtype=torch.long, device=dev).scatter_(0, slot, seg_sorted)
+    tile_query, tile_real = tile_query[:-1].view(n_tiles, tile), tile_real[:-1].view(n_tiles, tile)
+    # a tile's block: all its real slots hold the same segment; padding slots hold 0
+    tile_block = (tile_seg[:-1].view(n_tiles, tile) * tile_real).amax(dim=1).clamp_max(n_seg - 1)
+    return tile_query, tile_block, tile_real
+
+
+class _SelectedAttention(torch.autograd.Function):
+    """q_rows [BH*Tq, G, hd]; k/v_blocks [BH*N_b, 1, l', hd] -> out [BH*Tq, G, hd]."""
+
+    @staticmethod
+    def forward(ctx, q_rows, k_blocks, v_blocks, tile_query, tile_block, tile_real, key_rows, local_mask, layout, scale):
+        BH, lead, n_loc = layout
+        R, G, hd = q_rows.shape
+        n_tiles, tile = tile_query.shape
+        l_sel = k_blocks.shape[2]
+        # local part: query block c against blocks (0, c-1, c) -> [BH*n_loc, 1, 3l', hd]
+        k_loc = k_blocks[key_rows].view(-1, 1, 3 * l_sel, hd)
+        v_loc = v_blocks[key_rows].view(-1, 1, 3 * l_sel, hd)
+        out_l, lse_l = _partial_forward(_to_local(q_rows, BH, lead, n_loc, l_sel), k_loc, v_loc, local_mask, scale)
+        out_l, lse_l = _from_local(out_l, BH, lead, R // BH), _from_local(lse_l, BH, lead, R // BH)
+        # tiles: `tile` pairs x G heads as rows, against one fully visible key block
+        qt = q_rows[tile_query].view(n_tiles, 1, tile * G, hd)
+        out_t, lse_t = _partial_forward(qt, k_blocks[tile_block], v_blocks[tile_block], None, scale)
+        out_t, lse_t = out_t.view(n_tiles * tile, G, hd), lse_t.view(n_tiles * tile, G)
+        # log-sum-exp merge; every query has its local part, so the denominator is >= its weight > 0
+        dest = torch.where(tile_real, tile_query, R).flatten()  # padding slots -> dummy row R
+        lse_max = torch.cat((lse_l, lse_l.new_full((1, G), float("-inf"))))
+        lse_max.scatter_reduce_(0, dest[:, None].expand(-1, G), lse_t, reduce="amax")
+        w_l = torch.exp(lse_l - lse_max[:R])  # [R, G]
+        w_t = torch.exp(lse_t - lse_max[dest]) * tile_real.view(-1, 1)  # [n_tiles*tile, G]
+        den = w_l + torch.zeros_like(lse_max).index_add_(0, dest, w_t)[:R]
+        num = torch.zeros(R + 1, G, hd, dtype=w_l.dtype, device=w_l.device).index_add_(0, dest, out_t * w_t[..., None])
+        out = ((num[:R] + out_l * w_l[..., None]) / den[..., None]).to(q_rows.dtype)
+        lse = lse_max[:R] + torch.log(den)  # [R, G]: log-sum-exp over all selected keys
+        ctx.save_for_backward(q_rows, k_blocks, v_blocks, tile_query, tile_block, tile_real, key_rows, local_mask, out, lse)
+        ctx.layout, ctx.scale = layout, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q_rows, k_blocks, v_blocks, tile_query, tile_block, tile_real, key_rows, local_mask, out, lse = ctx.saved_tensors
+        BH, lead, n_loc = ctx.layout
+        scale = ctx.scale
+        R, G, hd = q_rows.shape
+        n_tiles, tile = tile_query.shape
+        l_sel = k_blocks.shape[2]
+        d_out = d_out.contiguous()
+        dk, dv = torch.zeros_like(k_blocks), torch.zeros_like(v_blocks)
+
+        def local(t):
+            return _to_local(t, BH, lead, n_loc, l_sel)
+
+        dq_l, dk_l, dv_l = _partial_backward(
+            local(d_out), local(q_rows),
+            k_blocks[key_rows].view(-1, 1, 3 * l_sel, hd), v_blocks[key_rows].view(-1, 1, 3 * l_sel, hd),
+            local(out), local(lse), local_mask, scale,
+        )
+        dq = _from_local(dq_l, BH, lead, R // BH).to(q_rows.dtype).contiguous()
+        dk.index_add_(0, key_rows.flatten(), dk_l.reshape(-1, 1, l_sel, hd).to(dk.dtype))
+        dv.index_add_(0, key_rows.flatten(), dv_l.reshape(-1, 1, l_sel, hd).to(dv.dtype))
+        dot = (d_out[tile_query] * tile_real[..., None, None]).view(n_tiles, 1, tile * G, hd)  # padding: dO = 0
+        dq_t, dk_t, dv_t = _partial_backward(
+            dot,
+            q_rows[tile_query].view(n_tiles, 1, tile * G, hd),
+            k_blocks[tile_block], v_blocks[tile_block],
+            out[tile_query].view(n_tiles, 1, tile * G, hd),
+            lse[tile_query].view(n_tiles, 1, tile * G),
+            None, scale,
+        )
+        dq.index_add_(0, tile_query.flatten(), dq_t.reshape(-1, G, hd).to(dq.dtype))
+        dk.index_add_(0, tile_block, dk_t.to(dk.dtype))
+        dv.index_add_(0, tile_block, dv_t.to(dv.dtype))
+        return dq, dk, dv, None, None, None, None, None, None, None
+
+
+def gathered_selected_attention(q, k_blocks, v_blocks, block_idx, q_start: int) -> torch.Tensor:
+    """Query-centric variant for a few queries (decode): gather each query's n*l' keys, one masked SDPA.
+
+    q [B, H_kv, G, Tq, hd]; k/v_blocks [B*H_kv*N_b, 1, l', hd]; block_idx [B, H_kv, Tq, n] -> [B, H_kv, G, Tq, hd].
+    Costs O(Tq * n * l') reads, which is what a decode step should cost; for long prefill the
+    block-centric tiles are far cheaper.
+    """
+    B, H_kv, G, Tq, hd = q.shape
+    n, l_sel = block_idx.shape[-1], k_blocks.shape[2]
+    n_blocks = k_blocks.shape[0] // (B * H_kv)
+    rows = block_idx.clamp_min(0) + (torch.arange(B * H_kv, device=q.device) * n_blocks).view(B, H_kv, 1, 1)
+    kg = k_blocks.view(-1, l_sel, hd)[rows.flatten()].view(B * H_kv * Tq, 1, n * l_sel, hd)
+    vg = v_blocks.view(-1, l_sel, hd)[rows.flatten()].view(B * H_kv * Tq, 1, n * l_sel, hd)
+    k_pos = (block_idx[..., None] * l_sel + torch.arange(l_sel, device=q.device)).flatten(-2)  # [B, H_kv, Tq, n*l']
+    q_pos = q_start + torch.arange(Tq, device=q.device)[:, None]
+    mask = ((k_pos <= q_pos) & (block_idx >= 0).repeat_interleave(l_sel, dim=-1)).view(-1, 1, 1, n * l_sel)
+    qg = q.permute(0, 1, 3, 2, 4).reshape(B * H_kv * Tq, G, 1, hd)
+    out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, enable_gqa=G > 1)  # [B*H_kv*Tq, G, 1, hd]
+    return out.view(B, H_kv, Tq, G, hd).permute(0, 1, 3, 2, 4)
+
+
+GATHER_MAX_QUERIES = 16  # chunks with at most this many queries use the gathered (decode) variant
+
+
+def selected_attention(
+    q: torch.Tensor,  # [B, H_kv, G, Tq, hd] queries at positions q_start ..
+    k: torch.Tensor,  # [B, H_kv, Tk, hd] selection keys at positions 0 .. Tk-1 (Tk >= q_start + Tq)
+    v: torch.Tensor,  # [B, H_kv, Tk, hd]
+    block_idx: torch.Tensor,  # [B, H_kv, Tq, n] from select_blocks (forced blocks included), -1 = none
+    q_start: int,
+    l_sel: int,
+    tile: int,
+) -> torch.Tensor:  # [B, H_kv, G, Tq, hd]
+    """Attention of each query over the keys of its selected blocks, keys after the query masked."""
+    B, H_kv, G, Tq, hd = q.shape
+    BH, Tk = B * H_kv, k.shape[2]
+    n_blocks = -(-Tk // l_sel)
+    pad = n_blocks * l_sel - Tk  # pad keys to whole blocks; padded keys lie after every query
+    if pad:
+        k, v = F.pad(k, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad))
+    k_blocks = k.reshape(BH * n_blocks, 1, l_sel, hd)  # a view when k is contiguous (decode cache)
+    v_blocks = v.reshape(BH * n_blocks, 1, l_sel, hd)
+    if Tq <= GATHER_MAX_QUERIES:
+        return gathered_selected_attention(q, k_blocks, v_blocks, block_idx, q_start)
+    q_rows = q.permute(0, 1, 3, 2, 4).reshape(BH * Tq, G, hd)
+    lead, n_loc, key_rows, local_mask = _local_layout(BH, n_blocks, q_start, Tq, l_sel, q.device)
+    tiles = _build_tiles(block_idx.reshape(BH, Tq, -1), n_blocks, q_start, l_sel, min(tile, Tq))
+    out = _SelectedAttention.apply(
+        q_rows, k_blocks, v_blocks, *tiles, key_rows, local_mask, (BH, lead, n_loc), 1.0 / math.sqrt(hd)
+    )
+    return out.view(B, H_kv, Tq, G, hd).permute(0, 1, 3, 2, 4)

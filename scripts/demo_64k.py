@@ -1,0 +1,110 @@
+"""Long-context NSA inference demo: tiled prefill of S tokens, then cached decode steps.
+
+    .venv/bin/python scripts/demo_64k.py                                  # M7C-125M shape, S = 65536
+    .venv/bin/python scripts/demo_64k.py --S 2048 --layers 2 --dim 128    # small, CPU friendly
+
+Random weights (this measures cost, not quality). Defaults are the M7C-125M shape: dim 768, 12 layers,
+12 query heads, 2 KV heads, head_dim 64, vocab 50304, SwiGLU ffn 2048, NSA paper defaults
+(l=32, d=16, l'=64, n=16, w=512). Prints per-step time and keys read per step (NSA vs a dense KV
+cache at the same context), optionally times a dense model too, and ends with one JSON line.
+reads_total = keys read by all decode steps over all layers (one query per step and layer).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from nsa.config import ModelConfig  # noqa: E402
+from nsa.model import Transformer  # noqa: E402
+
+
+def build(args, attention: str) -> Transformer:
+    cfg = ModelConfig(
+        vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=args.heads, n_kv_heads=args.kv_heads,
+        head_dim=args.head_dim, ffn_dim=args.ffn_dim, max_seq_len=args.S + args.decode_steps + 1,
+        rope_scale=args.rope_scale, attention=attention, attn_backend="flash" if args.use_fa2 else "sdpa",
+    )
+    torch.manual_seed(0)
+    return Transformer(cfg).to(device=args.device, dtype=args.dtype).eval()
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+@torch.no_grad()
+def run(model: Transformer, ids: torch.Tensor, args, label: str) -> dict:
+    caches = model.new_caches()
+    S = args.S
+    t0 = time.perf_counter()
+    for a in range(0, S, args.prefill_tile):
+        logits = model(ids[:, a : min(a + args.prefill_tile, S)], start_pos=a, caches=caches)
+    sync(args.device)
+    prefill_s = time.perf_counter() - t0
+    print(f"[{label}] prefill {S} tokens in tiles of {args.prefill_tile}: {prefill_s:.2f} s", flush=True)
+    token = logits[:, -1:].argmax(-1)  # greedy
+    step_ms, reads, dense_reads = [], 0, 0
+    for i in range(args.decode_steps):
+        t = time.perf_counter()
+        logits = model(token, start_pos=S + i, caches=caches)
+        token = logits[:, -1:].argmax(-1)
+        sync(args.device)
+        step_ms.append((time.perf_counter() - t) * 1e3)
+        if hasattr(caches[0], "reads_per_step"):
+            r = sum(c.reads_per_step() for c in caches)
+            d = sum(c.dense_reads_per_step() for c in caches)
+        else:  # dense KV cache: every key so far, per layer
+            r = d = sum(c.length for c in caches)
+        reads, dense_reads = reads + r, dense_reads + d
+        print(f"[{label}] step {i:3d}  context {S + i + 1:7d}  {step_ms[-1]:8.2f} ms  reads/step {r // len(caches):7d} "
+              f"(dense {d // len(caches)})", flush=True)
+    return {"prefill_s": round(prefill_s, 3), "decode_ms_per_step": round(statistics.median(step_ms), 3),
+            "reads_total": reads, "dense_reads_total": dense_reads,
+            "reads_per_step": reads // max(1, args.decode_steps * len(caches))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--S", type=int, default=65536, help="prompt length (prefilled)")
+    ap.add_argument("--prefill_tile", type=int, default=4096)
+    ap.add_argument("--rope_scale", type=float, default=1.0, help="RoPE position interpolation factor (>= 1)")
+    ap.add_argument("--decode_steps", type=int, default=16)
+    ap.add_argument("--dim", type=int, default=768)
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--kv_heads", type=int, default=2)
+    ap.add_argument("--head_dim", type=int, default=64)
+    ap.add_argument("--ffn_dim", type=int, default=2048)
+    ap.add_argument("--vocab", type=int, default=50304)
+    ap.add_argument("--use_fa2", action="store_true", help="dense baseline uses the flash-attn backend when available")
+    ap.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    ap.add_argument("--dense_baseline", type=int, default=0, choices=[0, 1], help="also time a dense model")
+    args = ap.parse_args()
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    args.dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    print(f"device {args.device}, dtype {args.dtype}, threads {torch.get_num_threads()}", flush=True)
+
+    ids = torch.randint(0, args.vocab, (1, args.S), device=args.device)
+    result = {"S": args.S, "layers": args.layers, "dim": args.dim, "device": args.device,
+              "threads": torch.get_num_threads(), "nsa": run(build(args, "nsa"), ids, args, "nsa")}
+    if args.dense_baseline:
+        dense = run(build(args, "dense"), ids, args, "dense")
+        result["dense"] = dense
+        result["decode_speedup"] = round(dense["decode_ms_per_step"] / result["nsa"]["decode_ms_per_step"], 2)
+    result["reads_total"] = result["nsa"]["reads_total"]
+    result["dense_reads_total"] = result["nsa"]["dense_reads_total"]
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

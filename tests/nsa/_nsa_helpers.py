@@ -1,0 +1,47 @@
+"""Shared set-up for the NSA tests: a small float64 configuration and helpers.
+
+NSA_TEST_DEVICE=cuda runs the suite on a GPU (scripts/run_gpu_causality_test.sh sets it).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from nsa.attention.nsa import NativeSparseAttention
+from nsa.config import ModelConfig, NSAConfig
+from nsa.layers import RotaryEmbedding
+
+DEVICE = torch.device(os.environ.get("NSA_TEST_DEVICE", "cpu"))
+T_VALUES = (1, 7, 8, 9, 15, 16, 17, 31, 33, 64, 100)
+L, D, L_SEL, N_SEL, W = 8, 4, 16, 4, 16  # small NSA: l, d, l', n, w
+DIM, HEADS, KV_HEADS, HEAD_DIM = 64, 8, 2, 16
+
+
+def small_cfg(nsa_overrides: dict | None = None, **overrides) -> ModelConfig:
+    nsa = dict(l=L, d=D, l_sel=L_SEL, n_sel=N_SEL, w=W, q_chunk=8, sel_chunk=32, sel_tile=4, win_block=8, gate_hidden=16)
+    nsa.update(nsa_overrides or {})
+    base = dict(dim=DIM, n_heads=HEADS, n_kv_heads=KV_HEADS, head_dim=HEAD_DIM, attention="nsa", nsa=NSAConfig(**nsa))
+    base.update(overrides)
+    return ModelConfig(**base)
+
+
+def make_layer(seed: int = 0, nsa_overrides: dict | None = None, **overrides) -> NativeSparseAttention:
+    torch.manual_seed(seed)
+    return NativeSparseAttention(small_cfg(nsa_overrides, **overrides)).double().to(DEVICE)
+
+
+def make_input(B: int, T: int, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, T, DIM, generator=g, dtype=torch.float64).to(DEVICE)
+
+
+def rope_for(T: int, start: int = 0, head_dim: int = HEAD_DIM):
+    return RotaryEmbedding(head_dim, 10000.0).to(DEVICE)(torch.arange(start, start + T, device=DEVICE))
+
+
+def sorted_blocks(idx: torch.Tensor) -> torch.Tensor:
+    """Selected blocks ascending with the -1 padding last (the reference's layout)."""
+    big = torch.iinfo(idx.dtype).max
+    s = torch.where(idx < 0, big, idx).sort(dim=-1).values
+    return torch.where(s == big, -1, s)
