@@ -42,7 +42,9 @@ else
     log "installing CPU torch==$TORCH_VERSION"
     # 1) a local wheel (find-links / wheel cache) when the machine has one; 2) PyTorch's CPU index.
     # Never PyPI's default Linux wheel: it is a multi-GB CUDA build.
-    "${PIP[@]}" --no-index "torch==$TORCH_VERSION" 2>/dev/null \
+    # (a local wheel goes in without dependencies first; the second install then only adds its
+    # dependencies from the package index, torch itself being satisfied)
+    { "${PIP[@]}" --no-index --no-deps "torch==$TORCH_VERSION" 2>/dev/null && "${PIP[@]}" "torch==$TORCH_VERSION"; } \
       || "${PIP[@]}" "torch==$TORCH_VERSION" --index-url https://download.pytorch.org/whl/cpu \
       || { echo "[bootstrap] error: could not install a CPU build of torch==$TORCH_VERSION (no local wheel, CPU index unreachable)" >&2; exit 1; }
   fi
