@@ -27,12 +27,13 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig, device_type: str, zero1: bool = False) -> torch.optim.Optimizer:
-    """AdamW. On CUDA the fused kernel, which skips a step on-device through `found_inf` (no host
-    sync); on CPU the foreach implementation (faster there; a CPU has no device queue to stall).
+    """AdamW, fused on CPU and CUDA: one kernel over all parameters (on an idle 2-core CPU, 20 ms
+    against 111 ms for foreach on a 30M-parameter model), and it skips a step on-device through
+    `found_inf` (no host sync). Other devices get the foreach implementation.
 
     zero1: shard the optimizer state across data-parallel ranks (ZeroRedundancyOptimizer).
     """
-    fused = device_type == "cuda"
+    fused = device_type in ("cpu", "cuda")
     kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps, fused=fused, foreach=None if fused else True)
     groups = param_groups(model, cfg.weight_decay)
     if zero1:
