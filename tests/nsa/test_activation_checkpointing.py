@@ -46,3 +46,16 @@ def test_checkpointing_is_off_in_eval_and_decode():
     idx = torch.randint(0, 64, (1, 10))
     caches = model.new_caches()
     torch.testing.assert_close(model(idx, start_pos=0, caches=caches), model(idx))
+
+
+def test_checkpointing_under_torch_compile_matches_eager():
+    torch.manual_seed(0)
+    cfg = ModelConfig(**{**DENSE, "n_layers": 2})
+    compiled_model, eager = Transformer(cfg), Transformer(cfg)
+    eager.load_state_dict(compiled_model.state_dict())
+    compiled_model.checkpoint_every = 1
+    idx = torch.randint(0, cfg.vocab_size, (2, 16))
+    torch.compile(compiled_model)(idx, idx).backward()
+    eager(idx, idx).backward()
+    for a, b in zip(compiled_model.parameters(), eager.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6)
