@@ -13,6 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from nsa.profiling import audit
+
 
 def num_compressed(t: int, l: int, d: int) -> int:
     """Compressed tokens whose block lies inside positions [0, t): i*d + l <= t."""
@@ -91,6 +93,7 @@ def compressed_attention(
         sees_any = mask[:, :1].to(q.dtype)  # [C, 1]: token 0 is the first one any query sees
         # rows that see nothing: let them attend to token 0, then zero their output (no NaN, zero grad)
         mask[:, 0] = True
+        audit("nsa.compressed", "sdpa_explicit_mask", q)
         y = F.scaled_dot_product_attention(
             q_chunk, ck[:, :, :n_vis], cv[:, :, :n_vis], attn_mask=mask, enable_gqa=H != ck.shape[1]
         )

@@ -17,6 +17,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from nsa.profiling import audit
+
 
 def selection_block_scores(
     p_cmp: torch.Tensor,  # [..., N_c] compression probabilities (already summed over a GQA group)
@@ -88,8 +90,10 @@ def _partial_forward(q, k, v, mask, scale: float):
     """q [N, Hq, L, E]; k, v [N, 1, S, E]; mask [N, 1, L, S] bool (True = attend, >= 1 per row) or None
     -> out [N, Hq, L, E], lse [N, Hq, L] (float32 or wider)."""
     if _use_flash(q):
+        audit("nsa.selected", "cpu_flash_kernel_with_lse", q, k)
         k, v = k.expand(-1, q.shape[1], -1, -1), v.expand(-1, q.shape[1], -1, -1)
         return _FLASH_CPU(q, k, v, 0.0, False, attn_mask=_additive(mask, q.dtype), scale=scale)
+    audit("nsa.selected", "matmul_softmax_with_lse", q, k)
     compute = torch.promote_types(q.dtype, torch.float32)
     s = torch.matmul(q.to(compute), k.to(compute).transpose(-1, -2)) * scale  # [N, Hq, L, S]
     if mask is not None:
@@ -288,6 +292,7 @@ def gathered_selected_attention(q, k_blocks, v_blocks, block_idx, q_start: int) 
     q_pos = q_start + torch.arange(Tq, device=q.device)[:, None]
     mask = ((k_pos <= q_pos) & (block_idx >= 0).repeat_interleave(l_sel, dim=-1)).view(-1, 1, 1, n * l_sel)
     qg = q.permute(0, 1, 3, 2, 4).reshape(B * H_kv * Tq, G, 1, hd)
+    audit("nsa.selected[decode]", "sdpa_gathered_mask", qg, kg)
     out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, enable_gqa=G > 1)  # [B*H_kv*Tq, G, 1, hd]
     return out.view(B, H_kv, Tq, G, hd).permute(0, 1, 3, 2, 4)
 

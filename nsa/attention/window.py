@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from nsa.profiling import audit
+
 
 def sliding_window_attention(
     q: torch.Tensor,  # [B, H, Tq, hd] queries at positions q_start ..
@@ -41,5 +43,6 @@ def sliding_window_attention(
     band = (kp_ <= qp) & (kp_ > qp - w) & (kp_ >= k_start) & (kp_ < k_start + Tk)  # [n_blk, C, span]
     band |= (qp >= q_start + Tq)  # padding query rows: see everything (output discarded, no NaN)
     mask = band[:, None].repeat(B, 1, 1, 1)  # [B*n_blk, 1, C, span]
+    audit("nsa.window", "sdpa_explicit_band_mask", qb, kb)
     out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, enable_gqa=H != H_kv)  # [B*n_blk, H, C, hd]
     return out.view(B, n_blk, H, C, hd).transpose(1, 2).reshape(B, H, n_blk * C, hd)[:, :, :Tq]

@@ -140,3 +140,15 @@ def test_seed_showcase_under_torchrun(tmp_path):
                                "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (out / "heartbeat_rank1.jsonl").exists() and (out / "checkpoint_step2.pt").exists()
+
+
+def test_sdpa_audit_covers_the_nsa_branches(tmp_path):
+    out = tmp_path / "run"
+    try:
+        assert run_training(tiny_config(out, "--runtime.sdpa_audit=true", "--model.attention=nsa", "--nsa.l=8",
+                                        "--nsa.d=4", "--nsa.l_sel=8", "--nsa.n_sel=3", "--nsa.w=8")) == 0
+    finally:
+        profiling.set_sdpa_audit(False)
+    (beat,) = [b for b in read_jsonl(out / "heartbeat_rank0.jsonl") if b["kind"] == "sdpa_audit"]
+    assert {"nsa.window", "nsa.compressed", "nsa.selected"} <= set(beat["sites"])
+    assert "dense.causal_attention" not in beat["sites"]
