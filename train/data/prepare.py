@@ -133,6 +133,32 @@ class _Progress:
             self.bar.close()
 
 
+def build_meta(tokenizer, dtype_name: str, max_token_id: int, splits: dict, *, source: str, subset, split: str,
+               text_field: str, text_sample_by: str, split_seed: int, val_fraction: float, max_docs,
+               text_bytes: int, seconds: float) -> dict:
+    """meta.json of a prepared dataset (schema: docs/DATA.md); shared by prepare and prepare_sharded."""
+    return {"format": FORMAT, "version": FORMAT_VERSION, "tokenizer": tokenizer.name, "eos_id": tokenizer.eos_id,
+            "vocab_size": tokenizer.n_vocab, "dtype": dtype_name, "max_token_id": max_token_id, "splits": splits,
+            "split_seed": split_seed, "val_fraction": val_fraction, "source": source, "subset": subset, "split": split,
+            "text_field": text_field, "text_sample_by": text_sample_by, "max_docs": max_docs,
+            "text_bytes": text_bytes, "seconds": round(seconds, 3),
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+
+def add_source_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options that name what to read and how to split it (prepare and prepare_sharded)."""
+    parser.add_argument("--source", required=True, help="text:GLOB | jsonl:GLOB | parquet:GLOB | hf:NAME | fineweb_edu")
+    parser.add_argument("--tokenizer", default="gpt2", help="gpt2 | byte | hf:<local dir>")
+    parser.add_argument("--out", required=True, type=Path, help="output directory, e.g. data/NAME")
+    parser.add_argument("--val-fraction", type=float, default=0.005, help="share of documents held out into val.bin")
+    parser.add_argument("--split-seed", type=int, default=0, help="salt of the held-out hash")
+    parser.add_argument("--subset", default=None, help="Hugging Face config name (fineweb_edu: sample-10BT)")
+    parser.add_argument("--split", default="train", help="Hugging Face split")
+    parser.add_argument("--text-field", default="text", help="column with the document text")
+    parser.add_argument("--text-sample-by", default="document", choices=("document", "paragraph", "line"),
+                        help="text:GLOB documents: whole files, blank-line paragraphs or lines")
+
+
 def prepare(source: str, tokenizer_name: str, out: Path, *, val_fraction: float = 0.005, split_seed: int = 0,
             workers: int = 1, max_docs: int | None = None, subset: str | None = None, split: str = "train",
             text_field: str = "text", text_sample_by: str = "document", overwrite: bool = False) -> dict:
@@ -166,13 +192,10 @@ def prepare(source: str, tokenizer_name: str, out: Path, *, val_fraction: float 
     if not splits["train"]["tokens"]:
         raise DataError(f"{source}: no documents were read; nothing to train on")
     seconds = time.monotonic() - started
-    meta = {"format": FORMAT, "version": FORMAT_VERSION, "tokenizer": tokenizer.name, "eos_id": tokenizer.eos_id,
-            "vocab_size": tokenizer.n_vocab, "dtype": dtype_name,
-            "max_token_id": max(w.max_id for w in writers.values()), "splits": splits,
-            "split_seed": split_seed, "val_fraction": val_fraction, "source": source, "subset": subset, "split": split,
-            "text_field": text_field, "text_sample_by": text_sample_by, "max_docs": max_docs,
-            "text_bytes": text_bytes, "seconds": round(seconds, 3),
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    meta = build_meta(tokenizer, dtype_name, max(w.max_id for w in writers.values()), splits, source=source,
+                      subset=subset, split=split, text_field=text_field, text_sample_by=text_sample_by,
+                      split_seed=split_seed, val_fraction=val_fraction, max_docs=max_docs, text_bytes=text_bytes,
+                      seconds=seconds)
     tmp = out / "meta.json.partial"
     tmp.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
     os.replace(tmp, out / "meta.json")
@@ -181,18 +204,9 @@ def prepare(source: str, tokenizer_name: str, out: Path, *, val_fraction: float 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m train.data.prepare", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--source", required=True, help="text:GLOB | jsonl:GLOB | parquet:GLOB | hf:NAME | fineweb_edu")
-    parser.add_argument("--tokenizer", default="gpt2", help="gpt2 | byte | hf:<local dir>")
-    parser.add_argument("--out", required=True, type=Path, help="output directory, e.g. data/NAME")
-    parser.add_argument("--val-fraction", type=float, default=0.005, help="share of documents held out into val.bin")
-    parser.add_argument("--split-seed", type=int, default=0, help="salt of the held-out hash")
+    add_source_arguments(parser)
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 1) - 1), help="tokenizer processes")
     parser.add_argument("--max-docs", type=int, default=None, help="stop after this many documents")
-    parser.add_argument("--subset", default=None, help="Hugging Face config name (fineweb_edu: sample-10BT)")
-    parser.add_argument("--split", default="train", help="Hugging Face split")
-    parser.add_argument("--text-field", default="text", help="column with the document text")
-    parser.add_argument("--text-sample-by", default="document", choices=("document", "paragraph", "line"),
-                        help="text:GLOB documents: whole files, blank-line paragraphs or lines")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing prepared dataset")
     args = parser.parse_args(argv)
     try:

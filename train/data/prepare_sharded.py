@@ -28,13 +28,12 @@ import os
 import shutil
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
 
-from train.data.meta import FORMAT, FORMAT_VERSION, dtype_for_vocab
-from train.data.prepare import _chunks, _init_worker, _SplitWriter, _tokenize_chunk
+from train.data.meta import dtype_for_vocab
+from train.data.prepare import _chunks, _init_worker, _SplitWriter, _tokenize_chunk, add_source_arguments, build_meta
 from train.data.sources import ReaderPlan, iter_documents, open_documents
 from train.data.tokenizers import load_tokenizer
 from train.errors import DataError, UserError
@@ -206,14 +205,10 @@ def _finish(out: Path, shards: Path, records: list[dict], params: dict, tokenize
          "marker": _marker(shards, r["shard"]).name} for r in records]}
     _write_json(out / "manifest.json", manifest)
     p = params
-    meta = {"format": FORMAT, "version": FORMAT_VERSION, "tokenizer": tokenizer.name, "eos_id": tokenizer.eos_id,
-            "vocab_size": tokenizer.n_vocab, "dtype": p["dtype"], "max_token_id": max_id, "splits": splits,
-            "split_seed": p["split_seed"], "val_fraction": p["val_fraction"], "source": p["source"],
-            "subset": p["subset"], "split": p["split"], "text_field": p["text_field"],
-            "text_sample_by": p["text_sample_by"], "max_docs": None,
-            "text_bytes": sum(r["text_bytes"] for r in records),
-            "seconds": round(time.monotonic() - started, 3),
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    meta = build_meta(tokenizer, p["dtype"], max_id, splits, source=p["source"], subset=p["subset"],
+                      split=p["split"], text_field=p["text_field"], text_sample_by=p["text_sample_by"],
+                      split_seed=p["split_seed"], val_fraction=p["val_fraction"], max_docs=None,
+                      text_bytes=sum(r["text_bytes"] for r in records), seconds=time.monotonic() - started)
     _write_json(out / "meta.json", meta)
     if not keep_shards:
         for r in records:
@@ -224,20 +219,11 @@ def _finish(out: Path, shards: Path, records: list[dict], params: dict, tokenize
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m train.data.prepare_sharded", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--source", required=True, help="text:GLOB | jsonl:GLOB | parquet:GLOB | hf:NAME | fineweb_edu")
-    parser.add_argument("--tokenizer", default="gpt2", help="gpt2 | byte | hf:<local dir>")
-    parser.add_argument("--out", required=True, type=Path, help="output directory, e.g. data/NAME")
+    add_source_arguments(parser)
     parser.add_argument("--shards", required=True, type=int, help="number of shards (<= the source's files)")
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 1) - 1), help="shards tokenized at once")
     parser.add_argument("--max-shards", type=int, default=None, help="tokenize at most this many shards now, then stop")
     parser.add_argument("--keep-shards", action="store_true", help="keep the shard .bin files after joining")
-    parser.add_argument("--val-fraction", type=float, default=0.005, help="share of documents held out into val.bin")
-    parser.add_argument("--split-seed", type=int, default=0, help="salt of the held-out hash")
-    parser.add_argument("--subset", default=None, help="Hugging Face config name (fineweb_edu: sample-10BT)")
-    parser.add_argument("--split", default="train", help="Hugging Face split")
-    parser.add_argument("--text-field", default="text", help="column with the document text")
-    parser.add_argument("--text-sample-by", default="document", choices=("document", "paragraph", "line"),
-                        help="text:GLOB documents: whole files, blank-line paragraphs or lines")
     parser.add_argument("--overwrite", action="store_true", help="start again: delete shards and the prepared files")
     args = parser.parse_args(argv)
     try:
