@@ -29,7 +29,7 @@ from train.optim import build_optimizer
 from train.state_dicts import gather_states, load_states
 from train.alerts import Alerts
 from train.profiler import StepProfiler
-from train.safety import ANOMALY_FILE, HALT_FILE, StopFlags, Watchdog
+from train.safety import ANOMALY_FILE, StopFlags, Watchdog
 from train.telemetry import TRAIN_FIELDS, VAL_FIELDS, CsvLog, Heartbeat, TensorBoard, write_json_atomic
 
 EXIT_ANOMALY = 3
@@ -383,7 +383,6 @@ def _train(run: Run) -> int:
         print(f"run: {run.raw_model.num_params():,} params | {loop.tokens_per_step:,} tokens/step | "
               f"device {run.info.device} | {str(run.amp_dtype).replace('torch.', '')} | "
               f"{'resumed at step ' + str(state.step) if run.ckpt else 'fresh start'}", flush=True)
-    exit_code = 0
     alerts = Alerts(run.cfg)
     profiler = StepProfiler(run.out_dir, run.cfg.runtime.profile_steps if run.is_main else "",
                             on_written=lambda tag, paths: run.heartbeat.emit("profile", state.step, tag=tag, paths=paths))
@@ -426,9 +425,7 @@ def _train(run: Run) -> int:
             if stop:
                 state.stop_reason = flags.reason or f"stop_after={cfg.stop_after}"
                 break
-        run.save()
-        if (run.out_dir / HALT_FILE).exists() and run.is_main and state.stop_reason == "HALT file":
-            pass  # leave .HALT in place: the operator removes it before resuming (documented)
+        run.save()  # .HALT stays in place: the operator removes it before resuming (documented)
         run.heartbeat.emit("end", state.step, reason=state.stop_reason or "finished")
         run.write_metrics("stopped" if state.stop_reason else "finished")
         run.write_run_summary()
@@ -442,7 +439,7 @@ def _train(run: Run) -> int:
         if run.cfg.runtime.disable_gc:
             gc.enable()
             gc.unfreeze()
-    return exit_code
+    return 0
 
 
 def _val_improved(run: Run) -> bool:
