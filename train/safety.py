@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 HALT_FILE = ".HALT"
+
 ANOMALY_FILE = ".anomaly_type"
 
 

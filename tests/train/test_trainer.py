@@ -288,8 +288,8 @@ def test_sigusr1_dumps_stacks_and_training_continues(tmp_path):
         assert len(dumps) == 1 and "thread MainThread" in dumps[0].read_text()
     finally:
         proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=60)
-    assert proc.returncode == 0
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-3000:]
 
 
 def test_watchdog_dumps_stacks_on_stall(tmp_path, monkeypatch):
