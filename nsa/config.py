@@ -23,8 +23,8 @@ class NSAConfig:
     w: int = 512  # sliding window length
     q_chunk: int = 256  # queries processed together in the vectorised path (memory bound)
     gate_hidden: int = 0  # hidden width of the gate MLP; 0 means dim // 4
-    sel_chunk: int = 4096  # queries per selection chunk (bounds the block-tile buffers; see docs/NSA.md)
-    sel_tile: int = 64  # (query, block) pairs per tile in block-centric selected attention
+    sel_chunk: int = 8192  # queries per selection chunk (bounds the block-tile index buffers; see docs/NSA.md)
+    sel_tile: int = 128  # (query, block) pairs per tile in block-centric selected attention
     win_block: int = 128  # queries per sliding-window block (each block reads win_block + w - 1 keys)
 
     def validate(self) -> None:

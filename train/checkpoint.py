@@ -154,7 +154,7 @@ def check_architecture(ckpt: dict, model_config: dict, path: Path) -> None:
              for k, v in current.items() if k not in free and saved.get(k) != v]
     if current["attention"] == "nsa":
         diffs += [f"nsa.{k}: checkpoint {saved_nsa.get(k)!r} vs config {v!r}"
-                  for k, v in current_nsa.items() if k not in ("q_chunk", "sel_chunk", "sel_tile") and saved_nsa.get(k) != v]
+                  for k, v in current_nsa.items() if k not in ("q_chunk", "sel_chunk", "sel_tile", "win_block") and saved_nsa.get(k) != v]
     if diffs:
         raise CheckpointError(f"checkpoint {path} does not match the config's architecture ({'; '.join(diffs[:3])})")
 

@@ -77,19 +77,15 @@ class NativeSparseAttention(nn.Module):
         B, T, _ = x.shape
         H, H_kv, hd = self.n_heads, self.n_kv_heads, self.head_dim
         q = self.q_proj(x).view(B, T, H, hd).transpose(1, 2)
-        kv = self.kv_proj(x).view(B, T, 6, H_kv, hd).permute(2, 0, 3, 1, 4)  # [6, B, H_kv, T, hd]
-        keys, values = kv[0::2], kv[1::2]  # [3, B, H_kv, T, hd] each
+        # unbind (backward: one stack) rather than strided slices (backward: zero-filled scatters)
+        kv = self.kv_proj(x).view(B, T, 6, H_kv, hd).permute(2, 0, 3, 1, 4).unbind(0)  # 6 x [B, H_kv, T, hd]
+        keys, values = list(kv[0::2]), kv[1::2]
         if self.q_norm is not None:
-            q, keys = self.q_norm(q), self.k_norm(keys)
-        if rope is not None:
+            q, keys = self.q_norm(q), [self.k_norm(k) for k in keys]
+        if rope is not None:  # compression keys stay raw (rotated after phi)
             q = apply_rotary(q, *rope)
-        branches = {}
-        for i, name in enumerate(BRANCHES):
-            k = keys[i]
-            if rope is not None and name != "cmp":
-                k = apply_rotary(k, *rope)
-            branches[name] = (k, values[i])
-        return q, branches
+            keys[1:] = apply_rotary(torch.stack(keys[1:]), *rope).unbind(0)
+        return q, dict(zip(BRANCHES, zip(keys, values)))
 
     def gates(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, dim] -> [B, T, H, 3] in (0, 1)
         if self.forced_gates is not None:

@@ -48,24 +48,28 @@ def select_blocks(
     q_start: int,
     l_sel: int,
     n: int,
-) -> torch.Tensor:  # [B, H_kv, Tq, n] int64 block indices, highest score first; -1 pads |I_p| < n
+) -> torch.Tensor:  # [B, H_kv, Tq, n] int64 block indices, ascending; -1 pads |I_p| < n
     """Top-n blocks per query; block 0, the current and the previous block are forced (and counted).
 
     Only blocks starting at or before p compete; |I_p| = min(n, p // l' + 1); ties -> lower index.
+    Exact without a full sort: the k-th largest score v is a top-k value; every block above v is in,
+    and of the blocks equal to v the lowest-indexed ones fill the remaining places.
     """
     Tq, n_b = scores.shape[-2], scores.shape[-1]
-    q_pos = torch.arange(q_start, q_start + Tq, device=scores.device)
-    current = (q_pos // l_sel)[:, None]  # [Tq, 1]
-    blk = torch.arange(n_b, device=scores.device)[None, :]  # [1, N_b]
+    dev = scores.device
+    current = (torch.arange(q_start, q_start + Tq, device=dev) // l_sel)[:, None]  # [Tq, 1]
+    blk = torch.arange(n_b, device=dev)[None, :]  # [1, N_b]
     forced = (blk == 0) | (blk == current) | (blk == current - 1)
     allowed = blk <= current
     ranked = torch.where(forced, float("inf"), scores.masked_fill(~allowed, float("-inf")))
-    order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices  # stable: ties -> lower index
     k = min(n, n_b)
-    top = order[..., :k]
-    valid = torch.arange(k, device=scores.device)[None, :] <= current  # first p//l'+1 picks are real
-    top = top.masked_fill(~valid, -1)
-    return F.pad(top, (0, n - k), value=-1)
+    kth = ranked.topk(k, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)  # [..., Tq, 1]
+    above, tied = ranked > kth, ranked == kth
+    places = k - above.sum(dim=-1, keepdim=True)  # for tied blocks, lowest index first
+    chosen = (above | (tied & (tied.cumsum(dim=-1) <= places))) & allowed  # exactly min(k, c+1) per row
+    slot = torch.where(chosen, chosen.cumsum(dim=-1) - 1, n)  # ascending compaction; n = discard column
+    out = torch.full((*scores.shape[:-1], n + 1), -1, dtype=torch.long, device=dev)
+    return out.scatter_(-1, slot, blk.expand_as(slot))[..., :n]
 
 
 # ---------------------------------------------------------------- attention partials (two backends)
@@ -82,22 +86,18 @@ def _use_flash(q: torch.Tensor) -> bool:
     )
 
 
-def _additive(mask: torch.Tensor | None, dtype) -> torch.Tensor | None:
-    return None if mask is None else torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-
-
 def _partial_forward(q, k, v, mask, scale: float):
-    """q [N, Hq, L, E]; k, v [N, 1, S, E]; mask [N, 1, L, S] bool (True = attend, >= 1 per row) or None
-    -> out [N, Hq, L, E], lse [N, Hq, L] (float32 or wider)."""
+    """q [N, Hq, L, E]; k, v [N, 1, S, E]; mask [N, 1, L, S] additive (0 = attend, -inf = not; >= 1 key
+    per row) in q's dtype, or None -> out [N, Hq, L, E], lse [N, Hq, L] (float32 or wider)."""
     if _use_flash(q):
         audit("nsa.selected", "cpu_flash_kernel_with_lse", q, k)
         k, v = k.expand(-1, q.shape[1], -1, -1), v.expand(-1, q.shape[1], -1, -1)
-        return _FLASH_CPU(q, k, v, 0.0, False, attn_mask=_additive(mask, q.dtype), scale=scale)
+        return _FLASH_CPU(q, k, v, 0.0, False, attn_mask=mask, scale=scale)
     audit("nsa.selected", "matmul_softmax_with_lse", q, k)
     compute = torch.promote_types(q.dtype, torch.float32)
     s = torch.matmul(q.to(compute), k.to(compute).transpose(-1, -2)) * scale  # [N, Hq, L, S]
     if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
+        s = s + mask
     lse = torch.logsumexp(s, dim=-1)
     out = torch.matmul(torch.exp(s - lse[..., None]), v.to(compute))
     return out.to(q.dtype), lse
@@ -109,13 +109,13 @@ def _partial_backward(d_out, q, k, v, out, lse, mask, scale: float):
     if _use_flash(q):
         heads = q.shape[1]
         k, v = k.expand(-1, heads, -1, -1), v.expand(-1, heads, -1, -1)
-        dq, dk, dv = _FLASH_CPU_BWD(d_out, q, k, v, out, lse, 0.0, False, attn_mask=_additive(mask, q.dtype), scale=scale)
+        dq, dk, dv = _FLASH_CPU_BWD(d_out, q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=scale)
         return dq, dk.sum(1, keepdim=True), dv.sum(1, keepdim=True)
     compute = torch.promote_types(q.dtype, torch.float32)
     q, k, v, d_out, out = (t.to(compute) for t in (q, k, v, d_out, out))
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
     if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
+        s = s + mask
     p = torch.exp(s - lse[..., None].to(compute))  # probabilities of the merged softmax
     delta = (d_out * out).sum(dim=-1, keepdim=True)  # [N, Hq, L, 1]
     ds = p * (torch.matmul(d_out, v.transpose(-1, -2)) - delta) * scale
@@ -126,11 +126,12 @@ def _partial_backward(d_out, q, k, v, out, lse, mask, scale: float):
 
 # ---------------------------------------------------------------- local part (forced blocks)
 @torch.no_grad()
-def _local_layout(BH: int, n_blocks: int, q_start: int, Tq: int, l_sel: int, device):
+def _local_layout(BH: int, n_blocks: int, q_start: int, Tq: int, l_sel: int, dtype, device):
     """Query blocks c0 .. c0+n_loc-1 cover the chunk. Returns
       lead: rows of block c0 before q_start; n_loc: query blocks;
       key_rows [BH*n_loc, 3]: block rows (block 0, c-1, c) in [0, BH*n_blocks);
-      mask [BH*n_loc, 1, l', 3l'] bool: block 0 only if c >= 2, block c-1 only if c >= 1, block c causal.
+      mask [BH*n_loc, 1, l', 3l'] additive (0 / -inf) in `dtype`: block 0 only if c >= 2, block c-1
+      only if c >= 1 (no duplicate keys), block c causal. Built once; the backward pass reuses it.
     """
     c0 = q_start // l_sel
     lead = q_start - c0 * l_sel
@@ -140,11 +141,12 @@ def _local_layout(BH: int, n_blocks: int, q_start: int, Tq: int, l_sel: int, dev
     key_rows = (torch.arange(BH, device=device)[:, None, None] * n_blocks + blocks).reshape(BH * n_loc, 3)
     r = torch.arange(l_sel, device=device)
     causal = r[None, :] <= r[:, None]  # [l', l']
-    mask = torch.cat((
+    visible = torch.cat((
         (c >= 2)[:, None, None].expand(n_loc, l_sel, l_sel),
         (c >= 1)[:, None, None].expand(n_loc, l_sel, l_sel),
         causal.expand(n_loc, l_sel, l_sel),
     ), dim=2)  # [n_loc, l', 3l']
+    mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
     mask = mask[None].expand(BH, -1, -1, -1).reshape(BH * n_loc, 1, l_sel, 3 * l_sel)
     return lead, n_loc, key_rows, mask
 
@@ -171,17 +173,16 @@ def _build_tiles(block_idx: torch.Tensor, n_blocks: int, q_start: int, l_sel: in
     """Pack the non-forced (query, block) pairs into tiles of `tile` pairs sharing one key block.
 
     block_idx: [BH, Tq, n] (-1 = none). Returns
-      tile_query [n_tiles, tile] int64: query row in [0, BH*Tq) (0 on padding slots)
+      tile_query [n_tiles * tile] int64: query row in [0, BH*Tq), or BH*Tq (a dummy row) on padding slots
       tile_block [n_tiles] int64: key block row in [0, BH*n_blocks)
-      tile_real  [n_tiles, tile] bool: slot holds a real pair
     n_tiles is a static bound (no sync): sum_s ceil(c_s / tile) <= min(P, ceil(P / tile) + #segments).
     """
     BH, Tq, n = block_idx.shape
     dev = block_idx.device
-    n_seg = BH * n_blocks
+    n_seg, R = BH * n_blocks, BH * Tq
     current = ((q_start + torch.arange(Tq, device=dev)) // l_sel).view(1, Tq, 1)
     free = (block_idx > 0) & (block_idx < current - 1)  # not block 0, previous or current, not empty
-    query_row = torch.arange(BH * Tq, device=dev).view(BH, Tq, 1).expand(BH, Tq, n)
+    query_row = torch.arange(R, device=dev).view(BH, Tq, 1).expand(BH, Tq, n)
     seg = block_idx + (torch.arange(BH, device=dev) * n_blocks).view(BH, 1, 1)
     seg = torch.where(free, seg, n_seg).flatten()  # forced / empty pairs -> dummy segment n_seg
     seg_sorted, order = torch.sort(seg, stable=True)
@@ -191,60 +192,81 @@ def _build_tiles(block_idx: torch.Tensor, n_blocks: int, q_start: int, l_sel: in
     seg_first = torch.cumsum(counts, 0) - counts  # first sorted position of each segment
     tiles_per_seg = (counts + tile - 1) // tile
     tile_first = torch.cumsum(tiles_per_seg, 0) - tiles_per_seg
-    pairs = BH * Tq * max(0, n - 3)  # at most n - 3 free picks per query
+    pairs = R * max(0, n - 3)  # at most n - 3 free picks per query
     reachable = max(0, min(n_blocks, (q_start + Tq - 1) // l_sel - 1) - 1)  # blocks 1 .. current-2
     n_tiles = max(1, min(pairs, -(-pairs // tile) + BH * reachable))
     rank = torch.arange(seg.numel(), device=dev) - seg_first[seg_sorted]
     real = seg_sorted < n_seg
     slot = torch.where(real, tile_first[seg_sorted] * tile + rank, n_tiles * tile)  # dummy -> dropped
-    tile_query = torch.zeros(n_tiles * tile + 1, dtype=torch.long, device=dev).scatter_(0, slot, q_sorted)
-    tile_real = torch.zeros(n_tiles * tile + 1, dtype=torch.bool, device=dev).scatter_(0, slot, real)
-    tile_seg = torch.zeros(n_tiles * tile + 1, dtype=torch.long, device=dev).scatter_(0, slot, seg_sorted)
-    tile_query, tile_real = tile_query[:-1].view(n_tiles, tile), tile_real[:-1].view(n_tiles, tile)
+    tile_query = torch.full((n_tiles * tile + 1,), R, dtype=torch.long, device=dev).scatter_(0, slot, q_sorted)
+    tile_seg = torch.zeros(n_tiles * tile + 1, dtype=torch.long, device=dev).scatter_(0, slot, seg_sorted * real)
     # a tile's block: all its real slots hold the same segment; padding slots hold 0
-    tile_block = (tile_seg[:-1].view(n_tiles, tile) * tile_real).amax(dim=1).clamp_max(n_seg - 1)
-    return tile_query, tile_block, tile_real
+    tile_block = tile_seg[:-1].view(n_tiles, tile).amax(dim=1).clamp_max(n_seg - 1)
+    return tile_query[:-1], tile_block
+
+
+TILE_BATCH_ROWS = 16384  # query rows (pairs x heads) per batched tile call: keeps transients ~4 MB
+
+
+def _with_dummy_row(x: torch.Tensor) -> torch.Tensor:
+    """[R, ...] -> [R+1, ...] with a zero row R, the target of padding slots."""
+    return torch.cat((x, x.new_zeros(1, *x.shape[1:])))
 
 
 class _SelectedAttention(torch.autograd.Function):
-    """q_rows [BH*Tq, G, hd]; k/v_blocks [BH*N_b, 1, l', hd] -> out [BH*Tq, G, hd]."""
+    """q_rows [R=BH*Tq, G, hd]; k/v_blocks [BH*N_b, 1, l', hd] -> out [R, G, hd].
+
+    The tiles run in batches of about TILE_BATCH_ROWS query rows so every transient stays small (cache
+    resident, reused by the allocator); the partial softmaxes are merged online (running max, denominator
+    and numerator per query), starting from the local part that every query has.
+    """
 
     @staticmethod
-    def forward(ctx, q_rows, k_blocks, v_blocks, tile_query, tile_block, tile_real, key_rows, local_mask, layout, scale):
+    def forward(ctx, q_rows, k_blocks, v_blocks, tile_query, tile_block, key_rows, local_mask, layout, scale):
         BH, lead, n_loc = layout
         R, G, hd = q_rows.shape
-        n_tiles, tile = tile_query.shape
+        n_tiles = tile_block.shape[0]
+        tile = tile_query.shape[0] // n_tiles
         l_sel = k_blocks.shape[2]
+        compute = torch.promote_types(q_rows.dtype, torch.float32)
         # local part: query block c against blocks (0, c-1, c) -> [BH*n_loc, 1, 3l', hd]
-        k_loc = k_blocks[key_rows].view(-1, 1, 3 * l_sel, hd)
-        v_loc = v_blocks[key_rows].view(-1, 1, 3 * l_sel, hd)
+        k_loc = k_blocks.index_select(0, key_rows.flatten()).view(-1, 1, 3 * l_sel, hd)
+        v_loc = v_blocks.index_select(0, key_rows.flatten()).view(-1, 1, 3 * l_sel, hd)
         out_l, lse_l = _partial_forward(_to_local(q_rows, BH, lead, n_loc, l_sel), k_loc, v_loc, local_mask, scale)
-        out_l, lse_l = _from_local(out_l, BH, lead, R // BH), _from_local(lse_l, BH, lead, R // BH)
-        # tiles: `tile` pairs x G heads as rows, against one fully visible key block
-        qt = q_rows[tile_query].view(n_tiles, 1, tile * G, hd)
-        out_t, lse_t = _partial_forward(qt, k_blocks[tile_block], v_blocks[tile_block], None, scale)
-        out_t, lse_t = out_t.view(n_tiles * tile, G, hd), lse_t.view(n_tiles * tile, G)
-        # log-sum-exp merge; every query has its local part, so the denominator is >= its weight > 0
-        dest = torch.where(tile_real, tile_query, R).flatten()  # padding slots -> dummy row R
-        lse_max = torch.cat((lse_l, lse_l.new_full((1, G), float("-inf"))))
-        lse_max.scatter_reduce_(0, dest[:, None].expand(-1, G), lse_t, reduce="amax")
-        w_l = torch.exp(lse_l - lse_max[:R])  # [R, G]
-        w_t = torch.exp(lse_t - lse_max[dest]) * tile_real.view(-1, 1)  # [n_tiles*tile, G]
-        den = w_l + torch.zeros_like(lse_max).index_add_(0, dest, w_t)[:R]
-        num = torch.zeros(R + 1, G, hd, dtype=w_l.dtype, device=w_l.device).index_add_(0, dest, out_t * w_t[..., None])
-        out = ((num[:R] + out_l * w_l[..., None]) / den[..., None]).to(q_rows.dtype)
-        lse = lse_max[:R] + torch.log(den)  # [R, G]: log-sum-exp over all selected keys
-        ctx.save_for_backward(q_rows, k_blocks, v_blocks, tile_query, tile_block, tile_real, key_rows, local_mask, out, lse)
+        # running merge state over rows 0..R (row R collects the padding slots and is dropped)
+        m = _with_dummy_row(_from_local(lse_l, BH, lead, R // BH).to(compute))  # [R+1, G]
+        num = _with_dummy_row(_from_local(out_l, BH, lead, R // BH).to(compute))  # [R+1, G, hd]
+        den = torch.ones_like(m)
+        q_ext = _with_dummy_row(q_rows)
+        step = max(1, TILE_BATCH_ROWS // (tile * G))
+        for a in range(0, n_tiles, step):  # loop over tile batches (count fixed by shapes), not tokens
+            blocks = tile_block[a : a + step]
+            dest = tile_query[a * tile : (a + blocks.shape[0]) * tile]  # [nb*tile]
+            qt = q_ext.index_select(0, dest).view(-1, 1, tile * G, hd)
+            out_t, lse_t = _partial_forward(qt, k_blocks.index_select(0, blocks), v_blocks.index_select(0, blocks), None, scale)
+            out_t, lse_t = out_t.view(-1, G, hd), lse_t.view(-1, G).to(compute)
+            m_new = m.scatter_reduce(0, dest[:, None].expand(-1, G), lse_t, reduce="amax")
+            alpha = torch.exp(m - m_new)  # [R+1, G] rescales what was merged so far
+            num.mul_(alpha[..., None])
+            den.mul_(alpha)
+            w_t = torch.exp(lse_t - m_new.index_select(0, dest))  # [nb*tile, G]
+            den.index_add_(0, dest, w_t)
+            num.index_add_(0, dest, out_t.to(compute).mul_(w_t[..., None]))
+            m = m_new
+        out = (num[:R] / den[:R, :, None]).to(q_rows.dtype)
+        lse = m[:R] + torch.log(den[:R])  # [R, G]: log-sum-exp over all selected keys
+        ctx.save_for_backward(q_rows, k_blocks, v_blocks, tile_query, tile_block, key_rows, local_mask, out, lse)
         ctx.layout, ctx.scale = layout, scale
         return out
 
     @staticmethod
     def backward(ctx, d_out):
-        q_rows, k_blocks, v_blocks, tile_query, tile_block, tile_real, key_rows, local_mask, out, lse = ctx.saved_tensors
+        q_rows, k_blocks, v_blocks, tile_query, tile_block, key_rows, local_mask, out, lse = ctx.saved_tensors
         BH, lead, n_loc = ctx.layout
         scale = ctx.scale
         R, G, hd = q_rows.shape
-        n_tiles, tile = tile_query.shape
+        n_tiles = tile_block.shape[0]
+        tile = tile_query.shape[0] // n_tiles
         l_sel = k_blocks.shape[2]
         d_out = d_out.contiguous()
         dk, dv = torch.zeros_like(k_blocks), torch.zeros_like(v_blocks)
@@ -252,27 +274,33 @@ class _SelectedAttention(torch.autograd.Function):
         def local(t):
             return _to_local(t, BH, lead, n_loc, l_sel)
 
+        rows = key_rows.flatten()
         dq_l, dk_l, dv_l = _partial_backward(
             local(d_out), local(q_rows),
-            k_blocks[key_rows].view(-1, 1, 3 * l_sel, hd), v_blocks[key_rows].view(-1, 1, 3 * l_sel, hd),
+            k_blocks.index_select(0, rows).view(-1, 1, 3 * l_sel, hd), v_blocks.index_select(0, rows).view(-1, 1, 3 * l_sel, hd),
             local(out), local(lse), local_mask, scale,
         )
-        dq = _from_local(dq_l, BH, lead, R // BH).to(q_rows.dtype).contiguous()
-        dk.index_add_(0, key_rows.flatten(), dk_l.reshape(-1, 1, l_sel, hd).to(dk.dtype))
-        dv.index_add_(0, key_rows.flatten(), dv_l.reshape(-1, 1, l_sel, hd).to(dv.dtype))
-        dot = (d_out[tile_query] * tile_real[..., None, None]).view(n_tiles, 1, tile * G, hd)  # padding: dO = 0
-        dq_t, dk_t, dv_t = _partial_backward(
-            dot,
-            q_rows[tile_query].view(n_tiles, 1, tile * G, hd),
-            k_blocks[tile_block], v_blocks[tile_block],
-            out[tile_query].view(n_tiles, 1, tile * G, hd),
-            lse[tile_query].view(n_tiles, 1, tile * G),
-            None, scale,
-        )
-        dq.index_add_(0, tile_query.flatten(), dq_t.reshape(-1, G, hd).to(dq.dtype))
-        dk.index_add_(0, tile_block, dk_t.to(dk.dtype))
-        dv.index_add_(0, tile_block, dv_t.to(dv.dtype))
-        return dq, dk, dv, None, None, None, None, None, None, None
+        dq = _with_dummy_row(_from_local(dq_l, BH, lead, R // BH).to(q_rows.dtype))  # [R+1, G, hd]
+        dk.index_add_(0, rows, dk_l.reshape(-1, 1, l_sel, hd).to(dk.dtype))
+        dv.index_add_(0, rows, dv_l.reshape(-1, 1, l_sel, hd).to(dv.dtype))
+        # padding slots read the zero row R: dO = 0 there, so they contribute nothing
+        q_ext, do_ext, out_ext, lse_ext = (_with_dummy_row(t) for t in (q_rows, d_out, out, lse))
+        step = max(1, TILE_BATCH_ROWS // (tile * G))
+        for a in range(0, n_tiles, step):
+            blocks = tile_block[a : a + step]
+            dest = tile_query[a * tile : (a + blocks.shape[0]) * tile]
+            dq_t, dk_t, dv_t = _partial_backward(
+                do_ext.index_select(0, dest).view(-1, 1, tile * G, hd),
+                q_ext.index_select(0, dest).view(-1, 1, tile * G, hd),
+                k_blocks.index_select(0, blocks), v_blocks.index_select(0, blocks),
+                out_ext.index_select(0, dest).view(-1, 1, tile * G, hd),
+                lse_ext.index_select(0, dest).view(-1, 1, tile * G),
+                None, scale,
+            )
+            dq.index_add_(0, dest, dq_t.reshape(-1, G, hd).to(dq.dtype))
+            dk.index_add_(0, blocks, dk_t.to(dk.dtype))
+            dv.index_add_(0, blocks, dv_t.to(dv.dtype))
+        return dq[:R], dk, dv, None, None, None, None, None, None
 
 
 def gathered_selected_attention(q, k_blocks, v_blocks, block_idx, q_start: int) -> torch.Tensor:
@@ -321,7 +349,7 @@ def selected_attention(
     if Tq <= GATHER_MAX_QUERIES:
         return gathered_selected_attention(q, k_blocks, v_blocks, block_idx, q_start)
     q_rows = q.permute(0, 1, 3, 2, 4).reshape(BH * Tq, G, hd)
-    lead, n_loc, key_rows, local_mask = _local_layout(BH, n_blocks, q_start, Tq, l_sel, q.device)
+    lead, n_loc, key_rows, local_mask = _local_layout(BH, n_blocks, q_start, Tq, l_sel, q.dtype, q.device)
     tiles = _build_tiles(block_idx.reshape(BH, Tq, -1), n_blocks, q_start, l_sel, min(tile, Tq))
     out = _SelectedAttention.apply(
         q_rows, k_blocks, v_blocks, *tiles, key_rows, local_mask, (BH, lead, n_loc), 1.0 / math.sqrt(hd)

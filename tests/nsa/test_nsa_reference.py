@@ -87,3 +87,18 @@ def test_gradients_match_reference_short_sequence_gathered_path():
     g = torch.randn_like(y)
     for a, b in zip(_grads(layer, x, y, g), _grads(layer, x, y_ref, g)):
         torch.testing.assert_close(a, b, rtol=0, atol=TOL)
+
+
+@pytest.mark.parametrize("batch_rows", [1, 40])
+def test_tile_batches_merge_online_to_the_reference(backend, batch_rows, monkeypatch):
+    """Tiles run in batches with an online softmax merge; one tile per batch is the hardest case."""
+    monkeypatch.setattr(selection, "TILE_BATCH_ROWS", batch_rows)
+    T = 100
+    layer = make_layer(seed=10, nsa_overrides=dict(sel_tile=3))
+    x = make_input(2, T, seed=11).requires_grad_(True)
+    rope = rope_for(T)
+    y, (y_ref, _) = layer(x, rope), reference_forward(layer, x, rope)
+    torch.testing.assert_close(y, y_ref.to(DEVICE), rtol=0, atol=TOL)
+    g = torch.randn_like(y)
+    for a, b in zip(_grads(layer, x, y, g), _grads(layer, x, y_ref.to(DEVICE), g)):
+        torch.testing.assert_close(a, b, rtol=0, atol=TOL)
