@@ -6,7 +6,7 @@
 For each context t the layer's cache is filled by a chunked prefill of t tokens (no grad), then
 `--steps` single-token decode steps are timed (min and median; quote the min on a shared machine). Prints one JSON object per (S, impl) and a
 final summary JSON line with the dense / NSA speed-up and the reads per step (keys read by the query).
-Dense uses the product's KVCache (torch.cat append) and SDPA.
+Dense uses the product's KVCache (amortised O(1) appends into a growing buffer) and SDPA.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from nsa.config import ModelConfig  # noqa: E402
 from nsa.layers import RotaryEmbedding  # noqa: E402
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def bench_one(kind: str, S: int, args) -> dict:
     cfg = ModelConfig(dim=args.dim, n_heads=args.heads, n_kv_heads=args.kv_heads, head_dim=args.head_dim,
                       attention=kind, max_seq_len=S + args.steps + 1)

@@ -41,7 +41,7 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def run(model: Transformer, ids: torch.Tensor, args, label: str) -> dict:
     caches = model.new_caches()
     S = args.S

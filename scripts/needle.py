@@ -43,7 +43,7 @@ def build_prompt(tok, S: int, depth: float, number: str, filler: str = FILLER) -
     return hay[:at] + needle + hay[at:] + question, at
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def greedy_continue(model, ids: list[int], n_new: int, tile: int, device: str) -> list[int]:
     caches = model.new_caches()
     x = torch.tensor([ids], device=device)

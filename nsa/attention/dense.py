@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from nsa.attention.kv_buffer import GrowingBuffer
 from nsa.config import ModelConfig
 from nsa.layers import apply_rotary
 from nsa.profiling import audit
@@ -78,20 +79,20 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend:
 
 
 class KVCache:
-    """Growing key/value cache for dense decoding: k, v [B, H_kv, t, hd]."""
+    """Key/value cache for dense decoding: k, v [B, H_kv, t, hd], appended in amortised O(1)
+    (capacity doubles; a step writes one position instead of copying the whole cache)."""
 
     def __init__(self) -> None:
-        self.k: torch.Tensor | None = None
-        self.v: torch.Tensor | None = None
+        self._k, self._v = GrowingBuffer(), GrowingBuffer()
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.k = k if self.k is None else torch.cat((self.k, k), dim=2)
-        self.v = v if self.v is None else torch.cat((self.v, v), dim=2)
-        return self.k, self.v
+        self._k.append(k)
+        self._v.append(v)
+        return self._k.view(), self._v.view()
 
     @property
     def length(self) -> int:
-        return 0 if self.k is None else self.k.shape[2]
+        return self._k.length
 
 
 class DenseAttention(nn.Module):

@@ -22,6 +22,7 @@ from nsa.attention.compression import (
     compression_group_probs,
     num_compressed,
 )
+from nsa.attention.decode import decode_branches
 from nsa.attention.gate_stats import gate_statistics, selection_counts, selection_statistics
 from nsa.attention.nsa_cache import NSACache
 from nsa.attention.selection import select_blocks, selected_attention, selection_block_scores
@@ -82,9 +83,10 @@ class NativeSparseAttention(nn.Module):
         keys, values = list(kv[0::2]), kv[1::2]
         if self.q_norm is not None:
             q, keys = self.q_norm(q), [self.k_norm(k) for k in keys]
-        if rope is not None:  # compression keys stay raw (rotated after phi)
-            q = apply_rotary(q, *rope)
-            keys[1:] = apply_rotary(torch.stack(keys[1:]), *rope).unbind(0)
+        if rope is not None:  # one rotation for q and the selection and window keys; compression keys
+            # stay raw (rotated after phi)
+            rotated = apply_rotary(torch.cat((q, keys[1], keys[2]), dim=1), *rope)  # [B, H + 2*H_kv, T, hd]
+            q, keys[1], keys[2] = rotated.split((H, H_kv, H_kv), dim=1)
         return q, dict(zip(BRANCHES, zip(keys, values)))
 
     def gates(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, dim] -> [B, T, H, 3] in (0, 1)
@@ -114,8 +116,9 @@ class NativeSparseAttention(nn.Module):
         raw_start = t_end - raw_k.shape[2]
         first = cache.n_compressed if cache is not None else 0
         count = num_compressed(t_end, c.l, c.d) - first
-        ck = compress(self.compress_k, raw_k, raw_start, first, count, c.l, c.d)  # [B, H_kv, count, hd]
-        cv = compress(self.compress_v, raw_v, raw_start, first, count, c.l, c.d)
+        if count > 0 or cache is None or cache.cmp_k.data is None:
+            ck = compress(self.compress_k, raw_k, raw_start, first, count, c.l, c.d)  # [B, H_kv, count, hd]
+            cv = compress(self.compress_v, raw_v, raw_start, first, count, c.l, c.d)
         if rope is not None and count > 0:  # rotate compressed key i at position i*d + l - 1 (in x)
             at = torch.arange(count, device=x.device) * c.d + (first * c.d + c.l - 1 - t0)
             ck = apply_rotary(ck, rope[0][at], rope[1][at])
@@ -123,27 +126,29 @@ class NativeSparseAttention(nn.Module):
         sel_k, sel_v = br["sel"]
         win_k, win_v = br["win"]
         if cache is not None:
-            cache.cmp_k.append(ck)
-            cache.cmp_v.append(cv)
+            if count > 0 or cache.cmp_k.data is None:
+                cache.cmp_k.append(ck)
+                cache.cmp_v.append(cv)
             ck, cv = cache.cmp_k.view(), cache.cmp_v.view()
             keep = (first + count) * c.d - raw_start  # raw positions the next compressed token needs
             cache.cmp_raw_k, cache.cmp_raw_v = raw_k[:, :, keep:], raw_v[:, :, keep:]
             cache.sel_k.append(sel_k)
             cache.sel_v.append(sel_v)
             sel_k, sel_v = cache.sel_k.data, cache.sel_v.data  # whole zero-padded blocks, positions 0 ..
-            if cache.win_k is not None:
-                win_k, win_v = torch.cat((cache.win_k, win_k), 2), torch.cat((cache.win_v, win_v), 2)
-            drop = max(0, win_k.shape[2] - (c.w - 1))
-            cache.win_k, cache.win_v = win_k[:, :, drop:], win_v[:, :, drop:]
+            win_k, win_v = cache.window(win_k, win_v)
             cache.t = t_end
-        win_start = t_end - win_k.shape[2]
 
-        with nvtx_range("nsa.compressed"):
-            o_cmp = compressed_attention(q, ck, cv, t0, c.l, c.d, c.q_chunk)  # [B, H, T, hd]
-        with nvtx_range("nsa.selected"):
-            o_sel, block_idx, sel_counts = self._selection(q, ck, sel_k, sel_v, t0, t_end)
-        with nvtx_range("nsa.window"):
-            o_win = sliding_window_attention(q, win_k, win_v, t0, win_start, c.w, c.win_block)
+        if T == 1:  # one query (a decode step): every cached key is visible, no chunking or masks
+            with nvtx_range("nsa.decode"):
+                o_cmp, o_sel, o_win, block_idx = decode_branches(q, ck, cv, sel_k, sel_v, win_k, win_v, t0, c)
+            sel_counts = selection_counts(block_idx, t0, c.l_sel) if self.stats_enabled else None
+        else:
+            with nvtx_range("nsa.compressed"):
+                o_cmp = compressed_attention(q, ck, cv, t0, c.l, c.d, c.q_chunk)  # [B, H, T, hd]
+            with nvtx_range("nsa.selected"):
+                o_sel, block_idx, sel_counts = self._selection(q, ck, sel_k, sel_v, t0, t_end)
+            with nvtx_range("nsa.window"):
+                o_win = sliding_window_attention(q, win_k, win_v, t0, t_end - win_k.shape[2], c.w, c.win_block)
 
         g = self.gates(x)  # [B, T, H, 3]
         gt = g.transpose(1, 2).unsqueeze(-1).to(q.dtype)  # [B, H, T, 3, 1]

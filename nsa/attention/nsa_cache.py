@@ -6,38 +6,15 @@ Holds, per branch:
   compression: the compressed tokens emitted so far, plus the raw keys/values (< l positions) that the
              next compressed token still needs; a token is emitted when its block of l is complete,
              i.e. every d steps once l positions exist;
-  window: the last w-1 raw keys/values (the current token makes w).
+  window: the last w raw keys/values in a ring buffer (a decode step writes one slot).
 """
 from __future__ import annotations
 
+from nsa.attention.compression import num_compressed
 import torch
 
-from nsa.attention.compression import num_compressed
+from nsa.attention.kv_buffer import GrowingBuffer, RingBuffer
 from nsa.config import NSAConfig
-
-
-class GrowingBuffer:
-    """Append-only [B, H, t, hd] storage with amortised O(1) appends; capacity is a multiple of `quantum`."""
-
-    def __init__(self, quantum: int = 1) -> None:
-        self.quantum = quantum
-        self.data: torch.Tensor | None = None  # [B, H, capacity, hd], zeros beyond `length`
-        self.length = 0
-
-    def append(self, x: torch.Tensor) -> None:  # x: [B, H, n, hd]
-        need = self.length + x.shape[2]
-        if self.data is None or need > self.data.shape[2]:
-            cap = max(need, 2 * (0 if self.data is None else self.data.shape[2]))
-            cap = -(-cap // self.quantum) * self.quantum
-            grown = x.new_zeros(x.shape[0], x.shape[1], cap, x.shape[3])
-            if self.data is not None:
-                grown[:, :, : self.length] = self.data[:, :, : self.length]
-            self.data = grown
-        self.data[:, :, self.length : need] = x
-        self.length = need
-
-    def view(self) -> torch.Tensor:  # [B, H, length, hd]
-        return self.data[:, :, : self.length]
 
 
 class NSACache:
@@ -48,8 +25,22 @@ class NSACache:
         self.cmp_k, self.cmp_v = GrowingBuffer(), GrowingBuffer()
         self.cmp_raw_k: torch.Tensor | None = None  # [B, H_kv, < l, hd] raw positions cmp_raw_start ..
         self.cmp_raw_v: torch.Tensor | None = None
-        self.win_k: torch.Tensor | None = None  # [B, H_kv, <= w-1, hd] the last raw positions
-        self.win_v: torch.Tensor | None = None
+        self.win_k, self.win_v = RingBuffer(cfg.w), RingBuffer(cfg.w)  # the last w raw positions
+
+    def window(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append k, v [B, H_kv, T, hd] and return the window keys/values of the T new queries:
+        T = 1: the last min(w, t) positions in slot order (all visible, order is irrelevant);
+        T > 1: the w-1 positions before the call, in order, then the T new ones."""
+        if k.shape[2] == 1:
+            self.win_k.append(k)
+            self.win_v.append(v)
+            return self.win_k.unordered(), self.win_v.unordered()
+        prev_k, prev_v = self.win_k.latest(self.cfg.w - 1), self.win_v.latest(self.cfg.w - 1)
+        # concatenate before appending: prev_* may be views of the ring that the append overwrites
+        win_k, win_v = (k, v) if prev_k is None else (torch.cat((prev_k, k), dim=2), torch.cat((prev_v, v), dim=2))
+        self.win_k.append(k)
+        self.win_v.append(v)
+        return win_k, win_v
 
     @property
     def n_compressed(self) -> int:

@@ -38,7 +38,9 @@ def selection_block_scores(
     n_units = n_blocks * r
     assert n_c <= n_units, (n_c, n_units)
     padded = F.pad(p_cmp, (m - 1, n_units - n_c))  # [..., m-1 + n_units]
-    per_unit = sum(padded[..., m - 1 - k : m - 1 - k + n_units] for k in range(m))  # [..., n_units]
+    per_unit = padded[..., m - 1 : m - 1 + n_units]  # k = 0 term; then k = 1 .. m-1, in that order
+    for k in range(1, m):
+        per_unit = per_unit + padded[..., m - 1 - k : m - 1 - k + n_units]  # [..., n_units]
     return per_unit.unflatten(-1, (n_blocks, r)).sum(dim=-1)
 
 

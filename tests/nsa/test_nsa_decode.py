@@ -40,7 +40,7 @@ def test_cache_keeps_bounded_window_and_compression_tail():
     layer = make_layer()
     with torch.no_grad():
         _, _, cache = run_in_chunks(layer, make_input(1, 70), [1] * 70)
-    assert cache.win_k.shape[2] == W - 1  # + the current token = w keys
+    assert cache.win_k.data.shape[2] == W and cache.win_k.t == 70  # a ring of the last w positions
     assert cache.cmp_raw_k.shape[2] < L
     assert cache.n_compressed == (70 - L) // D + 1
     assert cache.sel_k.length == 70 and cache.sel_k.data.shape[2] % L_SEL == 0

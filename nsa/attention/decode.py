@@ -1,0 +1,86 @@
+"""NSA for a single query (one decode step, or a one-token call): the three branches without masks.
+
+A query at position p sees every cached compressed token, every cached window key and whole selected
+blocks except the keys after p in its own block, so the step is a few small matmuls instead of the
+chunked, masked training path. The compression branch's probabilities are computed once and serve both
+its own output and the block scores (paper §3.3.1: selection reuses the compression attention scores).
+Same semantics as the vectorised path; tests check decode against a full prefill.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from nsa.attention.selection import selection_block_scores
+from nsa.config import NSAConfig
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """q [B, H_kv, G, hd] pre-scaled by 1/sqrt(hd); k, v [B, H_kv, N, hd] (N >= 1), all visible
+    -> out [B, H_kv, G, hd], probabilities [B, H_kv, G, N] (float32 or wider)."""
+    s = torch.matmul(q, k.transpose(-1, -2))  # [B, H_kv, G, N]
+    p = torch.softmax(s, dim=-1, dtype=torch.promote_types(s.dtype, torch.float32))
+    return torch.matmul(p.to(v.dtype), v), p
+
+
+@torch.no_grad()
+def _select_one(p_group: torch.Tensor, p: int, c: NSAConfig) -> torch.Tensor:
+    """p_group [B, H_kv, N_c] (summed over the group) -> blocks [B, H_kv, n] ascending, -1 padded.
+
+    Every block up to the current one competes (p is a Python int); forced blocks rank first and a
+    stable descending sort sends ties to the lower index.
+    """
+    current = p // c.l_sel
+    scores = selection_block_scores(p_group, c.l, c.d, c.l_sel, current + 1)  # [B, H_kv, current+1]
+    scores[..., 0] = float("inf")  # forced: block 0, the previous and the current block
+    scores[..., max(current - 1, 0) :] = float("inf")
+    k = min(c.n_sel, current + 1)
+    top = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+    top = torch.sort(top, dim=-1).values
+    return top if k == c.n_sel else F.pad(top, (0, c.n_sel - k), value=-1)
+
+
+def decode_branches(
+    q: torch.Tensor,  # [B, H, 1, hd] the query at position p (RoPE applied)
+    ck: torch.Tensor,  # [B, H_kv, N_c, hd] compressed keys visible to p (all of them)
+    cv: torch.Tensor,  # [B, H_kv, N_c, hd]
+    sel_k: torch.Tensor,  # [B, H_kv, >= p+1, hd] selection keys at positions 0 .. (zero padded after p)
+    sel_v: torch.Tensor,
+    win_k: torch.Tensor,  # [B, H_kv, min(w, p+1), hd] the window keys ending at p
+    win_v: torch.Tensor,
+    p: int,
+    c: NSAConfig,
+):
+    """-> o_cmp, o_sel, o_win [B, H, 1, hd] and the selected blocks [B, H_kv, 1, n]."""
+    B, H, _, hd = q.shape
+    H_kv = ck.shape[1]
+    qg = q.view(B, H_kv, H // H_kv, hd) * (1.0 / math.sqrt(hd))  # [B, H_kv, G, hd], scale folded in
+
+    if ck.shape[2] == 0:  # p < l - 1: no compressed token yet -> zero output, nothing to score
+        o_cmp, p_group = torch.zeros_like(qg), qg.new_zeros(B, H_kv, 0)
+    else:
+        o_cmp, probs = _attend(qg, ck, cv)
+        p_group = probs.sum(dim=2)  # Eq. 10: one importance per KV group
+    block_idx = _select_one(p_group, p, c)  # [B, H_kv, n] ascending, -1 padded
+
+    # selected blocks: the k real picks are ascending and end with the current block, so the keys a
+    # query may not see (after p) are exactly the tail of the gathered keys: slice, no mask
+    l_sel = c.l_sel
+    k_real = min(c.n_sel, p // l_sel + 1)
+    need = (p // l_sel + 1) * l_sel
+    if sel_k.shape[2] < need:
+        sel_k, sel_v = (F.pad(t, (0, 0, 0, need - t.shape[2])) for t in (sel_k, sel_v))
+    n_cap = sel_k.shape[2] // l_sel
+    rows = (block_idx[..., :k_real] + torch.arange(0, B * H_kv * n_cap, n_cap, device=q.device).view(B, H_kv, 1)).flatten()
+    n_keys = (k_real - 1) * l_sel + p % l_sel + 1
+    kg, vg = (
+        t[:, :, : n_cap * l_sel].reshape(-1, l_sel, hd).index_select(0, rows).view(B, H_kv, k_real * l_sel, hd)[:, :, :n_keys]
+        for t in (sel_k, sel_v)
+    )
+    o_sel, _ = _attend(qg, kg, vg)
+
+    o_win, _ = _attend(qg, win_k, win_v)  # the cache holds exactly the window: no mask
+    shape = (B, H, 1, hd)
+    return o_cmp.view(shape), o_sel.view(shape), o_win.view(shape), block_idx.unsqueeze(2)
