@@ -207,7 +207,13 @@ def _build_tiles(block_idx: torch.Tensor, n_blocks: int, q_start: int, l_sel: in
     return tile_query[:-1], tile_block
 
 
-TILE_BATCH_ROWS = 16384  # query rows (pairs x heads) per batched tile call: keeps transients ~4 MB
+TILE_BATCH_ROWS = 16384  # query rows (pairs x heads) per batched tile call on CPU: transients ~4 MB
+
+
+def _tiles_per_batch(tile: int, G: int, device: torch.device) -> int:
+    """Tiles per batched call: CPU keeps transients cache-sized; a GPU takes 16x more per launch."""
+    rows = TILE_BATCH_ROWS * (1 if device.type == "cpu" else 16)
+    return max(1, rows // (tile * G))
 
 
 def _with_dummy_row(x: torch.Tensor) -> torch.Tensor:
@@ -240,7 +246,7 @@ class _SelectedAttention(torch.autograd.Function):
         num = _with_dummy_row(_from_local(out_l, BH, lead, R // BH).to(compute))  # [R+1, G, hd]
         den = torch.ones_like(m)
         q_ext = _with_dummy_row(q_rows)
-        step = max(1, TILE_BATCH_ROWS // (tile * G))
+        step = _tiles_per_batch(tile, G, q_rows.device)
         for a in range(0, n_tiles, step):  # loop over tile batches (count fixed by shapes), not tokens
             blocks = tile_block[a : a + step]
             dest = tile_query[a * tile : (a + blocks.shape[0]) * tile]  # [nb*tile]
@@ -287,7 +293,7 @@ class _SelectedAttention(torch.autograd.Function):
         dv.index_add_(0, rows, dv_l.reshape(-1, 1, l_sel, hd).to(dv.dtype))
         # padding slots read the zero row R: dO = 0 there, so they contribute nothing
         q_ext, do_ext, out_ext, lse_ext = (_with_dummy_row(t) for t in (q_rows, d_out, out, lse))
-        step = max(1, TILE_BATCH_ROWS // (tile * G))
+        step = _tiles_per_batch(tile, G, q_rows.device)
         for a in range(0, n_tiles, step):
             blocks = tile_block[a : a + step]
             dest = tile_query[a * tile : (a + blocks.shape[0]) * tile]
