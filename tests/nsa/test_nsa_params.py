@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from nsa.attention.gate_stats import gate_health, set_gate_stats
+from nsa.attention.gate_stats import gate_health, gate_statistics, set_gate_stats
 from nsa.config import ModelConfigError, NSAConfig
 from nsa.model import Transformer
 from tests.nsa._nsa_helpers import DEVICE, make_input, make_layer, rope_for, small_cfg
@@ -103,3 +103,25 @@ def test_gate_health_aggregates_over_layers():
     assert all(v.dim() == 0 for v in health.values())
     set_gate_stats(model, False)
     assert gate_health(model) == {}
+
+
+def test_gate_stats_recorded_by_a_decode_step():
+    """The one-query decode path records gate and selection statistics for its query."""
+    T = 70
+    layer = make_layer(seed=4)
+    x, rope = make_input(1, T), rope_for(T)
+    with torch.no_grad():
+        cache = layer.new_cache()
+        layer(x[:, : T - 1], (rope[0][: T - 1], rope[1][: T - 1]), cache)
+        layer.stats_enabled = True
+        _, idx = layer(x[:, T - 1 :], (rope[0][T - 1 :], rope[1][T - 1 :]), cache, return_indices=True)
+        step = layer.last_stats
+        expected = gate_statistics(layer.gates(x[:, T - 1 :]))
+    for key, value in expected.items():
+        torch.testing.assert_close(step[key], value, msg=key)
+    # position 69, l'=16, n=4: blocks 0, 3 and 4 are forced, one free pick at distance >= 2
+    free = [j for j in idx[0, :, 0].flatten().tolist() if j not in (0, 3, 4)]
+    assert len(free) == 2  # one per KV group
+    torch.testing.assert_close(step["sel_free_frac"].double().cpu(), torch.tensor(0.25, dtype=torch.float64))
+    expected_distance = sum(4 - j for j in free) / 2
+    torch.testing.assert_close(step["sel_free_distance_mean"].double().cpu(), torch.tensor(expected_distance, dtype=torch.float64))
