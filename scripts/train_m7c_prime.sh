@@ -173,16 +173,8 @@ fi
 # ---- training ------------------------------------------------------------------------------------
 info "$RUN_INFO" train_start "$(now_iso)"
 log "training -> $RUN_DIR/train.log (stop gracefully: touch $OUT_DIR/.HALT or Ctrl-C)"
-train_rc=0
-"${TRAIN_CMD[@]}" 2>&1 | tee -i -a "$RUN_DIR/train.log" || train_rc=$?
-
-final_status=$(metrics_field "$OUT_DIR" status)
-if [ "$train_rc" -ne 0 ] && [ "$final_status" = anomaly ]; then
-  train_rc=3  # torchrun reports any failed worker as 1; the run's own status says why
-fi
-info "$RUN_INFO" final_step "$(metrics_field "$OUT_DIR" step)"
-info "$RUN_INFO" final_status "$final_status"
-info "$RUN_INFO" last_checkpoint "$(newest_checkpoint "$OUT_DIR")"
+run_logged_training "$RUN_DIR" "$OUT_DIR" "$RUN_INFO"
+train_rc=$TRAIN_RC
 case "$train_rc" in
   0)
     finish 0

@@ -116,7 +116,8 @@ class NativeSparseAttention(nn.Module):
         raw_start = t_end - raw_k.shape[2]
         first = cache.n_compressed if cache is not None else 0
         count = num_compressed(t_end, c.l, c.d) - first
-        if count > 0 or cache is None or cache.cmp_k.data is None:
+        emit = count > 0 or cache is None or cache.cmp_k.data is None  # else reuse the cache's tokens
+        if emit:
             ck = compress(self.compress_k, raw_k, raw_start, first, count, c.l, c.d)  # [B, H_kv, count, hd]
             cv = compress(self.compress_v, raw_v, raw_start, first, count, c.l, c.d)
         if rope is not None and count > 0:  # rotate compressed key i at position i*d + l - 1 (in x)
@@ -126,7 +127,7 @@ class NativeSparseAttention(nn.Module):
         sel_k, sel_v = br["sel"]
         win_k, win_v = br["win"]
         if cache is not None:
-            if count > 0 or cache.cmp_k.data is None:
+            if emit:
                 cache.cmp_k.append(ck)
                 cache.cmp_v.append(cv)
             ck, cv = cache.cmp_k.view(), cache.cmp_v.view()

@@ -10,9 +10,9 @@ Holds, per branch:
 """
 from __future__ import annotations
 
-from nsa.attention.compression import num_compressed
 import torch
 
+from nsa.attention.compression import num_compressed
 from nsa.attention.kv_buffer import GrowingBuffer, RingBuffer
 from nsa.config import NSAConfig
 

@@ -313,6 +313,22 @@ env_snapshot() {
   env | LC_ALL=C sort | grep -E '^(NCCL_|NSA_|TORCH_|PYTORCH_|CUDA_|OMP_|HF_|MASTER_|PYTHONPATH=)' || true
 }
 
+# run_logged_training RUN_DIR OUT_DIR RUN_INFO: run "${TRAIN_CMD[@]}" with its output appended to
+# RUN_DIR/train.log, then record final_step, final_status and last_checkpoint in RUN_INFO. Sets
+# TRAIN_RC to the trainer's exit code, 3 when the run halted on an anomaly.
+run_logged_training() {
+  local run_dir=$1 out_dir=$2 run_info=$3 final_status
+  TRAIN_RC=0
+  "${TRAIN_CMD[@]}" 2>&1 | tee -i -a "$run_dir/train.log" || TRAIN_RC=$?
+  final_status=$(metrics_field "$out_dir" status)
+  if [ "$TRAIN_RC" -ne 0 ] && [ "$final_status" = anomaly ]; then
+    TRAIN_RC=3  # torchrun reports any failed worker as 1; the run's own status says why
+  fi
+  info "$run_info" final_step "$(metrics_field "$out_dir" step)"
+  info "$run_info" final_status "$final_status"
+  info "$run_info" last_checkpoint "$(newest_checkpoint "$out_dir")"
+}
+
 # metrics_field OUT_DIR KEY -> a top-level value of metrics.json (empty when absent)
 metrics_field() {
   [ -f "$1/metrics.json" ] || return 0

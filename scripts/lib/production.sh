@@ -250,16 +250,8 @@ prod_launch() {
   lock_out_dir "$OUT_DIR"
   info "$RUN_DIR/run.info" train_start "$(now_iso)"
   log "training -> $RUN_DIR/train.log | monitor: bash scripts/monitor_production_50k.sh | stop: touch $OUT_DIR/.HALT"
-  local rc=0
-  "${TRAIN_CMD[@]}" 2>&1 | tee -i -a "$RUN_DIR/train.log" || rc=$?
-  local final_status
-  final_status=$(metrics_field "$OUT_DIR" status)
-  if [ "$rc" -ne 0 ] && [ "$final_status" = anomaly ]; then
-    rc=3  # torchrun reports any failed worker as 1; the run's own status says why
-  fi
-  info "$RUN_DIR/run.info" final_step "$(metrics_field "$OUT_DIR" step)"
-  info "$RUN_DIR/run.info" final_status "$final_status"
-  info "$RUN_DIR/run.info" last_checkpoint "$(newest_checkpoint "$OUT_DIR")"
+  run_logged_training "$RUN_DIR" "$OUT_DIR" "$RUN_DIR/run.info"
+  local rc=$TRAIN_RC
   info "$RUN_DIR/run.info" end "$(now_iso)"
   info "$RUN_DIR/run.info" exit_code "$rc"
   if [ "$rc" -eq 3 ]; then

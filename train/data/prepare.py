@@ -145,6 +145,13 @@ def build_meta(tokenizer, dtype_name: str, max_token_id: int, splits: dict, *, s
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 
+def summary_line(out: Path, meta: dict, tail: str) -> str:
+    """The one-line 'ok' report of a finished prepare: split sizes, dtype, then `tail`."""
+    s = meta["splits"]
+    return (f"ok {out}: train {s['train']['tokens']:,} tokens / {s['train']['documents']:,} docs, "
+            f"val {s['val']['tokens']:,} tokens / {s['val']['documents']:,} docs, {meta['dtype']}, {tail}")
+
+
 def add_source_arguments(parser: argparse.ArgumentParser) -> None:
     """Options that name what to read and how to split it (prepare and prepare_sharded)."""
     parser.add_argument("--source", required=True, help="text:GLOB | jsonl:GLOB | parquet:GLOB | hf:NAME | fineweb_edu")
@@ -216,10 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
-    s = meta["splits"]
-    print(f"ok {args.out}: train {s['train']['tokens']:,} tokens / {s['train']['documents']:,} docs, "
-          f"val {s['val']['tokens']:,} tokens / {s['val']['documents']:,} docs, {meta['dtype']}, "
-          f"{meta['text_bytes'] / 1e6 / max(meta['seconds'], 1e-9):.1f} MB/s")
+    print(summary_line(args.out, meta, f"{meta['text_bytes'] / 1e6 / max(meta['seconds'], 1e-9):.1f} MB/s"))
     return 0
 
 

@@ -33,7 +33,9 @@ from pathlib import Path
 import numpy as np
 
 from train.data.meta import dtype_for_vocab
-from train.data.prepare import _chunks, _init_worker, _SplitWriter, _tokenize_chunk, add_source_arguments, build_meta
+from train.data.prepare import (
+    _chunks, _init_worker, _SplitWriter, _tokenize_chunk, add_source_arguments, build_meta, summary_line,
+)
 from train.data.sources import ReaderPlan, iter_documents, open_documents
 from train.data.tokenizers import load_tokenizer
 from train.errors import DataError, UserError
@@ -237,10 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
     if meta is None:
         return 0
-    s = meta["splits"]
-    print(f"ok {args.out}: train {s['train']['tokens']:,} tokens / {s['train']['documents']:,} docs, "
-          f"val {s['val']['tokens']:,} tokens / {s['val']['documents']:,} docs, {meta['dtype']}, "
-          f"{args.shards} shards (manifest.json)")
+    print(summary_line(args.out, meta, f"{args.shards} shards (manifest.json)"))
     return 0
 
 
