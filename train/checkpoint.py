@@ -125,21 +125,46 @@ def save_checkpoint(out_dir: Path, step: int, state: dict, keep_last: int, keep_
     return path
 
 
+REQUIRED_KEYS = ("format_version", "model", "optimizer", "step", "rng", "config")
+
+
 def load_checkpoint(path: Path) -> dict:
-    """torch.load(weights_only=True) with one-line errors for missing, truncated or foreign files."""
+    """The checkpoint at path, memory-mapped (tensors are read from the file as they are used, so
+    loading does not hold a second copy of the state). One-sentence CheckpointError when the file is
+    missing, truncated, foreign or lacks a key exact resume needs."""
+    path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint not found: {path}")
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} is not a file")
+    size = path.stat().st_size
+    if not zipfile.is_zipfile(path):
+        raise CheckpointError(
+            f"checkpoint {path} is incomplete or not a checkpoint: its {size:,} bytes do not end in the zip "
+            f"directory that torch.save writes last (a write cut short, a truncated copy, or another kind of file)")
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except (RuntimeError, EOFError, zipfile.BadZipFile, pickle.UnpicklingError, OSError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"checkpoint {path} is corrupt or not a checkpoint: {first[:200]}") from None
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except (RuntimeError, EOFError, zipfile.BadZipFile, pickle.UnpicklingError, OSError, ValueError, KeyError) as exc:
+        raise CheckpointError(
+            f"checkpoint {path} ({size:,} bytes) cannot be read as a checkpoint of this trainer "
+            f"({type(exc).__name__} while unpickling its state with weights_only=True)") from None
     if not isinstance(ckpt, dict) or ckpt.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"checkpoint {path} has an unknown format (expected format_version={FORMAT_VERSION})")
-    for key in ("model", "optimizer", "step", "rng", "config"):
-        if key not in ckpt:
-            raise CheckpointError(f"checkpoint {path} lacks '{key}'")
+        raise CheckpointError(f"checkpoint {path} has an unknown format (expected a dict with format_version={FORMAT_VERSION})")
+    missing = [key for key in REQUIRED_KEYS if key not in ckpt]
+    if missing:
+        raise CheckpointError(f"checkpoint {path} lacks {', '.join(repr(k) for k in missing)}, which resume needs")
+    if not isinstance(ckpt["step"], int) or not isinstance(ckpt["config"], dict):
+        raise CheckpointError(f"checkpoint {path} has a malformed 'step' or 'config' entry")
     return ckpt
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """None when path holds a complete, loadable checkpoint; otherwise why not (one sentence)."""
+    try:
+        load_checkpoint(path)
+    except CheckpointError as exc:
+        return str(exc)
+    return None
 
 
 def check_architecture(ckpt: dict, model_config: dict, path: Path) -> None:
