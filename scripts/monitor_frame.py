@@ -201,6 +201,19 @@ def env_float(name: str, default: float) -> float:
     return default if v is None else v
 
 
+def stack_dump_files(out: Path) -> list[Path]:
+    """stackdump_rank{R}_{pid}[_watchdog].txt files that hold at least one dump, oldest change first.
+    Each trainer process opens its files at start (a header line); faulthandler appends the dumps."""
+    found = []
+    for path in out.glob("stackdump_*.txt"):
+        try:
+            if "(most recent call first)" in path.read_text(encoding="utf-8", errors="replace"):
+                found.append((path.stat().st_mtime, path.name, path))
+        except OSError:  # removed by a run that ended cleanly
+            continue
+    return [path for *_, path in sorted(found)]
+
+
 def build_frame(target: Path, *, window: int = 20, stale_s: float = 300.0, loss_floor: float = 1.5,
                 loss_floor_frac: float = 0.1, drop: float = 0.2, collapse_max: float = 0.01,
                 entropy_min: float = 0.5, nvidia_smi: str | None = "nvidia-smi",
@@ -394,9 +407,9 @@ def build_frame(target: Path, *, window: int = 20, stale_s: float = 300.0, loss_
         text = anomaly.read_text(encoding="utf-8", errors="replace").strip()
         flags.append(f"ANOMALY: {text}")
         alerts.append(f"nan: the run halted on an anomaly: {text}")
-    dumps = sorted(out.glob("stackdump_*.txt"))
+    dumps = stack_dump_files(out)
     if dumps:
-        flags.append(f"{len(dumps)} stack dump(s), newest {dumps[-1].name}")
+        flags.append(f"stack dumps in {len(dumps)} file(s), newest {dumps[-1].name}")
     lines.append("flags       " + (" | ".join(flags) if flags else "none"))
 
     for r in session:

@@ -51,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from train.stop import install_early_handlers
+
+    install_early_handlers()  # a SIGTERM during start-up becomes a stop request (train/stop.py)
     from train.__main__ import exit_process
 
     exit_process(main())

@@ -49,4 +49,7 @@ def exit_process(code: int) -> None:
 
 
 if __name__ == "__main__":
+    from train.stop import install_early_handlers
+
+    install_early_handlers()  # a SIGTERM during start-up becomes a stop request (train/stop.py)
     exit_process(main())

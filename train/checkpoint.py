@@ -28,7 +28,7 @@ def checkpoint_name(step: int) -> str:
 
 
 def list_checkpoints(out_dir: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints in out_dir, oldest first."""
+    """Files named like checkpoints in out_dir, oldest first (valid_checkpoints: those that validate)."""
     if not out_dir.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in out_dir.iterdir() if (m := CKPT_RE.match(p.name))]
@@ -36,7 +36,8 @@ def list_checkpoints(out_dir: Path) -> list[tuple[int, Path]]:
 
 
 def latest_checkpoint(out_dir: Path) -> Path | None:
-    found = list_checkpoints(out_dir)
+    """The newest checkpoint in out_dir that validates."""
+    found = valid_checkpoints(out_dir)
     return found[-1][1] if found else None
 
 
@@ -104,24 +105,69 @@ def update_latest_link(out_dir: Path, target: Path) -> None:
     os.replace(tmp, link)
 
 
-def apply_retention(out_dir: Path, keep_last: int, keep_all: bool) -> list[Path]:
-    """Delete all but the newest keep_last checkpoints (none when keep_all). Returns deleted paths."""
-    if keep_all:
+def repoint_latest(out_dir: Path) -> None:
+    """`latest.pt` -> the newest valid checkpoint in out_dir, or no link when there is none."""
+    valid = valid_checkpoints(out_dir)
+    if valid:
+        update_latest_link(out_dir, valid[-1][1])
+    elif (out_dir / LATEST).is_symlink():
+        (out_dir / LATEST).unlink()
+
+
+# path -> (size, mtime_ns) of files seen to validate: retention and listings do not re-read them
+_validated: dict[Path, tuple[int, int]] = {}
+
+
+def _stamp(path: Path) -> tuple[int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns
+
+
+def is_valid(path: Path) -> bool:
+    stamp = _stamp(path)
+    if stamp is None:
+        return False
+    if _validated.get(path) == stamp:
+        return True
+    if checkpoint_problem(path) is None:
+        _validated[path] = stamp
+        return True
+    return False
+
+
+def valid_checkpoints(out_dir: Path) -> list[tuple[int, Path]]:
+    """Checkpoints in out_dir that validate, oldest first."""
+    return [(step, p) for step, p in list_checkpoints(out_dir) if is_valid(p)]
+
+
+def apply_retention(out_dir: Path, keep_last: int, keep_all: bool, protect: tuple[Path, ...] = ()) -> list[Path]:
+    """Delete valid checkpoints beyond the newest keep_last (none when keep_all), never one in
+    `protect` (the one just written, the one the run resumed from). Files that do not validate are
+    not counted and not deleted. Returns the deleted paths."""
+    if keep_all or keep_last <= 0:
         return []
-    found = list_checkpoints(out_dir)
-    doomed = [p for _, p in found[:-keep_last]] if keep_last > 0 else []
+    valid = valid_checkpoints(out_dir)
+    keep = {p.resolve() for _, p in valid[-keep_last:]} | {Path(p).resolve() for p in protect}
+    doomed = [p for _, p in valid if p.resolve() not in keep]
     for p in doomed:
         p.unlink(missing_ok=True)
+        _validated.pop(p, None)
     return doomed
 
 
-def save_checkpoint(out_dir: Path, step: int, state: dict, keep_last: int, keep_all: bool) -> Path:
-    """state: model, optimizer, tokens_seen, data, config, ... ; adds step, RNG states, format version."""
+def save_checkpoint(out_dir: Path, step: int, state: dict, keep_last: int, keep_all: bool,
+                    protect: tuple[Path, ...] = ()) -> Path:
+    """state: model, optimizer, tokens_seen, data, config, lineage, ... ; adds step, RNG states, format version."""
     path = out_dir / checkpoint_name(step)
     payload = {"format_version": FORMAT_VERSION, "step": step, "rng": rng_state(), **state}
     atomic_save(payload, path)
+    if (stamp := _stamp(path)) is not None:
+        _validated[path] = stamp  # written whole, fsynced and renamed just now
     update_latest_link(out_dir, path)
-    apply_retention(out_dir, keep_last, keep_all)
+    apply_retention(out_dir, keep_last, keep_all, protect=(path, *protect))
     return path
 
 

@@ -237,7 +237,7 @@ def _coerce(value, annotation, where: str):
     if annotation is bool:
         return _as_bool(value, where)
     if annotation is int:
-        if isinstance(value, bool) and where.endswith("gradient_checkpointing"):
+        if isinstance(value, bool) and "gradient_checkpointing" in where:
             return int(value)  # the seeds write `gradient_checkpointing: false`
         if isinstance(value, int) and not isinstance(value, bool):
             return value
@@ -265,20 +265,35 @@ def _field_types(cls: type) -> dict[str, object]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.name != "nsa"}
 
 
-def _build(cls: type, values: dict, where: str):
+def _build(cls: type, values: dict, where: str, section: str = "", origins: dict[str, str] | None = None):
+    """Typed keyword arguments for cls. origins: key -> the command-line flag that set it (errors about
+    such a key name the flag, not the YAML file `where`)."""
     types_ = _field_types(cls)
-    unknown = sorted(set(values) - set(types_))
+    origins = origins or {}
+    unknown = sorted(set(values) - set(types_), key=lambda k: (k not in origins, k))
     if unknown:
-        raise ConfigError(f"{where}: unknown key '{unknown[0]}' in section; valid keys: {', '.join(types_)}")
-    kwargs = {k: _coerce(v, types_[k], f"{where}.{k}") for k, v in values.items()}
+        key = unknown[0]
+        if key in origins:
+            raise ConfigError(f"{origins[key]}: unknown key '{key}' in section {section}; "
+                              f"valid keys: {', '.join(types_)}")
+        raise ConfigError(f"{where}: unknown key '{key}' in section; valid keys: {', '.join(types_)}")
+    kwargs = {k: _coerce(v, types_[k], origins.get(k, f"{where}.{k}")) for k, v in values.items()}
     return kwargs
 
 
 def _load_yaml(path: Path) -> dict:
     if not path.exists():
         raise ConfigError(f"config file not found: {path}")
+    if path.is_dir():
+        raise ConfigError(f"config path {path} is a directory, not a YAML file")
     try:
-        raw = yaml.safe_load(path.read_text())
+        text = path.read_text()
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path} is not UTF-8 text (a binary file?)") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
+    try:
+        raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -319,7 +334,12 @@ def _parse_value(text: str):
 
 def parse_overrides(args: list[str]) -> list[tuple[str, object]]:
     """['--train.steps=5', '--max_iters', '7'] -> [('train.steps', 5), ('train.steps', 7)]."""
-    pairs: list[tuple[str, object]] = []
+    return [(key, value) for key, value, _ in _parse_overrides(args)]
+
+
+def _parse_overrides(args: list[str]) -> list[tuple[str, object, str]]:
+    """parse_overrides with each pair's origin for messages: '--train.steps', '--max_iters (train.steps)'."""
+    pairs: list[tuple[str, object, str]] = []
     index = _leaf_index()
     i = 0
     while i < len(args):
@@ -341,12 +361,13 @@ def parse_overrides(args: list[str]) -> list[tuple[str, object]]:
             section = key.split(".", 1)[0]
             if section not in SECTIONS:
                 raise ConfigError(f"--{key}: unknown section '{section}'; valid: {', '.join(SECTIONS)}")
-            pairs.append((key, value))
+            pairs.append((key, value, f"--{key}"))
         elif key in ALIASES:
             target = ALIASES[key]
-            pairs.append(target(_parse_value(value)) if callable(target) else (target, value))
+            target_key, target_value = target(_parse_value(value)) if callable(target) else (target, value)
+            pairs.append((target_key, target_value, f"--{key} ({target_key})"))
         elif key in index and len(index[key]) == 1:
-            pairs.append((index[key][0], value))
+            pairs.append((index[key][0], value, f"--{key} ({index[key][0]})"))
         elif key in index:
             raise ConfigError(f"--{key} is ambiguous ({', '.join(index[key])}); give the section")
         else:
@@ -361,10 +382,13 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     if path is not None:
         for name, body in _load_yaml(Path(path)).items():
             sections[name].update(body)
-    for key, value in parse_overrides(overrides or []):
+    origins: dict[str, dict[str, str]] = {name: {} for name in SECTIONS}  # leaf -> the flag that set it
+    for key, value, origin in _parse_overrides(overrides or []):
         section, leaf = key.split(".", 1)
         sections[section][leaf] = value
-    built = {name: _build(cls, sections[name], f"{where}: {name}") for name, cls in SECTIONS.items()}
+        origins[section][leaf] = origin
+    built = {name: _build(cls, sections[name], f"{where}: {name}", name, origins[name])
+             for name, cls in SECTIONS.items()}
     try:
         nsa = NSAConfig(**built["nsa"])
         model = ModelConfig(**built["model"], nsa=nsa)

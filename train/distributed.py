@@ -22,6 +22,7 @@ class DistInfo:
     world_size: int
     local_rank: int
     device: torch.device
+    control_group: object = None  # a CPU (gloo) group for small host-side agreements; None: one process
 
     @property
     def is_main(self) -> bool:
@@ -46,10 +47,14 @@ def init_distributed(runtime: RuntimeConfig) -> DistInfo:
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = resolve_device(runtime.device, local_rank)
-    if world > 1 and not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
-    return DistInfo(rank, world, local_rank, device)
+    control = None
+    if world > 1:
+        if not dist.is_initialized():
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
+        # stop votes and start-up decisions travel as CPU tensors: no device sync, no NCCL stream
+        control = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    return DistInfo(rank, world, local_rank, device, control)
 
 
 def shutdown_distributed(clean_exit: bool) -> None:
@@ -139,6 +144,15 @@ def gather_objects(obj, info: DistInfo) -> list:
     out = [None] * info.world_size
     dist.all_gather_object(out, obj)
     return out
+
+
+def broadcast_from_main(obj, info: DistInfo):
+    """Rank 0's obj on every rank (small picklable objects, over the CPU control group)."""
+    if not info.enabled:
+        return obj
+    box = [obj if info.is_main else None]
+    dist.broadcast_object_list(box, src=0, group=info.control_group)
+    return box[0]
 
 
 def barrier(info: DistInfo) -> None:

@@ -10,7 +10,9 @@ import math
 import os
 import platform
 import subprocess
+import sys
 import time
+import uuid
 from pathlib import Path
 
 import torch
@@ -20,20 +22,23 @@ from nsa.profiling import audit_log, set_nvtx, set_sdpa_audit
 from train import checkpoint as ckpt_io
 from train.config import RunConfig, dump_config
 from train.data import build_data
+from train.data.build import stream_resume_refusal
 from train.distributed import (
-    DistInfo, barrier, gather_objects, init_distributed, resolve_precision, shutdown_distributed, wrap_model,
+    DistInfo, barrier, broadcast_from_main, gather_objects, init_distributed, resolve_precision, shutdown_distributed,
+    wrap_model,
 )
-from train.errors import CheckpointError, ConfigError
+from train.errors import CheckpointError, ConfigError, UserError
 from train.loop import Loop, TrainState
 from train.optim import build_optimizer
 from train.state_dicts import gather_states, load_states
 from train.alerts import Alerts
 from train.profiler import StepProfiler
-from train.safety import ANOMALY_FILE, StopFlags, Watchdog
+from train.run_dir import OutDirBusy, OutDirLock, plan_start
+from train.safety import ANOMALY_FILE, StopFlags, Watchdog, stale_halt_message
+from train.stop import StopVote, early_signal
 from train.telemetry import TRAIN_FIELDS, VAL_FIELDS, CsvLog, Heartbeat, TensorBoard, write_json_atomic
 
 EXIT_ANOMALY = 3
-RUN_FILES = ("training.csv", "val.csv", "metrics.json")
 
 
 def git_sha() -> str:
@@ -45,9 +50,36 @@ def git_sha() -> str:
         return "unknown"
 
 
-def prepare_out_dir(cfg: RunConfig) -> tuple[Path, Path | None]:
-    """Create/check out_dir; decide which checkpoint (if any) to resume. Never clobbers a previous run."""
+def claim_out_dir(cfg: RunConfig, info: DistInfo) -> tuple[Path, OutDirLock | None, Path | None]:
+    """Rank 0 creates out_dir, takes its lock, refuses a stale .HALT and decides what to resume
+    (sorting old files aside, train/run_dir.py); every rank gets the same answer or the same error."""
     out = Path(cfg.train.out_dir)
+    lock, answer, error = None, None, None
+    if info.is_main:
+        try:
+            _check_writable(out)
+            lock = OutDirLock(out)
+            lock.acquire()
+            if not cfg.train.eval_only and (halt := stale_halt_message(out)):
+                raise ConfigError(halt)
+            plan = plan_start(out, cfg.train.resume, eval_only=cfg.train.eval_only)
+            for note in plan.notes:
+                print(note, file=sys.stderr, flush=True)
+            answer = ("ok", str(plan.resume) if plan.resume else None)
+        except UserError as exc:
+            error, answer = exc, ("error", type(exc).__name__, str(exc))
+    answer = broadcast_from_main(answer, info)
+    if answer[0] == "error":
+        if lock is not None:
+            lock.release()
+        raise error if error is not None else _USER_ERRORS.get(answer[1], UserError)(answer[2])
+    return out, lock, Path(answer[1]) if answer[1] else None
+
+
+_USER_ERRORS = {cls.__name__: cls for cls in (ConfigError, CheckpointError, OutDirBusy, UserError)}
+
+
+def _check_writable(out: Path) -> None:
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / f".write_probe{os.getpid()}"
@@ -55,17 +87,6 @@ def prepare_out_dir(cfg: RunConfig) -> tuple[Path, Path | None]:
         probe.unlink()
     except OSError as exc:
         raise ConfigError(f"out_dir {out} is not writable: {exc.strerror or exc}") from None
-    resume = cfg.train.resume
-    if resume not in ("auto", "none"):
-        return out, Path(resume)
-    latest = ckpt_io.latest_checkpoint(out)
-    if resume == "auto" and latest is not None:
-        return out, latest
-    previous = [n for n in RUN_FILES if (out / n).exists()] + [p.name for _, p in ckpt_io.list_checkpoints(out)]
-    if previous and not cfg.train.eval_only:
-        hint = "--train.resume=auto to continue it" if latest is not None else "a new train.out_dir"
-        raise ConfigError(f"out_dir {out} already holds a run ({', '.join(previous[:3])}); use {hint}")
-    return out, None
 
 
 class Run:
@@ -77,7 +98,7 @@ class Run:
         self.is_main = self.info.is_main
         if cfg.runtime.threads and self.info.device.type == "cpu":
             torch.set_num_threads(cfg.runtime.threads)
-        self.out_dir, self.resume_path = prepare_out_dir(cfg)
+        self.out_dir, self.lock, self.resume_path = claim_out_dir(cfg, self.info)
         self.amp_dtype = resolve_precision(cfg.runtime.precision, self.info.device)
         set_nvtx(cfg.runtime.nvtx)
         set_sdpa_audit(cfg.runtime.sdpa_audit)
@@ -93,17 +114,21 @@ class Run:
             wrap_model(self.raw_model, self.info, cfg.runtime, self.amp_dtype)
         self.optimizer = build_optimizer(self.raw_model, cfg.train, self.info.device.type,
                                          zero1=cfg.runtime.zero1 and self.info.enabled)
+        # memory-mapped: tensors are read from the file while copied in, never held twice
         self.ckpt = ckpt_io.load_checkpoint(self.resume_path) if self.resume_path else None
-        if self.ckpt is not None:
+        self.resumed = self.ckpt is not None
+        self.lineage = (self.ckpt or {}).get("lineage") or uuid.uuid4().hex
+        if self.resumed:
             self._restore_weights()
         torch.manual_seed(cfg.train.seed + 1000 * self.info.rank)  # dropout streams differ per rank
         self.data = build_data(
             cfg.data, seq_len=cfg.train.seq_len, batch_size=cfg.train.batch_size, vocab_size=cfg.model.vocab_size,
             seed=cfg.train.seed, rank=self.info.rank, world_size=self.info.world_size,
-            pin=self.info.device.type == "cuda",
+            accumulate=cfg.train.accumulate_grad_batches, pin=self.info.device.type == "cuda",
         )
-        if self.ckpt is not None:
+        if self.resumed:
             self._restore_progress()
+        self.ckpt = None  # the mapping of the file is dropped; the state lives in the model now
         model = self.raw_model if fsdp else wrap_model(self.raw_model, self.info, cfg.runtime, self.amp_dtype)
         self.model = self._compile(model)
         self.flops = self._flops_report()
@@ -141,18 +166,21 @@ class Run:
         self.state.skipped_steps = int(ck.get("skipped_steps", 0))
         data_states = ck.get("data") or []
         if data_states and not self.cfg.train.eval_only:  # evaluation reads held-out data only
-            if len(data_states) != self.info.world_size:
-                raise CheckpointError(
-                    f"checkpoint {self.resume_path} was written by {len(data_states)} rank(s); this run has "
-                    f"{self.info.world_size}. The data position is per rank: resume with the same world size")
-            self.data.train.load_state_dict(data_states[self.info.rank])
+            if getattr(self.data.train, "any_world_size", False):  # a function of the global step: any world size
+                self.data.train.load_state_dict(data_states[0])
+            elif refusal := stream_resume_refusal(
+                    len(data_states), self.info.world_size, ck["config"].get("data", {}).get("num_workers", 0),
+                    self.cfg.data.num_workers, checkpoint=str(self.resume_path)):
+                raise CheckpointError(refusal)
+            else:
+                self.data.train.load_state_dict(data_states[self.info.rank])
         rng = ck["rng"]
         ranks_rng = ck.get("rng_per_rank")
         ckpt_io.set_rng_state(ranks_rng[self.info.rank] if ranks_rng and len(ranks_rng) > self.info.rank else rng)
 
     # ---- telemetry ---------------------------------------------------------------------------
     def _open_telemetry(self) -> None:
-        resume_step = self.state.step if self.ckpt is not None else None
+        resume_step = self.state.step if self.resumed else None
         self.heartbeat = Heartbeat(self.out_dir / f"heartbeat_rank{self.info.rank}.jsonl", self.info.rank)
         self.train_csv = self.val_csv = None
         self.tb = TensorBoard(None)
@@ -252,10 +280,11 @@ class Run:
                 "model": model_state, "optimizer": optim_state,
                 "tokens_seen": self.state.tokens_seen, "best_val_loss": self.state.best_val_loss,
                 "skipped_steps": self.state.skipped_steps, "data": data_states, "rng_per_rank": rng_states,
-                "config": self.cfg.to_dict(), "world_size": self.info.world_size,
+                "config": self.cfg.to_dict(), "world_size": self.info.world_size, "lineage": self.lineage,
             }
+            protect = (self.resume_path,) if self.resume_path else ()
             path = ckpt_io.save_checkpoint(self.out_dir, self.state.step, state, self.cfg.train.keep_last,
-                                           self.cfg.train.keep_all_checkpoints)
+                                           self.cfg.train.keep_all_checkpoints, protect=protect)
             self.write_metrics("running")
             self.write_run_summary()
         barrier(self.info)
@@ -266,7 +295,7 @@ class Run:
     def write_metrics(self, status: str) -> None:
         if not self.is_main:
             return
-        ckpts = [p.name for _, p in ckpt_io.list_checkpoints(self.out_dir)]
+        ckpts = [p.name for _, p in ckpt_io.valid_checkpoints(self.out_dir)]
         last = self.state.history[-1] if self.state.history else {}
         report = self.flops.get("report") if self.flops else None
         write_json_atomic(self.out_dir / "metrics.json", {
@@ -305,7 +334,7 @@ class Run:
             "flops_per_token": report.flops_per_token if report is not None else None,
             "attention_to_ffn_ratio": report.attention_to_ffn_ratio if report is not None else None,
             "training_iterations": [{"iter": h["step"], **{k: v for k, v in h.items() if k != "step"}} for h in hist],
-            "eval_steps": self.state.evals, "checkpoints": [p.name for _, p in ckpt_io.list_checkpoints(self.out_dir)],
+            "eval_steps": self.state.evals, "checkpoints": [p.name for _, p in ckpt_io.valid_checkpoints(self.out_dir)],
             "summary": {"steps": self.state.step, "tokens_seen": self.state.tokens_seen,
                         "avg_mfu": sum(mfus) / len(mfus) if mfus else None, "peak_mfu": max(mfus) if mfus else None,
                         "avg_toks_per_s": sum(tps) / len(tps) if tps else None,
@@ -321,6 +350,8 @@ class Run:
         if self.wandb:
             self.wandb.finish()
         self.data.close()
+        if self.lock is not None:
+            self.lock.release()
 
 
 def _device_name(device: torch.device) -> str:
@@ -350,7 +381,7 @@ def run_training(cfg: RunConfig) -> int:
 
 
 def _eval_only(run: Run) -> int:
-    if run.ckpt is None:
+    if not run.resumed:
         raise CheckpointError(f"eval_only needs a checkpoint; none found in {run.out_dir}")
     val = Loop(run).evaluate()
     run.heartbeat.emit("eval_only", run.state.step, val_loss=val, checkpoint=str(run.resume_path))
@@ -371,6 +402,7 @@ def _train(run: Run) -> int:
         watchdog = Watchdog(run.out_dir, run.cfg.runtime.watchdog_s,
                             lambda p, idle: run.heartbeat.emit("watchdog", state.step, idle_s=idle, path=str(p)))
         watchdog.start()
+    vote = StopVote(run.info.control_group, enabled=run.info.enabled)
     start_step = state.step
     if run.cfg.runtime.disable_gc:  # seed 004's NSA_DDP_DISABLE_GC: no GC pauses inside steps
         gc.collect()
@@ -382,7 +414,7 @@ def _train(run: Run) -> int:
     if run.is_main:
         print(f"run: {run.raw_model.num_params():,} params | {loop.tokens_per_step:,} tokens/step | "
               f"device {run.info.device} | {str(run.amp_dtype).replace('torch.', '')} | "
-              f"{'resumed at step ' + str(state.step) if run.ckpt else 'fresh start'}", flush=True)
+              f"{'resumed at step ' + str(state.step) if run.resumed else 'fresh start'}", flush=True)
     alerts = Alerts(run.cfg)
     profiler = StepProfiler(run.out_dir, run.cfg.runtime.profile_steps if run.is_main else "",
                             on_written=lambda tag, paths: run.heartbeat.emit("profile", state.step, tag=tag, paths=paths))
@@ -401,7 +433,11 @@ def _train(run: Run) -> int:
                 run.heartbeat.emit("sdpa_audit", state.step, sites=audit_log())
                 if run.is_main:
                     print(f"sdpa audit: {audit_log()}", flush=True)
-            stop = flags.should_stop() or (cfg.stop_after and state.step - start_step >= cfg.stop_after)
+            local = flags.reason if flags.should_stop() else early_signal()
+            if local is None and cfg.stop_after and state.step - start_step >= cfg.stop_after:
+                local = "stop_after"
+            reason = vote.decide(local)  # collective: every rank stops after the same step
+            stop = reason is not None
             if log_now or stop:
                 row = loop.log()
                 if run.cfg.runtime.disable_gc:
@@ -423,7 +459,7 @@ def _train(run: Run) -> int:
                 run.save()
                 loop.i_start += time.perf_counter() - t_save
             if stop:
-                state.stop_reason = flags.reason or f"stop_after={cfg.stop_after}"
+                state.stop_reason = f"stop_after={cfg.stop_after}" if reason == "stop_after" else reason
                 break
         run.save()  # .HALT stays in place: the operator removes it before resuming (documented)
         run.heartbeat.emit("end", state.step, reason=state.stop_reason or "finished")

@@ -1,14 +1,31 @@
 """Run safety: graceful stop (.HALT file, SIGTERM, SIGINT), SIGUSR1 stack dumps, a stall watchdog.
 
 A stop request is only a flag; the loop finishes the current optimizer step, checkpoints and exits 0.
+
+Stack dumps are written by the standard library's `faulthandler`, whose C code needs neither the GIL
+nor the main thread, so they work exactly when they are needed: a rank stuck in a C call (a hung
+collective, a deadlocked lock) that holds the GIL. Each process has its dump files, opened at start
+and appended to (docs/ARTIFACTS.md):
+
+- `stackdump_rank{R}_{pid}.txt`: `kill -USR1 PID` appends every thread's stack at once;
+- `stackdump_rank{R}_{pid}_watchdog.txt`: appended when no step completes for runtime.watchdog_s.
+
+Python notices a new dump later, when it runs again: it appends a line with the time and the names of
+the threads (faulthandler prints thread ids only) and calls the heartbeat callback. A file that got no
+dump is removed when the run ends cleanly.
+
+`python -m train.safety check-halt OUT_DIR` prints the stale-.HALT message (stale_halt_message) and
+exits 2 when OUT_DIR/.HALT exists, else exits 0: the bash runners use it, so the text lives here only.
 """
 from __future__ import annotations
 
+import faulthandler
+import os
+import shlex
 import signal
 import sys
 import threading
 import time
-import traceback
 from pathlib import Path
 from typing import Callable
 
@@ -17,75 +34,217 @@ HALT_FILE = ".HALT"
 ANOMALY_FILE = ".anomaly_type"
 
 
-def format_all_stacks() -> str:
-    names = {t.ident: t.name for t in threading.enumerate()}
-    parts = []
-    for ident, frame in sys._current_frames().items():
-        parts.append(f"--- thread {names.get(ident, '?')} ({ident}) ---\n" + "".join(traceback.format_stack(frame)))
-    return "\n".join(parts)
+def stale_halt_message(out_dir: Path) -> str | None:
+    """The one-line refusal for a leftover OUT_DIR/.HALT (it would stop a new run after one step);
+    None when there is none."""
+    halt = Path(out_dir) / HALT_FILE
+    if not os.path.lexists(halt):
+        return None
+    return (f"{halt} exists (a graceful stop was requested earlier); remove it to resume: "
+            f"rm {shlex.quote(str(halt))}")
 
 
-def write_stackdump(out_dir: Path, reason: str) -> Path:
-    path = out_dir / f"stackdump_{time.strftime('%Y%m%d_%H%M%S')}_{int(time.time() * 1000) % 1000:03d}.txt"
-    path.write_text(f"# reason: {reason}\n# time: {time.ctime()}\n{format_all_stacks()}")
-    return path
+def _rank(rank: int | None) -> int:
+    if rank is not None:
+        return rank
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def stackdump_path(out_dir: Path, rank: int | None = None, kind: str = "") -> Path:
+    """out_dir/stackdump_rank{R}_{pid}.txt, or ..._{kind}.txt (the watchdog's)."""
+    suffix = f"_{kind}" if kind else ""
+    return Path(out_dir) / f"stackdump_rank{_rank(rank)}_{os.getpid()}{suffix}.txt"
+
+
+def thread_names() -> str:
+    """'0x00007f..=MainThread, ...': faulthandler's thread ids with their Python names."""
+    return ", ".join(f"0x{t.ident:016x}={t.name}" for t in threading.enumerate() if t.ident is not None)
+
+
+class DumpFile:
+    """An append-only file that faulthandler writes dumps into (through its descriptor) and Python
+    annotates. Unbuffered, so Python's lines and faulthandler's writes land in order."""
+
+    def __init__(self, path: Path, header: str):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self.file = open(path, "ab", buffering=0)
+        self.note(f"{header}; opened {time.strftime('%Y-%m-%d %H:%M:%S')}, pid {os.getpid()}, "
+                  f"main thread 0x{threading.main_thread().ident:016x}")
+        self.empty_size = self.seen = self.size()
+
+    def size(self) -> int:
+        return os.fstat(self.file.fileno()).st_size
+
+    def note(self, text: str) -> None:
+        self.file.write(f"# {text}\n".encode())
+
+    def settled_size(self, size: int, limit_s: float = 1.0) -> int:
+        """Wait (briefly) until a dump that is being written stops growing."""
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline:
+            time.sleep(0.02)
+            now = self.size()
+            if now == size:
+                break
+            size = now
+        return size
+
+    def acknowledge(self, what: str) -> None:
+        """Annotate the dump(s) that arrived since the last call."""
+        self.note(f"^ {what}; noticed {time.strftime('%Y-%m-%d %H:%M:%S')}; threads: {thread_names()}")
+        self.seen = self.size()
+
+    def close(self) -> None:
+        """Close; remove the file when no dump ever arrived (only the header is in it)."""
+        if self.file.closed:
+            return
+        unused = self.size() == self.empty_size
+        self.file.close()
+        if unused:
+            self.path.unlink(missing_ok=True)
 
 
 class StopFlags:
-    """Installs handlers in the main thread; `should_stop()` is cheap enough to call every step."""
+    """Installs handlers in the main thread; `should_stop()` is cheap enough to call every step.
 
-    def __init__(self, out_dir: Path, on_stackdump: Callable[[Path], None] | None = None):
+    SIGTERM / SIGINT / out_dir/.HALT request a stop (`reason`). SIGUSR1 makes faulthandler append all
+    stacks to `stackdump_path` at once, even when the main thread is stuck holding the GIL; the next
+    `should_stop()` that sees the dump complete calls `on_stackdump(path)`."""
+
+    def __init__(self, out_dir: Path, on_stackdump: Callable[[Path], None] | None = None, *,
+                 rank: int | None = None):
         self.out_dir = out_dir
         self.reason: str | None = None
         self._on_stackdump = on_stackdump
         self._previous = {}
+        self._dump: DumpFile | None = None
+        self._pending: int | None = None  # a grown size seen once; acted on when seen again (complete)
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._previous[sig] = signal.signal(sig, self._request_stop)
             if hasattr(signal, "SIGUSR1"):
-                self._previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, self._stackdump)
+                self._dump = DumpFile(stackdump_path(out_dir, rank),
+                                      f"stack dumps of rank {_rank(rank)} on SIGUSR1 (kill -USR1 {os.getpid()}), "
+                                      "newest last")
+                faulthandler.register(signal.SIGUSR1, file=self._dump.file, all_threads=True, chain=False)
+
+    @property
+    def stackdump_file(self) -> Path | None:
+        return self._dump.path if self._dump else None
 
     def _request_stop(self, signum, _frame) -> None:
         self.reason = signal.Signals(signum).name
 
-    def _stackdump(self, _signum, _frame) -> None:
-        path = write_stackdump(self.out_dir, "SIGUSR1")
+    def _check_stackdump(self) -> None:
+        size = self._dump.size()
+        if size == self._dump.seen:
+            return
+        if size != self._pending:  # a dump may still be being written (by another thread)
+            self._pending = size
+            return
+        self._pending = None
+        self._dump.acknowledge("SIGUSR1")
         if self._on_stackdump:
-            self._on_stackdump(path)
+            self._on_stackdump(self._dump.path)
 
     def should_stop(self) -> bool:
+        if self._dump is not None:
+            self._check_stackdump()
         if self.reason is None and (self.out_dir / HALT_FILE).exists():
             self.reason = "HALT file"
         return self.reason is not None
 
     def restore(self) -> None:
+        if self._dump is not None:
+            faulthandler.unregister(signal.SIGUSR1)
+            if self._dump.size() != self._dump.seen:
+                self._dump.acknowledge("SIGUSR1")
+            self._dump.close()
+            self._dump = None
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
 
 
 class Watchdog(threading.Thread):
-    """Dumps all stacks (file + callback) when no step completes for `timeout_s`; once per stall."""
+    """When no step completes for `timeout_s`, faulthandler appends all stacks to
+    stackdump_rank{R}_{pid}_watchdog.txt (from a C thread: works while the main thread holds the GIL
+    in a C call); once per stall. This Python thread only notices the dump and calls
+    `on_stall(path, idle_s)`, as soon as it can run.
 
-    def __init__(self, out_dir: Path, timeout_s: float, on_stall: Callable[[Path, float], None]):
+    beat() after every step re-arms the timer. Re-arming restarts faulthandler's timer thread (tens
+    of microseconds), so a beat within `slack_s` of the last re-arm skips it and the timer is armed
+    for timeout_s + slack_s: a stall is dumped after between timeout_s and timeout_s + slack_s."""
+
+    def __init__(self, out_dir: Path, timeout_s: float, on_stall: Callable[[Path, float], None], *,
+                 rank: int | None = None):
         super().__init__(name="watchdog", daemon=True)
         self.out_dir, self.timeout_s, self.on_stall = out_dir, timeout_s, on_stall
+        self.slack_s = min(1.0, timeout_s * 0.05)
+        self.path = stackdump_path(out_dir, rank, "watchdog")
+        self._dump = DumpFile(self.path, f"watchdog stack dumps of rank {_rank(rank)}: appended when no step "
+                                         f"completes for {timeout_s:g} s (runtime.watchdog_s)")
         self._last = time.monotonic()
-        self._fired = False
+        self._gap = 0.0  # the last completed interval between beats
+        self._armed_at: float | None = None
         self._stop_event = threading.Event()
 
-    def beat(self) -> None:
+    def _arm(self, now: float) -> None:
+        faulthandler.dump_traceback_later(self.timeout_s + self.slack_s, repeat=False, file=self._dump.file,
+                                          exit=False)
+        self._armed_at = now
+
+    def start(self) -> None:
         self._last = time.monotonic()
-        self._fired = False
+        self._arm(self._last)
+        super().start()
+
+    def beat(self) -> None:
+        now = time.monotonic()
+        self._gap, self._last = now - self._last, now
+        if self._armed_at is not None and now - self._armed_at >= self.slack_s:
+            self._arm(now)
 
     def run(self) -> None:
-        poll = min(5.0, max(0.05, self.timeout_s / 4))
+        poll = min(1.0, max(0.02, self.timeout_s / 10))
         while not self._stop_event.wait(poll):
+            size = self._dump.size()
+            if size == self._dump.seen:
+                continue
+            self._dump.settled_size(size)
             idle = time.monotonic() - self._last
-            if idle > self.timeout_s and not self._fired:
-                self._fired = True
-                path = write_stackdump(self.out_dir, f"watchdog: no step for {idle:.1f}s")
-                self.on_stall(path, idle)
+            if idle < self.timeout_s:  # the stall ended before this thread could run (GIL held)
+                idle = max(self._gap, self.timeout_s)
+            self._dump.acknowledge(f"watchdog: no step for {idle:.1f}s")
+            self.on_stall(self.path, idle)
 
     def stop(self) -> None:
         self._stop_event.set()
+        if self._armed_at is not None:
+            faulthandler.cancel_dump_traceback_later()
+            self._armed_at = None
+        if self.is_alive() and self is not threading.current_thread():
+            self.join(timeout=5)
+        if not self.is_alive():
+            self._dump.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) != 2 or argv[0] != "check-halt":
+        print("usage: python -m train.safety check-halt OUT_DIR   (exit 2 with the message when OUT_DIR/.HALT "
+              "exists, else 0)", file=sys.stderr)
+        return 2
+    message = stale_halt_message(Path(argv[1]))
+    if message:
+        print(f"error: {message}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

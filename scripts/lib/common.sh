@@ -261,11 +261,18 @@ resume_note() {
   esac
 }
 
-# check_halt OUT_DIR: a leftover .HALT would stop the new run after one step
-check_halt() {
-  if [ -e "$1/.HALT" ]; then
-    die "$1/.HALT exists (a graceful stop was requested earlier); remove it to resume: rm '$1/.HALT'"
+# check_halt OUT_DIR: a leftover .HALT would stop the new run after one step. The message is the
+# trainer's own (train/safety.py stale_halt_message); halt_problem prints it, or nothing.
+halt_problem() {
+  local msg
+  if ! msg=$("${PY:-$(any_python)}" -m train.safety check-halt "$1" 2>&1); then
+    printf '%s\n' "${msg#error: }"
   fi
+}
+check_halt() {
+  local msg
+  msg=$(halt_problem "$1")
+  if [ -n "$msg" ]; then die "$msg"; fi
 }
 
 # lock_out_dir OUT_DIR: one launcher per out_dir. The lock (fd 9) is inherited by the trainer

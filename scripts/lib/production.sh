@@ -185,9 +185,9 @@ prod_preflight() {
   prod_gpus_idle
   prod_causality
   prod_config_checks
-  if [ -e "$OUT_DIR/.HALT" ]; then
-    prod_fail "$OUT_DIR/.HALT exists (a graceful stop was requested earlier); remove it to resume: rm '$OUT_DIR/.HALT'"
-  fi
+  local halt
+  halt=$(halt_problem "$OUT_DIR")
+  if [ -n "$halt" ]; then prod_fail "$halt"; fi
   RESUME_FROM=$(resume_note "$OUT_DIR" "$CFG_RESUME")
   {
     kv out_dir "$OUT_DIR"

@@ -92,7 +92,7 @@ def test_memmap_batches_are_windows_of_the_file(prepared):
     assert info["token_dtype"] == "uint16" and info["train_tokens"] == len(tokens)
 
 
-def test_memmap_is_deterministic_resumable_and_rank_disjoint(prepared):
+def test_memmap_is_deterministic_resumable_and_every_rank_samples_the_whole_file(prepared):
     out, _, _ = prepared
     a, b = _build(out), _build(out)
     batches = [a.train.next_batch() for _ in range(5)]
@@ -104,12 +104,11 @@ def test_memmap_is_deterministic_resumable_and_rank_disjoint(prepared):
     assert not torch.equal(batches[0][0], batches[1][0])  # random offsets, not a sliding window
     assert not torch.equal(_build(out, seed=4).train.next_batch()[0], batches[0][0])
     n = a.describe()["train_tokens"]
-    spans = []
-    for rank in range(3):
+    for rank in range(3):  # no per-rank slices any more: each rank draws from the whole file
         s = _build(out, rank=rank, world_size=3).train
         starts = np.concatenate([s.offsets_at(i) for i in range(200)])
-        spans.append((starts.min(), starts.max() + 32))
-    assert all(spans[r][1] < spans[r + 1][0] for r in range(2)) and spans[0][0] >= 0 and spans[-1][1] < n
+        assert starts.min() >= 0 and starts.max() + 32 < n
+        assert starts.min() < n // 10 and starts.max() > n - n // 10
 
 
 def test_val_batches_are_fixed_and_from_val_bin(prepared):

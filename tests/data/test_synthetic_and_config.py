@@ -15,14 +15,14 @@ def _synthetic(**kw):
     return build_data(DataConfig(), **args)
 
 
-def test_synthetic_batches_are_deterministic_per_seed_rank_and_step():
+def test_synthetic_batches_are_deterministic_per_seed_row_and_step():
     a, b = _synthetic(), _synthetic()
     xa, ya = a.train.next_batch()
     assert xa.shape == (8, 64) and xa.dtype == torch.int64 and torch.equal(xa[:, 1:], ya[:, :-1])
     assert torch.equal(xa, b.train.next_batch()[0])
     assert not torch.equal(xa, a.train.next_batch()[0])
     assert not torch.equal(xa, _synthetic(seed=1).train.next_batch()[0])
-    assert not torch.equal(xa, _synthetic(rank=1, world_size=2).train.next_batch()[0])
+    assert not torch.equal(xa, _synthetic(rank=1, world_size=2).train.next_batch()[0])  # other global rows
     assert int(_synthetic(vocab_size=100).train.next_batch()[0].max()) < 100
 
 
@@ -90,5 +90,7 @@ def test_config_validation_messages(change, message):
 def test_build_data_rejects_bad_shapes():
     with pytest.raises(DataError, match="rank 2 is outside world_size 2"):
         _synthetic(rank=2, world_size=2)
+    with pytest.raises(DataError, match="accumulate"):
+        _synthetic(accumulate=0)
     with pytest.raises(DataError, match="seq_len"):
         _synthetic(seq_len=0)

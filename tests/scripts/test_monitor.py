@@ -132,16 +132,19 @@ def test_watchdog_trainer_alerts_and_halt_flag(tmp_path):
     out = make_out(tmp_path)
     with open(out / "heartbeat_rank0.jsonl", "a") as f:
         f.write(json.dumps({"ts": NOW - 4, "rank": 0, "step": 100, "kind": "watchdog", "idle_s": 950.0,
-                            "path": "stackdump_x.txt"}) + "\n")
+                            "path": "stackdump_rank0_4242_watchdog.txt"}) + "\n")
         f.write(json.dumps({"ts": NOW - 3, "rank": 0, "step": 100, "kind": "alert", "alert": "loss_below_floor",
                             "message": "suspect data leakage"}) + "\n")
         f.write('{"ts": 18000')  # a line being written right now
     (out / ".HALT").touch()
-    (out / "stackdump_20250101_000000_000.txt").write_text("stacks")
+    header = "# stack dumps of rank 0 on SIGUSR1 (kill -USR1 4242), newest last; opened ...\n"
+    (out / "stackdump_rank0_4242.txt").write_text(
+        header + "Current thread 0x00007f0000000001 (most recent call first):\n  File \"x.py\", line 1 in f\n")
+    (out / "stackdump_rank0_4242_watchdog.txt").write_text(header)  # opened at start, no dump yet: not counted
     text, alerts = frame(out)
     assert any(a.startswith("watchdog: no step for 15m50s at step 100") for a in alerts)
     assert "trainer: loss_below_floor at step 100: suspect data leakage" in alerts
-    assert "HALT requested" in text and "1 stack dump(s)" in text
+    assert "HALT requested" in text and "stack dumps in 1 file(s), newest stackdump_rank0_4242.txt" in text
 
 
 def test_run_dir_and_missing_out_dir(tmp_path):

@@ -17,7 +17,7 @@ import torch
 from train.data.config import DataConfig
 from train.data.memmap import MemmapStream
 from train.data.meta import dtype_for_vocab, read_meta, split_tokens
-from train.data.state import TRAIN_STREAM, VAL_STREAM
+from train.data.state import TRAIN_STREAM, VAL_STREAM, stream_resume_refusal  # noqa: F401 (re-exported)
 from train.data.synthetic import SyntheticStream
 from train.data.tensors import windows_to_xy
 from train.errors import DataError
@@ -27,6 +27,12 @@ log = logging.getLogger("train.data")
 
 class BatchStream(Protocol):
     """What DataBundle.train is (SyntheticStream, MemmapStream, StreamBatches)."""
+
+    # True: batches depend only on (optimizer step, global row), so a state saved by any world size and
+    # batch split with the same global batch resumes exactly (MemmapStream, SyntheticStream).
+    # False: the state is per rank and per worker and resumes only with the same world size and
+    # data.num_workers (StreamBatches; see stream_resume_refusal for the message).
+    any_world_size: bool
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]: ...  # int64 [B, T] each, y = x shifted by one
 
@@ -62,14 +68,18 @@ class DataBundle:
 
 
 def build_data(cfg: DataConfig, *, seq_len: int, batch_size: int, vocab_size: int, seed: int,
-               rank: int = 0, world_size: int = 1, pin: bool = False) -> DataBundle:
+               rank: int = 0, world_size: int = 1, accumulate: int = 1, pin: bool = False) -> DataBundle:
+    """batch_size is per rank and micro-batch; the global batch of one optimizer step is
+    batch_size x accumulate x world_size rows (accumulate = train.accumulate_grad_batches)."""
     cfg.validate()
-    if seq_len < 1 or batch_size < 1 or vocab_size < 1:
-        raise DataError(f"seq_len, batch_size and vocab_size must be >= 1, got {seq_len}, {batch_size}, {vocab_size}")
+    if seq_len < 1 or batch_size < 1 or vocab_size < 1 or accumulate < 1:
+        raise DataError(f"seq_len, batch_size, vocab_size and accumulate must be >= 1, "
+                        f"got {seq_len}, {batch_size}, {vocab_size}, {accumulate}")
     if not 0 <= rank < world_size:
         raise DataError(f"rank {rank} is outside world_size {world_size}")
     pin = bool(pin and cfg.pin_memory and torch.cuda.is_available())
-    shape = dict(seq_len=seq_len, batch_size=batch_size, vocab_size=vocab_size, seed=seed, rank=rank, world_size=world_size, pin=pin)
+    shape = dict(seq_len=seq_len, batch_size=batch_size, vocab_size=vocab_size, seed=seed, rank=rank,
+                 world_size=world_size, accumulate=accumulate, pin=pin)
     kind = cfg.source_kind
     if kind == "synthetic":
         return _synthetic(**shape)
@@ -88,17 +98,24 @@ def build_data(cfg: DataConfig, *, seq_len: int, batch_size: int, vocab_size: in
         return bundle
 
 
-def _synthetic(*, seq_len, batch_size, vocab_size, seed, rank, world_size, pin) -> DataBundle:
-    common = dict(seq_len=seq_len, batch_size=batch_size, vocab_size=vocab_size, seed=seed, rank=rank, pin=pin)
-    train = SyntheticStream(stream=TRAIN_STREAM, **common)
-    val = SyntheticStream(stream=VAL_STREAM, **common)
+def _order_info(batch_size, rank, world_size, accumulate, any_world_size: bool) -> dict:
+    return {"batch_size": batch_size, "accumulate": accumulate, "rank": rank, "world_size": world_size,
+            "global_batch": batch_size * accumulate * world_size, "any_world_size": any_world_size}
+
+
+def _synthetic(*, seq_len, batch_size, vocab_size, seed, rank, world_size, accumulate, pin) -> DataBundle:
+    common = dict(seq_len=seq_len, batch_size=batch_size, vocab_size=vocab_size, seed=seed, rank=rank,
+                  world_size=world_size, pin=pin)
+    train = SyntheticStream(stream=TRAIN_STREAM, accumulate=accumulate, **common)
+    val = SyntheticStream(stream=VAL_STREAM, **common)  # validation: one micro-batch per batch
     info = {"source": "synthetic", "kind": "synthetic", "tokenizer": None, "token_dtype": "int64", "vocab_size": vocab_size,
-            "seq_len": seq_len, "batch_size": batch_size, "rank": rank, "world_size": world_size,
+            "seq_len": seq_len, **_order_info(batch_size, rank, world_size, accumulate, True),
             "phrases": int(train.book.shape[0]), "phrase_len": train.phrase_len}
     return DataBundle(train, val, info, pin=pin)
 
 
-def _bin(cfg: DataConfig, data_dir: Path, *, seq_len, batch_size, vocab_size, seed, rank, world_size, pin) -> DataBundle:
+def _bin(cfg: DataConfig, data_dir: Path, *, seq_len, batch_size, vocab_size, seed, rank, world_size, accumulate,
+         pin) -> DataBundle:
     meta = read_meta(data_dir)
     _check_tokenizer_matches(data_dir, meta.tokenizer, cfg.tokenizer)
     if meta.id_bound >= vocab_size:
@@ -106,13 +123,13 @@ def _bin(cfg: DataConfig, data_dir: Path, *, seq_len, batch_size, vocab_size, se
                         f"but the model's vocab_size is {vocab_size}; set model.vocab_size >= {meta.vocab_size} (e.g. a multiple of 64)")
     counts = {split: split_tokens(data_dir, meta, split) for split in ("train", "val")}
     common = dict(dtype=meta.np_dtype, seq_len=seq_len, batch_size=batch_size, seed=seed, rank=rank, world_size=world_size, pin=pin)
-    train = MemmapStream(data_dir / meta.splits["train"].file, n_tokens=counts["train"], stream=TRAIN_STREAM, **common)
+    train = MemmapStream(data_dir / meta.splits["train"].file, n_tokens=counts["train"], stream=TRAIN_STREAM,
+                         accumulate=accumulate, **common)
     val = MemmapStream(data_dir / meta.splits["val"].file, n_tokens=counts["val"], stream=VAL_STREAM, **common)
     info = {"source": cfg.source, "kind": "bin", "dir": str(data_dir), "tokenizer": meta.tokenizer, "eos_id": meta.eos_id,
             "token_dtype": meta.dtype, "tokenizer_vocab": meta.vocab_size, "max_token_id": meta.max_token_id,
             "vocab_size": vocab_size, "train_tokens": counts["train"], "val_tokens": counts["val"],
-            "rank_train_tokens": train.hi - train.lo, "legacy_meta": meta.legacy, "seq_len": seq_len,
-            "batch_size": batch_size, "rank": rank, "world_size": world_size}
+            "legacy_meta": meta.legacy, "seq_len": seq_len, **_order_info(batch_size, rank, world_size, accumulate, True)}
     return DataBundle(train, val, info, pin=pin)
 
 
@@ -128,7 +145,7 @@ def _check_tokenizer_matches(data_dir: Path, prepared_with: str | None, configur
                     f"set data.tokenizer={prepared_with}")
 
 
-def _stream(cfg: DataConfig, *, seq_len, batch_size, vocab_size, seed, rank, world_size, pin) -> DataBundle:
+def _stream(cfg: DataConfig, *, seq_len, batch_size, vocab_size, seed, rank, world_size, accumulate, pin) -> DataBundle:
     from train.data.sources import StreamUnavailable, open_documents
     from train.data.stream import StreamBatches
     from train.data.tokenizers import load_tokenizer
@@ -163,7 +180,7 @@ def _stream(cfg: DataConfig, *, seq_len, batch_size, vocab_size, seed, rank, wor
             "token_dtype": dtype_for_vocab(tokenizer.n_vocab), "shards": int(ds.n_shards),
             "readers_per_rank": train.readers_per_rank, "num_workers": cfg.num_workers,
             "validation": cfg.val_source or f"documents hashed into the held-out {cfg.val_fraction:.2%} (split_seed={cfg.split_seed})",
-            "seq_len": seq_len, "batch_size": batch_size, "rank": rank, "world_size": world_size}
+            "seq_len": seq_len, **_order_info(batch_size, rank, world_size, accumulate, False)}
     return DataBundle(train, val, info, pin=pin)
 
 

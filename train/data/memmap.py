@@ -1,11 +1,12 @@
 """Random-offset batches from a prepared token file (np.memmap), in the training process.
 
-Each rank owns a contiguous 1/world_size slice of the file, so ranks never share a window.
-Batch `step` of rank `rank` draws batch_size window starts inside that slice from a counter-based
-hash (splitmix64) of (seed, stream, rank, step, row): no state but the step counter, exact resume,
-no sliding windows, and no per-step generator set-up (np.random.default_rng costs ~100 us).
-A batch is one gather from the memmap plus two int64 conversions, so a single in-process sampler
-is faster than DataLoader workers would be (no IPC); see bench/bench_data.py.
+Batches follow the world-size-free order of state.GlobalBatchOrder: global row g of optimizer
+step s is the window of seq_len+1 tokens starting at hash(seed, stream, s, g) % n_starts, drawn
+over the whole file with a counter-based hash (splitmix64). Whatever the world size and batch
+split, the same global batch holds the same windows; the state is the step counter, resume is
+exact, there are no sliding windows and no per-step generator set-up (np.random.default_rng
+costs ~100 us). A batch is one gather from the memmap plus two int64 conversions, so a single
+in-process sampler is faster than DataLoader workers would be (no IPC); see bench/bench_data.py.
 """
 from __future__ import annotations
 
@@ -14,51 +15,42 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from train.data.state import TRAIN_STREAM, expect_state
+from train.data.state import TRAIN_STREAM, GlobalBatchOrder
 from train.errors import DataError
 
 
-class MemmapStream:
-    def __init__(self, path: Path, *, dtype, n_tokens: int, seq_len: int, batch_size: int, seed: int,
-                 rank: int = 0, world_size: int = 1, stream: int = TRAIN_STREAM, pin: bool = False):
-        self.path = Path(path)
-        self.seq_len, self.batch_size, self.seed, self.stream, self.pin = seq_len, batch_size, seed, stream, pin
-        self.rank, self.world_size = rank, world_size
-        self.tokens = np.memmap(self.path, dtype=dtype, mode="r", shape=(n_tokens,)) if n_tokens else np.zeros(0, dtype)
-        self.lo = n_tokens * rank // world_size
-        self.hi = n_tokens * (rank + 1) // world_size
-        self.n_starts = self.hi - self.lo - seq_len  # window starts lo .. hi - (seq_len + 1)
-        if self.n_starts < 1:
-            raise DataError(f"{self.path}: rank {rank}/{world_size} slice holds {self.hi - self.lo} tokens, "
-                            f"fewer than one window of seq_len+1={seq_len + 1}")
-        self._span = np.arange(seq_len + 1)
-        self._rows = np.arange(batch_size, dtype=np.uint64)
-        self._key = splitmix64(splitmix64(splitmix64(_u64(seed)) ^ _u64(stream)) ^ _u64(rank))
-        self.step = 0
+class MemmapStream(GlobalBatchOrder):
+    kind = "memmap"
 
-    def offsets_at(self, step: int) -> np.ndarray:
-        key = splitmix64(self._key ^ splitmix64(np.uint64(step)))
-        draws = splitmix64(key ^ self._rows)  # modulo bias < n_starts / 2**64: negligible
+    def __init__(self, path: Path, *, dtype, n_tokens: int, seq_len: int, batch_size: int, seed: int,
+                 rank: int = 0, world_size: int = 1, accumulate: int = 1, stream: int = TRAIN_STREAM, pin: bool = False):
+        self.path = Path(path)
+        self.seq_len, self.pin = seq_len, pin
+        self._init_order(batch_size=batch_size, rank=rank, world_size=world_size, accumulate=accumulate,
+                         seed=seed, stream=stream)
+        self.lo, self.hi = 0, n_tokens  # every rank samples the whole file
+        self.n_starts = n_tokens - seq_len  # window starts 0 .. n_tokens - (seq_len + 1)
+        if self.n_starts < 1:
+            raise DataError(f"{self.path} holds {n_tokens} tokens, fewer than one window of seq_len+1={seq_len + 1} "
+                            f"tokens; use a smaller train.seq_len or prepare more data")
+        self.tokens = np.memmap(self.path, dtype=dtype, mode="r", shape=(n_tokens,))
+        self._span = np.arange(seq_len + 1)
+        self._key = stream_key(seed, stream)
+
+    def window_starts(self, step: int, rows: np.ndarray) -> np.ndarray:
+        """Window start (int64) of each global row in `rows` (uint64) of optimizer step `step`."""
+        draws = row_hashes(self._key, step, rows)  # modulo bias < n_starts / 2**64: negligible
         return self.lo + (draws % np.uint64(self.n_starts)).astype(np.int64)
 
-    def batch_at(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        windows = self.tokens[self.offsets_at(step)[:, None] + self._span]  # one gather: [B, T+1], file dtype
+    def offsets_at(self, k: int) -> np.ndarray:
+        """Window starts of this rank's k-th micro-batch (what batch_at(k) reads)."""
+        return self.window_starts(*self.rows_at(k))
+
+    def rows_batch(self, step: int, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        windows = self.tokens[self.window_starts(step, rows)[:, None] + self._span]  # one gather: [B, T+1], file dtype
         x = torch.from_numpy(windows[:, :-1].astype(np.int64))
         y = torch.from_numpy(windows[:, 1:].astype(np.int64))
         return (x.pin_memory(), y.pin_memory()) if self.pin else (x, y)
-
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        batch = self.batch_at(self.step)
-        self.step += 1
-        return batch
-
-    def state_dict(self) -> dict:
-        return {"kind": "memmap", "step": self.step, "seed": self.seed, "rank": self.rank,
-                "world_size": self.world_size, "stream": self.stream}
-
-    def load_state_dict(self, state: dict) -> None:
-        expect_state(state, kind="memmap", seed=self.seed, rank=self.rank, world_size=self.world_size, stream=self.stream)
-        self.step = int(state["step"])
 
     def close(self) -> None:
         self.tokens = None
@@ -75,3 +67,13 @@ def splitmix64(x):
         x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         return x ^ (x >> np.uint64(31))
+
+
+def stream_key(seed: int, stream: int) -> np.uint64:
+    return splitmix64(splitmix64(_u64(seed)) ^ _u64(stream))
+
+
+def row_hashes(key: np.uint64, step: int, rows: np.ndarray) -> np.ndarray:
+    """uint64 hash of (key, step, g) for each global row g in `rows` (uint64 array)."""
+    step_key = splitmix64(key ^ splitmix64(_u64(int(step))))
+    return splitmix64(step_key ^ rows)

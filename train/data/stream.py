@@ -95,6 +95,8 @@ def _as_is(item):
 class StreamBatches:
     """BatchStream over a document stream (see module docstring)."""
 
+    any_world_size = False  # reader positions are per rank and per worker: resume needs the same world size
+
     def __init__(self, ds, *, source: str, role: str, tokenizer_name: str, text_field: str, split_seed: int,
                  val_fraction: float, seq_len: int, batch_size: int, tokenize_batch_docs: int, rank: int,
                  world_size: int, num_workers: int, pin: bool, persistent_workers: bool, prefetch_factor: int):

@@ -1,51 +1,49 @@
-"""Synthetic tokens with learnable structure, deterministic from (seed, stream, rank, step).
+"""Synthetic tokens with learnable structure, deterministic from (seed, stream, step, global row).
 
 A fixed "phrase book" (n_phrases random phrases of phrase_len ids, drawn once from the seed)
 is concatenated in random order; each window starts at a random offset. Inside a phrase the
 next token is determined by the current one, so a tiny model's loss falls from ln(vocab) to
 about ln(n_phrases) / phrase_len within tens of steps. Validation uses the same book and a
 different stream id, so it measures the same structure on batches training never drew.
+
+Rows follow the world-size-free order of state.GlobalBatchOrder: the phrase picks and start
+offset of global row g of optimizer step s come from a counter-based hash (memmap.splitmix64)
+of (seed, stream, s, g), vectorised over the rows.
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from train.data.state import TRAIN_STREAM, expect_state
+from train.data.memmap import row_hashes, splitmix64, stream_key
+from train.data.state import TRAIN_STREAM, GlobalBatchOrder
 from train.data.tensors import windows_to_xy
 
 
-class SyntheticStream:
+class SyntheticStream(GlobalBatchOrder):
+    kind = "synthetic"
+
     def __init__(self, *, seq_len: int, batch_size: int, vocab_size: int, seed: int, rank: int = 0,
-                 stream: int = TRAIN_STREAM, pin: bool = False, n_phrases: int = 64, phrase_len: int = 16):
-        self.seq_len, self.batch_size, self.vocab_size = seq_len, batch_size, vocab_size
-        self.seed, self.rank, self.stream, self.pin = seed, rank, stream, pin
+                 world_size: int = 1, accumulate: int = 1, stream: int = TRAIN_STREAM, pin: bool = False,
+                 n_phrases: int = 64, phrase_len: int = 16):
+        self.seq_len, self.vocab_size, self.pin = seq_len, vocab_size, pin
+        self._init_order(batch_size=batch_size, rank=rank, world_size=world_size, accumulate=accumulate,
+                         seed=seed, stream=stream)
         self.phrase_len = phrase_len
-        self.step = 0
         book_rng = np.random.default_rng([seed, 0x5EED])
         self.book = book_rng.integers(0, vocab_size, size=(n_phrases, phrase_len), dtype=np.int64)
         self._phrases_per_row = -(-(seq_len + 1) // phrase_len) + 1
+        self._draw = np.arange(self._phrases_per_row + 1, dtype=np.uint64)  # phrase picks, then the start offset
+        self._span = np.arange(seq_len + 1)
+        self._key = stream_key(seed, stream)
 
-    def batch_at(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        rng = np.random.default_rng([self.seed, self.stream, self.rank, step])
-        picks = rng.integers(0, len(self.book), size=(self.batch_size, self._phrases_per_row))
-        rows = self.book[picks].reshape(self.batch_size, -1)  # [B, phrases * phrase_len]
-        starts = rng.integers(0, self.phrase_len, size=(self.batch_size, 1))
-        windows = np.take_along_axis(rows, starts + np.arange(self.seq_len + 1), axis=1)
+    def rows_batch(self, step: int, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        draws = splitmix64(row_hashes(self._key, step, rows)[:, None] ^ self._draw)  # [B, phrases + 1]
+        picks = (draws[:, :-1] % np.uint64(len(self.book))).astype(np.int64)
+        starts = (draws[:, -1:] % np.uint64(self.phrase_len)).astype(np.int64)
+        text = self.book[picks].reshape(len(rows), -1)  # [B, phrases * phrase_len]
+        windows = np.take_along_axis(text, starts + self._span, axis=1)
         return windows_to_xy(windows, self.pin)
-
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        batch = self.batch_at(self.step)
-        self.step += 1
-        return batch
-
-    def state_dict(self) -> dict:
-        return {"kind": "synthetic", "step": self.step, "seed": self.seed, "rank": self.rank, "stream": self.stream}
-
-    def load_state_dict(self, state: dict) -> None:
-        expect_state(state, kind="synthetic", seed=self.seed, rank=self.rank, stream=self.stream)
-        self.step = int(state["step"])
 
     def close(self) -> None:
         pass
-
