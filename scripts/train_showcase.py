@@ -43,11 +43,23 @@ def to_overrides(argv: list[str]) -> tuple[str | None, list[str]]:
     return args.config, overrides + passthrough
 
 
+def missing_config_message() -> str:
+    """Without a config the trainer would build its default model: say which to choose instead."""
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    names = [n for n in ("train_showcase.yaml", "m7c_125m_40g.yaml", "m7c_cpu.yaml") if (configs / n).is_file()]
+    names = names or sorted(p.name for p in configs.glob("*.yaml"))[:3]
+    examples = ", ".join(f"configs/{n}" for n in names)
+    return f"no config: set CONFIG=configs/<name>.yaml (e.g. {examples}) or pass --config PATH"
+
+
 def main(argv: list[str] | None = None) -> int:
     config, overrides = to_overrides(list(sys.argv[1:] if argv is None else argv))
+    if not config:
+        print(f"error: {missing_config_message()}", file=sys.stderr, flush=True)
+        return 2
     from train.__main__ import main as train_main
 
-    return train_main(([config] if config else []) + overrides)
+    return train_main([config] + overrides)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Run configuration: YAML sections model / nsa / train / data / runtime -> typed dataclasses.
 
 Strict by design: an unknown key, a key nothing reads, or a value of the wrong type is a
-ConfigError naming the file, the key and the valid keys. Command-line overrides use
+ConfigError naming the file (or, for an override, the command-line flag), the key and the valid
+keys. Command-line overrides use
 `--section.key=value`, a bare `--key=value` when the leaf name is unambiguous, or one of the
 nanoGPT-style aliases in ALIASES (the seeds' commands).
 """
@@ -163,7 +164,7 @@ def _dtype(value: str) -> tuple[str, str]:
 
 def _use_flash(value) -> tuple[str, str]:
     """`model.attn_backend`: true -> auto (flash-attn when importable), false -> sdpa"""
-    return "model.attn_backend", "auto" if _as_bool(value, "use_flash") else "sdpa"
+    return "model.attn_backend", "auto" if _as_bool(value, "--use_flash") else "sdpa"
 
 
 def _attention_backend(value: str) -> tuple[str, str]:
@@ -177,7 +178,7 @@ def _attention_backend(value: str) -> tuple[str, str]:
 def _use_dataloader(value) -> tuple[str, int]:
     """`data.num_workers`: true -> 4 worker processes (stream sources), false -> 0; give
     --dataloader_num_workers after it to choose the count"""
-    return "data.num_workers", 4 if _as_bool(value, "use_dataloader") else 0
+    return "data.num_workers", 4 if _as_bool(value, "--use_dataloader") else 0
 
 
 # alias -> "section.key" or a function value -> (section.key, converted value)

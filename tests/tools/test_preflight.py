@@ -11,7 +11,9 @@ import pytest
 
 from tests.tools.conftest import bin_args
 from tests.train.helpers import tiny_config
+from train import checkpoint as ckpt_io
 from train.preflight import FAIL, OK, WARN, checkpoint_bytes, checkpoints_on_disk, main, run_preflight
+from train.safety import stale_halt_message
 
 GOOD_ENV = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 PLENTY = lambda path: 10**15  # noqa: E731 - free-space stub
@@ -101,17 +103,68 @@ def test_tokenizer_that_does_not_match_the_data(tmp_path, kjv_bin):
     assert status(result, "tokenizer") == {FAIL}
 
 
-def test_non_empty_out_dir_unless_resuming(tmp_path, kjv_bin):
+def valid_checkpoint(out: Path, step: int) -> Path:
+    """A small file that passes the trainer's checkpoint validation."""
+    out.mkdir(parents=True, exist_ok=True)
+    return ckpt_io.save_checkpoint(out, step, {"model": {}, "optimizer": {}, "config": {}}, keep_last=1, keep_all=True)
+
+
+def test_out_dir_under_resume_auto_and_none(tmp_path, kjv_bin):
+    cfg = make_cfg(tmp_path, kjv_bin)
+    out = Path(cfg.train.out_dir)
+    assert status(check(cfg), "out_dir") == {OK}  # does not exist yet
+    out.mkdir()
+    (out / "training.csv").write_text("step,loss\n")
+    result = check(cfg)
+    (found,) = result.find("out_dir")  # an attempt that crashed before its first checkpoint
+    assert found.status == WARN and result.ok
+    assert f"(training.csv) but no valid checkpoint: its files will be moved to {out}/attempts/<timestamp>/" in found.detail
+    assert found.detail.endswith("training starts fresh")
+    valid_checkpoint(out, 4)
+    (out / "checkpoint_step8.pt").write_bytes(b"not a checkpoint")  # newer, garbage
+    found = check(cfg).find("out_dir")
+    assert [c.status for c in found] == [WARN, OK]
+    assert found[0].detail == (f"checkpoint_step8.pt is not a valid checkpoint and will be moved to {out}/corrupt/ "
+                               f"at start: {ckpt_io.checkpoint_problem(out / 'checkpoint_step8.pt')}")
+    assert found[1].detail == f"{out}: continuing from checkpoint_step4.pt (train.resume=auto)"
+    (found,) = check(make_cfg(tmp_path, kjv_bin, "--train.resume=none")).find("out_dir")
+    assert found.status == FAIL and "already holds a run" in found.detail and "--train.resume=auto" in found.detail
+    (out / ".HALT").write_text("")
+    (found,) = check(cfg).find("out_dir")
+    assert found.status == FAIL and found.detail == stale_halt_message(out)
+
+
+def test_out_dir_with_only_invalid_checkpoints_starts_fresh(tmp_path, kjv_bin):
     cfg = make_cfg(tmp_path, kjv_bin)
     out = Path(cfg.train.out_dir)
     out.mkdir()
-    (out / "training.csv").write_text("step,loss\n")
-    assert status(check(cfg), "out_dir") == {FAIL}
-    (out / "checkpoint_step4.pt").write_bytes(b"")  # resume=auto finds a checkpoint: intentionally continuing
-    assert status(check(cfg), "out_dir") == {OK}
-    assert status(check(make_cfg(tmp_path, kjv_bin, "--train.resume=none")), "out_dir") == {FAIL}
-    (out / ".HALT").write_text("")
-    assert status(check(cfg), "out_dir") == {FAIL}
+    (out / "checkpoint_step4.pt").write_bytes(b"")
+    found = check(cfg).find("out_dir")
+    assert [c.status for c in found] == [WARN, OK]
+    assert "checkpoint_step4.pt is not a valid checkpoint" in found[0].detail and "fresh run" in found[1].detail
+
+
+def test_resume_path_must_be_a_valid_checkpoint(tmp_path, kjv_bin, capsys, monkeypatch):
+    garbage = tmp_path / "checkpoint_step5.pt"
+    garbage.write_bytes(b"\0" * 4096)
+    (found,) = check(make_cfg(tmp_path, kjv_bin, f"--train.resume={garbage}")).find("out_dir")
+    assert found.status == FAIL and found.detail == ckpt_io.checkpoint_problem(garbage)
+    assert "checkpoint_step5.pt" in found.detail and "continuing" not in found.detail
+    (found,) = check(make_cfg(tmp_path, kjv_bin, f"--train.resume={tmp_path / 'nope.pt'}")).find("out_dir")
+    assert found.status == FAIL and found.detail == f"checkpoint not found: {tmp_path / 'nope.pt'}"
+    good = valid_checkpoint(tmp_path / "elsewhere", 5)
+    (found,) = check(make_cfg(tmp_path, kjv_bin, f"--train.resume={good}")).find("out_dir")
+    assert found.status == OK and found.detail == f"continuing from {good} (train.resume)"
+    # the command line: a garbage resume file is a failed pre-flight, not a PASS
+    config = tmp_path / "run.yaml"
+    config.write_text("")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    args = [str(config), f"--train.out_dir={tmp_path / 'out'}", "--gpus", "1", "--model.vocab_size=320",
+            "--model.dim=32", "--model.n_layers=2", "--model.n_heads=4", "--model.ffn_dim=64", "--train.save_every=4",
+            "--train.steps=8", *bin_args(kjv_bin)]
+    assert main([*args, f"--train.resume={garbage}"]) == 1
+    text = capsys.readouterr().out
+    assert "✗ out_dir" in text and "pre-flight PASS" not in text
 
 
 def test_missing_wandb_when_enabled(tmp_path, kjv_bin, monkeypatch):

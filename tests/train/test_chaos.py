@@ -6,6 +6,7 @@ Short form in `make test` (4 kills); `NSA_CHAOS_LONG=1` runs the long form (12 k
 """
 from __future__ import annotations
 
+import json
 import os
 import random
 import subprocess
@@ -40,24 +41,34 @@ def valid_names(out: Path) -> set[str]:
     return {p.name for p in out.rglob("checkpoint_step*.pt") if ckpt_io.checkpoint_problem(p) is None}
 
 
-def writing(out: Path) -> bool:
-    return any(".checkpoint_step" in name and ".tmp" in name for name in os.listdir(out))
+def writing(out: Path, pid: int) -> bool:
+    """proc `pid` is inside a checkpoint write (its temporary file exists)."""
+    return out.exists() and any(n.startswith(".checkpoint_step") and n.endswith(f".tmp{pid}") for n in os.listdir(out))
 
 
-def kill_at(proc: subprocess.Popen, out: Path, moment: str, rng: random.Random) -> str:
+def started_since(out: Path, t0: float) -> bool:
+    """This attempt has passed start-up (its `start` heartbeat is newer than t0)."""
+    beat = out / "heartbeat_rank0.jsonl"
+    if not beat.exists():
+        return False
+    return any(json.loads(line)["kind"] == "start" and json.loads(line)["ts"] >= t0
+               for line in beat.read_text().splitlines() if line.strip())
+
+
+def kill_at(proc: subprocess.Popen, out: Path, moment: str, t0: float, rng: random.Random) -> str:
     """SIGKILL proc at `moment`; returns what was actually hit."""
     deadline = time.time() + 60
-    beat = out / "heartbeat_rank0.jsonl"
     if moment == "startup":
         time.sleep(rng.uniform(0.0, 1.5))  # imports, model build, data: before any step
-    elif moment == "write":
-        while time.time() < deadline and proc.poll() is None and not (out.exists() and writing(out)):
-            time.sleep(0.0005)
-    else:  # "steps": some random number of steps after this attempt's start
-        while time.time() < deadline and proc.poll() is None and not (beat.exists() and '"kind": "start"' in beat.read_text()):
+    else:
+        while time.time() < deadline and proc.poll() is None and not started_since(out, t0):
             time.sleep(0.01)
-        time.sleep(rng.uniform(0.0, 0.6))
-    hit = "write" if out.exists() and writing(out) else moment
+        if moment == "write":
+            while time.time() < deadline and proc.poll() is None and not writing(out, proc.pid):
+                time.sleep(0.0005)
+        else:  # "steps": some random number of steps into this attempt
+            time.sleep(rng.uniform(0.0, 0.6))
+    hit = "write" if writing(out, proc.pid) else "startup" if not started_since(out, t0) else "steps"
     proc.kill()
     proc.communicate(timeout=30)
     return hit
@@ -75,15 +86,17 @@ def test_kill9_at_random_moments_loses_nothing(tmp_path):
     seen_valid: set[str] = set()
     hits = []
     for moment in moments:
+        t0 = time.time() - 0.01
         proc = start(out)
-        hits.append(kill_at(proc, out, moment, rng))
+        hits.append(kill_at(proc, out, moment, t0, rng))
         assert proc.returncode == -9, f"the trainer ended on its own before the kill ({moment})"
         seen_valid |= valid_names(out)
     final = subprocess.run([sys.executable, "-m", "train", *ARGS, f"--train.out_dir={out}", "--train.resume=auto"],
                            cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
     assert final.returncode == 0, final.stderr[-2000:]
 
-    assert "write" in hits, hits  # at least one kill landed inside a checkpoint write
+    print("kills hit:", hits)
+    assert "write" in hits and "startup" in hits, hits  # inside a checkpoint write; before any step
     want = [(r["step"], r["loss"]) for r in read_csv(reference / "training.csv")]
     got = [(r["step"], r["loss"]) for r in read_csv(out / "training.csv")]
     assert got == want  # every step once, each with the uninterrupted run's loss

@@ -1,6 +1,7 @@
 """Strict config loading: unknown keys, wrong types, malformed YAML, overrides and aliases."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,47 @@ def test_malformed_yaml_reports_line(tmp_path):
 def test_missing_file():
     with pytest.raises(ConfigError, match="config file not found"):
         load_config("/nonexistent/cfg.yaml")
+
+
+def test_config_path_that_is_a_directory_or_not_text(tmp_path):
+    with pytest.raises(ConfigError, match=rf"^config path {tmp_path} is a directory, not a YAML file$"):
+        load_config(tmp_path)
+    binary = tmp_path / "model.pt"
+    binary.write_bytes(b"PK\x03\x04\xff\xfe\x00")
+    with pytest.raises(ConfigError, match=r"is not UTF-8 text"):
+        load_config(binary)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
+def test_unreadable_config(tmp_path):
+    path = write(tmp_path, "train:\n  steps: 3\n")
+    path.chmod(0)
+    with pytest.raises(ConfigError, match=r"^cannot read config file .*cfg\.yaml: Permission denied$"):
+        load_config(path)
+
+
+def test_override_errors_name_the_flag_not_the_yaml_file(tmp_path):
+    path = write(tmp_path, "train:\n  steps: 10\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path, ["--train.stepz=3"])
+    msg = str(err.value)
+    assert msg.startswith("--train.stepz: unknown key 'stepz' in section train; valid keys: out_dir, steps,")
+    assert str(path) not in msg
+    with pytest.raises(ConfigError, match=r"^--train\.steps: expected an integer, got 'abc'$"):
+        load_config(path, ["--train.steps=abc"])
+    with pytest.raises(ConfigError, match=r"^--max_iters \(train\.steps\): expected an integer"):
+        load_config(path, ["--max_iters=abc"])
+    with pytest.raises(ConfigError, match=r"^--lr \(train\.lr\): expected a number"):
+        load_config(path, ["--lr=fast"])
+    # a mistake in the YAML file is still the file's, whatever the command line says
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  stepz: 10\n")
+    with pytest.raises(ConfigError, match=rf"^{bad}: train: unknown key 'stepz' in section; valid keys"):
+        load_config(bad, ["--train.steps=3"])
+    bad.write_text("train:\n  steps: many\n")
+    with pytest.raises(ConfigError, match=rf"^{bad}: train\.steps: expected an integer"):
+        load_config(bad, ["--train.lr=1e-3"])
+    assert load_config(path, ["--gradient_checkpointing=false"]).runtime.gradient_checkpointing == 0
 
 
 def test_nsa_section_without_nsa_attention_is_rejected(tmp_path):
