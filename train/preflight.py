@@ -312,9 +312,9 @@ def _disk(cfg: RunConfig, add, free_bytes: Callable[[Path], int]) -> None:
 
 
 def _out_dir(cfg: RunConfig, add) -> None:
-    """What the trainer's start will do with out_dir (train/run_dir.py plan_start), without doing it."""
-    from train import checkpoint as ckpt_io
-    from train.run_dir import ATTEMPTS_DIR, CORRUPT_DIR, KEPT_IN_PLACE, RUN_FILES
+    """What the trainer's start will do with out_dir: the same plan (train/run_dir.py), not carried out."""
+    from train.errors import UserError
+    from train.run_dir import plan_start
     from train.safety import stale_halt_message
 
     out, resume = Path(cfg.train.out_dir), cfg.train.resume
@@ -322,43 +322,18 @@ def _out_dir(cfg: RunConfig, add) -> None:
     if halt:
         add(FAIL, "out_dir", halt)
         return
-    if resume not in ("auto", "none"):
-        problem = ckpt_io.checkpoint_problem(Path(resume))
-        add(FAIL if problem else OK, "out_dir", problem or f"continuing from {resume} (train.resume)")
+    try:
+        plan = plan_start(out, resume, eval_only=cfg.train.eval_only)
+    except UserError as exc:
+        add(FAIL, "out_dir", str(exc))
         return
-    entries = sorted(p.name for p in out.iterdir() if p.name not in KEPT_IN_PLACE) if out.is_dir() else []
-    named = ckpt_io.list_checkpoints(out)
-    if resume == "none":
-        previous = [n for n in RUN_FILES if (out / n).exists()] + [p.name for _, p in named]
-        if previous:
-            hint = "--train.resume=auto to continue it" if named else "a new train.out_dir"
-            add(FAIL, "out_dir", f"{out} already holds a run ({', '.join(previous[:3])}) and train.resume=none; "
-                                 f"use {hint}")
-        else:
-            add(OK, "out_dir", f"{out}: no earlier run (fresh run, train.resume=none)")
-        return
-    if not entries:
-        add(OK, "out_dir", f"{out} {'holds no run files' if out.is_dir() else 'does not exist yet'} (fresh run)")
-        return
-    chosen = None
-    for _, path in reversed(named):  # newest first, as the trainer's start looks at them
-        problem = ckpt_io.checkpoint_problem(path)
-        if problem is None:
-            chosen = path
-            break
-        add(WARN, "out_dir", f"{path.name} is not a valid checkpoint and will be moved to {out / CORRUPT_DIR}/ "
-                             f"at start: {problem}")
-    if chosen is not None:
-        add(OK, "out_dir", f"{out}: continuing from {chosen.name} (train.resume=auto)")
-        return
-    checkpoints = {p.name for _, p in named}
-    rest = [n for n in entries if n not in checkpoints]  # what is left once corrupt/ took the bad checkpoints
-    if not rest:
-        add(OK, "out_dir", f"{out}: no valid checkpoint to continue from (fresh run)")
-        return
-    shown = ", ".join(rest[:3]) + (", …" if len(rest) > 3 else "")
-    add(WARN, "out_dir", f"{out} holds an earlier attempt ({shown}) but no valid checkpoint: its files will be "
-                         f"moved to {out / ATTEMPTS_DIR}/<timestamp>/ at start and training starts fresh")
+    for note in plan.notes:
+        add(WARN, "out_dir", note.split(": ", 1)[1])
+    if plan.resume is not None:
+        add(OK, "out_dir", f"{out}: continuing from {plan.resume.name if resume == 'auto' else plan.resume} "
+                           f"(train.resume={'auto' if resume == 'auto' else 'PATH'})")
+    else:
+        add(OK, "out_dir", f"{out}: fresh run" + ("" if out.is_dir() else " (the directory does not exist yet)"))
 
 
 def _wandb_logged_in(env: dict) -> bool:

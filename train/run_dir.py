@@ -6,7 +6,8 @@ Nothing a run wrote is deleted here. A start under the exclusive lock sorts the 
 - an earlier attempt's logs when no valid checkpoint is left (a crash before the first save)
   -> `attempts/<timestamp>/`, then training starts fresh
 Partial writes (`.checkpoint_step*.pt.tmp<pid>`) are deleted: they never were checkpoints, and
-under the lock no writer can still own them.
+under the lock no writer can still own them. `plan_start` decides and reads only (preflight shows its
+plan); `apply_start` moves.
 """
 from __future__ import annotations
 
@@ -71,17 +72,20 @@ def _describe_holder(fd: int) -> str:
 
 @dataclass
 class StartPlan:
-    """What a start does: resume from `resume` (None: fresh), after the moves that `notes` describe."""
+    """What a start does: resume from `resume` (None: fresh) after moving each `moves` path into its
+    directory under out_dir (superseded/, corrupt/, attempts/<timestamp>/); `notes` say so, one line each."""
 
     resume: Path | None
+    moves: list[tuple[Path, str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
 
 def plan_start(out_dir: Path, resume: str, *, eval_only: bool = False) -> StartPlan:
-    """Decide the checkpoint to resume and sort out_dir accordingly. Call with the lock held, on one rank."""
+    """Decide what a start resumes and which files leave the live directory; reads, changes nothing
+    (`python -m train.preflight` shows it). CheckpointError / ConfigError when the start must not happen."""
     out_dir = Path(out_dir)
-    _remove_partial_writes(out_dir)
     plan = StartPlan(resume=None)
+    live = [e for e in out_dir.iterdir() if e.name not in KEPT_IN_PLACE and not _is_partial(e)] if out_dir.is_dir() else []
     if resume not in ("auto", "none"):
         path = Path(resume)
         problem = ckpt_io.checkpoint_problem(path)
@@ -89,33 +93,48 @@ def plan_start(out_dir: Path, resume: str, *, eval_only: bool = False) -> StartP
             raise CheckpointError(problem)
         plan.resume = path
         if not eval_only:
-            _supersede(out_dir, path, plan.notes)
-            ckpt_io.repoint_latest(out_dir)
+            _plan_supersede(out_dir, path, plan)
         return plan
     if resume == "auto":
-        plan.resume = _newest_valid(out_dir, plan.notes, quarantine=not eval_only)
-        if plan.resume is not None:
-            if not eval_only:
-                ckpt_io.repoint_latest(out_dir)
+        plan.resume = _plan_newest_valid(out_dir, plan, quarantine=not eval_only)
+        if plan.resume is not None or eval_only:
             return plan
-    if eval_only:
+    elif eval_only:
         return plan
-    if resume == "none":
-        previous = [n for n in RUN_FILES if (out_dir / n).exists()] + [p.name for _, p in ckpt_io.list_checkpoints(out_dir)]
+    else:  # none
+        named = ckpt_io.list_checkpoints(out_dir)
+        previous = [n for n in RUN_FILES if (out_dir / n).exists()] + [p.name for _, p in named]
         if previous:
-            hint = "--train.resume=auto to continue it" if ckpt_io.list_checkpoints(out_dir) else "a new train.out_dir"
+            hint = "--train.resume=auto to continue it" if named else "a new train.out_dir"
             raise ConfigError(f"out_dir {out_dir} already holds a run ({', '.join(previous[:3])}); use {hint}")
         return plan
-    if not [e for e in out_dir.iterdir() if e.name not in KEPT_IN_PLACE]:
-        return plan
-    dest = _move_attempt(out_dir)
-    plan.notes.append(f"note: {out_dir} held an attempt without a valid checkpoint; its files moved to {dest}; "
-                      f"starting fresh")
+    moving = {path for path, _ in plan.moves}
+    attempt = [e for e in live if e not in moving]
+    if attempt:
+        dest = f"{ATTEMPTS_DIR}/{time.strftime('%Y%m%d_%H%M%S')}"
+        plan.moves += [(e, dest) for e in sorted(attempt)]
+        plan.notes.append(f"note: {out_dir} holds an attempt without a valid checkpoint "
+                          f"({', '.join(e.name for e in sorted(attempt)[:3])}{', ...' if len(attempt) > 3 else ''}); "
+                          f"its files move to {out_dir / dest}/ and training starts fresh")
     return plan
 
 
-def _newest_valid(out_dir: Path, notes: list[str], quarantine: bool) -> Path | None:
-    """Newest checkpoint that validates; invalid ones are moved to corrupt/ (when quarantine)."""
+def apply_start(out_dir: Path, plan: StartPlan, *, eval_only: bool = False) -> None:
+    """Carry a plan out: partial writes removed, planned moves made (never overwriting), latest.pt
+    pointed at the newest valid checkpoint. Call with the lock held, on one rank."""
+    out_dir = Path(out_dir)
+    if eval_only:
+        return
+    for entry in out_dir.iterdir():
+        if _is_partial(entry):
+            entry.unlink(missing_ok=True)
+    for path, dest in plan.moves:
+        move_aside(path, out_dir / dest)
+    ckpt_io.repoint_latest(out_dir)
+
+
+def _plan_newest_valid(out_dir: Path, plan: StartPlan, quarantine: bool) -> Path | None:
+    """Newest checkpoint that validates; newer invalid ones go to corrupt/ (when quarantine)."""
     bad: list[tuple[Path, str]] = []
     chosen = None
     for _, path in reversed(ckpt_io.list_checkpoints(out_dir)):
@@ -124,44 +143,36 @@ def _newest_valid(out_dir: Path, notes: list[str], quarantine: bool) -> Path | N
             chosen = path
             break
         bad.append((path, problem))
+    instead = f"resuming from {chosen.name}" if chosen else "no valid checkpoint left"
     for path, problem in bad:
-        instead = f"resuming from {chosen.name}" if chosen else "no valid checkpoint left"
         if quarantine:
-            moved = move_aside(path, out_dir / CORRUPT_DIR)
-            notes.append(f"warning: {path.name} failed validation and was moved to {moved} ({instead}): {problem}")
+            plan.moves.append((path, CORRUPT_DIR))
+            plan.notes.append(f"warning: {path.name} failed validation and moves to {out_dir / CORRUPT_DIR}/ "
+                              f"({instead}): {problem}")
         else:
-            notes.append(f"warning: {path.name} failed validation ({instead}): {problem}")
+            plan.notes.append(f"warning: {path.name} failed validation ({instead}): {problem}")
     return chosen
 
 
-def _supersede(out_dir: Path, resume: Path, notes: list[str]) -> None:
+def _plan_supersede(out_dir: Path, resume: Path, plan: StartPlan) -> None:
     """Resuming from step N: checkpoints after N, or of another lineage, leave the live directory."""
     ckpt = ckpt_io.load_checkpoint(resume)
     step, lineage = ckpt["step"], ckpt.get("lineage")
-    moved = []
+    leaving = []
     for other_step, path in ckpt_io.list_checkpoints(out_dir):
         if path.resolve() == resume.resolve():
             continue
-        if other_step > step:
-            moved.append(move_aside(path, out_dir / SUPERSEDED_DIR))
-        elif ckpt_io.checkpoint_problem(path) is None and ckpt_io.load_checkpoint(path).get("lineage") != lineage:
-            moved.append(move_aside(path, out_dir / SUPERSEDED_DIR))
-    if moved:
-        notes.append(f"note: resuming from step {step}: {len(moved)} newer or foreign checkpoint(s) moved to "
-                     f"{out_dir / SUPERSEDED_DIR} ({', '.join(p.name for p in moved)})")
+        if other_step > step or (ckpt_io.is_valid(path) and ckpt_io.load_checkpoint(path).get("lineage") != lineage):
+            leaving.append(path)
+    if leaving:
+        plan.moves += [(p, SUPERSEDED_DIR) for p in leaving]
+        plan.notes.append(f"note: resuming from step {step}: {len(leaving)} newer or foreign checkpoint(s) move to "
+                          f"{out_dir / SUPERSEDED_DIR}/ ({', '.join(p.name for p in leaving)})")
 
 
-def _move_attempt(out_dir: Path) -> Path:
-    dest = out_dir / ATTEMPTS_DIR / time.strftime("%Y%m%d_%H%M%S")
-    n = 1
-    while dest.exists():
-        n += 1
-        dest = dest.with_name(f"{dest.name.split('~')[0]}~{n}")
-    dest.mkdir(parents=True)
-    for entry in sorted(out_dir.iterdir()):
-        if entry.name not in KEPT_IN_PLACE:
-            os.replace(entry, dest / entry.name)
-    return dest
+def _is_partial(entry: Path) -> bool:
+    """A temporary file of an atomic write (`.name.tmp<pid>`): never a checkpoint or a log."""
+    return entry.name.startswith(".") and ".tmp" in entry.name and entry.is_file()
 
 
 def move_aside(path: Path, dest_dir: Path) -> Path:
@@ -176,7 +187,20 @@ def move_aside(path: Path, dest_dir: Path) -> Path:
     return target
 
 
-def _remove_partial_writes(out_dir: Path) -> None:
-    for entry in out_dir.iterdir():
-        if entry.name.startswith(".") and ".tmp" in entry.name and entry.is_file():
-            entry.unlink(missing_ok=True)
+def main(argv: list[str] | None = None) -> int:
+    """`python -m train.run_dir newest-valid OUT_DIR`: the checkpoint resume=auto would take (for the
+    bash runners' run.info), or nothing."""
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2 or args[0] != "newest-valid":
+        print("usage: python -m train.run_dir newest-valid OUT_DIR", file=sys.stderr)
+        return 2
+    newest = ckpt_io.latest_checkpoint(Path(args[1]))
+    if newest is not None:
+        print(newest)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

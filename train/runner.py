@@ -33,7 +33,7 @@ from train.optim import build_optimizer
 from train.state_dicts import gather_states, load_states
 from train.alerts import Alerts
 from train.profiler import StepProfiler
-from train.run_dir import OutDirBusy, OutDirLock, plan_start
+from train.run_dir import OutDirBusy, OutDirLock, apply_start, plan_start
 from train.safety import ANOMALY_FILE, StopFlags, Watchdog, stale_halt_message
 from train.stop import StopVote, early_signal
 from train.telemetry import TRAIN_FIELDS, VAL_FIELDS, CsvLog, Heartbeat, TensorBoard, write_json_atomic
@@ -63,6 +63,7 @@ def claim_out_dir(cfg: RunConfig, info: DistInfo) -> tuple[Path, OutDirLock | No
             if not cfg.train.eval_only and (halt := stale_halt_message(out)):
                 raise ConfigError(halt)
             plan = plan_start(out, cfg.train.resume, eval_only=cfg.train.eval_only)
+            apply_start(out, plan, eval_only=cfg.train.eval_only)
             for note in plan.notes:
                 print(note, file=sys.stderr, flush=True)
             answer = ("ok", str(plan.resume) if plan.resume else None)
@@ -396,11 +397,13 @@ def _eval_only(run: Run) -> int:
 def _train(run: Run) -> int:
     cfg, state = run.cfg.train, run.state
     loop = Loop(run)
-    flags = StopFlags(run.out_dir, on_stackdump=lambda p: run.heartbeat.emit("stackdump", state.step, path=str(p)))
+    flags = StopFlags(run.out_dir, on_stackdump=lambda p: run.heartbeat.emit("stackdump", state.step, path=str(p)),
+                      rank=run.info.rank)
     watchdog = None
     if run.cfg.runtime.watchdog_s > 0:
         watchdog = Watchdog(run.out_dir, run.cfg.runtime.watchdog_s,
-                            lambda p, idle: run.heartbeat.emit("watchdog", state.step, idle_s=idle, path=str(p)))
+                            lambda p, idle: run.heartbeat.emit("watchdog", state.step, idle_s=idle, path=str(p)),
+                            rank=run.info.rank)
         watchdog.start()
     vote = StopVote(run.info.control_group, enabled=run.info.enabled)
     start_step = state.step

@@ -44,19 +44,10 @@ def stale_halt_message(out_dir: Path) -> str | None:
             f"rm {shlex.quote(str(halt))}")
 
 
-def _rank(rank: int | None) -> int:
-    if rank is not None:
-        return rank
-    try:
-        return int(os.environ.get("RANK", "0"))
-    except ValueError:
-        return 0
-
-
-def stackdump_path(out_dir: Path, rank: int | None = None, kind: str = "") -> Path:
+def stackdump_path(out_dir: Path, rank: int = 0, kind: str = "") -> Path:
     """out_dir/stackdump_rank{R}_{pid}.txt, or ..._{kind}.txt (the watchdog's)."""
     suffix = f"_{kind}" if kind else ""
-    return Path(out_dir) / f"stackdump_rank{_rank(rank)}_{os.getpid()}{suffix}.txt"
+    return Path(out_dir) / f"stackdump_rank{rank}_{os.getpid()}{suffix}.txt"
 
 
 def thread_names() -> str:
@@ -116,7 +107,7 @@ class StopFlags:
     `should_stop()` that sees the dump complete calls `on_stackdump(path)`."""
 
     def __init__(self, out_dir: Path, on_stackdump: Callable[[Path], None] | None = None, *,
-                 rank: int | None = None):
+                 rank: int = 0):
         self.out_dir = out_dir
         self.reason: str | None = None
         self._on_stackdump = on_stackdump
@@ -128,7 +119,7 @@ class StopFlags:
                 self._previous[sig] = signal.signal(sig, self._request_stop)
             if hasattr(signal, "SIGUSR1"):
                 self._dump = DumpFile(stackdump_path(out_dir, rank),
-                                      f"stack dumps of rank {_rank(rank)} on SIGUSR1 (kill -USR1 {os.getpid()}), "
+                                      f"stack dumps of rank {rank} on SIGUSR1 (kill -USR1 {os.getpid()}), "
                                       "newest last")
                 faulthandler.register(signal.SIGUSR1, file=self._dump.file, all_threads=True, chain=False)
 
@@ -181,12 +172,12 @@ class Watchdog(threading.Thread):
     for timeout_s + slack_s: a stall is dumped after between timeout_s and timeout_s + slack_s."""
 
     def __init__(self, out_dir: Path, timeout_s: float, on_stall: Callable[[Path, float], None], *,
-                 rank: int | None = None):
+                 rank: int = 0):
         super().__init__(name="watchdog", daemon=True)
         self.out_dir, self.timeout_s, self.on_stall = out_dir, timeout_s, on_stall
         self.slack_s = min(1.0, timeout_s * 0.05)
         self.path = stackdump_path(out_dir, rank, "watchdog")
-        self._dump = DumpFile(self.path, f"watchdog stack dumps of rank {_rank(rank)}: appended when no step "
+        self._dump = DumpFile(self.path, f"watchdog stack dumps of rank {rank}: appended when no step "
                                          f"completes for {timeout_s:g} s (runtime.watchdog_s)")
         self._last = time.monotonic()
         self._gap = 0.0  # the last completed interval between beats

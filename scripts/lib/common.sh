@@ -222,22 +222,11 @@ PY
   done <<<"$out"
 }
 
-# newest_checkpoint DIR -> path of the newest complete checkpoint_step{N}.pt, or nothing
-# (the trainer's rule: files appear under that name only once complete)
+# newest_checkpoint DIR -> path of the newest checkpoint that validates, or nothing (the trainer's
+# own rule, asked from train/run_dir.py: a truncated newest file is skipped, as resume=auto does)
 newest_checkpoint() {
-  local dir=$1 best="" best_step=-1 f step
-  [ -d "$dir" ] || return 0
-  for f in "$dir"/checkpoint_step*.pt; do
-    [ -f "$f" ] || continue
-    step=${f##*/checkpoint_step}
-    step=${step%.pt}
-    [[ "$step" =~ ^[0-9]+$ ]] || continue
-    if [ "$step" -gt "$best_step" ]; then
-      best_step=$step
-      best=$f
-    fi
-  done
-  if [ -n "$best" ]; then printf '%s\n' "$best"; fi
+  [ -d "$1" ] || return 0
+  "${PY:-$(any_python)}" -m train.run_dir newest-valid "$1" 2>/dev/null || true
 }
 
 count_checkpoints() {
@@ -325,11 +314,20 @@ env_snapshot() {
 # TRAIN_RC to the trainer's exit code, 3 when the run halted on an anomaly.
 run_logged_training() {
   local run_dir=$1 out_dir=$2 run_info=$3 final_status
+  local started updated
   TRAIN_RC=0
+  started=$(date +%s)
   "${TRAIN_CMD[@]}" 2>&1 | tee -i -a "$run_dir/train.log" || TRAIN_RC=$?
   final_status=$(metrics_field "$out_dir" status)
-  if [ "$TRAIN_RC" -ne 0 ] && [ "$final_status" = anomaly ]; then
-    TRAIN_RC=3  # torchrun reports any failed worker as 1; the run's own status says why
+  updated=$(metrics_field "$out_dir" updated)
+  updated=${updated%%.*}
+  if [ "$TRAIN_RC" -ne 0 ] && [ "${updated:-0}" -ge "$started" ]; then
+    # torchrun reports any failed worker, and a signal it received itself, as 1; the run's own
+    # status (written by this launch) says why: anomaly halt, or a graceful stop on SIGTERM/SIGINT
+    case "$final_status" in
+      anomaly) TRAIN_RC=3 ;;
+      stopped) TRAIN_RC=0 ;;
+    esac
   fi
   info "$run_info" final_step "$(metrics_field "$out_dir" step)"
   info "$run_info" final_status "$final_status"

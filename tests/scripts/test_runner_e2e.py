@@ -187,3 +187,34 @@ def test_anomaly_halt_exits_3_and_the_monitor_says_why(script_env, tmp_path):
     assert info["failure"].startswith("anomaly halt: nonfinite_loss")
     frame = run_script("monitor_run.sh", env, "--once", str(run_dir), timeout=60).stdout
     assert "ANOMALY: nonfinite_loss" in frame and "! nan: non-finite loss at step" in frame
+
+
+def test_sigterm_to_a_torchrun_launch_is_a_graceful_stop(fake_smi, script_env, tmp_path):
+    """A scheduler's SIGTERM to the whole job under torchrun (2 ranks): both ranks stop after the
+    same step and checkpoint; torchrun reports its own signal as exit 1, which the runner reads
+    against this launch's metrics.json (stopped) and turns into exit 0."""
+    from tests.scripts.helpers import A6000
+
+    out = tmp_path / "out"
+    env = script_env(fake_smi([A6000, A6000]), SMOKE_STEPS="0", NSA_DDP_COMPRESS="none",
+                     EXTRA_ARGS=f"--train.out_dir={out} {TINY_TRAIN} --runtime.device=cpu --train.steps=100000 "
+                                "--train.log_every=1 --train.eval_every=0 --train.save_every=0")
+    with open(tmp_path / "launcher.log", "w") as log:
+        proc = subprocess.Popen(["bash", "scripts/train_m7c_prime.sh"], cwd=REPO, env=env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.time() + 120
+            while data_rows(out / "training.csv") < 2:
+                assert proc.poll() is None and time.time() < deadline, (tmp_path / "launcher.log").read_text()
+                time.sleep(0.2)
+            os.killpg(proc.pid, signal.SIGTERM)
+            assert proc.wait(timeout=120) == 0, (tmp_path / "launcher.log").read_text()
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    info = kv_file(only_run_dir(tmp_path / "artifacts") / "run.info")
+    assert info["final_status"] == "stopped" and info["exit_code"] == "0"
+    assert info["last_checkpoint"] == str(out / f"checkpoint_step{info['final_step']}.pt")
+    ends = [json.loads((out / f"heartbeat_rank{r}.jsonl").read_text().splitlines()[-1]) for r in (0, 1)]
+    assert [e["kind"] for e in ends] == ["end", "end"] and ends[0]["step"] == ends[1]["step"]

@@ -116,16 +116,17 @@ def test_out_dir_under_resume_auto_and_none(tmp_path, kjv_bin):
     out.mkdir()
     (out / "training.csv").write_text("step,loss\n")
     result = check(cfg)
-    (found,) = result.find("out_dir")  # an attempt that crashed before its first checkpoint
-    assert found.status == WARN and result.ok
-    assert f"(training.csv) but no valid checkpoint: its files will be moved to {out}/attempts/<timestamp>/" in found.detail
-    assert found.detail.endswith("training starts fresh")
+    found = result.find("out_dir")  # an attempt that crashed before its first checkpoint
+    assert [c.status for c in found] == [WARN, OK] and result.ok
+    assert "an attempt without a valid checkpoint (training.csv); its files move to " in found[0].detail
+    assert f"{out}/attempts/" in found[0].detail and found[0].detail.endswith("training starts fresh")
+    assert found[1].detail == f"{out}: fresh run"
     valid_checkpoint(out, 4)
     (out / "checkpoint_step8.pt").write_bytes(b"not a checkpoint")  # newer, garbage
     found = check(cfg).find("out_dir")
     assert [c.status for c in found] == [WARN, OK]
-    assert found[0].detail == (f"checkpoint_step8.pt is not a valid checkpoint and will be moved to {out}/corrupt/ "
-                               f"at start: {ckpt_io.checkpoint_problem(out / 'checkpoint_step8.pt')}")
+    assert found[0].detail == (f"checkpoint_step8.pt failed validation and moves to {out}/corrupt/ (resuming from "
+                               f"checkpoint_step4.pt): {ckpt_io.checkpoint_problem(out / 'checkpoint_step8.pt')}")
     assert found[1].detail == f"{out}: continuing from checkpoint_step4.pt (train.resume=auto)"
     (found,) = check(make_cfg(tmp_path, kjv_bin, "--train.resume=none")).find("out_dir")
     assert found.status == FAIL and "already holds a run" in found.detail and "--train.resume=auto" in found.detail
@@ -141,7 +142,7 @@ def test_out_dir_with_only_invalid_checkpoints_starts_fresh(tmp_path, kjv_bin):
     (out / "checkpoint_step4.pt").write_bytes(b"")
     found = check(cfg).find("out_dir")
     assert [c.status for c in found] == [WARN, OK]
-    assert "checkpoint_step4.pt is not a valid checkpoint" in found[0].detail and "fresh run" in found[1].detail
+    assert "checkpoint_step4.pt failed validation and moves to" in found[0].detail and "fresh run" in found[1].detail
 
 
 def test_resume_path_must_be_a_valid_checkpoint(tmp_path, kjv_bin, capsys, monkeypatch):
@@ -154,7 +155,7 @@ def test_resume_path_must_be_a_valid_checkpoint(tmp_path, kjv_bin, capsys, monke
     assert found.status == FAIL and found.detail == f"checkpoint not found: {tmp_path / 'nope.pt'}"
     good = valid_checkpoint(tmp_path / "elsewhere", 5)
     (found,) = check(make_cfg(tmp_path, kjv_bin, f"--train.resume={good}")).find("out_dir")
-    assert found.status == OK and found.detail == f"continuing from {good} (train.resume)"
+    assert found.status == OK and found.detail == f"{tmp_path / 'out'}: continuing from {good} (train.resume=PATH)"
     # the command line: a garbage resume file is a failed pre-flight, not a PASS
     config = tmp_path / "run.yaml"
     config.write_text("")

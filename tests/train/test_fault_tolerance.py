@@ -141,7 +141,7 @@ def test_kill9_before_the_first_checkpoint_restarts_fresh_and_keeps_the_attempt(
     again = cli(*TINY_CLI, f"--train.out_dir={out}", "--train.steps=3")
     assert again.returncode == 0, again.stderr
     attempts = list((out / "attempts").iterdir())
-    assert len(attempts) == 1 and "moved to" in again.stderr
+    assert len(attempts) == 1 and f"its files move to {attempts[0]}/" in again.stderr
     assert read_csv(attempts[0] / "training.csv")[: len(first_rows)] == first_rows
     assert (attempts[0] / "heartbeat_rank0.jsonl").exists()
     assert [int(r["step"]) for r in read_csv(out / "training.csv")] == [1, 2, 3]

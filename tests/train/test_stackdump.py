@@ -201,12 +201,6 @@ def test_an_unused_watchdog_file_is_removed(tmp_path):
     assert not dog.path.exists() and not dog.is_alive()
 
 
-@pytest.mark.parametrize("rank_env", ["2", None])
-def test_dump_file_names(tmp_path, monkeypatch, rank_env):
-    if rank_env is None:
-        monkeypatch.delenv("RANK", raising=False)
-    else:
-        monkeypatch.setenv("RANK", rank_env)
-    rank = rank_env or "0"
-    assert stackdump_path(tmp_path).name == f"stackdump_rank{rank}_{os.getpid()}.txt"
-    assert stackdump_path(tmp_path, kind="watchdog").name == f"stackdump_rank{rank}_{os.getpid()}_watchdog.txt"
+def test_dump_file_names(tmp_path):
+    assert stackdump_path(tmp_path).name == f"stackdump_rank0_{os.getpid()}.txt"
+    assert stackdump_path(tmp_path, 2, kind="watchdog").name == f"stackdump_rank2_{os.getpid()}_watchdog.txt"
