@@ -100,6 +100,14 @@ class Run:
         if cfg.runtime.threads and self.info.device.type == "cpu":
             torch.set_num_threads(cfg.runtime.threads)
         self.out_dir, self.lock, self.resume_path = claim_out_dir(cfg, self.info)
+        try:
+            self._build(cfg)
+        except BaseException:
+            if self.lock is not None:  # a failed start leaves the out_dir free at once, in-process too
+                self.lock.release()
+            raise
+
+    def _build(self, cfg: RunConfig) -> None:
         self.amp_dtype = resolve_precision(cfg.runtime.precision, self.info.device)
         set_nvtx(cfg.runtime.nvtx)
         set_sdpa_audit(cfg.runtime.sdpa_audit)

@@ -195,3 +195,11 @@ def test_stale_halt_is_refused_by_the_trainer_with_the_runners_line(tmp_path):
     shell = subprocess.run([sys.executable, "-m", "train.safety", "check-halt", str(out)], cwd=REPO,
                            capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert shell.returncode == 2 and shell.stderr.strip() in lines[0]
+
+
+def test_a_failed_start_frees_the_out_dir_in_the_same_process(tmp_path):
+    out = tmp_path / "run"
+    assert run_training(tiny_config(out, "--train.steps=2")) == 0
+    with pytest.raises(CheckpointError, match="architecture"):
+        run_training(tiny_config(out, "--train.steps=4", "--model.n_kv_heads=4"))
+    assert run_training(tiny_config(out, "--train.steps=4")) == 0  # not "in use by another trainer"
