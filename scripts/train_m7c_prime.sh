@@ -153,8 +153,7 @@ if [ "$SMOKE_STEPS" -gt 0 ]; then
   log "smoke: $SMOKE_STEPS synthetic steps of $SMOKE_CONFIG -> $RUN_DIR/smoke.log"
   info "$RUN_INFO" smoke_start "$(now_iso)"
   smoke_rc=0
-  # tee -i: Ctrl-C reaches the trainer (graceful stop), never the log writer
-  "${SMOKE_CMD[@]}" 2>&1 | tee -i "$RUN_DIR/smoke.log" >/dev/null || smoke_rc=$?
+  "${SMOKE_CMD[@]}" 2>&1 | log_to "$RUN_DIR/smoke.log" >/dev/null || smoke_rc=$?
   smoke_status=$(metrics_field "$RUN_DIR/smoke" status)
   if [ "$smoke_rc" -ne 0 ] || [ "$smoke_status" != finished ]; then
     tail -n 5 "$RUN_DIR/smoke.log" >&2 || true

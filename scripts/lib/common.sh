@@ -309,6 +309,13 @@ env_snapshot() {
   env | LC_ALL=C sort | grep -E '^(NCCL_|NSA_|TORCH_|PYTORCH_|CUDA_|OMP_|HF_|MASTER_|PYTHONPATH=)' || true
 }
 
+# log_to [-a] FILE: tee stdin into FILE, deaf to Ctrl-C and SIGTERM: a stop request reaches the trainer
+# (graceful stop), never the log writer, which lives until the trainer closes the pipe (a dead tee
+# would break the trainer's console writes before its final checkpoint)
+log_to() {
+  (trap '' INT TERM; exec tee "$@")
+}
+
 # run_logged_training RUN_DIR OUT_DIR RUN_INFO: run "${TRAIN_CMD[@]}" with its output appended to
 # RUN_DIR/train.log, then record final_step, final_status and last_checkpoint in RUN_INFO. Sets
 # TRAIN_RC to the trainer's exit code, 3 when the run halted on an anomaly.
@@ -317,7 +324,11 @@ run_logged_training() {
   local started updated
   TRAIN_RC=0
   started=$(date +%s)
-  "${TRAIN_CMD[@]}" 2>&1 | tee -i -a "$run_dir/train.log" || TRAIN_RC=$?
+  # a SIGTERM to the whole job (a scheduler's preemption) stops the trainer gracefully; this shell
+  # waits for it and records the end instead of dying first
+  trap ':' TERM
+  "${TRAIN_CMD[@]}" 2>&1 | log_to -a "$run_dir/train.log" || TRAIN_RC=$?
+  trap - TERM
   final_status=$(metrics_field "$out_dir" status)
   updated=$(metrics_field "$out_dir" updated)
   updated=${updated%%.*}

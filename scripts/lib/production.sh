@@ -103,7 +103,7 @@ prod_causality() {
   local -a args=()
   mapfile -t args < <(split_words "${CAUSALITY_ARGS:-}")
   prod_log "causality: bash $script ${args[*]} -> $RUN_DIR/causality.log"
-  bash "$script" "${args[@]}" 2>&1 | tee -i "$RUN_DIR/causality.log" || rc=$?
+  bash "$script" "${args[@]}" 2>&1 | log_to "$RUN_DIR/causality.log" || rc=$?
   CAUSALITY_RESULT=$(grep -E '^causality: [0-9]+/[0-9]+ passed' "$RUN_DIR/causality.log" | tail -n 1 || true)
   CAUSALITY_RESULT=${CAUSALITY_RESULT:-"no summary line"}
   if [ "$rc" -ne 0 ]; then

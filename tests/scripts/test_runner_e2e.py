@@ -197,7 +197,9 @@ def test_sigterm_to_a_torchrun_launch_is_a_graceful_stop(fake_smi, script_env, t
 
     out = tmp_path / "out"
     env = script_env(fake_smi([A6000, A6000]), SMOKE_STEPS="0", NSA_DDP_COMPRESS="none",
-                     EXTRA_ARGS=f"--train.out_dir={out} {TINY_TRAIN} --runtime.device=cpu --train.steps=100000 "
+                     CONFIG="configs/train_showcase.yaml", DATASET="synthetic",
+                     EXTRA_ARGS=f"--train.out_dir={out} {TINY_TRAIN} --model.vocab_size=256 --runtime.device=cpu "
+                                "--train.steps=100000 "
                                 "--train.log_every=1 --train.eval_every=0 --train.save_every=0")
     with open(tmp_path / "launcher.log", "w") as log:
         proc = subprocess.Popen(["bash", "scripts/train_m7c_prime.sh"], cwd=REPO, env=env, stdout=log,
