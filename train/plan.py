@@ -1,6 +1,6 @@
 """Plan a run: tokens per iteration, iterations for a token target, FLOPs per token, wall time.
 
-    python -m train.plan CONFIG [--section.key=value ...] --tokens 82e9 [--gpus 8]
+    python -m train.plan CONFIG [--section.key=value ...] [--tokens 82e9] [--gpus 8] [--gpu H100-80GB]
         [--toks-per-s 300000 | --mfu 0.40 --peak-device "NVIDIA B200"] [--hours 50] [--json]
 
 The arithmetic of seed 002, from the config instead of by hand:
@@ -11,6 +11,8 @@ that number too (82e9 / 4,194,304 = 19,550.32: ceil 19,551, seed ≈ 19,550).
 FLOPs per token are nsa.flops v3 (component_summation_v2025, training = 3 x forward). Wall time
 needs a global tokens/s: measured (--toks-per-s, e.g. from python -m train.analyze) or implied by
 an assumed MFU on a known GPU: tokens/s = MFU x peak x gpus / FLOPs per token.
+Without --tokens the target is the config's own steps. --gpu NAME adds the peak memory per rank
+(train/memory.py) and whether it fits that GPU, with the knob that fixes it when it does not.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import sys
 
 from train.config import RunConfig, load_config
 from train.errors import ConfigError, UserError
+from train.memory import GPU_MIB, gpu_name, render_memory, verdict
 
 
 def _peak_dtype(precision: str) -> str:
@@ -123,7 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m train.plan", allow_abbrev=False,
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("config", help="the run's YAML config; overrides (--section.key=value) may follow")
-    parser.add_argument("--tokens", type=float, required=True, help="target training tokens, e.g. 82e9")
+    parser.add_argument("--tokens", type=float, default=None, help="target training tokens, e.g. 82e9 "
+                        "(default: the config's steps)")
+    parser.add_argument("--gpu", default=None, help="GPU for the memory estimate: " + ", ".join(GPU_MIB))
     parser.add_argument("--gpus", type=int, default=None, help="GPUs (default $WORLD_SIZE or 1)")
     parser.add_argument("--toks-per-s", type=float, default=None, help="measured global tokens/s")
     parser.add_argument("--mfu", type=float, default=None, help="assumed MFU (0-1); needs --peak-device")
@@ -134,12 +139,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, overrides)
         gpus = args.gpus if args.gpus is not None else int(os.environ.get("WORLD_SIZE", "1") or 1)
-        plan = make_plan(cfg, tokens=args.tokens, gpus=gpus, toks_per_s=args.toks_per_s, mfu=args.mfu,
+        t = cfg.train
+        tokens = args.tokens if args.tokens is not None else t.steps * t.batch_size * t.accumulate_grad_batches * gpus * t.seq_len
+        plan = make_plan(cfg, tokens=tokens, gpus=gpus, toks_per_s=args.toks_per_s, mfu=args.mfu,
                          peak_device=args.peak_device, hours=args.hours)
+        if args.gpu is not None:
+            plan["memory"] = verdict(cfg, gpus, gpu_name(args.gpu))
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
-    print(json.dumps(plan, indent=2) if args.json else render(plan))
+    if args.json:
+        print(json.dumps(plan, indent=2))
+    else:
+        print(render(plan) + ("\n" + render_memory(plan["memory"]) if "memory" in plan else ""))
     return 0
 
 

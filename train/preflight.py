@@ -255,7 +255,24 @@ def _loader(cfg: RunConfig, add) -> None:
 
 # ---- model / optimizer -----------------------------------------------------------------------
 
-def _model_optimizer(cfg: RunConfig, add, gpus: int, env: dict, cuda: bool) -> None:
+def _gpu_memory(cfg: RunConfig, add, gpus: int, gpu_bytes: int | None) -> None:
+    """Peak memory per rank (train/memory.py) against the detected GPU; FAIL with the knob that fixes it."""
+    from train.memory import estimate_memory, fit_advice
+
+    est = estimate_memory(cfg, gpus)
+    if gpu_bytes is None:
+        add(OK, "gpu memory", f"needs {est.total / 1e9:.1f} GB per rank (no CUDA here to compare; "
+                              f"python -m train.plan CONFIG --gpu NAME)")
+        return
+    if est.total <= gpu_bytes:
+        add(OK, "gpu memory", f"needs {est.total / 1e9:.1f} GB per rank of {gpu_bytes / 1e9:.1f} GB")
+        return
+    fix = fit_advice(cfg, gpus, gpu_bytes) or "a larger GPU, more GPUs with --use_fsdp=true, or a smaller model"
+    add(FAIL, "gpu memory", f"does not fit: needs {est.total / 1e9:.1f} GB per rank, the GPU has "
+                            f"{gpu_bytes / 1e9:.1f} GB; fix: {fix}")
+
+
+def _model_optimizer(cfg: RunConfig, add, gpus: int, env: dict, cuda: bool, gpu_bytes: int | None = None) -> None:
     accum, rt = cfg.train.accumulate_grad_batches, cfg.runtime
     sharded = "zero1" if rt.zero1 else "fsdp" if rt.fsdp else None
     if gpus > 1 and accum > 1 and not sharded:
@@ -270,6 +287,7 @@ def _model_optimizer(cfg: RunConfig, add, gpus: int, env: dict, cuda: bool) -> N
         status = FAIL if cuda else WARN
         where = "" if cuda else " (no CUDA here; required on the GPU machine)"
         add(status, "allocator", f"export PYTORCH_CUDA_ALLOC_CONF={ALLOC_SETTING} before the launch{where}")
+    _gpu_memory(cfg, add, gpus, gpu_bytes)
     t = cfg.train
     if t.save_every > 0:
         keep = "all kept" if t.keep_all_checkpoints else f"newest {t.keep_last} kept"
@@ -388,14 +406,26 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def _gpu_total_bytes() -> int | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
+
+
 def run_preflight(cfg: RunConfig, *, gpus: int | None = None, free_bytes: Callable[[Path], int] | None = None,
-                  checksums: bool = True, env: dict | None = None, cuda: bool | None = None) -> PreflightResult:
+                  checksums: bool = True, env: dict | None = None, cuda: bool | None = None,
+                  gpu_bytes: int | None = None) -> PreflightResult:
     """Every programmatic item of seed 000 §1 against cfg. gpus: the launch's world size (default
     $WORLD_SIZE or 1); free_bytes(path) -> free bytes (default shutil.disk_usage); env: the
-    environment to inspect (default os.environ); cuda: whether this machine has CUDA (default torch)."""
+    environment to inspect (default os.environ); cuda: whether this machine has CUDA (default torch);
+    gpu_bytes: the smallest GPU's memory (default: detected when cuda)."""
     env = dict(os.environ if env is None else env)
     gpus = gpus if gpus is not None else int(env.get("WORLD_SIZE", "1") or 1)
     cuda = _cuda_available() if cuda is None else cuda
+    if gpu_bytes is None and cuda:
+        gpu_bytes = _gpu_total_bytes()
     result = PreflightResult(config=cfg.source)
     add = _Recorder(result)
     add.section = "dataset"
@@ -403,7 +433,7 @@ def run_preflight(cfg: RunConfig, *, gpus: int | None = None, free_bytes: Callab
     add.section = "loader"
     _loader(cfg, add)
     add.section = "model/optimizer"
-    _model_optimizer(cfg, add, gpus, env, cuda)
+    _model_optimizer(cfg, add, gpus, env, cuda, gpu_bytes)
     add.section = "environment"
     _wandb(cfg, add, env)
     _disk(cfg, add, free_bytes or _disk_free)
