@@ -32,20 +32,24 @@ def bench_one(kind: str, S: int, args) -> dict:
     cfg = ModelConfig(dim=args.dim, n_heads=args.heads, n_kv_heads=args.kv_heads, head_dim=args.head_dim,
                       attention=kind, max_seq_len=S + args.steps + 1)
     torch.manual_seed(0)
-    layer = (NativeSparseAttention(cfg) if kind == "nsa" else DenseAttention(cfg)).eval()
-    rope_mod = RotaryEmbedding(args.head_dim, 10000.0)
+    dev, dtype = torch.device(args.device), torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    layer = (NativeSparseAttention(cfg) if kind == "nsa" else DenseAttention(cfg)).eval().to(dev, dtype)
+    rope_mod = RotaryEmbedding(args.head_dim, 10000.0).to(dev)
     cache = layer.new_cache() if kind == "nsa" else KVCache()
-    x = torch.randn(1, S + args.steps + 1, args.dim)
+    x = torch.randn(1, S + args.steps + 1, args.dim, device=dev, dtype=dtype)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
     for a in range(0, S, args.prefill_tile):
         b = min(a + args.prefill_tile, S)
-        layer(x[:, a:b], rope_mod(torch.arange(a, b)), cache)
+        layer(x[:, a:b], rope_mod(torch.arange(a, b, device=dev)), cache)
+    sync()
     prefill_s = time.perf_counter() - t0
     times = []
     for i in range(args.steps + 1):  # the first step is a warm-up
         pos = S + i
         t = time.perf_counter()
-        layer(x[:, pos : pos + 1], rope_mod(torch.arange(pos, pos + 1)), cache)
+        layer(x[:, pos : pos + 1], rope_mod(torch.arange(pos, pos + 1, device=dev)), cache)
+        sync()
         times.append((time.perf_counter() - t) * 1e3)
     row = {"impl": kind, "S": S, "decode_ms": round(min(times[1:]), 3),
            "decode_ms_median": round(statistics.median(times[1:]), 3), "prefill_s": round(prefill_s, 2)}
@@ -63,6 +67,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20, help="timed decode steps")
     ap.add_argument("--prefill_tile", type=int, default=4096)
     ap.add_argument("--quick", action="store_true", help="5 decode steps")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="layer and activations in this dtype")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     args = ap.parse_args()
     if args.threads:
@@ -76,7 +82,8 @@ def main() -> None:
             print(json.dumps(row), flush=True)
             results.append(row)
     by = {(r["impl"], r["S"]): r for r in results}
-    summary = {"threads": torch.get_num_threads(), "torch": torch.__version__}
+    summary = {"threads": torch.get_num_threads(), "torch": torch.__version__, "device": args.device,
+               "dtype": args.dtype}
     for S in args.S:
         summary[f"speedup_{S}"] = round(by[("dense", S)]["decode_ms"] / by[("nsa", S)]["decode_ms"], 2)
         summary[f"read_ratio_{S}"] = round(by[("dense", S)]["reads_per_step"] / by[("nsa", S)]["reads_per_step"], 2)

@@ -34,14 +34,22 @@ def make_layer(kind: str, args) -> torch.nn.Module:
     return layer.to(args.device)
 
 
-def time_ms(fn, repeats: int) -> tuple[float, float]:
-    """(min, median) wall time in ms over `repeats` runs after one warm-up. The minimum is the number
-    to quote on a shared machine: interference only ever adds time."""
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def time_ms(fn, repeats: int, device: str = "cpu") -> tuple[float, float]:
+    """(min, median) wall time in ms over `repeats` runs after one warm-up (the device synchronised
+    around each run). The minimum is the number to quote on a shared machine: interference only
+    ever adds time."""
     fn()  # warm-up
+    sync(device)
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
         fn()
+        sync(device)
         times.append((time.perf_counter() - t) * 1e3)
     return round(min(times), 1), round(statistics.median(times), 1)
 
@@ -57,6 +65,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="one timed run, forward+backward only")
     ap.add_argument("--impl", nargs="+", default=["dense", "nsa"], choices=["dense", "nsa"])
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="bf16: autocast, as the trainer runs")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     args = ap.parse_args()
     if args.threads:
@@ -71,20 +80,28 @@ def main() -> None:
         for kind in args.impl:
             layer = make_layer(kind, args)
             row = {"impl": kind, "S": S}
+            autocast = torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16,
+                                      enabled=args.dtype == "bf16")
             if not args.quick:
-                with torch.no_grad():
-                    row["fwd_ms"], row["fwd_ms_median"] = time_ms(lambda: layer(x, rope), repeats)
+                def fwd():
+                    with torch.no_grad(), autocast:
+                        layer(x, rope)
+
+                row["fwd_ms"], row["fwd_ms_median"] = time_ms(fwd, repeats, args.device)
             xg = x.clone().requires_grad_(True)
 
             def fwd_bwd():
                 layer.zero_grad(set_to_none=True)
-                layer(xg, rope).sum().backward()
+                with autocast:
+                    out = layer(xg, rope)
+                out.float().sum().backward()
 
-            row["fwd_bwd_ms"], row["fwd_bwd_ms_median"] = time_ms(fwd_bwd, repeats)
+            row["fwd_bwd_ms"], row["fwd_bwd_ms_median"] = time_ms(fwd_bwd, repeats, args.device)
             print(json.dumps(row), flush=True)
             results.append(row)
     by = {(r["impl"], r["S"]): r for r in results}
-    summary = {"threads": torch.get_num_threads(), "torch": torch.__version__, "device": args.device}
+    summary = {"threads": torch.get_num_threads(), "torch": torch.__version__, "device": args.device,
+               "dtype": args.dtype}
     for S in args.S:
         if ("nsa", S) in by and ("dense", S) in by:
             summary[f"nsa_over_dense_fwd_bwd_{S}"] = round(by[("nsa", S)]["fwd_bwd_ms"] / by[("dense", S)]["fwd_bwd_ms"], 3)

@@ -1,0 +1,36 @@
+"""bench/gpu_acceptance.py's plumbing on CPU: the training configs it writes load, the dense twin is
+the same model without NSA, and the summary shows each number beside its goal."""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from pathlib import Path
+
+from train.config import load_config
+
+REPO = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("gpu_acceptance", REPO / "bench" / "gpu_acceptance.py")
+ga = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(ga)
+
+
+def test_m7c_configs_and_the_dense_twin(tmp_path):
+    nsa = load_config(ga._train_config(tmp_path, "nsa", 8192, tiny=False))
+    dense = load_config(ga._train_config(tmp_path, "dense", 8192, tiny=False))
+    assert nsa.model.attention == "nsa" and dense.model.attention == "dense"
+    same = {k: v for k, v in dataclasses.asdict(nsa.model).items() if k not in ("attention", "nsa")}
+    assert same == {k: v for k, v in dataclasses.asdict(dense.model).items() if k not in ("attention", "nsa")}
+    assert nsa.train.seq_len == 8192 and nsa.train.batch_size * 8192 == 16 * 2048  # M7C's tokens per step
+    assert nsa.data.source == "synthetic" and nsa.train.save_every == 0
+
+
+def test_summary_puts_goals_beside_numbers():
+    report = {"date": "d", "device_name": "NVIDIA H100", "torch": "t", "items": {
+        "attention": {"ok": True, "seconds": 3, "goal": "NSA >= 4x faster than SDPA at 64k: 5.1x at 65536 (met)",
+                      "nsa_speedup_over_sdpa": {65536: 5.1}},
+        "m7c_training": {"ok": False, "seconds": 9, "goals": ["NSA / dense twin at 2048: 0.70 (goal >= 0.60)"],
+                         "runs": {"nsa_2048_eager": {"toks_per_s": 160000.0}, "dense_2048_eager": {"exit": 124}}}}}
+    text = ga.summary_markdown(report)
+    assert "## attention: ok" in text and "(met)" in text and "65536: 5.1x" in text
+    assert "## m7c_training: FAILED" in text and "nsa_2048_eager: 160,000 tokens/s" in text
+    assert "dense_2048_eager: failed (exit 124)" in text
