@@ -46,7 +46,7 @@ def child(name: str) -> None:
     from train.memory import estimate_memory
 
     torch.set_num_threads(2)
-    cfg = load_config(None, [*MODELS[name], "--runtime.device=cpu", "--runtime.precision=fp32"])
+    cfg = load_config(None, [*MODELS[name], "--runtime.device=cpu", "--runtime.precision=fp32", "--model.loss_chunk=4096"])
     torch.manual_seed(0)
     model = Transformer(cfg.model)
     for p in model.parameters():

@@ -26,6 +26,7 @@ class NSAConfig:
     sel_chunk: int = 8192  # queries per selection chunk (bounds the block-tile index buffers; see docs/NSA.md)
     sel_tile: int = 128  # (query, block) pairs per tile in block-centric selected attention
     win_block: int = 128  # queries per sliding-window block (each block reads win_block + w - 1 keys)
+    kernel: str = "auto"  # selected-attention kernel: auto (Triton on CUDA tensors, torch elsewhere) | triton | torch
 
     def validate(self) -> None:
         for name in ("l", "d", "l_sel", "n_sel", "w", "q_chunk", "sel_chunk", "sel_tile", "win_block"):
@@ -43,6 +44,8 @@ class NSAConfig:
             )
         if self.gate_hidden < 0:
             raise ModelConfigError(f"nsa.gate_hidden must be >= 0, got {self.gate_hidden}")
+        if self.kernel not in ("auto", "triton", "torch"):
+            raise ModelConfigError(f"nsa.kernel={self.kernel!r}; valid: auto, triton, torch")
 
 
 @dataclass
@@ -70,6 +73,7 @@ class ModelConfig:
     attn_backend: str = "auto"  # auto (flash-attn when importable on CUDA in bf16/fp16, else SDPA) | sdpa | flash | manual
     dropout: float = 0.0  # dropout on embeddings, attention output and MLP output
     init_std: float = 0.02  # std of the normal init; residual output projections use std / sqrt(2 * n_layers)
+    loss_chunk: int = 1024  # rows per chunk of the chunked cross-entropy (fp32 logits for that many rows at a time); 0: full logits
     nsa: NSAConfig = field(default_factory=NSAConfig)
 
     def __post_init__(self) -> None:
@@ -113,6 +117,8 @@ class ModelConfig:
             raise ModelConfigError(f"model.rope_scale must be >= 1, got {self.rope_scale}")
         if self.norm_eps <= 0:
             raise ModelConfigError(f"model.norm_eps must be positive, got {self.norm_eps}")
+        if self.loss_chunk < 0:
+            raise ModelConfigError(f"model.loss_chunk must be >= 0 (0: full logits), got {self.loss_chunk}")
         if not 0.0 <= self.dropout < 1.0:
             raise ModelConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
         if self.attention == "nsa":

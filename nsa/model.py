@@ -15,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 from nsa.attention import build_attention
 from nsa.config import ModelConfig
 from nsa.layers import MLP, RotaryEmbedding, make_norm
+from nsa.loss import linear_cross_entropy
 from nsa.profiling import nvtx_range
 
 
@@ -86,7 +87,7 @@ class Transformer(nn.Module):
         start_pos: int = 0,  # absolute position of idx[:, 0] (decode / chunked prefill)
         caches: list | None = None,
     ) -> torch.Tensor:
-        """Returns the mean cross-entropy if targets are given, else logits [B, T, V] (float32)."""
+        """Mean cross-entropy if targets are given (-100: ignored), else logits [B, T, V] (float32)."""
         B, T = idx.shape
         if start_pos + T > self.cfg.max_seq_len and self.pos_emb is not None:
             raise ValueError(f"sequence end {start_pos + T} exceeds max_seq_len={self.cfg.max_seq_len}")
@@ -103,11 +104,14 @@ class Transformer(nn.Module):
                 x = checkpoint(blk, x, rope, None, use_reentrant=False)
             else:
                 x = blk(x, rope, cache)
-        x = self.norm(x)
-        logits = self.lm_head(x).float()  # [B, T, V]
+        x = self.norm(x)  # [B, T, dim]
         if targets is None:
-            return logits
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+            return self.lm_head(x).float()  # [B, T, V]
+        if self.cfg.loss_chunk == 0:  # full fp32 logits [B*T, V]
+            logits = self.lm_head(x).float()
+            return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+        # chunked: fp32 logits for loss_chunk rows at a time, never for all B*T (nsa/loss.py)
+        return linear_cross_entropy(x.reshape(B * T, -1), self.lm_head.weight, targets.reshape(-1), self.cfg.loss_chunk)
 
 
 def _dense_cache():

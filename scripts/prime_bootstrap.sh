@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv and install what this machine needs: CUDA torch on a CUDA machine, CPU torch otherwise.
-# flash-attn is optional: tried only on CUDA (NSA_INSTALL_FLASH=1), never fatal. Idempotent.
+# flash-attn is optional: tried only on CUDA (NSA_INSTALL_FLASH=1), never fatal. On CPU machines triton is
+# installed too (optional, never fatal) for the Triton kernel tests in its interpreter. Idempotent.
 #
 #   bash scripts/prime_bootstrap.sh            # set-up command of the README
 #   TORCH_VERSION=2.13.0 TORCH_CUDA=cu124 bash scripts/prime_bootstrap.sh
@@ -10,6 +11,7 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 TORCH_CUDA=${TORCH_CUDA:-cu128}
+TRITON_VERSION=${TRITON_VERSION:-3.9.0}  # CPU machines only: the version the interpreter tests were run with
 VENV=${VENV:-.venv}
 
 log() { printf '[bootstrap] %s\n' "$*"; }
@@ -56,6 +58,14 @@ fi
 log "installing requirements.txt"
 "${PIP[@]}" -r requirements.txt
 
+if [ "$has_gpu" = 0 ] && ! "$PY" -c 'import triton' 2>/dev/null; then
+  # CUDA torch brings (and pins) its own triton; a CPU machine gets it only to run the Triton kernel
+  # tests in Triton's interpreter (tests/nsa/test_triton_selection.py skips with a reason without it)
+  log "installing triton==$TRITON_VERSION (optional on CPU: kernel tests in the interpreter)"
+  "${PIP[@]}" "triton==$TRITON_VERSION" || "${PIP[@]}" triton \
+    || log "triton not installed (optional; the Triton kernel tests will skip)"
+fi
+
 if [ "$has_gpu" = 1 ] && [ "${NSA_INSTALL_FLASH:-0}" = 1 ]; then
   log "trying flash-attn (optional)"
   "${PIP[@]}" flash-attn --no-build-isolation || log "flash-attn not installed (optional; SDPA is used)"
@@ -75,5 +85,10 @@ try:
     print(f"[bootstrap] flash-attn {flash_attn.__version__}")
 except Exception:
     print("[bootstrap] flash-attn: not installed (optional)")
+try:
+    import triton
+    print(f"[bootstrap] triton {triton.__version__}")
+except Exception:
+    print("[bootstrap] triton: not installed (optional on CPU; Triton kernel tests skip)")
 PY
 log "ready: source $VENV/bin/activate"

@@ -220,12 +220,12 @@ def check_architecture(ckpt: dict, model_config: dict, path: Path) -> None:
     current_nsa = model_config.get("nsa", {})
     current = {k: v for k, v in model_config.items() if k != "nsa"}
     # fields that change neither shapes nor the function computed may differ between runs
-    free = {"attn_backend", "dropout", "init_std", "rope_scale"}
+    free = {"attn_backend", "dropout", "init_std", "loss_chunk", "rope_scale"}
     diffs = [f"model.{k}: checkpoint {saved.get(k)!r} vs config {v!r}"
              for k, v in current.items() if k not in free and saved.get(k) != v]
     if current["attention"] == "nsa":
         diffs += [f"nsa.{k}: checkpoint {saved_nsa.get(k)!r} vs config {v!r}"
-                  for k, v in current_nsa.items() if k not in ("q_chunk", "sel_chunk", "sel_tile", "win_block") and saved_nsa.get(k) != v]
+                  for k, v in current_nsa.items() if k not in ("q_chunk", "sel_chunk", "sel_tile", "win_block", "kernel") and saved_nsa.get(k) != v]
     if diffs:
         raise CheckpointError(f"checkpoint {path} does not match the config's architecture ({'; '.join(diffs[:3])})")
 

@@ -95,7 +95,7 @@ def loss_bytes(cfg: RunConfig, tokens: int, act_bytes: int) -> float:
     their fp32 upcast and their fp32 gradient (loss_chunk=0)."""
     m = cfg.model
     V, D = m.vocab_size, m.dim
-    chunk = getattr(m, "loss_chunk", 0)
+    chunk = m.loss_chunk
     gradients = 4 * V * D + 4 * tokens * D
     if chunk and chunk < tokens:
         return gradients + 2 * 4 * chunk * V
@@ -147,8 +147,8 @@ def fit_advice(cfg: RunConfig, world_size: int, capacity: float) -> str | None:
                       model=replace(cfg.model, **model))
         return estimate_memory(new, world_size).total
 
-    if getattr(cfg.model, "loss_chunk", 0) == 0 and total(model={"loss_chunk": 4096}) <= capacity:
-        return "--model.loss_chunk=4096 (chunked cross-entropy: no full logits)"
+    if cfg.model.loss_chunk == 0 and total(model={"loss_chunk": 1024}) <= capacity:
+        return "--model.loss_chunk=1024 (chunked cross-entropy: no full logits)"
     b, acc, t = cfg.train.batch_size, cfg.train.accumulate_grad_batches, cfg.train.seq_len
     for div in (2, 3, 4, 6, 8, 16, 32, 64):
         if b % div or (b // div) * t < 4096:

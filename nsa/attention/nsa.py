@@ -172,7 +172,7 @@ class NativeSparseAttention(nn.Module):
         counts = torch.zeros(4, device=q.device)
         for a, q_chunk in zip(range(0, T, c.sel_chunk), qg.split(c.sel_chunk, dim=3)):
             idx = self._select(q_chunk, ck, t0 + a)  # [B, H_kv, C, n]
-            outs.append(selected_attention(q_chunk, sel_k, sel_v, idx, t0 + a, c.l_sel, c.sel_tile))
+            outs.append(selected_attention(q_chunk, sel_k, sel_v, idx, t0 + a, c.l_sel, c.sel_tile, c.kernel))
             idxs.append(idx)
             if self.stats_enabled:
                 counts += selection_counts(idx, t0 + a, c.l_sel)

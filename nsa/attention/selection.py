@@ -9,6 +9,8 @@ Selected attention is split in two parts whose softmax partials (out, log-sum-ex
          (block-centric: each block's K/V is read once per tile); one batched call runs all tiles.
 All shapes are static (bounded by the worst case): no host syncs. The backward pass recomputes scores
 (flash-attention style) from the merged output and log-sum-exp; nothing quadratic is stored.
+`selected_attention(..., kernel=)` dispatches per call (`resolve_kernel`): NSAConfig.kernel "auto" runs
+the Triton kernels of triton_selection.py on CUDA tensors and this torch path elsewhere.
 """
 from __future__ import annotations
 
@@ -334,6 +336,31 @@ def gathered_selected_attention(q, k_blocks, v_blocks, block_idx, q_start: int) 
 
 
 GATHER_MAX_QUERIES = 16  # chunks with at most this many queries use the gathered (decode) variant
+KERNELS = ("auto", "triton", "torch")
+
+
+def resolve_kernel(kernel: str, device: torch.device) -> str:
+    """NSAConfig.kernel -> "triton" or "torch" for tensors on `device`, decided at call time.
+
+    auto: Triton on CUDA tensors when triton imports, else the torch path. triton: CUDA tensors, or CPU
+    tensors when the Triton interpreter is on (TRITON_INTERPRET=1 before triton is imported).
+    """
+    if kernel == "torch" or (kernel == "auto" and device.type != "cuda"):
+        return "torch"
+    if kernel not in KERNELS:
+        raise ValueError(f"nsa.kernel={kernel!r}; valid: {', '.join(KERNELS)}")
+    try:  # imports triton (only here: the package works without it)
+        from nsa.attention import triton_selection
+    except ImportError as exc:
+        if kernel == "auto":
+            return "torch"
+        raise RuntimeError(f"nsa.kernel='triton' needs the triton package, which failed to import ({exc})") from None
+    if device.type != "cuda" and not triton_selection.interpreter_active():
+        raise RuntimeError(
+            f"nsa.kernel='triton' on a {device.type} tensor needs Triton's interpreter (TRITON_INTERPRET=1 before the "
+            "kernels are imported); use kernel='auto' or 'torch' there"
+        )
+    return "triton"
 
 
 def selected_attention(
@@ -344,8 +371,13 @@ def selected_attention(
     q_start: int,
     l_sel: int,
     tile: int,
+    kernel: str = "torch",  # NSAConfig.kernel: auto | triton | torch (see resolve_kernel)
 ) -> torch.Tensor:  # [B, H_kv, G, Tq, hd]
     """Attention of each query over the keys of its selected blocks, keys after the query masked."""
+    if resolve_kernel(kernel, q.device) == "triton":
+        from nsa.attention.triton_selection import triton_selected_attention
+
+        return triton_selected_attention(q, k, v, block_idx, q_start, l_sel)
     B, H_kv, G, Tq, hd = q.shape
     BH, Tk = B * H_kv, k.shape[2]
     n_blocks = -(-Tk // l_sel)

@@ -153,3 +153,14 @@ def test_ddp_with_activation_checkpointing_matches_ddp(ddp_run, tmp_path):
     torchrun(out, "--train.batch_size=4", "--runtime.gradient_checkpointing=1")
     a, b = losses(ddp_run), losses(out)
     assert max(abs(x - y) for x, y in zip(a, b)) < 1e-5, (a, b)
+
+
+@pytest.mark.parametrize("loss_chunk", [0, 24])
+def test_ddp_loss_chunk_changes_no_loss(ddp_run, tmp_path, loss_chunk):
+    """ddp_run uses the default chunked loss (64 rows per rank: one chunk); 0 is the old full-logits
+    path, 24 splits each rank's rows into three uneven chunks."""
+    out = tmp_path / f"loss_chunk{loss_chunk}"
+    torchrun(out, "--train.batch_size=4", f"--model.loss_chunk={loss_chunk}")
+    a, b = losses(ddp_run), losses(out)
+    assert len(b) == STEPS
+    assert max(abs(x - y) for x, y in zip(a, b)) < 1e-5, (a, b)

@@ -1,0 +1,11 @@
+"""NSA test set-up. Without CUDA the Triton selection kernels run in Triton's interpreter: the switch is
+read when a kernel is defined (nsa.attention.triton_selection's import), so it is set here, before any
+NSA test module is imported."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
