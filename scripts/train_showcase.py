@@ -63,9 +63,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from train.console import survive_closed_console
     from train.stop import install_early_handlers
 
     install_early_handlers()  # a SIGTERM during start-up becomes a stop request (train/stop.py)
+    survive_closed_console()  # a vanished console reader must not stop the run before its checkpoint
     from train.__main__ import exit_process
 
     exit_process(main())

@@ -49,7 +49,9 @@ def exit_process(code: int) -> None:
 
 
 if __name__ == "__main__":
+    from train.console import survive_closed_console
     from train.stop import install_early_handlers
 
     install_early_handlers()  # a SIGTERM during start-up becomes a stop request (train/stop.py)
+    survive_closed_console()  # a vanished console reader must not stop the run before its checkpoint
     exit_process(main())

@@ -61,3 +61,4 @@ class StopVote:
             if flag:
                 return reason
         return None
+

@@ -203,3 +203,19 @@ def test_a_failed_start_frees_the_out_dir_in_the_same_process(tmp_path):
     with pytest.raises(CheckpointError, match="architecture"):
         run_training(tiny_config(out, "--train.steps=4", "--model.n_kv_heads=4"))
     assert run_training(tiny_config(out, "--train.steps=4")) == 0  # not "in use by another trainer"
+
+
+def test_a_vanished_console_reader_does_not_cost_the_final_checkpoint(tmp_path):
+    """`python -m train ... | head -2`, or a log writer that died: console lines fail with EPIPE;
+    the run still stops gracefully on request and writes its checkpoint."""
+    out = tmp_path / "run"
+    proc = spawn(*TINY_CLI, f"--train.out_dir={out}", "--train.steps=100000")
+    proc.stdout.readline()  # the run has started printing
+    proc.stdout.close()  # the reader goes away
+    wait_for(lambda: (out / "training.csv").exists() and len(read_csv(out / "training.csv")) >= 3, what="steps")
+    proc.send_signal(signal.SIGTERM)
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 0, err
+    steps = [int(r["step"]) for r in read_csv(out / "training.csv")]
+    assert names(out) == [ckpt_io.checkpoint_name(steps[-1])]
+    assert json.loads((out / "metrics.json").read_text())["status"] == "stopped"
