@@ -53,12 +53,6 @@ class MemoryEstimate:
         return {**{k: getattr(self, k) for k in self.__dataclass_fields__}, "total": self.total}
 
 
-def _param_count(cfg: RunConfig) -> int:
-    from nsa.flops import param_count
-
-    return param_count(cfg.model)
-
-
 def activation_bytes_per_token(cfg: RunConfig, act_bytes: int) -> float:
     """Bytes autograd saves for one layer and one token. act_bytes: 2 under bf16/fp16 autocast
     (matmul outputs), 4 in fp32. Norm inputs and the residual stream stay fp32."""
@@ -107,7 +101,9 @@ def estimate_memory(cfg: RunConfig, world_size: int = 1, *, cuda: bool = True) -
     rt, t, m = cfg.runtime, cfg.train, cfg.model
     precision = rt.precision if rt.precision != "auto" else ("bf16" if cuda else "fp32")
     act_bytes = 4 if precision == "fp32" else 2
-    P = _param_count(cfg)
+    from nsa.flops import param_count
+
+    P = param_count(cfg.model)
     sharded_states = world_size > 1 and rt.fsdp
     zero1 = world_size > 1 and rt.zero1 and not rt.fsdp
     params = 4 * P / (world_size if sharded_states else 1)
@@ -163,8 +159,9 @@ def fit_advice(cfg: RunConfig, world_size: int, capacity: float) -> str | None:
     return None
 
 
-def verdict(cfg: RunConfig, world_size: int, gpu: str) -> dict:
-    capacity = GPU_MIB[gpu] * 2**20
+def verdict(cfg: RunConfig, world_size: int, gpu: str, capacity: float | None = None) -> dict:
+    """The estimate against a GPU's memory (capacity: bytes, default GPU_MIB[gpu]); "fix" when it does not fit."""
+    capacity = GPU_MIB[gpu] * 2**20 if capacity is None else capacity
     est = estimate_memory(cfg, world_size)
     fits = est.total <= capacity
     out = {"gpu": gpu, "capacity_bytes": capacity, "world_size": world_size, "fits": fits, **est.as_dict()}
@@ -203,9 +200,3 @@ def gpu_name(name: str) -> str:
     from train.errors import ConfigError
 
     raise ConfigError(f"--gpu {name!r}: unknown GPU; choose one of {', '.join(GPU_MIB)}")
-
-
-def device_gpu(total_mib: int) -> str:
-    """The GPU_MIB entry whose memory is closest to a detected device's."""
-    return min(GPU_MIB, key=lambda k: abs(GPU_MIB[k] - total_mib))
-

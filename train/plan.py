@@ -32,12 +32,12 @@ def _peak_dtype(precision: str) -> str:
     return "tf32" if precision == "fp32" else "bf16"
 
 
-def make_plan(cfg: RunConfig, *, tokens: float, gpus: int = 1, toks_per_s: float | None = None,
+def make_plan(cfg: RunConfig, *, tokens: float | None = None, gpus: int = 1, toks_per_s: float | None = None,
               mfu: float | None = None, peak_device: str | None = None, hours: float | None = None) -> dict:
     """The plan as a JSON-able dict (see the module docstring for the formulas)."""
     from nsa.flops import flops_per_token, match_device, param_count, peak_flops
 
-    if tokens <= 0:
+    if tokens is not None and tokens <= 0:
         raise ConfigError(f"--tokens must be positive, got {tokens:g}")
     if gpus < 1:
         raise ConfigError(f"--gpus must be >= 1, got {gpus}")
@@ -49,6 +49,8 @@ def make_plan(cfg: RunConfig, *, tokens: float, gpus: int = 1, toks_per_s: float
         raise ConfigError(f"--toks-per-s must be positive, got {toks_per_s:g}")
     t = cfg.train
     tokens_per_iter = t.batch_size * t.accumulate_grad_batches * gpus * t.seq_len
+    if tokens is None:  # the config's own steps
+        tokens = t.steps * tokens_per_iter
     exact = tokens / tokens_per_iter
     report = flops_per_token(cfg.model, t.seq_len, "v3")
     peak = None
@@ -139,9 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, overrides)
         gpus = args.gpus if args.gpus is not None else int(os.environ.get("WORLD_SIZE", "1") or 1)
-        t = cfg.train
-        tokens = args.tokens if args.tokens is not None else t.steps * t.batch_size * t.accumulate_grad_batches * gpus * t.seq_len
-        plan = make_plan(cfg, tokens=tokens, gpus=gpus, toks_per_s=args.toks_per_s, mfu=args.mfu,
+        plan = make_plan(cfg, tokens=args.tokens, gpus=gpus, toks_per_s=args.toks_per_s, mfu=args.mfu,
                          peak_device=args.peak_device, hours=args.hours)
         if args.gpu is not None:
             plan["memory"] = verdict(cfg, gpus, gpu_name(args.gpu))

@@ -257,18 +257,19 @@ def _loader(cfg: RunConfig, add) -> None:
 
 def _gpu_memory(cfg: RunConfig, add, gpus: int, gpu_bytes: int | None) -> None:
     """Peak memory per rank (train/memory.py) against the detected GPU; FAIL with the knob that fixes it."""
-    from train.memory import estimate_memory, fit_advice
+    from train.memory import estimate_memory, verdict
 
-    est = estimate_memory(cfg, gpus)
     if gpu_bytes is None:
-        add(OK, "gpu memory", f"needs {est.total / 1e9:.1f} GB per rank (no CUDA here to compare; "
+        need = estimate_memory(cfg, gpus).total
+        add(OK, "gpu memory", f"needs {need / 1e9:.1f} GB per rank (no CUDA here to compare; "
                               f"python -m train.plan CONFIG --gpu NAME)")
         return
-    if est.total <= gpu_bytes:
-        add(OK, "gpu memory", f"needs {est.total / 1e9:.1f} GB per rank of {gpu_bytes / 1e9:.1f} GB")
+    v = verdict(cfg, gpus, "detected GPU", capacity=gpu_bytes)
+    if v["fits"]:
+        add(OK, "gpu memory", f"needs {v['total'] / 1e9:.1f} GB per rank of {gpu_bytes / 1e9:.1f} GB")
         return
-    fix = fit_advice(cfg, gpus, gpu_bytes) or "a larger GPU, more GPUs with --use_fsdp=true, or a smaller model"
-    add(FAIL, "gpu memory", f"does not fit: needs {est.total / 1e9:.1f} GB per rank, the GPU has "
+    fix = v["fix"] or "a larger GPU, more GPUs with --use_fsdp=true, or a smaller model"
+    add(FAIL, "gpu memory", f"does not fit: needs {v['total'] / 1e9:.1f} GB per rank, the GPU has "
                             f"{gpu_bytes / 1e9:.1f} GB; fix: {fix}")
 
 

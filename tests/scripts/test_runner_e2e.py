@@ -145,12 +145,9 @@ def test_train_halt_resume_monitor_handoff(script_env, corpus_path, tmp_path):
     assert listed["ckpt"][final.name] == (final.stat().st_size, hashlib.sha256(final.read_bytes()).hexdigest())
 
 
-def test_ctrl_c_stops_gracefully(script_env, tmp_path):
-    """Ctrl-C in the tmux pane (SIGINT to the whole foreground group): the trainer checkpoints and
-    exits 0, the log writer survives (tee -i), the launcher records the end in run.info."""
-    out = tmp_path / "out"
-    env = script_env(SMOKE_STEPS="0", EXTRA_ARGS=f"--train.out_dir={out} {TINY_TRAIN} --train.steps=100000 "
-                                                 "--train.log_every=1 --train.eval_every=0 --train.save_every=0")
+def signal_the_launch(env: dict, out: Path, tmp_path: Path, sig: int) -> None:
+    """Start the runner in its own session, wait for two logged steps, send `sig` to the whole group
+    (as Ctrl-C or a scheduler does) and require exit 0."""
     with open(tmp_path / "launcher.log", "w") as log:
         proc = subprocess.Popen(["bash", "scripts/train_m7c_prime.sh"], cwd=REPO, env=env, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
@@ -159,12 +156,21 @@ def test_ctrl_c_stops_gracefully(script_env, tmp_path):
             while data_rows(out / "training.csv") < 2:
                 assert proc.poll() is None and time.time() < deadline, (tmp_path / "launcher.log").read_text()
                 time.sleep(0.2)
-            os.killpg(proc.pid, signal.SIGINT)
+            os.killpg(proc.pid, sig)
             assert proc.wait(timeout=120) == 0, (tmp_path / "launcher.log").read_text()
         finally:
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
+                os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+
+def test_ctrl_c_stops_gracefully(script_env, tmp_path):
+    """Ctrl-C in the tmux pane (SIGINT to the whole foreground group): the trainer checkpoints and
+    exits 0, the log writer survives (tee -i), the launcher records the end in run.info."""
+    out = tmp_path / "out"
+    env = script_env(SMOKE_STEPS="0", EXTRA_ARGS=f"--train.out_dir={out} {TINY_TRAIN} --train.steps=100000 "
+                                                 "--train.log_every=1 --train.eval_every=0 --train.save_every=0")
+    signal_the_launch(env, out, tmp_path, signal.SIGINT)
     info = kv_file(only_run_dir(tmp_path / "artifacts") / "run.info")
     assert info["final_status"] == "stopped" and info["exit_code"] == "0" and "end" in info
     assert info["last_checkpoint"] == str(out / f"checkpoint_step{info['final_step']}.pt")
@@ -201,20 +207,7 @@ def test_sigterm_to_a_torchrun_launch_is_a_graceful_stop(fake_smi, script_env, t
                      EXTRA_ARGS=f"--train.out_dir={out} {TINY_TRAIN} --model.vocab_size=256 --runtime.device=cpu "
                                 "--train.steps=100000 "
                                 "--train.log_every=1 --train.eval_every=0 --train.save_every=0")
-    with open(tmp_path / "launcher.log", "w") as log:
-        proc = subprocess.Popen(["bash", "scripts/train_m7c_prime.sh"], cwd=REPO, env=env, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            deadline = time.time() + 120
-            while data_rows(out / "training.csv") < 2:
-                assert proc.poll() is None and time.time() < deadline, (tmp_path / "launcher.log").read_text()
-                time.sleep(0.2)
-            os.killpg(proc.pid, signal.SIGTERM)
-            assert proc.wait(timeout=120) == 0, (tmp_path / "launcher.log").read_text()
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+    signal_the_launch(env, out, tmp_path, signal.SIGTERM)
     info = kv_file(only_run_dir(tmp_path / "artifacts") / "run.info")
     assert info["final_status"] == "stopped" and info["exit_code"] == "0"
     assert info["last_checkpoint"] == str(out / f"checkpoint_step{info['final_step']}.pt")
