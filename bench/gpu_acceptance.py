@@ -6,7 +6,8 @@
 Items, each with its own time limit (the whole run stays under 10 minutes on one H100); one that
 fails or runs out of time is recorded as such and the rest go on:
 1. the CUDA tests (bf16 RMS vs the float64 reference, Triton kernels vs the torch path)
-2. NSA vs SDPA attention forward + backward at 8k, 16k, 32k, 64k (bf16, batch 1, M7C head layout)
+2. NSA vs SDPA attention forward + backward at 8k, 16k, 32k, 64k (bf16, batch 1, M7C head layout), and
+   the compressed / window branches through FlexAttention vs the SDPA path (which the layer should use)
 3. M7C-125M training tokens/s at seq 2048 and 8192, NSA and its dense twin, compile on and off
 4. decode step at 32k and 64k (NSA vs dense KV cache)
 5. a dense ~1B Qwen3-style model's MFU on one GPU
@@ -69,6 +70,21 @@ def attention(args) -> dict:
     return {"ok": True, "results": res["results"], "nsa_speedup_over_sdpa": speedup,
             "goal": f"NSA >= 4x faster than SDPA at 64k: {speedup[top]}x at {top} "
                     f"({'met' if speedup[top] >= 4 else 'not met'})"}
+
+
+def branches(args) -> dict:
+    S = [256, 512] if args.tiny else [8192, 16384, 32768, 65536]
+    cmd = [PY, "bench/bench_branches.py", "--S", *map(str, S), "--device", args.device, "--dtype", "bf16",
+           "--repeats", "1" if args.tiny else "3"]
+    code, out = run(cmd, 180)
+    if code:
+        return {"ok": False, "exit": code, "output": out[-1500:]}
+    res = last_json(out)
+    ratios = {k: v for k, v in res["summary"].items() if "_over_flex_" in k}
+    verdict = "keep FlexAttention (nsa/attention/flex.py use_flex)" if res["summary"]["flex_faster_everywhere"] \
+        else "SDPA is faster somewhere: revisit use_flex"
+    return {"ok": True, "results": res["results"], "sdpa_over_flex": ratios,
+            "goal": f"compressed/window branches, SDPA time / Flex time (>1: Flex faster): {verdict}"}
 
 
 def _train_config(tmp: Path, attention_kind: str, seq: int, tiny: bool) -> Path:
@@ -157,7 +173,7 @@ def dense_1b_mfu(args) -> dict:
     return {"ok": True, **got, "goal": goal}
 
 
-ITEMS = {"cuda_tests": cuda_tests, "attention": attention, "m7c_training": m7c_training, "decode": decode,
+ITEMS = {"cuda_tests": cuda_tests, "attention": attention, "branches": branches, "m7c_training": m7c_training, "decode": decode,
          "dense_1b_mfu": dense_1b_mfu}
 
 
@@ -171,6 +187,8 @@ def summary_markdown(report: dict) -> str:
             lines.append(f"- {item['result']}")
         if "nsa_speedup_over_sdpa" in item:
             lines.append("- NSA speed-up over SDPA (fwd+bwd): " + ", ".join(f"{s}: {v}x" for s, v in item["nsa_speedup_over_sdpa"].items()))
+        if "sdpa_over_flex" in item:
+            lines.append("- " + ", ".join(f"{k.replace('_sdpa_over_flex_', ' @')}: {v}x" for k, v in item["sdpa_over_flex"].items()))
         if "speedup" in item:
             lines.append("- decode speed-up over dense: " + ", ".join(f"{s}: {v}x" for s, v in item["speedup"].items()))
         if "runs" in item:

@@ -26,7 +26,7 @@ class NSAConfig:
     sel_chunk: int = 8192  # queries per selection chunk (bounds the block-tile index buffers; see docs/NSA.md)
     sel_tile: int = 128  # (query, block) pairs per tile in block-centric selected attention
     win_block: int = 128  # queries per sliding-window block (each block reads win_block + w - 1 keys)
-    kernel: str = "auto"  # selected-attention kernel: auto (Triton on CUDA tensors, torch elsewhere) | triton | torch
+    kernel: str = "auto"  # fused CUDA paths: auto (Triton selection + FlexAttention branches on CUDA, torch elsewhere) | triton | torch
 
     def validate(self) -> None:
         for name in ("l", "d", "l_sel", "n_sel", "w", "q_chunk", "sel_chunk", "sel_tile", "win_block"):

@@ -23,6 +23,7 @@ from nsa.attention.compression import (
     num_compressed,
 )
 from nsa.attention.decode import decode_branches
+from nsa.attention.flex import flex_compressed_attention, flex_window_attention, use_flex
 from nsa.attention.gate_stats import gate_statistics, selection_counts, selection_statistics
 from nsa.attention.nsa_cache import NSACache
 from nsa.attention.selection import select_blocks, selected_attention, selection_block_scores
@@ -144,12 +145,20 @@ class NativeSparseAttention(nn.Module):
                 o_cmp, o_sel, o_win, block_idx = decode_branches(q, ck, cv, sel_k, sel_v, win_k, win_v, t0, c)
             sel_counts = selection_counts(block_idx, t0, c.l_sel) if self.stats_enabled else None
         else:
+            flex = use_flex(c.kernel, q)  # FlexAttention on CUDA, the portable SDPA path elsewhere
             with nvtx_range("nsa.compressed"):
-                o_cmp = compressed_attention(q, ck, cv, t0, c.l, c.d, c.q_chunk)  # [B, H, T, hd]
+                if flex:
+                    o_cmp = flex_compressed_attention(q, ck, cv, t0, c.l, c.d)  # [B, H, T, hd]
+                else:
+                    o_cmp = compressed_attention(q, ck, cv, t0, c.l, c.d, c.q_chunk)
             with nvtx_range("nsa.selected"):
                 o_sel, block_idx, sel_counts = self._selection(q, ck, sel_k, sel_v, t0, t_end)
             with nvtx_range("nsa.window"):
-                o_win = sliding_window_attention(q, win_k, win_v, t0, t_end - win_k.shape[2], c.w, c.win_block)
+                k_start = t_end - win_k.shape[2]
+                if flex:
+                    o_win = flex_window_attention(q, win_k, win_v, t0, k_start, c.w)
+                else:
+                    o_win = sliding_window_attention(q, win_k, win_v, t0, k_start, c.w, c.win_block)
 
         g = self.gates(x)  # [B, T, H, 3]
         gt = g.transpose(1, 2).unsqueeze(-1).to(q.dtype)  # [B, H, T, 3, 1]

@@ -28,9 +28,12 @@ def test_summary_puts_goals_beside_numbers():
     report = {"date": "d", "device_name": "NVIDIA H100", "torch": "t", "items": {
         "attention": {"ok": True, "seconds": 3, "goal": "NSA >= 4x faster than SDPA at 64k: 5.1x at 65536 (met)",
                       "nsa_speedup_over_sdpa": {65536: 5.1}},
+        "branches": {"ok": True, "seconds": 2, "goal": "branches: keep FlexAttention",
+                     "sdpa_over_flex": {"window_sdpa_over_flex_65536": 2.5}},
         "m7c_training": {"ok": False, "seconds": 9, "goals": ["NSA / dense twin at 2048: 0.70 (goal >= 0.60)"],
                          "runs": {"nsa_2048_eager": {"toks_per_s": 160000.0}, "dense_2048_eager": {"exit": 124}}}}}
     text = ga.summary_markdown(report)
     assert "## attention: ok" in text and "(met)" in text and "65536: 5.1x" in text
+    assert "## branches: ok" in text and "window @65536: 2.5x" in text
     assert "## m7c_training: FAILED" in text and "nsa_2048_eager: 160,000 tokens/s" in text
     assert "dense_2048_eager: failed (exit 124)" in text

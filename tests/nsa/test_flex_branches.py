@@ -1,0 +1,109 @@
+"""FlexAttention compressed and window branches (nsa/attention/flex.py) against explicit-mask references.
+
+On CPU FlexAttention runs unfused and forward-only: these tests check (1) the block masks derived from
+each branch's geometry against torch's brute-force `create_block_mask` (the fused CUDA kernels trust
+them to skip tiles, the CPU path ignores them, so they are checked on their own), and (2) outputs
+against float64 attention with an explicit [Tq, Tk] mask. Gradients on CUDA: tests/nsa/test_nsa_gpu.py.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import create_block_mask
+
+from nsa.attention import flex
+from nsa.attention.compression import compressed_attention, num_compressed
+from nsa.attention.window import sliding_window_attention
+
+# (Tq, q_start, l, d, w, H_kv, G): ragged lengths, chunk offsets, GQA groups of 1, 2, 4 and 6
+GEOMETRIES = [
+    (300, 0, 32, 16, 64, 2, 2),
+    (520, 0, 16, 8, 256, 1, 4),
+    (257, 130, 32, 16, 200, 3, 1),
+    (1000, 0, 32, 16, 512, 2, 6),
+    (20, 0, 32, 16, 8, 1, 2),  # T < l: no compressed token at all
+]
+
+
+def explicit_attention(q, k, v, visible):  # visible [Tq, Tk] bool; rows with no key -> zero
+    G = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
+    s = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    p = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)
+    return p @ v
+
+
+def window_geometry(Tq, q_start, w):  # the layer's window keys: the w - 1 before the chunk, then the chunk
+    k_start = max(0, q_start - w + 1)
+    return k_start, q_start + Tq - k_start
+
+
+@pytest.mark.parametrize("geom", GEOMETRIES)
+def test_flex_branches_equal_explicit_mask_attention(geom):
+    Tq, q_start, l, d, w, H_kv, G = geom
+    g = torch.Generator().manual_seed(Tq)
+    B, hd = 2, 16
+    q = torch.randn(B, H_kv * G, Tq, hd, generator=g, dtype=torch.float64)
+    q_pos = torch.arange(q_start, q_start + Tq)[:, None]
+
+    n_c = num_compressed(q_start + Tq, l, d)
+    ck, cv = (torch.randn(B, H_kv, n_c, hd, generator=g, dtype=torch.float64) for _ in range(2))
+    out = flex.flex_compressed_attention(q, ck, cv, q_start, l, d)
+    sees = (torch.arange(n_c) * d + l - 1)[None, :] <= q_pos
+    torch.testing.assert_close(out, explicit_attention(q, ck, cv, sees), rtol=0, atol=1e-12)
+    torch.testing.assert_close(out, compressed_attention(q, ck, cv, q_start, l, d, 64), rtol=0, atol=1e-12)
+
+    k_start, Tk = window_geometry(Tq, q_start, w)
+    k, v = (torch.randn(B, H_kv, Tk, hd, generator=g, dtype=torch.float64) for _ in range(2))
+    out = flex.flex_window_attention(q, k, v, q_start, k_start, w)
+    s_pos = torch.arange(k_start, k_start + Tk)[None, :]
+    band = (s_pos <= q_pos) & (s_pos > q_pos - w)
+    torch.testing.assert_close(out, explicit_attention(q, k, v, band), rtol=0, atol=1e-12)
+    torch.testing.assert_close(out, sliding_window_attention(q, k, v, q_start, k_start, w, 128), rtol=0, atol=1e-12)
+
+
+def tiles(mask):  # BlockMask -> (partial, full) [nq, nk] bool
+    partial = mask.to_dense()[0, 0].bool()
+    full = torch.zeros_like(partial)
+    if mask.full_kv_num_blocks is not None:
+        for r in range(full.shape[0]):
+            full[r, mask.full_kv_indices[0, 0, r, : mask.full_kv_num_blocks[0, 0, r]].long()] = True
+    return partial & ~full, full
+
+
+@pytest.mark.parametrize("geom", GEOMETRIES + [(1024, 0, 32, 16, 512, 1, 1), (640, 4096, 32, 16, 128, 1, 1)])
+def test_geometric_block_masks_equal_brute_force(geom):
+    """Every tile with a visible key is listed; a tile marked full has every key visible (so skipping the
+    mask_mod there is exact); and, away from ragged edges, the split agrees with torch's evaluation."""
+    Tq, q_start, l, d, w, _, _ = geom
+    n_c = num_compressed(q_start + Tq, l, d)
+    k_start, Tk = window_geometry(Tq, q_start, w)
+    cases = [("cmp", n_c, 0, l, d), ("win", Tk, k_start, w, 0)]
+    for kind, tk, ks, a, b in cases:
+        if tk == 0:
+            continue
+        ours = flex._block_mask(kind, Tq, tk, q_start, ks, a, b, "cpu")
+        brute = create_block_mask(ours.mask_mod, None, None, Tq, tk, device="cpu")
+        (o_part, o_full), (b_part, b_full) = tiles(ours), tiles(brute)
+        assert torch.equal(o_part | o_full, b_part | b_full), kind
+        assert not (o_full & ~b_full).any(), kind
+        whole = torch.ones_like(o_full)
+        if Tq % flex.BLOCK:
+            whole[-1] = False
+        if tk % flex.BLOCK:
+            whole[:, -1] = False
+        assert torch.equal(o_full & whole, b_full & whole), kind
+        if kind == "win" and w >= 3 * flex.BLOCK and Tq >= 4 * flex.BLOCK:
+            assert o_full.any(), "a wide band has tiles without a mask_mod call"
+
+
+def test_flex_only_for_cuda_low_precision_tensors():
+    cpu = torch.zeros(1)
+    assert not flex.use_flex("auto", cpu) and not flex.use_flex("triton", cpu)
+    assert not flex.use_flex("auto", torch.zeros(1, device="meta"))  # only CUDA runs the fused kernels
+    if torch.cuda.is_available():
+        assert flex.use_flex("auto", torch.zeros(1, device="cuda"))
+        assert not flex.use_flex("torch", torch.zeros(1, device="cuda"))
+        assert not flex.use_flex("auto", torch.zeros(1, device="cuda", dtype=torch.float64))
