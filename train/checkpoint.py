@@ -230,14 +230,26 @@ def check_architecture(ckpt: dict, model_config: dict, path: Path) -> None:
         raise CheckpointError(f"checkpoint {path} does not match the config's architecture ({'; '.join(diffs[:3])})")
 
 
+def resolve_checkpoint(path: Path) -> Path:
+    """A checkpoint file, or a run directory -> its newest valid checkpoint (inference tools take either)."""
+    path = Path(path)
+    if path.is_dir():
+        found = latest_checkpoint(path)
+        if found is None:
+            raise CheckpointError(f"{path} holds no valid checkpoint (checkpoint_step<N>.pt)")
+        return found
+    return path
+
+
 def model_from_checkpoint(path: Path, device: str = "cpu", **model_overrides):
     """Build the checkpoint's model (from its stored config) and load its weights, for inference
-    tools (needle test, long-context demo). model_overrides: e.g. rope_scale=8.0.
+    tools (needle test, long-context demo, generate, evaluate, export). `path`: a checkpoint file or a
+    run directory (its newest valid checkpoint). model_overrides: e.g. rope_scale=8.0.
     Returns (model in eval mode, the checkpoint's config dict)."""
     from nsa.config import ModelConfig, NSAConfig
     from nsa.model import Transformer
 
-    ckpt = load_checkpoint(Path(path))
+    ckpt = load_checkpoint(resolve_checkpoint(path))
     cfg = ckpt["config"]
     try:
         model_cfg = ModelConfig(**{**cfg["model"], **model_overrides}, nsa=NSAConfig(**cfg.get("nsa", {})))

@@ -50,24 +50,31 @@ class TrainConfig:
     keep_all_checkpoints: bool = False  # never delete checkpoints
     always_save_checkpoint: bool = True  # False: a periodic save happens only if val loss improved
     resume: str = "auto"  # auto | none | PATH to a checkpoint
+    init_from: str = ""  # fresh starts only: initial weights from hf:DIR (a Hugging Face model directory) or PATH to one of our checkpoints (weights only)
     nonfinite_skip_limit: int = 3  # non-finite steps skipped before the run halts
     loss_floor: float = 0.0  # alert (heartbeat 'alert') if loss < floor before loss_floor_steps
     loss_floor_steps: int = 0  # the window (in steps) of the loss_floor alert
     loss_spike_sigma: float = 6.0  # record a 'loss_spike' alert when an interval's loss exceeds mean + k*std
     loss_spike_window: int = 50  # log intervals in the spike statistics' window
+    sample_every: int = 0  # write generated samples to samples.jsonl (and TensorBoard text) every N steps, at eval points; 0: off
+    sample_prompts: str = ""  # prompts for sample_every, separated by '|', or @FILE with one prompt per line; empty: one sample from EOS
+    sample_tokens: int = 64  # new tokens per sample
 
     def validate(self) -> None:
         positive = ("steps", "seq_len", "batch_size", "accumulate_grad_batches", "log_every", "eval_steps")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"train.{name} must be positive, got {getattr(self, name)}")
-        for name in ("stop_after", "warmup_steps", "eval_every", "save_every", "keep_last", "nonfinite_skip_limit"):
+        for name in ("stop_after", "warmup_steps", "eval_every", "save_every", "keep_last", "nonfinite_skip_limit",
+                     "sample_every"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
         if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"train.lr must be > 0 and train.min_lr_ratio in [0, 1]")
         if self.lr_schedule not in ("cosine", "linear", "constant"):
             raise ConfigError(f"train.lr_schedule={self.lr_schedule!r}; valid: cosine, linear, constant")
+        if self.sample_tokens <= 0:
+            raise ConfigError(f"train.sample_tokens must be positive, got {self.sample_tokens}")
         if self.keep_last == 0 and not self.keep_all_checkpoints:
             raise ConfigError("train.keep_last must be >= 1 (or set keep_all_checkpoints)")
 
@@ -148,11 +155,13 @@ _PRECISION_NAMES = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16", "b
 
 
 def _init_from(value: str) -> tuple[str, str]:
-    """`train.resume`: resume -> auto, scratch -> none"""
+    """`train.resume`: resume -> auto, scratch -> none; hf:DIR or a checkpoint PATH -> `train.init_from`"""
     mapping = {"resume": "auto", "scratch": "none"}
-    if value not in mapping:
-        raise ConfigError(f"--init_from={value!r}; valid: resume, scratch")
-    return "train.resume", mapping[value]
+    if value in mapping:
+        return "train.resume", mapping[value]
+    if value.startswith("hf:") or value.endswith(".pt"):
+        return "train.init_from", value
+    raise ConfigError(f"--init_from={value!r}; valid: resume, scratch, hf:DIR, PATH.pt")
 
 
 def _dtype(value: str) -> tuple[str, str]:
