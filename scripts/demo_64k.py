@@ -85,7 +85,8 @@ def main() -> None:
     ap.add_argument("--head_dim", type=int, default=64)
     ap.add_argument("--ffn_dim", type=int, default=2048)
     ap.add_argument("--vocab", type=int, default=50304)
-    ap.add_argument("--use_fa2", action="store_true", help="dense baseline uses the flash-attn backend when available")
+    ap.add_argument("--use_fa2", type=int, nargs="?", const=1, default=0, choices=[0, 1],
+                    help="1 (or bare --use_fa2): the dense baseline uses flash-attn when importable on CUDA (the seed's --use_fa2 1)")
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda")
     ap.add_argument("--dense_baseline", type=int, default=0, choices=[0, 1], help="also time a dense model")
     args = ap.parse_args()
@@ -93,6 +94,9 @@ def main() -> None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     args.dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     print(f"device {args.device}, dtype {args.dtype}, threads {torch.get_num_threads()}", flush=True)
+    if args.use_fa2 and not args.device.startswith("cuda"):
+        print("note: --use_fa2 1 has no effect on CPU: flash-attn runs only on CUDA (the dense baseline uses SDPA)",
+              flush=True)
 
     ids = torch.randint(0, args.vocab, (1, args.S), device=args.device)
     result = {"S": args.S, "layers": args.layers, "dim": args.dim, "device": args.device,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from train.config import ALIASES, SECTIONS  # noqa: E402
+from train.config import ALIASES, NO_OP_FLAGS, SECTIONS  # noqa: E402
 
 FIELD_RE = re.compile(r"^\s+(\w+):\s*[^=]+=\s*(.+?)(?:\s+#\s*(.*))?$")
 COMMENT_RE = re.compile(r"^\s+#\s*(.*)$")
@@ -53,6 +53,8 @@ def main() -> None:
     print("## Aliases (the seeds' nanoGPT-style flags)\n\n| flag | sets |\n|---|---|")
     for alias, target in ALIASES.items():
         print(f"| `--{alias}` | {f'`{target}`' if isinstance(target, str) else (target.__doc__ or target.__name__.strip('_')).strip()} |")
+    for flag, why in NO_OP_FLAGS.items():
+        print(f"| `--{flag}` | nothing (accepted, a note is printed): {why} |")
 
 
 if __name__ == "__main__":

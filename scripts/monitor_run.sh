@@ -6,7 +6,7 @@
 #   bash scripts/monitor_run.sh [--once] [--interval N] [--window N] [RUN_OR_OUT_DIR]
 #
 # RUN_OR_OUT_DIR: a run dir (artifacts/train_runs/m7c_*, whose run.info names the out_dir) or a
-# trainer out_dir; default: the newest artifacts/train_runs/m7c_* run dir.
+# trainer out_dir; default: the run under artifacts/train_runs that trained most recently (python -m train.runs).
 # Environment: INTERVAL (10 s), WINDOW (20 rows), STALE_S (300), LOSS_FLOOR (1.5), LOSS_FLOOR_FRAC (0.1),
 # THROUGHPUT_DROP (0.2), GATE_COLLAPSE_MAX (0.01), GATE_ENTROPY_MIN (0.5), NVIDIA_SMI, ARTIFACTS_DIR.
 # Read-only: it never touches the run. Ctrl-C leaves.
@@ -41,11 +41,11 @@ while [ "$#" -gt 0 ]; do
 done
 [[ "$INTERVAL" =~ ^[0-9]+([.][0-9]+)?$ ]] || die "--interval must be a number of seconds, got '$INTERVAL'" 2
 
-if [ -z "$TARGET" ]; then
-  TARGET=$(find "${ARTIFACTS_DIR:-artifacts}/train_runs" -mindepth 1 -maxdepth 1 -type d -name 'm7c_*' 2>/dev/null | LC_ALL=C sort | tail -n 1)
-  [ -n "$TARGET" ] || die "no run given and none under ${ARTIFACTS_DIR:-artifacts}/train_runs; usage: bash scripts/monitor_run.sh RUN_OR_OUT_DIR" 2
-fi
 PYBIN=$(any_python)
+if [ -z "$TARGET" ]; then  # the run that is training (a failed launch beside it does not win): train/runs.py
+  TARGET=$("$PYBIN" -m train.runs newest "${ARTIFACTS_DIR:-artifacts}" 2>/dev/null) \
+    || die "no run given and none under ${ARTIFACTS_DIR:-artifacts}/train_runs; usage: bash scripts/monitor_run.sh RUN_OR_OUT_DIR" 2
+fi
 if [ "$ONCE" = 1 ]; then
   [ -e "$TARGET" ] || die "$TARGET does not exist (give a run dir or a trainer out_dir)" 2
   exec "$PYBIN" scripts/monitor_frame.py "${FRAME_ARGS[@]}" "$TARGET"

@@ -17,7 +17,6 @@ import csv
 import json
 import os
 import shlex
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -28,6 +27,30 @@ from train.config import load_config  # noqa: E402
 from train.runner import run_training  # noqa: E402
 
 
+def interval_totals(rows: list[dict], warmup: int) -> dict:
+    """training.csv rows -> totals over the intervals that end after `warmup` steps.
+
+    Each row covers the steps since the previous row: dt_step_s x steps seconds, and the tokens_seen
+    difference in tokens. Rates are total tokens / total time (averaging per-interval rates would
+    weight short and long intervals alike, so step time and tokens/s would disagree).
+    """
+    prev_step, prev_tokens = 0, 0
+    steps = seconds = tokens = fetch = 0.0
+    for r in rows:
+        step, seen = int(r["step"]), int(float(r["tokens_seen"]))
+        n = step - prev_step
+        if step > warmup and n > 0:
+            steps += n
+            seconds += float(r["dt_step_s"]) * n
+            fetch += float(r["dt_fetch_s"]) * n
+            tokens += seen - prev_tokens
+        prev_step, prev_tokens = step, seen
+    if not steps:
+        raise SystemExit(f"error: no log interval after --warmup={warmup}")
+    return {"steps": int(steps), "seconds": seconds, "tokens": int(tokens), "step_s": seconds / steps,
+            "toks_per_s": tokens / seconds, "fetch_s": fetch / steps}
+
+
 def measure(config: str, args: list[str], steps: int, warmup: int, out: Path) -> dict:
     log_every = max(1, min(10, warmup or 1))
     cfg = load_config(config, args + [f"--train.steps={steps}", f"--train.log_every={log_every}",
@@ -36,18 +59,11 @@ def measure(config: str, args: list[str], steps: int, warmup: int, out: Path) ->
     with contextlib.redirect_stdout(sys.stderr):
         run_training(cfg)
     with open(out / "training.csv", newline="") as f:
-        rows = [r for r in csv.DictReader(f) if int(r["step"]) > warmup]
-    if not rows:
-        raise SystemExit(f"error: no log interval after --warmup={warmup} in {steps} steps")
-
-    def col(name):
-        values = [float(r[name]) for r in rows if r.get(name) not in (None, "")]
-        return values
-
-    mem = col("mem_alloc_mib")
-    return {"config": config, "args": args, "step_s": statistics.fmean(col("dt_step_s")),
-            "toks_per_s": statistics.fmean(col("toks_per_s")), "fetch_s": statistics.fmean(col("dt_fetch_s")),
-            "peak_mem_alloc_mib": max(mem) if mem else None, "final_loss": float(rows[-1]["loss"])}
+        rows = list(csv.DictReader(f))
+    totals = interval_totals(rows, warmup)
+    mem = [float(r["mem_alloc_mib"]) for r in rows if int(r["step"]) > warmup and r.get("mem_alloc_mib")]
+    return {"config": config, "args": args, **totals, "peak_mem_alloc_mib": max(mem) if mem else None,
+            "final_loss": float(rows[-1]["loss"])}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,7 +2,7 @@
 # Run the NSA correctness suite (causality, reference equality, decode) on CUDA when present, else CPU.
 #   scripts/run_gpu_causality_test.sh          # causality + reference + branches + decode + model + GPU tests
 #   scripts/run_gpu_causality_test.sh --full   # every NSA test, including parameters/stats and the demo
-# Ends with "causality: <passed>/<run> passed"; exits non-zero on any failure.
+# Ends with "causality: <passed>/<run> passed, <skipped> skipped"; exits non-zero on any failure.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
@@ -24,15 +24,6 @@ echo "device: $NSA_TEST_DEVICE ($PY)"
 REPORT=$(mktemp -t nsa_causality.XXXXXX.xml)
 "$PY" -m pytest "${TESTS[@]}" -q -p no:cacheprovider --junitxml="$REPORT"
 status=$?
-"$PY" - "$REPORT" <<'PYEOF'
-import sys
-import xml.etree.ElementTree as ET
-
-root = ET.parse(sys.argv[1]).getroot()
-suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
-run = sum(int(s.get("tests", 0)) - int(s.get("skipped", 0)) for s in suites)
-bad = sum(int(s.get("failures", 0)) + int(s.get("errors", 0)) for s in suites)
-print(f"causality: {run - bad}/{run} passed")
-PYEOF
+"$PY" scripts/junit_summary.py "$REPORT" causality
 rm -f "$REPORT"
 exit $status

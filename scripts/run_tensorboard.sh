@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # TensorBoard on a run's tb/ directory, from .venv, with the SSH port-forward hint (seed 003).
 #
-#   bash scripts/run_tensorboard.sh [LOGDIR | OUT_DIR | RUN_DIR]     (default artifacts/m7c_125m/tb)
+#   bash scripts/run_tensorboard.sh [LOGDIR | OUT_DIR | RUN_DIR]
+#     default: the newest run under artifacts/train_runs that trained (python -m train.runs newest),
+#     else artifacts/m7c_125m/tb
 #   PORT=6007 bash scripts/run_tensorboard.sh artifacts/m7c_125m_2xa100_prod
 #
 # An out_dir means its tb/; a run dir (run.info) means its out_dir's tb/. PORT (6006) and HOST
@@ -16,7 +18,11 @@ cd_repo
 PORT=${PORT:-6006}
 HOST=${HOST:-localhost}
 [[ "$PORT" =~ ^[0-9]+$ ]] || die "PORT=$PORT must be a port number" 2
-LOGDIR=${1:-artifacts/m7c_125m/tb}
+if [ "$#" -ge 1 ]; then
+  LOGDIR=$1
+else  # the run the runners launched most recently that trained (train/runs.py); else the runbook's out_dir
+  LOGDIR=$("$(any_python)" -m train.runs newest "${ARTIFACTS_DIR:-artifacts}" 2>/dev/null) || LOGDIR=artifacts/m7c_125m/tb
+fi
 
 if [ -f "$LOGDIR/run.info" ]; then
   out=$(sed -n 's/^out_dir: //p' "$LOGDIR/run.info" | tail -n 1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -216,6 +217,13 @@ ALIASES: dict[str, object] = {
     "wandb_project": "runtime.wandb_project",
     "wandb_run_name": "runtime.wandb_run_name",
     "profile_steps": "runtime.profile_steps",
+    "flash_attn": _use_flash,
+}
+
+# seed flags accepted as documented no-ops: flag -> why nothing needs to happen (printed as a note)
+NO_OP_FLAGS: dict[str, str] = {
+    "gradient_log_interval": "the global gradient norm is logged at every log interval (training.csv grad_norm); "
+                             "there is no separate gradient log",
 }
 
 
@@ -372,6 +380,8 @@ def _parse_overrides(args: list[str]) -> list[tuple[str, object, str]]:
             if section not in SECTIONS:
                 raise ConfigError(f"--{key}: unknown section '{section}'; valid: {', '.join(SECTIONS)}")
             pairs.append((key, value, f"--{key}"))
+        elif key in NO_OP_FLAGS:
+            print(f"note: --{key}={text} has no effect: {NO_OP_FLAGS[key]}", file=sys.stderr)
         elif key in ALIASES:
             target = ALIASES[key]
             target_key, target_value = target(_parse_value(value)) if callable(target) else (target, value)

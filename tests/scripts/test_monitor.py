@@ -181,3 +181,17 @@ def test_monitor_defaults_to_the_newest_run(tmp_path, script_env):
         (run / "run.info").write_text(f"config: c_{name}.yaml\nout_dir: {out}\n")
     res = run_script("monitor_run.sh", script_env(), "--once", timeout=60)
     assert res.returncode == 0 and "config c_m7c_20250102_000000.yaml" in res.stdout
+
+
+def test_default_run_is_the_one_training_not_a_newer_failed_launch(tmp_path, script_env):
+    """A launch that failed before training (its out_dir holds no metrics) is newer by name than the
+    run that is training; the monitor and TensorBoard both default to the training one."""
+    training_out = make_out(tmp_path)
+    runs = tmp_path / "artifacts" / "train_runs"
+    for name, out in (("m7c_20250101_000000", training_out), ("m7c_20250102_000000", tmp_path / "failed_out")):
+        (runs / name).mkdir(parents=True)
+        (runs / name / "run.info").write_text(f"config: c_{name}.yaml\nout_dir: {out}\n")
+    res = run_script("monitor_run.sh", script_env(), "--once", timeout=60)
+    assert res.returncode == 0 and "config c_m7c_20250101_000000.yaml" in res.stdout, res.stdout + res.stderr
+    res = run_script("run_tensorboard.sh", script_env(DRY_RUN="1"), timeout=30)
+    assert res.returncode == 0 and f"--logdir {training_out}/tb " in res.stdout, res.stdout + res.stderr

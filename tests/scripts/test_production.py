@@ -15,7 +15,7 @@ PROD_CONFIG = "configs/m7c_125m_2xa100_production.yaml"
 def causality_script(tmp_path, passed: bool = True):
     """A stand-in for scripts/run_gpu_causality_test.sh that records its arguments."""
     path = tmp_path / "causality.sh"
-    summary = "causality: 3/3 passed" if passed else "causality: 2/3 passed"
+    summary = "causality: 3/3 passed, 1 skipped" if passed else "causality: 2/3 passed, 1 skipped"
     path.write_text(f'#!/usr/bin/env bash\necho "$*" >"{tmp_path}/causality.args"\necho "{summary}"\n'
                     f"exit {0 if passed else 1}\n")
     return path
@@ -32,7 +32,7 @@ def test_launch_preflight_and_launch_info(fake_smi, script_env, tmp_path):
     assert run_dir.name.startswith("m7c_prod50k_")
     info = kv_file(run_dir / "run.info")
     assert info["preflight"] == "ok" and info["out_dir"] == str(out_dir)
-    assert info["causality"] == "causality: 3/3 passed"
+    assert info["causality"] == "causality: 3/3 passed, 1 skipped"
     assert info["resume_from"].startswith("none (fresh start")
     # checkpoint estimate: params x 4 bytes x 3 (weights + AdamW moments); 121.7M params -> 1.46 GB
     assert "params 121657776" in info["disk"] and "checkpoint ~1.46 GB" in info["disk"] and "keep 10" in info["disk"]
@@ -90,9 +90,9 @@ def test_failing_correctness_suite_stops_the_launch(fake_smi, script_env, tmp_pa
     env = script_env(fake_smi([A100_80, A100_80]), CAUSALITY_SCRIPT=causality_script(tmp_path, passed=False))
     res = run_script("production_50k_launch.sh", env, timeout=60)
     assert res.returncode == 1
-    assert "NSA correctness suite failed (exit 1, causality: 2/3 passed)" in res.stderr
+    assert "NSA correctness suite failed (exit 1, causality: 2/3 passed, 1 skipped)" in res.stderr
     run_dir = only_run_dir(tmp_path / "artifacts")
-    assert (run_dir / "causality.log").read_text().strip() == "causality: 2/3 passed"
+    assert (run_dir / "causality.log").read_text().strip() == "causality: 2/3 passed, 1 skipped"
     assert not (run_dir / "launch_info.txt").exists()
 
 

@@ -75,3 +75,21 @@ def test_makefile_targets():
                  "bash scripts/run_tensorboard.sh artifacts/train_runs/m7c_x",
                  ".venv/bin/python scripts/handoff.py artifacts/train_runs/m7c_x"):
         assert line in res.stdout, line
+
+
+def test_junit_summary_counts_skipped_tests_on_the_same_line(tmp_path):
+    """run_gpu_causality_test.sh's last line comes from a real pytest JUnit report: 2 pass, 1 fails,
+    1 skips -> 'causality: 2/3 passed, 1 skipped' (the skipped test is not counted as run)."""
+    (tmp_path / "test_sample.py").write_text(
+        "import pytest\n"
+        "def test_a(): pass\n"
+        "def test_b(): pass\n"
+        "def test_c(): assert False\n"
+        "@pytest.mark.skip(reason='needs CUDA')\n"
+        "def test_d(): pass\n")
+    report = tmp_path / "report.xml"
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
+                    str(tmp_path / "test_sample.py")], cwd=tmp_path, capture_output=True, timeout=120)
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "junit_summary.py"), str(report), "causality"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "causality: 2/3 passed, 1 skipped"

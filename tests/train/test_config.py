@@ -176,3 +176,12 @@ def test_effective_config_round_trips(tmp_path):
         path.write_text(dump_config(cfg))
         again = load_config(path)
         assert again.to_dict() == cfg.to_dict(), name
+
+
+def test_seed_flags_flash_attn_and_gradient_log_interval(capsys):
+    """The 2xA6000 guide's --flash_attn=True and --gradient_log_interval=50 are accepted: the first sets the
+    attention backend, the second is a no-op that says so."""
+    cfg = load_config(None, ["--flash_attn=False", "--gradient_log_interval=50", "--max_iters=7"])
+    assert cfg.model.attn_backend == "sdpa" and cfg.train.steps == 7
+    assert "--gradient_log_interval=50 has no effect" in capsys.readouterr().err
+    assert load_config(None, ["--flash_attn=True"]).model.attn_backend == "auto"

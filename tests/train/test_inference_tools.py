@@ -67,3 +67,21 @@ def test_profiler_comparison_prints_both_variants():
     assert result["A"]["toks_per_s"] > 0 and result["B"]["toks_per_s"] > 0
     assert result["B"]["args"][-1] == "--runtime.gradient_checkpointing=1"
     assert result["A_over_B"]["toks_per_s"] == pytest.approx(result["A"]["toks_per_s"] / result["B"]["toks_per_s"])
+
+
+def test_profiler_comparison_rates_are_totals_over_time():
+    """Unequal intervals: tokens/s is total tokens / total time, so for the same tokens per step the
+    step-time ratio and the tokens/s ratio are exact reciprocals (per-interval averages are not)."""
+    import profiler_comparison as pc
+
+    rows = [  # step, tokens_seen, dt_step_s: 10 warm-up steps, then intervals of 10 and 1 steps
+        {"step": "10", "tokens_seen": "1000", "dt_step_s": "9.0", "dt_fetch_s": "0"},
+        {"step": "20", "tokens_seen": "2000", "dt_step_s": "1.0", "dt_fetch_s": "0.1"},
+        {"step": "21", "tokens_seen": "2100", "dt_step_s": "4.0", "dt_fetch_s": "0.0"},
+    ]
+    got = pc.interval_totals(rows, warmup=10)
+    assert got["steps"] == 11 and got["tokens"] == 1100 and got["seconds"] == pytest.approx(14.0)
+    assert got["toks_per_s"] == pytest.approx(1100 / 14.0) and got["step_s"] == pytest.approx(14.0 / 11)
+    assert got["fetch_s"] == pytest.approx(1.0 / 11)
+    with pytest.raises(SystemExit):
+        pc.interval_totals(rows, warmup=21)

@@ -1,0 +1,79 @@
+"""The run directories the bash runners write: ARTIFACTS_DIR/train_runs/<name>_<timestamp>/run.info.
+
+A run dir records one launch (run.info names its trainer `out_dir`); several launches may share an
+out_dir (resume), and a launch that failed before training leaves a run dir whose out_dir holds no
+metrics yet. Tools that default to "the current run" (the monitor, TensorBoard) ask `newest_run`:
+
+    python -m train.runs newest ARTIFACTS_DIR [--prefix m7c_] [--out-dir]
+
+The newest run that has started training wins (by the age of its out_dir's metrics.json / training.csv,
+i.e. the run that is training now); only when no run has started does the newest run dir by name.
+Standard library only (the monitor runs it without torch).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+PROGRESS_FILES = ("metrics.json", "training.csv")  # written once a launch trains, refreshed as it does
+
+
+def read_run_info(run_dir: Path) -> dict[str, str]:
+    """run.info 'key: value' lines -> dict; a key written twice keeps its last value (a resumed segment)."""
+    info: dict[str, str] = {}
+    path = Path(run_dir) / "run.info"
+    if not path.is_file():
+        return info
+    for line in path.read_text(errors="replace").splitlines():
+        key, sep, value = line.partition(": ")
+        if sep:
+            info[key.strip()] = value.strip()
+    return info
+
+
+def out_dir_of(run_dir: Path) -> Path | None:
+    out = read_run_info(run_dir).get("out_dir")
+    return Path(out) if out else None
+
+
+def _last_progress(run_dir: Path) -> float | None:
+    """mtime of the newest progress file in the run's out_dir; None when it never trained."""
+    out = out_dir_of(run_dir)
+    if out is None:
+        return None
+    times = [p.stat().st_mtime for p in (out / name for name in PROGRESS_FILES) if p.is_file()]
+    return max(times) if times else None
+
+
+def newest_run(artifacts: Path, prefix: str = "") -> Path | None:
+    runs = sorted(p for p in (Path(artifacts) / "train_runs").glob(f"{prefix}*") if (p / "run.info").is_file())
+    started = [(t, p) for p in runs if (t := _last_progress(p)) is not None]
+    if started:
+        return max(started)[1]
+    return runs[-1] if runs else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m train.runs", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    newest = sub.add_parser("newest", help="print the current run dir (or, with --out-dir, its out_dir)")
+    newest.add_argument("artifacts", type=Path)
+    newest.add_argument("--prefix", default="", help="only run dirs whose name starts with this (e.g. m7c_)")
+    newest.add_argument("--out-dir", action="store_true", help="print the run's trainer out_dir instead")
+    args = parser.parse_args(argv)
+    run = newest_run(args.artifacts, args.prefix)
+    if run is None:
+        print(f"error: no run under {args.artifacts}/train_runs" + (f" named {args.prefix}*" if args.prefix else ""),
+              file=sys.stderr)
+        return 2
+    target = out_dir_of(run) if args.out_dir else run
+    if target is None:
+        print(f"error: {run}/run.info names no out_dir", file=sys.stderr)
+        return 2
+    print(target)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
