@@ -10,6 +10,7 @@ out_dir; default: the newest run dir under artifacts/train_runs. Output:
 artifacts/handoff/<run>_<timestamp>.tar.gz, holding <run>_<timestamp>/ with
   MANIFEST.txt      every file of the tarball: size, sha256, path; then the checkpoint manifest
   run/              run.info, launch_info.txt, smoke.log, train.log, preflight.log, causality.log
+  segments/<run>/   the same files of every launch that wrote to this out_dir (a resumed run), oldest first
   out/              config.yaml, training.csv, val.csv, metrics.json, heartbeat_rank*.jsonl, flags,
                     stack dumps, eval results (top-level files of the out_dir; no tb/, no weights)
   checkpoints.json  the checkpoint manifest (name, step, bytes, sha256)
@@ -64,6 +65,28 @@ def resolve(target: Path) -> tuple[Path | None, Path]:
     if (target / "training.csv").exists() or (target / "metrics.json").exists() or any(target.glob("heartbeat_rank*.jsonl")):
         return None, target
     raise HandoffError(f"{target} is neither a run dir (run.info) nor a trainer out_dir (training.csv / metrics.json)")
+
+
+def same_dir(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve()
+    except OSError:
+        return False
+
+
+def lineage_segments(run_dir: Path | None, out: Path, artifacts: Path) -> list[Path]:
+    """Every launch (run dir) that wrote to this out_dir, oldest first: a resumed run has one run dir per
+    launch, each with its own run.info, smoke.log and train.log. Searched beside run_dir (or, for an
+    out_dir target, under ARTIFACTS_DIR/train_runs)."""
+    root = run_dir.parent if run_dir is not None else artifacts / "train_runs"
+    found = []
+    for info in sorted(root.glob("*/run.info")) if root.is_dir() else []:
+        named = read_kv(info).get("out_dir")
+        if named and same_dir(Path(named) if Path(named).is_absolute() else REPO / named, out):
+            found.append(info.parent)
+    if run_dir is not None and not any(same_dir(p, run_dir) for p in found):
+        found.append(run_dir)
+    return found
 
 
 def newest_run(artifacts: Path) -> Path:
@@ -179,7 +202,8 @@ def checkpoint_manifest(out: Path) -> list[dict]:
     return [{"name": p.name, "step": s, "bytes": p.stat().st_size, "sha256": sha256(p)} for s, p in found]
 
 
-def build(target: Path, out_root: Path, weights: str = "none", now: float | None = None) -> tuple[Path, str]:
+def build(target: Path, out_root: Path, weights: str = "none", now: float | None = None,
+          artifacts: Path | None = None) -> tuple[Path, str]:
     """-> (tarball path, MANIFEST text)."""
     run_dir, out = resolve(target)
     if not out.is_dir():
@@ -190,6 +214,9 @@ def build(target: Path, out_root: Path, weights: str = "none", now: float | None
     files: list[tuple[Path, str]] = []  # (source, path inside base/)
     if run_dir is not None:
         files += [(run_dir / f, f"run/{f}") for f in RUN_FILES if (run_dir / f).is_file()]
+    segments = lineage_segments(run_dir, out, artifacts or REPO / "artifacts")
+    for seg in segments:  # every launch of this out_dir (a resumed run), the packed one included
+        files += [(seg / f, f"segments/{seg.name}/{f}") for f in RUN_FILES if (seg / f).is_file()]
     for p in sorted(out.iterdir()):
         if p.is_file() and not p.is_symlink() and p.suffix in OUT_SUFFIXES and not p.name.startswith("."):
             files.append((p, f"out/{p.name}"))
@@ -212,6 +239,7 @@ def build(target: Path, out_root: Path, weights: str = "none", now: float | None
         entries = [(src, arc, src.stat().st_size, sha256(src)) for src, arc in files]
         lines = [f"# handoff {base}", f"# created {time.strftime('%Y-%m-%dT%H:%M:%S%z', time.localtime(now))}",
                  f"# source run dir: {run_dir if run_dir else '-'}", f"# out_dir: {out}",
+                 f"# segments (launches of this out_dir, oldest first): {' '.join(p.name for p in segments) or '-'}",
                  f"# weights: {weights}", "# files: bytes  sha256  path"]
         lines += [f"{size:>12}  {digest}  {arc}" for _, arc, size, digest in entries]
         lines.append("# checkpoints (in out_dir; weights/ holds them only with --with-weights/--all-weights)")
@@ -252,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         if not target.exists():
             raise HandoffError(f"{target} does not exist")
         weights = "all" if args.all_weights else "latest" if args.with_weights else "none"
-        tar_path, manifest = build(target, Path(args.out_dir) if args.out_dir else artifacts / "handoff", weights)
+        tar_path, manifest = build(target, Path(args.out_dir) if args.out_dir else artifacts / "handoff", weights,
+                                   artifacts=artifacts)
     except HandoffError as exc:
         print(f"handoff: error: {exc}", file=sys.stderr)
         return 2

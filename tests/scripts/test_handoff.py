@@ -95,3 +95,35 @@ def test_bad_target(tmp_path):
     assert res.returncode == 2 and "neither a run dir" in res.stderr
     res = handoff(env=dict(os.environ, ARTIFACTS_DIR=str(tmp_path)))
     assert res.returncode == 2 and "no run given" in res.stderr
+
+
+def test_resumed_run_packs_every_segment(tmp_path):
+    """Three launches wrote one out_dir (a run resumed twice) and an unrelated run sits beside them:
+    the handoff of the last launch holds all three segments' run.info, smoke and train logs."""
+    out = make_out(tmp_path)
+    runs = tmp_path / "artifacts" / "train_runs"
+    names = ["m7c_20250101_000000", "m7c_20250102_000000", "m7c_20250103_000000"]
+    for i, name in enumerate(names):
+        (runs / name).mkdir(parents=True)
+        (runs / name / "run.info").write_text(f"out_dir: {out}\nresume_from: segment {i}\n")
+        (runs / name / "train.log").write_text(f"segment {i} log\n")
+        (runs / name / "smoke.log").write_text(f"segment {i} smoke\n")
+    other = runs / "m7c_20250104_000000"
+    other.mkdir()
+    (other / "run.info").write_text(f"out_dir: {tmp_path / 'elsewhere'}\n")
+    (other / "train.log").write_text("not this run\n")
+
+    res = handoff(runs / names[-1], "--out-dir", tmp_path / "handoff")
+    assert res.returncode == 0, res.stderr
+    tar_path = next((tmp_path / "handoff").glob("*.tar.gz"))
+    with tarfile.open(tar_path) as tar:
+        members = {m.name.split("/", 1)[1]: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
+    for i, name in enumerate(names):
+        assert members[f"segments/{name}/train.log"] == f"segment {i} log\n".encode()
+        assert members[f"segments/{name}/smoke.log"] == f"segment {i} smoke\n".encode()
+        assert f"segment {i}".encode() in members[f"segments/{name}/run.info"]
+    assert not any("m7c_20250104_000000" in m for m in members)
+    assert f"segments (launches of this out_dir, oldest first): {' '.join(names)}" in res.stdout
+    # an out_dir target finds the same launches under ARTIFACTS_DIR/train_runs
+    res = handoff(out, "--out-dir", tmp_path / "handoff2", env={**os.environ, "ARTIFACTS_DIR": str(tmp_path / "artifacts")})
+    assert res.returncode == 0 and f"oldest first): {' '.join(names)}" in res.stdout, res.stderr
