@@ -36,7 +36,7 @@ bench:
 handoff:
 	$(PY) scripts/handoff.py $(RUN) $(HANDOFF_ARGS)
 
-# seed 000's pre-flight checklist for CONFIG (docs/PRODUCTION.md); e.g. PREFLIGHT_ARGS="--gpus 8"
+# the best-practices guide's pre-flight checklist for CONFIG (docs/PRODUCTION.md); e.g. PREFLIGHT_ARGS="--gpus 8"
 preflight:
 	$(PY) -m train.preflight $(CONFIG) $(PREFLIGHT_ARGS)
 

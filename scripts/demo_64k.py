@@ -86,7 +86,7 @@ def main() -> None:
     ap.add_argument("--ffn_dim", type=int, default=2048)
     ap.add_argument("--vocab", type=int, default=50304)
     ap.add_argument("--use_fa2", type=int, nargs="?", const=1, default=0, choices=[0, 1],
-                    help="1 (or bare --use_fa2): the dense baseline uses flash-attn when importable on CUDA (the seed's --use_fa2 1)")
+                    help="1 (or bare --use_fa2): the dense baseline uses flash-attn when importable on CUDA (the guide's --use_fa2 1)")
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda")
     ap.add_argument("--dense_baseline", type=int, default=0, choices=[0, 1], help="also time a dense model")
     args = ap.parse_args()

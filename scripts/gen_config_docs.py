@@ -50,7 +50,7 @@ def main() -> None:
             default, doc = docs.get(f.name, ("", ""))
             print(f"| `{f.name}` | `{default}` | {doc.replace('|', '/')} |")
         print()
-    print("## Aliases (the seeds' nanoGPT-style flags)\n\n| flag | sets |\n|---|---|")
+    print("## Aliases (the source guides' nanoGPT-style flags)\n\n| flag | sets |\n|---|---|")
     for alias, target in ALIASES.items():
         print(f"| `--{alias}` | {f'`{target}`' if isinstance(target, str) else (target.__doc__ or target.__name__.strip('_')).strip()} |")
     for flag, why in NO_OP_FLAGS.items():

@@ -14,7 +14,7 @@ THROUGHPUT_DROP, GATE_COLLAPSE_MAX, GATE_ENTROPY_MIN):
   stale       no heartbeat line for STALE_S (300) seconds while the run is not finished
   gates       gate collapse fraction > GATE_COLLAPSE_MAX (0.01) or mean gate entropy < GATE_ENTROPY_MIN (0.5)
   nan         a non-finite loss, newly skipped steps, or an anomaly halt
-  leak        loss < LOSS_FLOOR (1.5) before LOSS_FLOOR_FRAC (10%) of the steps (seed 000: suspect leakage)
+  leak        loss < LOSS_FLOOR (1.5) before LOSS_FLOOR_FRAC (10%) of the steps (the best-practices guide: suspect leakage)
   watchdog    the trainer's watchdog fired (no step for runtime.watchdog_s) in the current session
   trainer     'alert' records the trainer wrote to the heartbeat
 """

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Monitor of the production 50k run (seed 004): scripts/monitor_run.sh on the production out_dir.
+# Monitor of the production 50k run (the 50K launch plan): scripts/monitor_run.sh on the production out_dir.
 #
 #   bash scripts/monitor_production_50k.sh [--once] [--interval N] [RUN_OR_OUT_DIR]
 #

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Production 50k-step launch (seed 004), the recommended path:
+# Production 50k-step launch (the 50K launch plan), the recommended path:
 #
 #   tmux new -s prod50k
 #   bash scripts/production_50k_launch.sh
 #
-# 1. seed 004's environment, each value overridable by the caller: NSA_DDP_COMPRESS=bf16,
+# 1. the 50K launch plan's environment, each value overridable by the caller: NSA_DDP_COMPRESS=bf16,
 #    NSA_DDP_BUCKET_MB=25, NCCL_ALGO=Ring, NCCL_PROTO=Simple, NCCL_IB_DISABLE=1, NCCL_DEBUG=WARN,
 #    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (NSA_* knobs -> config: scripts/lib/env_overrides.sh);
 # 2. pre-flight into artifacts/train_runs/m7c_prod50k_<timestamp>/: GPUs idle (busy GPUs are

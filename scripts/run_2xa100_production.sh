@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Launch the M7C production run (configs/m7c_125m_2xa100_production.yaml) with torchrun over every
 # visible GPU. Called by scripts/production_50k_launch.sh after its pre-flight (PREFLIGHT_DONE=<run
-# dir>); run directly (seed 004, "Option B") it does the same pre-flight itself first.
+# dir>); run directly (the 50K launch plan, "Option B") it does the same pre-flight itself first.
 #
 #   bash scripts/run_2xa100_production.sh
 #

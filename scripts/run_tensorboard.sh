@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# TensorBoard on a run's tb/ directory, from .venv, with the SSH port-forward hint (seed 003).
+# TensorBoard on a run's tb/ directory, from .venv, with the SSH port-forward hint (the M7C runbook).
 #
 #   bash scripts/run_tensorboard.sh [LOGDIR | OUT_DIR | RUN_DIR]
 #     default: the newest run under artifacts/train_runs that trained (python -m train.runs newest),

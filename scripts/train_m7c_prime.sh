@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# M7C training runner (seed 003): one command from a bootstrapped checkout to a running, resumable
+# M7C training runner (the M7C runbook): one command from a bootstrapped checkout to a running, resumable
 # training job. Run it inside tmux (docs/RUNBOOK.md):
 #
 #   tmux new -s m7c
 #   bash scripts/train_m7c_prime.sh
 #
 # What it does:
-#   1. requires .venv (bash scripts/prime_bootstrap.sh), exports seed 003's NCCL settings and
+#   1. requires .venv (bash scripts/prime_bootstrap.sh), exports the M7C runbook's NCCL settings and
 #      PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the caller's values win);
 #   2. picks the config from the largest GPU's memory (>= 75 GB: 80g, >= 35 GB: 40g, else 24g;
 #      no GPU: configs/m7c_cpu.yaml) and the launcher (torchrun over every visible GPU when
@@ -73,7 +73,7 @@ fi
 NPROC=$GPU_COUNT
 launcher_for "$NPROC"
 if [ "$NPROC" -ge 2 ]; then
-  export NSA_DDP_COMPRESS="${NSA_DDP_COMPRESS:-bf16}"  # seed 003: bf16 gradient compression by default
+  export NSA_DDP_COMPRESS="${NSA_DDP_COMPRESS:-bf16}"  # the M7C runbook: bf16 gradient compression by default
 fi
 
 OVERRIDES=()

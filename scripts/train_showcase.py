@@ -1,4 +1,4 @@
-"""Seed-compatible entrypoint (seed 003): a thin shim over `python -m train`.
+"""Seed-compatible entrypoint (the M7C runbook): a thin shim over `python -m train`.
 
     CONFIG=configs/m7c_125m_40g.yaml python -u scripts/train_showcase.py --dataset synthetic --steps 200
     CONFIG=... torchrun --nproc_per_node=2 scripts/train_showcase.py --dataset fineweb_edu \

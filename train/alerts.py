@@ -1,4 +1,4 @@
-"""Alerts computed once per log interval (seed 000 §3): early loss floor (data-leak suspicion),
+"""Alerts computed once per log interval (the best-practices guide §3): early loss floor (data-leak suspicion),
 loss spikes, and sustained throughput drops (which ask for a profiler trace)."""
 from __future__ import annotations
 

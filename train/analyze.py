@@ -1,4 +1,4 @@
-"""Summarise a run from its run_YYYYMMDD_HHMMSS.json and plot it (seed 001's analysis snippet, as a tool).
+"""Summarise a run from its run_YYYYMMDD_HHMMSS.json and plot it (the quick-start guide's analysis snippet, as a tool).
 
     python -m train.analyze RUN [--target-tokens 82e9] [--skip-steps 50] [--json] [--no-plots]
 
@@ -8,7 +8,7 @@ average and peak MFU after warm-up, tokens/s, memory, time per iteration and, wi
 RUN/analysis/summary.json and PNG plots (loss.png with val loss, throughput.png, mfu.png when the
 run measured MFU) with matplotlib's Agg backend.
 
-Warm-up: log intervals ending at step <= --skip-steps (default 50, as seed 001) are left out of
+Warm-up: log intervals ending at step <= --skip-steps (default 50, as the quick-start guide) are left out of
 the averages. A run shorter than that drops only its first interval (it includes start-up).
 """
 from __future__ import annotations

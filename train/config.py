@@ -4,7 +4,7 @@ Strict by design: an unknown key, a key nothing reads, or a value of the wrong t
 ConfigError naming the file (or, for an override, the command-line flag), the key and the valid
 keys. Command-line overrides use
 `--section.key=value`, a bare `--key=value` when the leaf name is unambiguous, or one of the
-nanoGPT-style aliases in ALIASES (the seeds' commands).
+nanoGPT-style aliases in ALIASES (the source guides' commands).
 """
 from __future__ import annotations
 
@@ -256,7 +256,7 @@ def _coerce(value, annotation, where: str):
         return _as_bool(value, where)
     if annotation is int:
         if isinstance(value, bool) and "gradient_checkpointing" in where:
-            return int(value)  # the seeds write `gradient_checkpointing: false`
+            return int(value)  # the source guides write `gradient_checkpointing: false`
         if isinstance(value, int) and not isinstance(value, bool):
             return value
         if isinstance(value, float) and value.is_integer():

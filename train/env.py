@@ -1,6 +1,6 @@
 """The one place where environment variables become config overrides.
 
-The seeds' runbooks set knobs in the environment (NSA_DDP_COMPRESS=bf16, NSA_NVTX=1, ...). They map
+the source guides' runbooks set knobs in the environment (NSA_DDP_COMPRESS=bf16, NSA_NVTX=1, ...). They map
 onto config keys here; explicit command-line overrides come after and win. Knobs that named
 optional code paths of the earlier system are accepted and reported as unnecessary.
 """

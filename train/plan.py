@@ -3,7 +3,7 @@
     python -m train.plan CONFIG [--section.key=value ...] [--tokens 82e9] [--gpus 8] [--gpu H100-80GB]
         [--toks-per-s 300000 | --mfu 0.40 --peak-device "NVIDIA B200"] [--hours 50] [--json]
 
-The arithmetic of seed 002, from the config instead of by hand:
+The arithmetic of the B200 MFU guide, from the config instead of by hand:
     tokens/iteration = batch_size x accumulate_grad_batches x gpus x seq_len
     iterations       = ceil(tokens / tokens per iteration)     (enough to reach the target)
 The seed's "≈" figures are the same quotient rounded to nearest; `iterations_rounded` reports
@@ -98,7 +98,7 @@ def render(plan: dict) -> str:
         f"  tokens/iteration  {p['batch_size']} x {p['accumulate_grad_batches']} x {p['gpus']} x {p['seq_len']} "
         f"= {p['tokens_per_iter']:,}",
         f"  iterations        {p['iterations']:,} for {p['target_tokens']:.4g} tokens "
-        f"(ceil of {p['iterations_exact']:,.2f}; rounded to nearest, as seed 002 writes: ≈ {p['iterations_rounded']:,})",
+        f"(ceil of {p['iterations_exact']:,.2f}; rounded to nearest, as the B200 MFU guide writes: ≈ {p['iterations_rounded']:,})",
         f"  tokens trained    {p['tokens_trained']:,} ({p['iterations']:,} iterations)",
         f"  config steps      {p['config_steps']:,} = {p['config_steps_tokens']:,} tokens",
         f"  params            {p['params']:,}",

@@ -1,4 +1,4 @@
-"""Post-run (seed 000 §4): validate the final checkpoint in eval-only mode, then archive the run.
+"""Post-run (the best-practices guide §4): validate the final checkpoint in eval-only mode, then archive the run.
 
     python -m train.postrun OUT_DIR [--no-eval] [--archive-dir DIR] [--with-weights] [--skip-steps N]
 

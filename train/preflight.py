@@ -1,9 +1,9 @@
-"""Pre-flight checklist (seed 000 §1) as code: run it before every long run.
+"""Pre-flight checklist (the best-practices guide §1) as code: run it before every long run.
 
     python -m train.preflight CONFIG [--section.key=value ...] [--gpus N] [--no-checksums]
     make preflight CONFIG=configs/full_qwen3_1.8b_b200_50h.yaml PREFLIGHT_ARGS="--gpus 8"
 
-Prints a checklist (✓ passed, ✗ failed) grouped as in seed 000, then the warnings (⚠) and the
+Prints a checklist (✓ passed, ✗ failed) grouped as in the best-practices guide, then the warnings (⚠) and the
 eye-test snippets. Exit 0 when nothing failed, 1 when a check failed, 2 for a config error.
 `run_preflight(cfg, gpus=..., free_bytes=...)` is the same check for tests and launch scripts.
 What each check covers, and what stays manual, is in docs/PRODUCTION.md.
@@ -173,7 +173,7 @@ def _checksums(data_dir: Path, meta, cfg: RunConfig, add, enabled: bool, sizes_o
 
 
 def _eye_test(data_dir: Path, meta, cfg: RunConfig, add, eye: list[str]) -> None:
-    """Decode a short window near the start and the end of each split (seed 000: 'eye test')."""
+    """Decode a short window near the start and the end of each split (the best-practices guide: 'eye test')."""
     from train.data.meta import SPLITS
     from train.data.tokenizers import load_tokenizer
 
@@ -244,7 +244,7 @@ def _loader(cfg: RunConfig, add) -> None:
                        "each token is trained once per epoch)")
     add(OK, "token dtype", "streams tokenize on the fly; the dtype follows the tokenizer size")
     if d.num_workers == 0:
-        add(WARN, "dataloader", "data.num_workers=0: tokenization runs in the training process (seed 000 asks >= 16)")
+        add(WARN, "dataloader", "data.num_workers=0: tokenization runs in the training process (the best-practices guide asks >= 16)")
     else:
         add(OK, "dataloader", f"{d.num_workers} workers per rank, prefetch {d.prefetch_factor}")
     if not d.pin_memory:
@@ -278,7 +278,7 @@ def _model_optimizer(cfg: RunConfig, add, gpus: int, env: dict, cuda: bool, gpu_
     sharded = "zero1" if rt.zero1 else "fsdp" if rt.fsdp else None
     if gpus > 1 and accum > 1 and not sharded:
         add(WARN, "zero1", f"{gpus} GPUs x accumulation {accum} without ZeRO-1: set --use_zero1=true "
-                           "(shards the AdamW moments; seed 000)")
+                           "(shards the AdamW moments; the best-practices guide)")
     else:
         add(OK, "zero1", f"{sharded} on" if sharded else f"not needed ({gpus} GPU(s), accumulation {accum})")
     alloc = env.get("PYTORCH_CUDA_ALLOC_CONF", "")
@@ -418,7 +418,7 @@ def _gpu_total_bytes() -> int | None:
 def run_preflight(cfg: RunConfig, *, gpus: int | None = None, free_bytes: Callable[[Path], int] | None = None,
                   checksums: bool = True, env: dict | None = None, cuda: bool | None = None,
                   gpu_bytes: int | None = None) -> PreflightResult:
-    """Every programmatic item of seed 000 §1 against cfg. gpus: the launch's world size (default
+    """Every programmatic item of the best-practices guide §1 against cfg. gpus: the launch's world size (default
     $WORLD_SIZE or 1); free_bytes(path) -> free bytes (default shutil.disk_usage); env: the
     environment to inspect (default os.environ); cuda: whether this machine has CUDA (default torch);
     gpu_bytes: the smallest GPU's memory (default: detected when cuda)."""

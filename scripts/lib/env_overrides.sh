@@ -1,5 +1,5 @@
 # shellcheck shell=bash
-# The seeds' environment knobs as trainer config overrides, for the launch commands and the run
+# the source guides' environment knobs as trainer config overrides, for the launch commands and the run
 # records. The table itself lives in ONE place, the trainer's train/env.py (`python -m train.env`
 # prints what the environment implies; the trainer applies the same table when it starts):
 #
@@ -49,7 +49,7 @@ read_overrides() {
   fi
 }
 
-# export_nccl_defaults: seed 003's NCCL settings for SSH single-node runs; the caller's environment wins.
+# export_nccl_defaults: the M7C runbook's NCCL settings for SSH single-node runs; the caller's environment wins.
 export_nccl_defaults() {
   export NCCL_P2P_DISABLE="${NCCL_P2P_DISABLE:-1}"
   export NCCL_IB_DISABLE="${NCCL_IB_DISABLE:-1}"
@@ -58,7 +58,7 @@ export_nccl_defaults() {
   export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
 }
 
-# export_production_defaults: seed 004's production environment (2x A100 PCIe); the caller's wins.
+# export_production_defaults: the 50K launch plan's production environment (2x A100 PCIe); the caller's wins.
 export_production_defaults() {
   export NSA_DDP_COMPRESS="${NSA_DDP_COMPRESS:-bf16}"
   export NSA_DDP_BUCKET_MB="${NSA_DDP_BUCKET_MB:-25}"

@@ -1,5 +1,5 @@
 # shellcheck shell=bash
-# Production launch (seed 004) shared by scripts/production_50k_launch.sh and
+# Production launch (the 50K launch plan) shared by scripts/production_50k_launch.sh and
 # scripts/run_2xa100_production.sh: set-up, pre-flight and the torchrun launch.
 #
 # Knobs (environment):
@@ -218,7 +218,7 @@ prod_launch() {
   local cmd_line
   cmd_line=$(quote_cmd "${TRAIN_CMD[@]}")
   {
-    echo "# launch record (seed 004 production run)"
+    echo "# launch record (the 50K launch plan production run)"
     kv launched "$(now_iso)"
     kv host "$(hostname 2>/dev/null || echo unknown)"
     kv git_sha "$(git_sha)"

@@ -11,7 +11,7 @@ def test_demo_runs_small_and_reports_reads(repo_dir):
     cmd = [sys.executable, str(repo_dir / "scripts" / "demo_64k.py"), "--S", str(S), "--layers", str(layers),
            "--dim", "128", "--heads", "4", "--kv_heads", "2", "--ffn_dim", "256", "--vocab", "512",
            "--decode_steps", str(steps), "--prefill_tile", "768", "--device", "cpu", "--dense_baseline", "1",
-           "--use_fa2", "1"]  # the seed's spelling; a note on CPU
+           "--use_fa2", "1"]  # the guide's spelling; a note on CPU
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=repo_dir)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "--use_fa2 1 has no effect on CPU" in proc.stdout

@@ -30,7 +30,7 @@ from nsa.model import Transformer
 # --- the five seed presets (docs/MODELS.md) ------------------------------------------------------
 
 PRESETS = {
-    # seed 001 names GPT-2 1.36B without a shape; 18L-18H-2304D-9216ff, vocab 50304 is our choice
+    # the quick-start guide names GPT-2 1.36B without a shape; 18L-18H-2304D-9216ff, vocab 50304 is our choice
     "gpt2_1.36b": dict(vocab_size=50304, dim=2304, n_layers=18, n_heads=18, ffn_dim=9216, max_seq_len=2048,
                        norm="layernorm", mlp="gelu", pos_emb="learned", tie_embeddings=True, bias=True),
     "llama2_1.36b": dict(vocab_size=32000, dim=2304, n_layers=18, n_heads=18, ffn_dim=6144, max_seq_len=2048),
@@ -38,7 +38,7 @@ PRESETS = {
                         max_seq_len=2048, rope_theta=5e5),
     "llama3_2.2b": dict(vocab_size=128256, dim=2048, n_layers=30, n_heads=16, n_kv_heads=8, ffn_dim=7168,
                         max_seq_len=2048, rope_theta=5e5),
-    # vocab 151669 padded up to a multiple of 64; untied, as the seed's "~1.830B" requires
+    # vocab 151669 padded up to a multiple of 64; untied, as the guide's "~1.830B" requires
     "qwen3_1.8b": dict(vocab_size=151680, dim=2048, n_layers=24, n_heads=16, n_kv_heads=8, ffn_dim=6144,
                        max_seq_len=2048, rope_theta=1e6, qk_norm=True),
 }
@@ -376,7 +376,7 @@ def test_mfu_arithmetic():
 
 
 def test_mfu_reproduces_the_seed_log_line():
-    """Seed 002: 'MFU: 42.5% | Peak: 18000.0 TF' at 320450 tokens/s, 23.9 GF/token on 8 × B200."""
+    """The B200 MFU guide: 'MFU: 42.5% | Peak: 18000.0 TF' at 320450 tokens/s, 23.9 GF/token on 8 × B200."""
     peak = peak_flops("NVIDIA B200", "bf16")
     assert 8 * peak == pytest.approx(18000e12)
     assert mfu(320450, 23.9e9, peak, 8) == pytest.approx(0.425, abs=0.001)

@@ -43,7 +43,7 @@ def test_config_and_launcher_follow_the_gpus(fake_smi, script_env, gpus, config,
     launch = fields["launch"]
     if nproc >= 2:
         assert launch.startswith(f".venv/bin/torchrun --standalone --nproc_per_node={nproc} -m train {config}")
-        assert "--runtime.ddp_compress=bf16" in launch  # seed 003's default for DDP
+        assert "--runtime.ddp_compress=bf16" in launch  # the M7C runbook's default for DDP
         assert fields["smoke"].startswith(f".venv/bin/torchrun --standalone --nproc_per_node={nproc} -m train "
                                           "configs/train_showcase.yaml")
     else:
@@ -83,7 +83,7 @@ def test_knobs_become_overrides(fake_smi, script_env):
         "--data.source=text:data/\\*.txt --runtime.ddp_compress=fp16 --runtime.ddp_bucket_mb=50 "
         "--runtime.disable_gc=true --train.steps=10 --train.lr=1e-4")
     assert "--train.steps=7 --train.seq_len=32" in fields["smoke"]
-    # seed 003's NCCL settings are exported; the caller's value wins
+    # the M7C runbook's NCCL settings are exported; the caller's value wins
     assert fields["env:NCCL_P2P_DISABLE"] == "1" and fields["env:NCCL_IB_DISABLE"] == "1"
     assert fields["env:TORCH_NCCL_BLOCKING_WAIT"] == "1" and fields["env:NCCL_DEBUG"] == "INFO"
     assert fields["env:PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"

@@ -55,7 +55,7 @@ def test_chunked_loss_path_is_far_smaller_than_full_logits():
 
 
 def test_the_seed_shape_of_the_b200_preset_does_not_fit_and_the_advice_fixes_it():
-    """Seed 002's phase 1 (64 x 2048 tokens per micro-batch, no checkpointing) cannot fit a B200:
+    """The B200 MFU guide's phase 1 (64 x 2048 tokens per micro-batch, no checkpointing) cannot fit a B200:
     the shipped preset uses the advice, and the advice fits."""
     seed_shape = load_config(QWEN_B200, ["--train.batch_size=64", "--train.accumulate_grad_batches=4"])
     v = verdict(seed_shape, 8, "B200-192GB")
@@ -64,7 +64,7 @@ def test_the_seed_shape_of_the_b200_preset_does_not_fit_and_the_advice_fixes_it(
     shipped = load_config(QWEN_B200)
     assert verdict(shipped, 8, "B200-192GB")["fits"]
     t = shipped.train
-    assert t.batch_size * t.accumulate_grad_batches == 64 * 4  # the seed's global batch is kept
+    assert t.batch_size * t.accumulate_grad_batches == 64 * 4  # the guide's global batch is kept
 
 
 @pytest.mark.parametrize("config, gpu, world", [

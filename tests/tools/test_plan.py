@@ -1,4 +1,4 @@
-"""train.plan reproduces seed 002's arithmetic from the config (and corrects its Phase 2/3 rows)."""
+"""train.plan reproduces the B200 MFU guide's arithmetic from the config (and corrects its Phase 2/3 rows)."""
 from __future__ import annotations
 
 import json
@@ -25,15 +25,15 @@ def test_seed_002_tokens_per_iteration_and_iterations(phase1):
     assert plan["tokens_per_iter"] == 64 * 4 * 8 * 2048 == 4_194_304
     assert plan["iterations_exact"] == pytest.approx(19_550.32, abs=0.01)
     assert plan["iterations"] == 19_551  # ceil: enough iterations to reach 82e9 tokens
-    assert plan["iterations_rounded"] == 19_550  # the seed's "≈ 19,550" (nearest)
+    assert plan["iterations_rounded"] == 19_550  # the guide's "≈ 19,550" (nearest)
     assert plan["tokens_trained"] >= 82e9 > plan["iterations_rounded"] * plan["tokens_per_iter"]
-    # the seed's other rows use the same rounding: 6e9 -> 1,431 (1,430.5), 1e9 -> 238 (238.4)
+    # the guide's other rows use the same rounding: 6e9 -> 1,431 (1,430.5), 1e9 -> 238 (238.4)
     assert make_plan(phase1, tokens=6e9, gpus=8)["iterations_rounded"] == 1_431
     assert make_plan(phase1, tokens=1e9, gpus=8)["iterations_rounded"] == 238
 
 
 def test_phase_2_and_3_tokens_per_iteration(phase1):
-    """Seed 002's table says 3.9M / 5.2M; batch x accum x 8 x 2048 gives 3.1M / 4.2M."""
+    """The B200 MFU guide's table says 3.9M / 5.2M; batch x accum x 8 x 2048 gives 3.1M / 4.2M."""
     phase2 = load_config(B200, ["--batch_size=96", "--gradient_accumulation_steps=2"])
     phase3 = load_config(B200, ["--batch_size=128", "--gradient_accumulation_steps=2", "--use_cuda_graphs=true"])
     assert make_plan(phase2, tokens=82e9, gpus=8)["tokens_per_iter"] == 3_145_728

@@ -1,4 +1,4 @@
-"""Production presets: B200 Qwen3 phases and 50 h run (seeds 000/002), 2x A6000 per model (seed 001)."""
+"""Production presets: B200 Qwen3 phases and 50 h run (the best-practices and B200 MFU guides), 2x A6000 per model (the quick-start guide)."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,8 +13,8 @@ from train.config import load_config
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 QWEN3 = "full_qwen3_1.8b_optimal.yaml"
 
-# derived preset -> (base preset, per-GPU batch, accumulation): seed 001's 2x A6000 commands, with the
-# micro-batch split where the seed's does not fit 48 GB (same global batch; tests/tools/test_memory.py)
+# derived preset -> (base preset, per-GPU batch, accumulation): the quick-start guide's 2x A6000 commands, with the
+# micro-batch split where the guide's does not fit 48 GB (same global batch; tests/tools/test_memory.py)
 A6000 = {
     "full_gpt2_1.36b_2xa6000.yaml": ("full_gpt2_1.36b.yaml", 4, 32),
     "full_llama2_1.36b_2xa6000.yaml": ("full_llama2_1.36b.yaml", 6, 32),
@@ -45,7 +45,7 @@ def test_2xa6000_presets(name):
 def test_b200_optimal_is_seed_002_phase_1():
     cfg = load("full_qwen3_1.8b_b200_optimal.yaml")
     assert same_model(cfg, load(QWEN3))
-    # seed 002's 64 x 4 global batch as 16 x 16: 64 x 2048-token micro-batches do not fit a B200
+    # the B200 MFU guide's 64 x 4 global batch as 16 x 16: 64 x 2048-token micro-batches do not fit a B200
     assert (cfg.train.batch_size, cfg.train.accumulate_grad_batches, cfg.train.seq_len) == (16, 16, 2048)
     assert cfg.data.num_workers == 16 and cfg.runtime.zero1 and not cfg.runtime.cuda_graphs
     assert cfg.data.source in ("bin:data/slimpajama_6b_qwen3", "bin:data/slimpajama_627b_qwen3")

@@ -148,7 +148,7 @@ def test_two_node_rendezvous_on_localhost(tmp_path):
 
 
 def test_ddp_with_activation_checkpointing_matches_ddp(ddp_run, tmp_path):
-    """Seed 004 had to turn checkpointing off under DDP; non-reentrant checkpointing works with it."""
+    """The 50K launch plan had to turn checkpointing off under DDP; non-reentrant checkpointing works with it."""
     out = tmp_path / "ckpt"
     torchrun(out, "--train.batch_size=4", "--runtime.gradient_checkpointing=1")
     a, b = losses(ddp_run), losses(out)

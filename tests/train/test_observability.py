@@ -111,7 +111,7 @@ TINY = ["--model.vocab_size=256", "--model.dim=32", "--model.n_layers=1", "--mod
 
 
 def test_seed_showcase_commands(tmp_path):
-    """Seed 003: `CONFIG=... python -u scripts/train_showcase.py --dataset synthetic --steps N`, then
+    """The M7C runbook: `CONFIG=... python -u scripts/train_showcase.py --dataset synthetic --steps N`, then
     `--resume artifacts/.../checkpoint_step{N}.pt` continues from that file."""
     out = tmp_path / "run"
     env = {"CONFIG": "configs/train_showcase.yaml", "NSA_SEL_RANGES_V2": "1"}
