@@ -380,3 +380,7 @@ def test_mfu_reproduces_the_seed_log_line():
     peak = peak_flops("NVIDIA B200", "bf16")
     assert 8 * peak == pytest.approx(18000e12)
     assert mfu(320450, 23.9e9, peak, 8) == pytest.approx(0.425, abs=0.001)
+    # what the trainer prints for the same tokens/s (docs/MFU.md's example): the v3 count of Qwen3 1.8B
+    v3 = flops_per_token(ModelConfig(**PRESETS["qwen3_1.8b"]), 2048).flops_per_token
+    assert v3 == pytest.approx(10.32e9, rel=1e-3)
+    assert mfu(320450, v3, peak, 8) == pytest.approx(0.184, abs=0.001)
