@@ -16,7 +16,6 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
 DENSE = ["--model.vocab_size=8192", "--model.dim=512", "--model.n_layers=6", "--model.n_heads=8",
          "--model.n_kv_heads=2", "--model.ffn_dim=1536", "--model.max_seq_len=4096"]
 NSA = ["--model.vocab_size=8192", "--model.dim=512", "--model.n_layers=4", "--model.n_heads=8",
@@ -38,7 +37,6 @@ def kib(field: str) -> int:
 
 
 def child(name: str) -> None:
-    sys.path.insert(0, str(REPO))
     import torch
 
     from nsa.model import Transformer

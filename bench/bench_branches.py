@@ -11,17 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_nsa import time_ms  # noqa: E402
-from nsa.attention import flex  # noqa: E402
-from nsa.attention.compression import compressed_attention, num_compressed  # noqa: E402
-from nsa.attention.window import sliding_window_attention  # noqa: E402
+from bench_nsa import time_ms  # the sibling benchmark (bench/ is this script's sys.path[0])
+from nsa.attention import flex
+from nsa.attention.compression import compressed_attention, num_compressed
+from nsa.attention.window import sliding_window_attention
 
 L, D, W, Q_CHUNK, WIN_BLOCK = 32, 16, 512, 256, 128
 

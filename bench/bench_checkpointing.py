@@ -13,13 +13,10 @@ import resource
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 def child(args) -> None:
-    sys.path.insert(0, str(REPO))
     import torch
 
     from nsa.config import ModelConfig

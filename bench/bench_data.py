@@ -19,13 +19,12 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from train.data import DataConfig, build_data  # noqa: E402
-from train.data.meta import FORMAT, FORMAT_VERSION  # noqa: E402
-from train.data.prepare import prepare  # noqa: E402
-from train.data.sources import open_documents  # noqa: E402
-from train.data.tokenizers import load_tokenizer  # noqa: E402
+from train.data import DataConfig, build_data
+from train.data.meta import FORMAT, FORMAT_VERSION
+from train.data.prepare import prepare
+from train.data.sources import open_documents
+from train.data.tokenizers import load_tokenizer
 
 
 def _timed(fn, seconds: float) -> tuple[int, float]:

@@ -13,18 +13,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nsa.attention.dense import DenseAttention, KVCache  # noqa: E402
-from nsa.attention.nsa import NativeSparseAttention  # noqa: E402
-from nsa.config import ModelConfig  # noqa: E402
-from nsa.layers import RotaryEmbedding  # noqa: E402
+from nsa.attention.dense import DenseAttention, KVCache
+from nsa.attention.nsa import NativeSparseAttention
+from nsa.config import ModelConfig
+from nsa.layers import RotaryEmbedding
 
 
 @torch.inference_mode()

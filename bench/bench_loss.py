@@ -19,14 +19,11 @@ import resource
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
 MIB = 2**20
 
 
 def child(args) -> None:
-    sys.path.insert(0, str(REPO))
     import torch
     import torch.nn.functional as F
 

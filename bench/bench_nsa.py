@@ -11,18 +11,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nsa.attention.dense import DenseAttention  # noqa: E402
-from nsa.attention.nsa import NativeSparseAttention  # noqa: E402
-from nsa.config import ModelConfig  # noqa: E402
-from nsa.layers import RotaryEmbedding  # noqa: E402
+from nsa.attention.dense import DenseAttention
+from nsa.attention.nsa import NativeSparseAttention
+from nsa.config import ModelConfig
+from nsa.layers import RotaryEmbedding
 
 
 def make_layer(kind: str, args) -> torch.nn.Module:

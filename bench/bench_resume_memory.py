@@ -97,7 +97,6 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=22)
     parser.add_argument("--vocab", type=int, default=32000)
     args = parser.parse_args()
-    sys.path.insert(0, str(REPO))
     from nsa.config import ModelConfig
     from nsa.model import Transformer
 

@@ -21,7 +21,6 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def child(calls: int) -> None:
-    sys.path.insert(0, str(REPO))
     import torch.distributed as dist
 
     from train.stop import StopVote

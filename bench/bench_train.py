@@ -22,14 +22,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from nsa.model import Transformer
+from train.config import load_config
+from train.data.prepare import prepare
+from train.runner import run_training
 
-from nsa.config import ModelConfig  # noqa: E402
-from nsa.model import Transformer  # noqa: E402
-from train.config import load_config  # noqa: E402
-from train.data.prepare import prepare  # noqa: E402
-from train.runner import run_training  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 MODEL = ["--model.vocab_size=50304", "--model.dim=384", "--model.n_layers=6", "--model.n_heads=6",
          "--model.ffn_dim=1536", "--model.max_seq_len=256", "--model.norm=layernorm", "--model.mlp=gelu",

@@ -14,16 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nsa.config import ModelConfig  # noqa: E402
-from nsa.model import Transformer  # noqa: E402
+from nsa.config import ModelConfig
+from nsa.model import Transformer
 
 
 def build(args, attention: str) -> Transformer:

@@ -7,12 +7,9 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import re
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from train.config import ALIASES, NO_OP_FLAGS, SECTIONS  # noqa: E402
+from train.config import ALIASES, NO_OP_FLAGS, SECTIONS
 
 FIELD_RE = re.compile(r"^\s+(\w+):\s*[^=]+=\s*(.+?)(?:\s+#\s*(.*))?$")
 COMMENT_RE = re.compile(r"^\s+#\s*(.*)$")

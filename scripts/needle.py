@@ -18,11 +18,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from train.checkpoint import model_from_checkpoint  # noqa: E402
-from train.data.tokenizers import load_tokenizer  # noqa: E402
-from train.errors import UserError  # noqa: E402
+from train.checkpoint import model_from_checkpoint
+from train.data.tokenizers import load_tokenizer
+from train.errors import UserError
 
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
           "A river runs to the sea, and the sea does not fill. ")

@@ -57,6 +57,8 @@ fi
 
 log "installing requirements.txt"
 "${PIP[@]}" -r requirements.txt
+log "installing this project editable (pyproject.toml: the nsa and train packages, nsa-* commands)"
+"${PIP[@]}" --no-deps --no-build-isolation -e .
 
 if [ "$has_gpu" = 0 ] && ! "$PY" -c 'import triton' 2>/dev/null; then
   # CUDA torch brings (and pins) its own triton; a CPU machine gets it only to run the Triton kernel

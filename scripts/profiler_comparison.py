@@ -21,10 +21,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from train.config import load_config  # noqa: E402
-from train.runner import run_training  # noqa: E402
+from train.config import load_config
+from train.runner import run_training
 
 
 def interval_totals(rows: list[dict], warmup: int) -> dict:

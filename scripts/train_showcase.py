@@ -14,7 +14,6 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 FLAG_TO_CONFIG = {
     "dataset": "data.source",

@@ -48,10 +48,15 @@ def exit_process(code: int) -> None:
     os._exit(code)
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The process entry point (`python -m train`, the `nsa-train` console script)."""
     from train.console import survive_closed_console
     from train.stop import install_early_handlers
 
     install_early_handlers()  # a SIGTERM during start-up becomes a stop request (train/stop.py)
     survive_closed_console()  # a vanished console reader must not stop the run before its checkpoint
     exit_process(main())
+
+
+if __name__ == "__main__":
+    cli()

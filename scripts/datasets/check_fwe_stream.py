@@ -12,12 +12,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from train.data import DataConfig, build_data, load_tokenizer, padded_vocab  # noqa: E402
-from train.errors import UserError  # noqa: E402
+from train.data import DataConfig, build_data, load_tokenizer, padded_vocab
+from train.errors import UserError
 
 
 def main(argv: list[str] | None = None) -> int:

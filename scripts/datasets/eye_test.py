@@ -12,11 +12,10 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from train.data.meta import SPLITS, read_meta, split_tokens  # noqa: E402
-from train.data.tokenizers import load_tokenizer  # noqa: E402
-from train.errors import UserError  # noqa: E402
+from train.data.meta import SPLITS, read_meta, split_tokens
+from train.data.tokenizers import load_tokenizer
+from train.errors import UserError
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,7 @@
 """Inference tools on trained checkpoints: needle-in-a-haystack, A/B profiler comparison."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -15,8 +16,17 @@ from train.runner import run_training
 from .helpers import tiny_config
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "scripts"))
-import needle  # noqa: E402
+
+
+def load_script(name: str):
+    """scripts/NAME.py as a module (scripts/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+needle = load_script("needle")
 
 
 @pytest.mark.parametrize("depth", [0.0, 0.3, 1.0])
@@ -72,7 +82,7 @@ def test_profiler_comparison_prints_both_variants():
 def test_profiler_comparison_rates_are_totals_over_time():
     """Unequal intervals: tokens/s is total tokens / total time, so for the same tokens per step the
     step-time ratio and the tokens/s ratio are exact reciprocals (per-interval averages are not)."""
-    import profiler_comparison as pc
+    pc = load_script("profiler_comparison")
 
     rows = [  # step, tokens_seen, dt_step_s: 10 warm-up steps, then intervals of 10 and 1 steps
         {"step": "10", "tokens_seen": "1000", "dt_step_s": "9.0", "dt_fetch_s": "0"},
