@@ -15,8 +15,13 @@ USAGE = "usage: python -m train CONFIG.yaml [--section.key=value | --alias=value
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
-        return 0 if argv else 2
+        if not argv:
+            print(USAGE, file=sys.stderr)
+            return 2
+        from train.config_docs import text
+
+        print(f"{USAGE}\n\nEvery config key (YAML section.key), its default and meaning (docs/CONFIG.md):\n{text()}")
+        return 0
     config_path, overrides = (argv[0], argv[1:]) if not argv[0].startswith("--") else (None, argv)
     try:
         from train.config import load_config

@@ -57,7 +57,7 @@ class TrainConfig:
     loss_floor_steps: int = 0  # the window (in steps) of the loss_floor alert
     loss_spike_sigma: float = 6.0  # record a 'loss_spike' alert when an interval's loss exceeds mean + k*std
     loss_spike_window: int = 50  # log intervals in the spike statistics' window
-    sample_every: int = 0  # write generated samples to samples.jsonl (and TensorBoard text) every N steps, at eval points; 0: off
+    sample_every: int = 0  # every N steps rank 0 writes greedy samples to samples.jsonl and TensorBoard text; 0: off
     sample_prompts: str = ""  # prompts for sample_every, separated by '|', or @FILE with one prompt per line; empty: one sample from EOS
     sample_tokens: int = 64  # new tokens per sample
 

@@ -94,7 +94,7 @@ def _json_safe(v):
 
 
 class TensorBoard:
-    """Scalars under tb/ (rank 0). A missing tensorboard package disables it with a warning line."""
+    """Scalars (and sample text) under tb/ (rank 0). A missing tensorboard package disables it with a warning line."""
 
     def __init__(self, log_dir: Path | None):
         self._w = None
@@ -113,6 +113,13 @@ class TensorBoard:
         for name, v in values.items():
             if v is not None and isinstance(v, (int, float)) and math.isfinite(v):
                 self._w.add_scalar(name, v, step)
+        self._w.flush()
+
+    def text(self, step: int, tag: str, text: str) -> None:
+        """Markdown text under `tag` (generated samples: train/sampling.py)."""
+        if self._w is None:
+            return
+        self._w.add_text(tag, text, step)
         self._w.flush()
 
     def close(self) -> None:

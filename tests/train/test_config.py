@@ -185,3 +185,20 @@ def test_seed_flags_flash_attn_and_gradient_log_interval(capsys):
     assert cfg.model.attn_backend == "sdpa" and cfg.train.steps == 7
     assert "--gradient_log_interval=50 has no effect" in capsys.readouterr().err
     assert load_config(None, ["--flash_attn=True"]).model.attn_backend == "auto"
+
+
+def test_help_lists_every_config_key_with_default_and_meaning():
+    import dataclasses
+    import subprocess
+    import sys
+
+    from train.config import SECTIONS
+
+    out = subprocess.run([sys.executable, "-m", "train", "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0
+    keys = [line.split()[0] for line in out.stdout.splitlines() if line.startswith("  --") and "=" in line.split()[0]]
+    listed = {key.split("=", 1)[0] for key in keys}
+    every = {f"--{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls) if f.name != "nsa"}
+    assert listed == every
+    assert "--train.steps=1000" in out.stdout and "optimizer steps" in out.stdout  # default and meaning
+    assert "--max_iters" in out.stdout  # the aliases too

@@ -1,0 +1,177 @@
+"""Generation over the model's decode caches: chunked prefill of the prompt, then one token per step.
+
+    prompt [T] -> rows [B, T] (B = num_samples copies) -> prefill in chunks of prefill_chunk positions
+    -> logits of the last position [B, V] -> sample [B] -> feed [B, 1] at position T -> ... -> new ids [B, N]
+
+Caches: one per layer from `model.new_caches()` (dense KVCache or NSACache), fresh for every call.
+Every row of a batch is the same prompt, so every row has the same length at every step, which is
+what the caches assume for B > 1. Different prompts are separate calls with their own caches.
+
+Sampling runs on the device: temperature 0 is greedy argmax; otherwise logits / temperature, keep the
+top_k largest (0: all), keep the smallest set of most likely tokens whose probability reaches top_p
+(1: all), draw one. Row i draws from generators[i] when generators are given: row i of a batch seeded
+(s, s+1, ...) draws what a one-sample call seeded s+i draws (`seeded_generators`). Without generators
+the rows draw from torch's global RNG.
+
+Greedy guarantee: with temperature 0 every new token is the argmax of the logits a full forward of
+prompt + tokens so far (no caches) gives at that position, up to floating-point near-ties.
+
+Context limit: prompt + max_new_tokens must fit the model's max_seq_len, for learned positions (the
+size of the position table) and for RoPE models too (the context the model was trained for: RoPE would
+run past it, with no guarantee of quality). GenerationError otherwise.
+
+Host syncs: with on_token, one `.tolist()` of the step's [B] tokens per step (streaming needs it);
+without, none per step except the all-rows-finished check every EOS_CHECK_EVERY steps when stopping
+at EOS; plus one at the end of prefill (timing) and one for the result.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+EOS_CHECK_EVERY = 16  # steps between "have all rows reached EOS?" checks when not streaming
+
+
+class GenerationError(ValueError):
+    """Arguments generation cannot honour: too long for the model's context, bad sampling values."""
+
+
+@dataclass
+class Generation:
+    ids: list[list[int]]  # [num_samples][<= max_new_tokens] new ids; cut before the first EOS when eos_id is set
+    prefill_tokens: int  # prompt positions processed, all rows: num_samples * len(prompt)
+    prefill_s: float
+    decode_tokens: int  # new tokens produced, all rows: num_samples * steps run
+    decode_s: float  # from the end of prefill to the last token on the host (sampling included)
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prefill_tokens / max(self.prefill_s, 1e-9)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / max(self.decode_s, 1e-9)
+
+
+def check_arguments(max_seq_len: int, prompt_len: int, max_new_tokens: int, temperature: float = 1.0,
+                    top_k: int = 0, top_p: float = 1.0, num_samples: int = 1, prefill_chunk: int = 512) -> None:
+    """GenerationError naming the first value generation cannot take (bad values, then the context)."""
+    if max_new_tokens < 1:
+        raise GenerationError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not temperature >= 0:  # also NaN
+        raise GenerationError(f"temperature must be >= 0 (0: greedy), got {temperature}")
+    if top_k < 0:
+        raise GenerationError(f"top_k must be >= 0 (0: off), got {top_k}")
+    if not 0 < top_p <= 1:
+        raise GenerationError(f"top_p must be in (0, 1] (1: off), got {top_p}")
+    if num_samples < 1:
+        raise GenerationError(f"num_samples must be >= 1, got {num_samples}")
+    if prefill_chunk < 1:
+        raise GenerationError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+    if prompt_len < 1:
+        raise GenerationError("the prompt is empty (no tokens to start from)")
+    if prompt_len + max_new_tokens > max_seq_len:
+        raise GenerationError(
+            f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = {prompt_len + max_new_tokens} "
+            f"exceeds the model's max_seq_len={max_seq_len}; shorten the prompt or ask for fewer tokens")
+
+
+def seeded_generators(seed: int, n: int, device: torch.device | str) -> list[torch.Generator]:
+    """One generator per sample row, seeded seed, seed+1, ... on the model's device."""
+    return [torch.Generator(device=device).manual_seed(seed + i) for i in range(n)]
+
+
+def sample_next(
+    logits: torch.Tensor,  # [B, V] float32, the last position's logits
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generators: Sequence[torch.Generator] | None = None,  # one per row, or None: torch's global RNG
+) -> torch.Tensor:  # [B] int64 next ids, on the logits' device
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits / temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # [B, 1] the k-th largest logit
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        ranked, order = torch.sort(logits, dim=-1, descending=True)  # [B, V]
+        probs = ranked.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # [B, V] probability of the tokens ranked higher
+        ranked = ranked.masked_fill(mass_before >= top_p, float("-inf"))  # the most likely token always stays
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, ranked)
+    probs = logits.softmax(dim=-1)  # [B, V]; removed tokens have probability exactly 0
+    if generators is None:
+        return torch.multinomial(probs, 1).squeeze(-1)
+    return torch.cat([torch.multinomial(row, 1, generator=g) for row, g in zip(probs, generators)])
+
+
+@torch.no_grad()
+def generate(
+    model,  # nsa.model.Transformer, in eval mode (dropout would make greedy decoding random)
+    prompt_ids: Sequence[int],  # [T] token ids
+    max_new_tokens: int,
+    *,
+    temperature: float = 1.0,  # 0: greedy
+    top_k: int = 0,  # 0: off
+    top_p: float = 1.0,  # 1: off
+    num_samples: int = 1,  # rows decoded together as one batch
+    generators: Sequence[torch.Generator] | None = None,  # one per row (seeded_generators)
+    eos_id: int | None = None,  # a row that samples it stops (the id is not returned); all stopped: done
+    prefill_chunk: int = 512,  # prompt positions per prefill forward
+    on_token: Callable[[list[int]], None] | None = None,  # called each step with the [B] new ids
+) -> Generation:
+    """Continue prompt_ids by up to max_new_tokens tokens in num_samples rows (see the module doc).
+
+    After a row samples eos_id it keeps emitting eos_id (on_token sees it) until every row has.
+    no_grad rather than inference_mode: this also runs inside training (train/sampling.py), where
+    tensors the model keeps across calls (FlexAttention block masks) must stay usable by autograd."""
+    B, T = num_samples, len(prompt_ids)
+    check_arguments(model.cfg.max_seq_len, T, max_new_tokens, temperature, top_k, top_p, B, prefill_chunk)
+    if generators is not None and len(generators) != B:
+        raise GenerationError(f"{len(generators)} generators for {B} samples; give one per sample")
+    device = model.lm_head.weight.device
+    caches = model.new_caches()
+
+    t_start = time.perf_counter()
+    prompt = torch.tensor(list(prompt_ids), dtype=torch.long, device=device).repeat(B, 1)  # [B, T]
+    for start in range(0, T, prefill_chunk):
+        logits = model(prompt[:, start:start + prefill_chunk], start_pos=start, caches=caches)  # [B, C, V]
+    logits = logits[:, -1]  # [B, V] predicts position T
+    _synchronize(device)
+    t_prefilled = time.perf_counter()
+
+    new = torch.empty(B, max_new_tokens, dtype=torch.long, device=device)  # [B, N]
+    finished = torch.zeros(B, dtype=torch.bool, device=device)  # [B] rows past their EOS
+    steps = 0
+    for i in range(max_new_tokens):
+        if i:  # feed the previous token, at position T + i - 1
+            logits = model(new[:, i - 1:i], start_pos=T + i - 1, caches=caches)[:, -1]  # [B, V]
+        token = sample_next(logits, temperature, top_k, top_p, generators)  # [B]
+        if eos_id is not None:
+            token = torch.where(finished, eos_id, token)
+            finished |= token == eos_id
+        new[:, i] = token
+        steps = i + 1
+        if on_token is not None:
+            step_ids = token.tolist()
+            on_token(step_ids)
+            if eos_id is not None and all(t == eos_id for t in step_ids):  # finished rows emit eos_id
+                break
+        elif eos_id is not None and steps % EOS_CHECK_EVERY == 0 and bool(finished.all()):
+            break
+    rows = new[:, :steps].tolist()
+    t_done = time.perf_counter()
+
+    if eos_id is not None:
+        rows = [row[:row.index(eos_id)] if eos_id in row else row for row in rows]
+    return Generation(ids=rows, prefill_tokens=B * T, prefill_s=t_prefilled - t_start,
+                      decode_tokens=B * steps, decode_s=t_done - t_prefilled)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

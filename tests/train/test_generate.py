@@ -1,0 +1,225 @@
+"""Generation with decode caches (nsa/generate.py), the CLI (train/generate.py), samples during training."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nsa.config import ModelConfig, NSAConfig
+from nsa.generate import GenerationError, generate, seeded_generators
+from nsa.model import Transformer
+from train import generate as cli
+from train.checkpoint import model_from_checkpoint
+from train.data.tokenizers import load_tokenizer
+from train.errors import ConfigError
+from train.runner import run_training
+from train.text_stream import TextStream, continuation_text
+
+from .helpers import read_jsonl, tiny_config
+
+REPO = Path(__file__).resolve().parents[2]
+# small NSA blocks: over 50 tokens, compressed tokens are emitted, 4 selection blocks compete for 3
+# slots and the 16-token window rolls over during decode
+NSA = NSAConfig(l=8, d=4, l_sel=16, n_sel=3, w=16)
+PROMPT_LEN, NEW, CHUNK = 20, 30, 8  # chunk < prompt: chunked prefill
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models: one intra-op thread is faster than two competing for a busy machine's cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_model(attention: str) -> Transformer:
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=320, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=64,
+                      attention=attention, nsa=NSA, init_std=0.2)  # wide init: a far from uniform distribution
+    return Transformer(cfg).eval()
+
+
+def prompt_ids() -> list[int]:
+    return torch.randint(0, 320, (PROMPT_LEN,), generator=torch.Generator().manual_seed(1)).tolist()
+
+
+@pytest.fixture(scope="module", params=["dense", "nsa"])
+def model(request):
+    return tiny_model(request.param)
+
+
+def test_greedy_equals_argmax_of_full_recomputation(model):
+    prompt = prompt_ids()
+    new = generate(model, prompt, NEW, temperature=0.0, prefill_chunk=CHUNK).ids[0]
+    assert len(new) == NEW and len(set(new)) > 10  # not a degenerate repetition
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + new]))[0]  # [T, V] one forward, no caches
+    # position p's logits predict token p + 1: new[i] sits at PROMPT_LEN + i
+    assert logits[PROMPT_LEN - 1:-1].argmax(-1).tolist() == new
+
+
+def test_greedy_batch_rows_are_identical(model):
+    single = generate(model, prompt_ids(), NEW, temperature=0.0, prefill_chunk=CHUNK).ids[0]
+    batch = generate(model, prompt_ids(), NEW, temperature=0.0, num_samples=3, prefill_chunk=CHUNK)
+    assert batch.ids == [single] * 3
+    assert batch.prefill_tokens == 3 * PROMPT_LEN and batch.decode_tokens == 3 * NEW
+
+
+def test_seeded_batch_equals_separate_runs(model):
+    sample = dict(temperature=1.0, top_k=0, top_p=1.0, prefill_chunk=CHUNK)
+    batch = generate(model, prompt_ids(), NEW, num_samples=3, generators=seeded_generators(7, 3, "cpu"), **sample)
+    alone = [generate(model, prompt_ids(), NEW, generators=seeded_generators(7 + j, 1, "cpu"), **sample).ids[0]
+             for j in range(3)]
+    assert batch.ids == alone
+    assert len({tuple(row) for row in batch.ids}) == 3
+
+
+def test_seeded_sampling_is_reproducible():
+    m = tiny_model("dense")
+    run = lambda seed: generate(m, prompt_ids(), NEW, temperature=1.0, top_k=100, top_p=0.9,  # noqa: E731
+                                generators=seeded_generators(seed, 1, "cpu")).ids[0]
+    assert run(3) == run(3)
+    assert run(3) != run(4)
+    greedy = generate(m, prompt_ids(), NEW, temperature=0.0).ids[0]
+    assert run(3) != greedy  # the sampler samples
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy():
+    m = tiny_model("dense")
+    greedy = generate(m, prompt_ids(), NEW, temperature=0.0).ids[0]
+    gens = seeded_generators(0, 1, "cpu")
+    assert generate(m, prompt_ids(), NEW, temperature=1.5, top_k=1, generators=gens).ids[0] == greedy
+    assert generate(m, prompt_ids(), NEW, temperature=1.5, top_p=1e-6, generators=gens).ids[0] == greedy
+
+
+def test_stops_at_eos_and_streams_each_step():
+    m = tiny_model("nsa")
+    greedy = generate(m, prompt_ids(), NEW, temperature=0.0).ids[0]
+    eos = greedy[12]
+    cut = greedy.index(eos)
+    streamed = []
+    out = generate(m, prompt_ids(), NEW, temperature=0.0, num_samples=2, eos_id=eos, on_token=streamed.append)
+    assert out.ids == [greedy[:cut]] * 2
+    assert len(streamed) == cut + 1 and streamed[-1] == [eos, eos]  # stopped once every row had EOS
+    assert [step[0] for step in streamed[:-1]] == greedy[:cut]
+
+
+def test_too_long_for_the_context_is_an_error():
+    m = tiny_model("dense")
+    with pytest.raises(GenerationError, match="max_seq_len=64"):
+        generate(m, prompt_ids(), 64 - PROMPT_LEN + 1, temperature=0.0)
+    generate(m, prompt_ids(), 64 - PROMPT_LEN, temperature=0.0)  # exactly the context: fine
+    for bad in (dict(temperature=-1.0), dict(top_p=0.0), dict(top_k=-1), dict(num_samples=0)):
+        with pytest.raises(GenerationError):
+            generate(m, prompt_ids(), 4, **bad)
+
+
+def test_text_stream_never_prints_half_characters():
+    tok = load_tokenizer("byte")
+    prompt = tok.encode_batch(["Ça coûte "])[0]
+    ids = tok.encode_batch(["5 € — naïve 日本"])[0]  # 2- and 3-byte characters, one byte per token
+    stream = TextStream(tok, prompt)
+    pieces = [stream.push(i) for i in ids] + [stream.flush()]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == "5 € — naïve 日本" == continuation_text(tok, prompt, ids)
+    assert "" in pieces  # held back while a character was incomplete
+
+
+# ---- the CLI on a trained checkpoint ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gen") / "run"
+    assert run_training(tiny_config(out, "--data.tokenizer=byte", "--train.steps=2")) == 0
+    return out
+
+
+def _main(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    return cli.main(list(argv), out, err), out.getvalue(), err.getvalue()
+
+
+def test_cli_streams_the_continuation(run_dir):
+    assert not (run_dir / "samples.jsonl").exists()  # sampling is off by default
+    args = ["--prompt", "Hello", "--max_new_tokens", "20", "--temperature", "0", "--device", "cpu"]
+    proc = subprocess.run([sys.executable, "-m", "train.generate", str(run_dir), *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr
+    assert "prefill 5 tokens" in proc.stderr and "decode 20 tokens" in proc.stderr and "tok/s" in proc.stderr
+    code, out, _ = _main(str(run_dir / "latest.pt"), *args, "--json")
+    assert code == 0
+    (row,) = [json.loads(line) for line in out.splitlines()]
+    model, _ = model_from_checkpoint(run_dir / "latest.pt")
+    assert row["ids"] == generate(model, list(b"Hello"), 20, temperature=0.0).ids[0]
+    assert proc.stdout == "Hello" + row["text"] + "\n"
+
+
+def test_cli_prompt_file_and_samples(run_dir, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The sky\n\n   \nOnce upon\n")
+    code, out, err = _main(str(run_dir), "--prompt_file", str(prompts), "--num_samples", "2", "--max_new_tokens", "6",
+                           "--seed", "3", "--json")
+    assert code == 0, err
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [(r["prompt"], r["sample"]) for r in rows] == [("The sky", 1), ("The sky", 2), ("Once upon", 1), ("Once upon", 2)]
+    assert all(len(r["ids"]) == 6 and r["decode_tokens"] == 12 and r["decode_tokens_per_s"] > 0 for r in rows)
+    assert err.count("tok/s") == 2 * 2  # one line per prompt: prefill and decode rates
+    code, out, _ = _main(str(run_dir), "--prompt", "The sky", "--num_samples", "2", "--max_new_tokens", "6", "--seed", "3")
+    assert code == 0
+    assert out == "".join(f"=== prompt 1, sample {r['sample']} ===\nThe sky{r['text']}\n" for r in rows[:2])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prompt", ""], "empty"),
+    (["--prompt", "x", "--max_new_tokens", "64"], "max_seq_len=64"),
+    (["--prompt", "x", "--top_p", "1.5"], "top_p"),
+    (["--prompt", "x", "--max_new_tokens", "many"], "invalid int"),
+    (["--prompt", "x", "--prompt_file", "p.txt"], "not allowed"),
+    (["--prompt_file", "/nonexistent/prompts.txt"], "not found"),
+    (["--prompt", "x", "--device", "cuda:0" if not torch.cuda.is_available() else "tpu"], "--device"),
+])
+def test_cli_bad_input_is_one_error_line(run_dir, argv, message):
+    code, out, err = _main(str(run_dir), *argv)
+    assert code == 2 and out == ""
+    assert err.startswith("error: ") and err.count("\n") == 1 and message in err
+
+
+def test_cli_missing_checkpoint_exits_2(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "train.generate", str(tmp_path / "none.pt"), "--prompt", "x"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1 and "not found" in proc.stderr
+
+
+# ---- samples during training -----------------------------------------------------------------------
+def test_training_writes_samples_at_the_sampling_steps(tmp_path):
+    out = tmp_path / "run"
+    cfg = tiny_config(out, "--data.tokenizer=byte", "--train.steps=4", "--train.sample_every=2",
+                      "--train.eval_every=2", "--train.sample_prompts=ab|cd", "--train.sample_tokens=8")
+    assert run_training(cfg) == 0
+    rows = read_jsonl(out / "samples.jsonl")
+    assert [(r["step"], r["prompt"]) for r in rows] == [(2, "ab"), (2, "cd"), (4, "ab"), (4, "cd")]
+    assert all(isinstance(r["text"], str) and len(r["tokens"]) <= 8 for r in rows)
+    # greedy with the final weights: what generate() gives from the step-4 checkpoint
+    model, _ = model_from_checkpoint(out / "latest.pt")
+    for row in rows[2:]:
+        assert row["tokens"] == generate(model, list(row["prompt"].encode()), 8, temperature=0.0, eos_id=256).ids[0]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tb"), size_guidance={"tensors": 0}).Reload()
+    assert {"samples/0/text_summary", "samples/1/text_summary"} <= set(events.Tags()["tensors"])
+    assert [e.step for e in events.Tensors("samples/0/text_summary")] == [2, 4]
+
+
+def test_training_refuses_prompts_that_do_not_fit(tmp_path):
+    cfg = tiny_config(tmp_path / "run", "--data.tokenizer=byte", "--train.sample_every=2",
+                      f"--train.sample_prompts={'x' * 60}", "--train.sample_tokens=8")
+    with pytest.raises(ConfigError, match="max_seq_len=64"):
+        run_training(cfg)
