@@ -220,6 +220,11 @@ ALIASES: dict[str, object] = {
     "flash_attn": _use_flash,
 }
 
+# data keys that only stream sources read (a bin: source reads prepared tokens in-process)
+STREAM_ONLY_DATA_KEYS = ("subset", "split", "text_field", "text_sample_by", "val_fraction", "val_source", "split_seed",
+                         "num_workers", "persistent_workers", "prefetch_factor", "tokenize_batch_docs",
+                         "synthetic_on_fail", "first_batch_timeout_s")
+
 # seed flags accepted as documented no-ops: flag -> why nothing needs to happen (printed as a note)
 NO_OP_FLAGS: dict[str, str] = {
     "gradient_log_interval": "the global gradient norm is logged at every log interval (training.csv grad_norm); "
@@ -419,7 +424,15 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             ignored = sorted({"rope_theta", "rope_scale"} & set(sections["model"]))
             if ignored:
                 raise ConfigError(f"{where}: model.{ignored[0]} has no effect with model.pos_emb={model.pos_emb!r}")
+        if model.attention == "nsa" and "attn_backend" in sections["model"]:
+            raise ConfigError(f"{where}: model.attn_backend has no effect with model.attention='nsa' (it picks the "
+                              "dense attention kernel; NSA's kernels are chosen by nsa.kernel)")
         data = DataConfig(**built["data"])
+        if data.source_kind == "bin":
+            ignored = sorted(set(sections["data"]) & set(STREAM_ONLY_DATA_KEYS))
+            if ignored:
+                raise ConfigError(f"{where}: data.{ignored[0]} has no effect with a bin: source (prepared tokens are read "
+                                  "from np.memmap in the training process; loader and document settings apply to stream sources)")
     except (ModelConfigError, TypeError, ValueError) as exc:
         raise ConfigError(f"{where}: {exc}") from None
     cfg = RunConfig(model=model, train=TrainConfig(**built["train"]), data=data,
@@ -438,10 +451,16 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
 
 def dump_config(cfg: RunConfig) -> str:
     """The effective config as YAML that load_config accepts again: keys that have no effect for
-    this model (the nsa section of a dense model, rope_* with learned positions) are left out."""
+    this run (the nsa section of a dense model, attn_backend of an NSA model, rope_* with learned
+    positions, stream-loader settings of a bin: source) are left out."""
     doc = cfg.to_dict()
     if cfg.model.attention != "nsa":
         doc.pop("nsa")
+    else:
+        doc["model"].pop("attn_backend")
+    if cfg.data.source_kind == "bin":
+        for key in STREAM_ONLY_DATA_KEYS:
+            doc["data"].pop(key)
     if cfg.model.pos_emb != "rope":
         for key in ("rope_theta", "rope_scale"):
             doc["model"].pop(key)

@@ -234,8 +234,7 @@ def _loader(cfg: RunConfig, add) -> None:
     if d.source_kind == "bin":
         add(OK, "sampler", "random offsets (counter-hash window starts per rank slice; never sliding windows)")
         add(OK, "token dtype", "taken from the dataset metadata, never from the config")
-        extra = f"; data.num_workers={d.num_workers} has no effect" if d.num_workers else ""
-        add(OK, "dataloader", f"bin batches are gathered in the training process from np.memmap (no workers needed{extra})")
+        add(OK, "dataloader", "bin batches are gathered in the training process from np.memmap (no workers needed)")
         return
     if d.source_kind == "synthetic":
         add(OK, "sampler", "synthetic: random phrases at random offsets")

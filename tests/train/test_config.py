@@ -202,3 +202,23 @@ def test_help_lists_every_config_key_with_default_and_meaning():
     assert listed == every
     assert "--train.steps=1000" in out.stdout and "optimizer steps" in out.stdout  # default and meaning
     assert "--max_iters" in out.stdout  # the aliases too
+
+
+def test_settings_without_effect_are_errors(tmp_path):
+    """model.attn_backend on an NSA model and stream-loader keys on a bin: source change nothing: errors
+    naming the key; the dumped effective config of such runs leaves them out and loads again."""
+    from train.config import dump_config
+
+    with pytest.raises(ConfigError, match="model.attn_backend has no effect with model.attention='nsa'"):
+        load_config(None, ["--model.attention=nsa", "--model.attn_backend=sdpa"])
+    with pytest.raises(ConfigError, match="model.attn_backend has no effect"):
+        load_config(None, ["--model.attention=nsa", "--use_flash=true"])  # the alias sets the same key
+    for key in ("num_workers=4", "val_fraction=0.1", "text_sample_by=line", "prefetch_factor=4"):
+        with pytest.raises(ConfigError, match=f"data.{key.split('=')[0]} has no effect with a bin: source"):
+            load_config(None, ["--data.source=bin:some/dir", f"--data.{key}"])
+    assert load_config(None, ["--data.source=text:x.txt", "--data.num_workers=4"]).data.num_workers == 4
+    for args in (["--model.attention=nsa"], ["--data.source=bin:some/dir", "--data.pin_memory=false"]):
+        cfg = load_config(None, args)
+        dumped = tmp_path / "dumped.yaml"
+        dumped.write_text(dump_config(cfg))
+        assert load_config(dumped).to_dict() == cfg.to_dict()
