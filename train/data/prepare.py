@@ -20,6 +20,7 @@ import os
 import sys
 import time
 from collections import deque
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -33,29 +34,49 @@ from train.errors import DataError, UserError
 CHUNK_DOCS = 256
 
 
+@dataclass
+class EncodedDocuments:
+    """Documents tokenized as prepare writes them: each followed by EOS."""
+
+    tokens: np.ndarray  # [n] ids in the dtype of the token files
+    documents: int
+    text_bytes: int  # UTF-8 bytes of the documents' text (EOS excluded)
+
+
+def encode_documents(tokenizer, texts: list[str]) -> EncodedDocuments:
+    """texts -> their ids, each document followed by EOS (the layout of train.bin / val.bin)."""
+    dtype = np.dtype(dtype_for_vocab(tokenizer.n_vocab))
+    eos = np.array([tokenizer.eos_id], dtype=dtype)
+    encoded = tokenizer.encode_batch(texts) if texts else []  # some tokenizers refuse an empty batch
+    parts = [piece for ids in encoded for piece in (np.asarray(ids, dtype=dtype), eos)]
+    return EncodedDocuments(tokens=np.concatenate(parts) if parts else np.zeros(0, dtype), documents=len(texts),
+                            text_bytes=sum(len(t.encode("utf-8")) for t in texts))
+
+
 class _SplitWriter:
-    """Appends token arrays to NAME.bin.partial, tracking count, documents, max id and sha256."""
+    """Appends token arrays to NAME.bin.partial, tracking count, documents, text bytes, max id and sha256."""
 
     def __init__(self, out: Path, name: str, dtype):
         self.path, self.final = out / f"{name}.bin.partial", out / f"{name}.bin"
         self.file, self.dtype = open(self.path, "wb"), dtype
-        self.sha, self.tokens, self.documents, self.max_id = hashlib.sha256(), 0, 0, -1
+        self.sha, self.tokens, self.documents, self.text_bytes, self.max_id = hashlib.sha256(), 0, 0, 0, -1
 
-    def write(self, tokens: np.ndarray, documents: int) -> None:
-        if not len(tokens):
+    def write(self, part: EncodedDocuments) -> None:
+        self.documents += part.documents
+        self.text_bytes += part.text_bytes
+        if not len(part.tokens):
             return
-        data = tokens.astype(self.dtype, copy=False).tobytes()
+        data = part.tokens.astype(self.dtype, copy=False).tobytes()
         self.file.write(data)
         self.sha.update(data)
-        self.tokens += len(tokens)
-        self.documents += documents
-        self.max_id = max(self.max_id, int(tokens.max()))
+        self.tokens += len(part.tokens)
+        self.max_id = max(self.max_id, int(part.tokens.max()))
 
     def finish(self) -> dict:
         self.file.close()
         os.replace(self.path, self.final)
         return {"file": self.final.name, "tokens": self.tokens, "documents": self.documents,
-                "bytes": self.final.stat().st_size, "sha256": self.sha.hexdigest()}
+                "text_bytes": self.text_bytes, "bytes": self.final.stat().st_size, "sha256": self.sha.hexdigest()}
 
 
 _worker_job: dict = {}
@@ -65,18 +86,12 @@ def _init_worker(tokenizer_name: str, split_seed: int, val_fraction: float) -> N
     _worker_job.update(tokenizer=load_tokenizer(tokenizer_name), split_seed=split_seed, val_fraction=val_fraction)
 
 
-def _tokenize_chunk(texts: list[str]) -> tuple[np.ndarray, int, np.ndarray, int, int]:
-    """-> (train tokens, train docs, val tokens, val docs, text bytes), each document followed by EOS."""
+def _tokenize_chunk(texts: list[str]) -> dict[str, EncodedDocuments]:
+    """-> {"train": ..., "val": ...}: the chunk's documents of each split, each followed by EOS."""
     tok = _worker_job["tokenizer"]
-    dtype = np.dtype(dtype_for_vocab(tok.n_vocab))
     held_out = [is_held_out(t, _worker_job["split_seed"], _worker_job["val_fraction"]) for t in texts]
-    parts: dict[bool, list] = {False: [], True: []}
-    for ids, val in zip(tok.encode_batch(texts), held_out):
-        parts[val].append(np.asarray(ids, dtype=dtype))
-        parts[val].append(np.array([tok.eos_id], dtype=dtype))
-    joined = {val: np.concatenate(p) if p else np.zeros(0, dtype) for val, p in parts.items()}
-    n_val = sum(held_out)
-    return joined[False], len(texts) - n_val, joined[True], n_val, sum(len(t.encode("utf-8")) for t in texts)
+    return {"train": encode_documents(tok, [t for t, val in zip(texts, held_out) if not val]),
+            "val": encode_documents(tok, [t for t, val in zip(texts, held_out) if val])}
 
 
 def _chunks(documents, max_docs: int | None):
@@ -91,6 +106,14 @@ def _chunks(documents, max_docs: int | None):
             break
     if chunk:
         yield chunk
+
+
+def document_chunks(source: str, *, subset: str | None, split: str, text_field: str, text_sample_by: str,
+                    max_docs: int | None = None):
+    """The source's documents, read once in order, as lists of up to CHUNK_DOCS texts (what prepare tokenizes)."""
+    ds = open_documents(source, subset=subset, split=split, text_field=text_field, text_sample_by=text_sample_by)
+    documents = iter_documents(ds, ReaderPlan.make(ds.n_shards, 1, 0), text_field, keep=lambda text: True, once=True)
+    return _chunks(documents, max_docs)
 
 
 def _ordered_map(fn, items, workers: int, init_args: tuple):
@@ -135,13 +158,14 @@ class _Progress:
 
 def build_meta(tokenizer, dtype_name: str, max_token_id: int, splits: dict, *, source: str, subset, split: str,
                text_field: str, text_sample_by: str, split_seed: int, val_fraction: float, max_docs,
-               text_bytes: int, seconds: float) -> dict:
-    """meta.json of a prepared dataset (schema: docs/DATA.md); shared by prepare and prepare_sharded."""
+               seconds: float) -> dict:
+    """meta.json of a prepared dataset (schema: docs/DATA.md); shared by prepare and prepare_sharded.
+    `splits`: each split's writer summary, with its text_bytes; the total text_bytes is their sum."""
     return {"format": FORMAT, "version": FORMAT_VERSION, "tokenizer": tokenizer.name, "eos_id": tokenizer.eos_id,
             "vocab_size": tokenizer.n_vocab, "dtype": dtype_name, "max_token_id": max_token_id, "splits": splits,
             "split_seed": split_seed, "val_fraction": val_fraction, "source": source, "subset": subset, "split": split,
             "text_field": text_field, "text_sample_by": text_sample_by, "max_docs": max_docs,
-            "text_bytes": text_bytes, "seconds": round(seconds, 3),
+            "text_bytes": sum(info["text_bytes"] for info in splits.values()), "seconds": round(seconds, 3),
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 
@@ -179,20 +203,19 @@ def prepare(source: str, tokenizer_name: str, out: Path, *, val_fraction: float 
         raise DataError(f"{out} already holds a prepared dataset; pass --overwrite to replace it")
     tokenizer = load_tokenizer(tokenizer_name)
     dtype_name = dtype_for_vocab(tokenizer.n_vocab)
-    ds = open_documents(source, subset=subset, split=split, text_field=text_field, text_sample_by=text_sample_by)
-    documents = iter_documents(ds, ReaderPlan.make(ds.n_shards, 1, 0), text_field, keep=lambda text: True, once=True)
+    chunks = document_chunks(source, subset=subset, split=split, text_field=text_field, text_sample_by=text_sample_by,
+                             max_docs=max_docs)
     out.mkdir(parents=True, exist_ok=True)
     (out / "meta.json").unlink(missing_ok=True)
     writers = {name: _SplitWriter(out, name, np.dtype(dtype_name)) for name in ("train", "val")}
-    progress, started, text_bytes = _Progress(), time.monotonic(), 0
+    progress, started = _Progress(), time.monotonic()
     try:
-        results = _ordered_map(_tokenize_chunk, _chunks(documents, max_docs), workers,
-                               (tokenizer.name, split_seed, val_fraction))
-        for train_tokens, train_docs, val_tokens, val_docs, n_bytes in results:
-            writers["train"].write(train_tokens, train_docs)
-            writers["val"].write(val_tokens, val_docs)
-            text_bytes += n_bytes
-            progress.update(train_docs + val_docs, writers["train"].tokens + writers["val"].tokens, text_bytes / 1e6)
+        results = _ordered_map(_tokenize_chunk, chunks, workers, (tokenizer.name, split_seed, val_fraction))
+        for parts in results:
+            for name, part in parts.items():
+                writers[name].write(part)
+            progress.update(sum(p.documents for p in parts.values()), sum(w.tokens for w in writers.values()),
+                            sum(w.text_bytes for w in writers.values()) / 1e6)
     finally:
         progress.close()
     splits = {name: w.finish() for name, w in writers.items()}
@@ -201,8 +224,7 @@ def prepare(source: str, tokenizer_name: str, out: Path, *, val_fraction: float 
     seconds = time.monotonic() - started
     meta = build_meta(tokenizer, dtype_name, max(w.max_id for w in writers.values()), splits, source=source,
                       subset=subset, split=split, text_field=text_field, text_sample_by=text_sample_by,
-                      split_seed=split_seed, val_fraction=val_fraction, max_docs=max_docs, text_bytes=text_bytes,
-                      seconds=seconds)
+                      split_seed=split_seed, val_fraction=val_fraction, max_docs=max_docs, seconds=seconds)
     tmp = out / "meta.json.partial"
     tmp.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
     os.replace(tmp, out / "meta.json")

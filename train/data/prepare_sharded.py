@@ -34,7 +34,8 @@ import numpy as np
 
 from train.data.meta import dtype_for_vocab
 from train.data.prepare import (
-    _chunks, _init_worker, _SplitWriter, _tokenize_chunk, add_source_arguments, build_meta, summary_line,
+    EncodedDocuments, _chunks, _init_worker, _SplitWriter, _tokenize_chunk, add_source_arguments, build_meta,
+    summary_line,
 )
 from train.data.sources import ReaderPlan, iter_documents, open_documents
 from train.data.tokenizers import load_tokenizer
@@ -65,12 +66,14 @@ def _shard_file(shards: Path, i: int, split: str) -> Path:
 
 
 def completed_shard(shards: Path, i: int, itemsize: int) -> dict | None:
-    """The shard's marker when it and the sizes of its files are intact, else None (redo it)."""
+    """The shard's marker when it and the sizes of its files are intact, else None (redo it). A marker
+    written before splits recorded their text_bytes counts as not done."""
     try:
         record = json.loads(_marker(shards, i).read_text())
         for split in SPLIT_NAMES:
             path = _shard_file(shards, i, split)
-            if path.stat().st_size != record["splits"][split]["tokens"] * itemsize:
+            info = record["splits"][split]
+            if path.stat().st_size != info["tokens"] * itemsize or not isinstance(info["text_bytes"], int):
                 return None
         return record
     except (OSError, ValueError, KeyError, TypeError):
@@ -88,14 +91,12 @@ def _tokenize_shard(job: dict) -> dict:
     documents = iter_documents(ds, ReaderPlan(tuple(range(lo, hi)), 1, 0), p["text_field"],
                                keep=lambda text: True, once=True)
     writers = {s: _SplitWriter(shards, f"shard_{i}.{s}", np.dtype(p["dtype"])) for s in SPLIT_NAMES}
-    text_bytes = 0
     for chunk in _chunks(documents, None):
-        train_tokens, train_docs, val_tokens, val_docs, n_bytes = _tokenize_chunk(chunk)
-        writers["train"].write(train_tokens, train_docs)
-        writers["val"].write(val_tokens, val_docs)
-        text_bytes += n_bytes
+        for split, part in _tokenize_chunk(chunk).items():
+            writers[split].write(part)
     splits = {s: {**w.finish(), "max_id": w.max_id} for s, w in writers.items()}
-    record = {"shard": i, "data_files": [lo, hi], "splits": splits, "text_bytes": text_bytes,
+    record = {"shard": i, "data_files": [lo, hi], "splits": splits,
+              "text_bytes": sum(info["text_bytes"] for info in splits.values()),
               "seconds": round(time.monotonic() - started, 3)}
     _write_json(_marker(shards, i), record)
     return record
@@ -120,10 +121,11 @@ def _join(out: Path, shards: Path, records: list[dict], dtype_name: str) -> dict
             info, sha = record["splits"][split], hashlib.sha256()
             n = info["tokens"]
             tokens = np.memmap(_shard_file(shards, i, split), dtype=dtype, mode="r", shape=(n,)) if n else np.zeros(0, dtype)
+            writers[split].write(EncodedDocuments(np.zeros(0, dtype), info["documents"], info["text_bytes"]))
             for start in range(0, n, JOIN_TOKENS):
                 part = np.asarray(tokens[start:start + JOIN_TOKENS])
                 sha.update(part.tobytes())
-                writers[split].write(part, info["documents"] if start == 0 else 0)
+                writers[split].write(EncodedDocuments(part, documents=0, text_bytes=0))
             del tokens
             if sha.hexdigest() != info["sha256"]:
                 for w in writers.values():
@@ -210,7 +212,7 @@ def _finish(out: Path, shards: Path, records: list[dict], params: dict, tokenize
     meta = build_meta(tokenizer, p["dtype"], max_id, splits, source=p["source"], subset=p["subset"],
                       split=p["split"], text_field=p["text_field"], text_sample_by=p["text_sample_by"],
                       split_seed=p["split_seed"], val_fraction=p["val_fraction"], max_docs=None,
-                      text_bytes=sum(r["text_bytes"] for r in records), seconds=time.monotonic() - started)
+                      seconds=time.monotonic() - started)
     _write_json(out / "meta.json", meta)
     if not keep_shards:
         for r in records:

@@ -1,0 +1,91 @@
+"""Score every target of a token stream exactly once: plan the windows, run them in batches, sum the loss.
+
+    tokens t_0 .. t_{N-1}; window w reads t[w.start : w.end] and predicts t[w.start + 1 : w.end + 1];
+    only its last w.scored targets count. Together the windows score t_1 .. t_{N-1}, each once.
+
+Non-overlapping (stride == seq_len): windows of seq_len + 1 tokens, t[0..L], t[L..2L], ... (neighbours
+share one token: the last target of one is the first input of the next); the last window is partial.
+Strided (stride S < seq_len): the first window scores all of its L targets; each later window ends S
+targets further on, reads up to L tokens and scores only its last S targets, so every target after the
+first window is predicted from at least L - S tokens of context.
+"""
+from __future__ import annotations
+
+import itertools
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+
+from nsa.loss import IGNORE_INDEX
+
+
+@dataclass(frozen=True)
+class Window:
+    start: int  # index of the first input token
+    end: int  # index of the last target (one past the last input)
+    scored: int  # how many of the window's end - start targets count: the last ones
+
+
+def plan_windows(n_tokens: int, seq_len: int, stride: int) -> Iterator[Window]:
+    """Windows over a stream of n_tokens tokens; their scored targets are t_1 .. t_{n_tokens-1}, each once."""
+    if not 1 <= stride <= seq_len:
+        raise ValueError(f"stride must be in [1, seq_len={seq_len}], got {stride}")
+    last_target, scored_to = n_tokens - 1, 0  # targets 1..scored_to are covered
+    while scored_to < last_target:
+        end = min(scored_to + (seq_len if scored_to == 0 else stride), last_target)
+        start = scored_to if stride == seq_len else max(0, end - seq_len)
+        yield Window(start, end, end - scored_to)
+        scored_to = end
+
+
+@dataclass
+class Score:
+    nll_sum: float  # nats, summed over the scored targets
+    tokens: int  # targets scored
+    windows: int
+
+    @property
+    def loss(self) -> float:
+        """Mean nats per scored target."""
+        return self.nll_sum / self.tokens
+
+
+def window_batch(tokens: np.ndarray, windows: list[Window]) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> inputs [B, T] and targets [B, T] (int64; T: the longest window), IGNORE_INDEX where nothing is
+    scored: a window's context targets and the right padding of shorter windows."""
+    width = max(w.end - w.start for w in windows)
+    inputs = torch.zeros(len(windows), width, dtype=torch.int64)  # [B, T]
+    targets = torch.full((len(windows), width), IGNORE_INDEX, dtype=torch.int64)  # [B, T]
+    for row, w in enumerate(windows):
+        span = torch.from_numpy(np.asarray(tokens[w.start:w.end + 1], dtype=np.int64))  # [n + 1]
+        n = w.end - w.start
+        inputs[row, :n] = span[:-1]
+        targets[row, n - w.scored:n] = span[n + 1 - w.scored:]
+    return inputs, targets
+
+
+@torch.inference_mode()
+def score_stream(model: torch.nn.Module, tokens: np.ndarray, *, seq_len: int, stride: int, batch_size: int,
+                 device: torch.device, autocast: Callable[[], AbstractContextManager],
+                 progress: Callable[[int], None] | None = None) -> Score:
+    """Sum of the model's cross-entropy over every target of `tokens` [N] (ids), each scored once.
+
+    The model's own loss path (chunked over rows when model.loss_chunk > 0) takes the targets; it
+    returns their mean, so each batch adds mean x count. `autocast()` makes each batch's precision
+    context (bf16 autocast on CUDA, a null context on CPU). `progress(targets scored so far)` after each batch."""
+    nll_sum = torch.zeros((), dtype=torch.float64, device=device)
+    n_scored = n_windows = 0
+    windows = plan_windows(len(tokens), seq_len, stride)
+    while batch := list(itertools.islice(windows, batch_size)):
+        inputs, targets = window_batch(tokens, batch)
+        count = sum(w.scored for w in batch)
+        with autocast():
+            mean = model(inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True))
+        nll_sum += mean.double() * count
+        n_scored, n_windows = n_scored + count, n_windows + len(batch)
+        if progress is not None:
+            progress(n_scored)
+    return Score(nll_sum=float(nll_sum), tokens=n_scored, windows=n_windows)
