@@ -34,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from train.env import artifacts_dir
+
 REPO = Path(__file__).resolve().parents[1]
 CKPT_RE = re.compile(r"^checkpoint_step(\d+)\.pt$")
 RUN_FILES = ("run.info", "launch_info.txt", "smoke.log", "train.log", "preflight.log", "causality.log")
@@ -272,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--all-weights", action="store_true", help="include every kept checkpoint")
     ap.add_argument("--out-dir", default=None, help="where the tarball goes (default ARTIFACTS_DIR/handoff)")
     args = ap.parse_args(argv)
-    artifacts = Path(os.environ.get("ARTIFACTS_DIR", "artifacts"))
+    artifacts = artifacts_dir()
     if not artifacts.is_absolute():
         artifacts = Path.cwd() / artifacts
     try:

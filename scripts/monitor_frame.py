@@ -24,12 +24,13 @@ import argparse
 import csv
 import json
 import math
-import os
 import re
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from train.env import number, text
 
 CKPT_RE = re.compile(r"^checkpoint_step(\d+)\.pt$")
 
@@ -196,9 +197,7 @@ def gpu_lines(nvidia_smi: str) -> list[str]:
 
 
 # ---- the frame --------------------------------------------------------------------------------
-def env_float(name: str, default: float) -> float:
-    v = to_float(os.environ.get(name))
-    return default if v is None else v
+env_float = number  # the monitor's thresholds come from the environment (train/env.py)
 
 
 def stack_dump_files(out: Path) -> list[Path]:
@@ -439,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--throughput-drop", type=float, default=env_float("THROUGHPUT_DROP", 0.2))
     ap.add_argument("--gate-collapse-max", type=float, default=env_float("GATE_COLLAPSE_MAX", 0.01))
     ap.add_argument("--gate-entropy-min", type=float, default=env_float("GATE_ENTROPY_MIN", 0.5))
-    ap.add_argument("--nvidia-smi", default=os.environ.get("NVIDIA_SMI", "nvidia-smi"))
+    ap.add_argument("--nvidia-smi", default=text("NVIDIA_SMI", "nvidia-smi"))
     args = ap.parse_args(argv)
     target = Path(args.target)
     if not target.exists():

@@ -42,6 +42,9 @@ done
 [[ "$INTERVAL" =~ ^[0-9]+([.][0-9]+)?$ ]] || die "--interval must be a number of seconds, got '$INTERVAL'" 2
 
 PYBIN=$(any_python)
+# monitor_frame.py and train/runs.py need only the standard library and this checkout (a python3 without
+# the .venv works too)
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [ -z "$TARGET" ]; then  # the run that is training (a failed launch beside it does not win): train/runs.py
   TARGET=$("$PYBIN" -m train.runs newest "${ARTIFACTS_DIR:-artifacts}" 2>/dev/null) \
     || die "no run given and none under ${ARTIFACTS_DIR:-artifacts}/train_runs; usage: bash scripts/monitor_run.sh RUN_OR_OUT_DIR" 2

@@ -15,7 +15,6 @@ import argparse
 import contextlib
 import csv
 import json
-import os
 import shlex
 import sys
 import tempfile
@@ -23,6 +22,7 @@ from pathlib import Path
 
 
 from train.config import load_config
+from train.env import launch_ranks
 from train.runner import run_training
 
 
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name, config, extra in (("A", args.a, args.a_args), ("B", args.b, args.b_args)):
             results[name] = measure(config, common + shlex.split(extra), args.steps, args.warmup, Path(tmp) / name)
-    if int(os.environ.get("RANK", "0")) != 0:
+    if launch_ranks()[1] != 0:
         return 0
     a, b = results["A"], results["B"]
     results["A_over_B"] = {"step_time": a["step_s"] / b["step_s"], "toks_per_s": a["toks_per_s"] / b["toks_per_s"]}

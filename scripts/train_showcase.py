@@ -10,9 +10,10 @@ through as a trainer override (--section.key=value). `python -m train` is the pr
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
+
+from train.env import default_config
 
 
 FLAG_TO_CONFIG = {
@@ -28,7 +29,7 @@ FLAG_TO_CONFIG = {
 
 def to_overrides(argv: list[str]) -> tuple[str | None, list[str]]:
     parser = argparse.ArgumentParser(prog="scripts/train_showcase.py", allow_abbrev=False)
-    parser.add_argument("--config", default=os.environ.get("CONFIG"), help="YAML config (default: $CONFIG)")
+    parser.add_argument("--config", default=default_config(), help="YAML config (default: $CONFIG)")
     parser.add_argument("--dataset", help="synthetic | fineweb_edu | bin:DIR | text:GLOB | ...")
     parser.add_argument("--steps", type=int)
     parser.add_argument("--resume", help="checkpoint path, or auto / none")

@@ -5,7 +5,6 @@ torchrun sets RANK / WORLD_SIZE / LOCAL_RANK; without them the run is a single p
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass
 
 import torch
@@ -13,6 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from train.config import RuntimeConfig
+from train.env import launch_ranks
 from train.errors import ConfigError
 
 
@@ -43,9 +43,7 @@ def resolve_device(requested: str, local_rank: int) -> torch.device:
 
 
 def init_distributed(runtime: RuntimeConfig) -> DistInfo:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    world, rank, local_rank = launch_ranks()
     device = resolve_device(runtime.device, local_rank)
     control = None
     if world > 1:

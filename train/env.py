@@ -1,12 +1,51 @@
-"""The one place where environment variables become config overrides.
+"""The one place where the Python side reads environment variables (standard library only).
 
-the source guides' runbooks set knobs in the environment (NSA_DDP_COMPRESS=bf16, NSA_NVTX=1, ...). They map
-onto config keys here; explicit command-line overrides come after and win. Knobs that named
-optional code paths of the earlier system are accepted and reported as unnecessary.
+- Config knobs: the source guides' runbooks set them in the environment (NSA_DDP_COMPRESS=bf16,
+  NSA_NVTX=1, ...); they map onto config keys here, and command-line overrides come after and win.
+  Knobs that named optional code paths of the earlier system are accepted and reported as unnecessary.
+- Launch facts: torchrun's WORLD_SIZE / RANK / LOCAL_RANK (`launch_ranks`).
+- Tool settings: ARTIFACTS_DIR (`artifacts_dir`), CONFIG (`default_config`), the monitor's thresholds
+  and NVIDIA_SMI (`number`, `text`).
+`environment()` hands a copy of the whole environment to the pre-flight, which inspects it.
+tests/tools/test_package.py checks that no other module of train/, nsa/, scripts/ or bench/ reads it.
 """
 from __future__ import annotations
 
 import os
+from pathlib import Path
+
+
+def environment() -> dict[str, str]:
+    """A copy of the process environment (the pre-flight inspects NCCL_* and friends)."""
+    return dict(os.environ)
+
+
+def launch_ranks() -> tuple[int, int, int]:
+    """(world size, global rank, local rank) as torchrun sets them; (1, 0, 0) for a plain process."""
+    return (int(os.environ.get("WORLD_SIZE", "1") or 1), int(os.environ.get("RANK", "0") or 0),
+            int(os.environ.get("LOCAL_RANK", "0") or 0))
+
+
+def artifacts_dir() -> Path:
+    """ARTIFACTS_DIR (default artifacts/), where the runbooks put run dirs, handoffs and post-runs."""
+    return Path(os.environ.get("ARTIFACTS_DIR") or "artifacts")
+
+
+def default_config() -> str | None:
+    """CONFIG, the runbooks' way to name the YAML config (scripts/train_showcase.py's default)."""
+    return os.environ.get("CONFIG") or None
+
+
+def text(name: str, default: str) -> str:
+    return os.environ.get(name) or default
+
+
+def number(name: str, default: float) -> float:
+    """A numeric setting (the monitor's WINDOW, STALE_S, LOSS_FLOOR, ...); unset or not a number: default."""
+    try:
+        return float(os.environ[name])
+    except (KeyError, ValueError):
+        return default
 
 # env var -> (config key, value translation)
 def _flag(value: str) -> bool:

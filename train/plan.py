@@ -19,10 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 
 from train.config import RunConfig, load_config
+from train.env import launch_ranks
 from train.errors import ConfigError, UserError
 from train.memory import GPU_MIB, gpu_name, render_memory, verdict
 
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     try:
         cfg = load_config(args.config, overrides)
-        gpus = args.gpus if args.gpus is not None else int(os.environ.get("WORLD_SIZE", "1") or 1)
+        gpus = args.gpus if args.gpus is not None else launch_ranks()[0]
         plan = make_plan(cfg, tokens=args.tokens, gpus=gpus, toks_per_s=args.toks_per_s, mfu=args.mfu,
                          peak_device=args.peak_device, hours=args.hours)
         if args.gpu is not None:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import yaml
 
+from train.env import artifacts_dir
 from train.errors import CheckpointError, ConfigError, UserError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -146,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--with-weights", action="store_true", help="put the newest checkpoint in the tarball")
     parser.add_argument("--skip-steps", type=int, default=50, help="warm-up steps left out of the MFU summary")
     args = parser.parse_args(argv)
-    artifacts = Path(os.environ.get("ARTIFACTS_DIR", "artifacts"))
+    artifacts = artifacts_dir()
     try:
         out_dir = resolve_out_dir(args.run)
         validation = None if args.no_eval else validate_checkpoint(out_dir)

@@ -24,6 +24,7 @@ from typing import Callable
 import numpy as np
 
 from train.config import RunConfig, load_config
+from train.env import environment
 from train.errors import ConfigError, DataError, UserError
 
 OK, FAIL, WARN = "ok", "fail", "warn"
@@ -421,7 +422,7 @@ def run_preflight(cfg: RunConfig, *, gpus: int | None = None, free_bytes: Callab
     $WORLD_SIZE or 1); free_bytes(path) -> free bytes (default shutil.disk_usage); env: the
     environment to inspect (default os.environ); cuda: whether this machine has CUDA (default torch);
     gpu_bytes: the smallest GPU's memory (default: detected when cuda)."""
-    env = dict(os.environ if env is None else env)
+    env = environment() if env is None else dict(env)
     gpus = gpus if gpus is not None else int(env.get("WORLD_SIZE", "1") or 1)
     cuda = _cuda_available() if cuda is None else cuda
     if gpu_bytes is None and cuda:
