@@ -17,3 +17,7 @@ class DataError(UserError):
 
 class CheckpointError(UserError):
     pass
+
+
+class ConversionError(UserError):
+    """A model that cannot be exported to, or imported from, the Hugging Face format (train/hf_convert.py)."""

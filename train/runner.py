@@ -28,6 +28,7 @@ from train.distributed import (
     wrap_model,
 )
 from train.errors import CheckpointError, ConfigError, UserError
+from train.import_hf import init_state_dict
 from train.loop import Loop, TrainState
 from train.optim import build_optimizer
 from train.state_dicts import gather_states, load_states
@@ -35,6 +36,7 @@ from train.alerts import Alerts
 from train.profiler import StepProfiler
 from train.run_dir import OutDirBusy, OutDirLock, apply_start, plan_start
 from train.safety import ANOMALY_FILE, StopFlags, Watchdog, stale_halt_message
+from train.sampling import TrainingSampler
 from train.stop import StopVote, early_signal
 from train.telemetry import TRAIN_FIELDS, VAL_FIELDS, CsvLog, Heartbeat, TensorBoard, write_json_atomic
 
@@ -116,6 +118,8 @@ class Run:
 
         torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
         self.raw_model = Transformer(cfg.model).to(self.info.device)
+        if cfg.train.init_from:
+            self._init_weights(cfg.train.init_from)
         self.raw_model.checkpoint_every = cfg.runtime.gradient_checkpointing
         self._note_single_process_options()
         fsdp = cfg.runtime.fsdp and self.info.enabled
@@ -126,6 +130,9 @@ class Run:
         # memory-mapped: tensors are read from the file while copied in, never held twice
         self.ckpt = ckpt_io.load_checkpoint(self.resume_path) if self.resume_path else None
         self.resumed = self.ckpt is not None
+        if self.resumed and self.ckpt.get("imported_from"):  # written by train/import_hf.py
+            raise CheckpointError(f"checkpoint {self.resume_path} holds imported weights only (no optimizer or data "
+                                  f"state) and cannot be resumed; start from it with train.init_from={self.resume_path}")
         self.lineage = (self.ckpt or {}).get("lineage") or uuid.uuid4().hex
         if self.resumed:
             self._restore_weights()
@@ -151,6 +158,16 @@ class Run:
             print("note: runtime.cuda_graphs needs CUDA; compiling without CUDA graphs", flush=True)
         mode = "reduce-overhead" if rt.cuda_graphs and self.info.device.type == "cuda" else None
         return torch.compile(model, mode=mode)
+
+    def _init_weights(self, spec: str) -> None:
+        """train.init_from: a fresh start loads these weights (the same file on every rank); a resume ignores it."""
+        if self.resume_path is not None:
+            if self.is_main:
+                print(f"note: train.init_from={spec} ignored: resuming from {self.resume_path}", flush=True)
+            return
+        self.raw_model.load_state_dict(init_state_dict(spec, self.cfg.model))
+        if self.is_main:
+            print(f"init: weights from {spec}", flush=True)
 
     # ---- resume ------------------------------------------------------------------------------
     def _restore_weights(self) -> None:
@@ -404,6 +421,7 @@ def _eval_only(run: Run) -> int:
 
 def _train(run: Run) -> int:
     cfg, state = run.cfg.train, run.state
+    sampler = TrainingSampler.for_run(run)  # None unless train.sample_every > 0
     loop = Loop(run)
     flags = StopFlags(run.out_dir, on_stackdump=lambda p: run.heartbeat.emit("stackdump", state.step, path=str(p)),
                       rank=run.info.rank)
@@ -464,6 +482,10 @@ def _train(run: Run) -> int:
                 t_eval = time.perf_counter()
                 run.record_eval(loop.evaluate())
                 loop.i_start += time.perf_counter() - t_eval  # eval time is not training time
+            if sampler is not None and sampler.due(state.step):
+                t_sample = time.perf_counter()
+                sampler.sample(state.step)  # rank 0 only; no collective
+                loop.i_start += time.perf_counter() - t_sample  # nor is sampling time
             periodic = cfg.save_every and state.step % cfg.save_every == 0 and state.step < cfg.steps
             if periodic and (cfg.always_save_checkpoint or _val_improved(run)):
                 t_save = time.perf_counter()
