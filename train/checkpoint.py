@@ -9,30 +9,25 @@ from __future__ import annotations
 import os
 import pickle
 import random
-import re
 import zipfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from train.artifacts import CHECKPOINT_RE, LATEST, checkpoint_files, checkpoint_name  # noqa: F401 (re-exported)
 from train.errors import CheckpointError
 
 FORMAT_VERSION = 1
-CKPT_RE = re.compile(r"^checkpoint_step(\d+)\.pt$")
-LATEST = "latest.pt"
-
-
-def checkpoint_name(step: int) -> str:
-    return f"checkpoint_step{step}.pt"
+CKPT_RE = CHECKPOINT_RE
+# model fields that change neither shapes nor the function a checkpoint's weights compute: they may
+# differ between the checkpoint and the run that loads it (resume, train.init_from)
+FREE_MODEL_FIELDS = frozenset({"attn_backend", "dropout", "init_std", "loss_chunk", "rope_scale"})
 
 
 def list_checkpoints(out_dir: Path) -> list[tuple[int, Path]]:
     """Files named like checkpoints in out_dir, oldest first (valid_checkpoints: those that validate)."""
-    if not out_dir.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in out_dir.iterdir() if (m := CKPT_RE.match(p.name))]
-    return sorted(found)
+    return checkpoint_files(out_dir)
 
 
 def latest_checkpoint(out_dir: Path) -> Path | None:
@@ -219,8 +214,7 @@ def check_architecture(ckpt: dict, model_config: dict, path: Path) -> None:
     saved_nsa = ckpt["config"].get("nsa", {})
     current_nsa = model_config.get("nsa", {})
     current = {k: v for k, v in model_config.items() if k != "nsa"}
-    # fields that change neither shapes nor the function computed may differ between runs
-    free = {"attn_backend", "dropout", "init_std", "loss_chunk", "rope_scale"}
+    free = FREE_MODEL_FIELDS
     diffs = [f"model.{k}: checkpoint {saved.get(k)!r} vs config {v!r}"
              for k, v in current.items() if k not in free and saved.get(k) != v]
     if current["attention"] == "nsa":

@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 from nsa.config import ModelConfig, NSAConfig
-from train.checkpoint import FORMAT_VERSION, atomic_save, load_checkpoint, resolve_checkpoint, rng_state
+from train.checkpoint import (FORMAT_VERSION, FREE_MODEL_FIELDS, atomic_save, load_checkpoint, resolve_checkpoint,
+                              rng_state)
 from train.config import RunConfig
 from train.data.config import DataConfig
 from train.errors import CheckpointError, ConfigError, ConversionError, UserError
@@ -29,7 +30,6 @@ from train.hf_convert import from_hf_config, from_hf_tensors, our_state_shapes
 
 # model fields a source may differ in from the run: they change neither shapes nor the trained weights'
 # meaning (rope_scale: context extension by position interpolation is a reason to start from weights)
-FREE_FIELDS = {"attn_backend", "dropout", "init_std", "loss_chunk", "rope_scale"}
 NSA_RUNTIME_FIELDS = {"q_chunk", "sel_chunk", "sel_tile", "win_block", "kernel"}  # kernels and memory, not math
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -99,7 +99,7 @@ def _read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
 # ---- checks ----------------------------------------------------------------------------------
 def architecture_diffs(source: ModelConfig, run: ModelConfig) -> list[str]:
     """The architecture fields in which source and run differ, as `field: A in the source vs B in the run`."""
-    free = FREE_FIELDS | ({"max_seq_len"} if run.pos_emb == "rope" else set())  # RoPE: only a documented limit
+    free = FREE_MODEL_FIELDS | ({"max_seq_len"} if run.pos_emb == "rope" else set())  # RoPE: only a documented limit
     a, b = dataclasses.asdict(source), dataclasses.asdict(run)
     nsa_a, nsa_b = a.pop("nsa"), b.pop("nsa")
     diffs = [f"{k}: {a[k]!r} in the source vs {v!r} in the run" for k, v in b.items() if k not in free and a[k] != v]

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from train import checkpoint as ckpt_io
+from train.artifacts import ATTEMPTS_DIR, CORRUPT_DIR, LOCK, SUPERSEDED_DIR
 from train.errors import CheckpointError, ConfigError, UserError
 
-LOCK_FILE = ".lock"
-SUPERSEDED_DIR, CORRUPT_DIR, ATTEMPTS_DIR = "superseded", "corrupt", "attempts"
+LOCK_FILE = LOCK
 # what stays in place when an early-crashed attempt is moved aside: the run's owners and the archives
 KEPT_IN_PLACE = {LOCK_FILE, ".launch.lock", SUPERSEDED_DIR, CORRUPT_DIR, ATTEMPTS_DIR}
 # files whose presence means "this out_dir already holds a run" (for resume=none)

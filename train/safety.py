@@ -29,9 +29,11 @@ import time
 from pathlib import Path
 from typing import Callable
 
-HALT_FILE = ".HALT"
+from train.artifacts import ANOMALY, HALT
 
-ANOMALY_FILE = ".anomaly_type"
+HALT_FILE = HALT
+
+ANOMALY_FILE = ANOMALY
 
 
 def stale_halt_message(out_dir: Path) -> str | None:

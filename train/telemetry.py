@@ -13,9 +13,7 @@ import threading
 import time
 from pathlib import Path
 
-TRAIN_FIELDS = ["step", "loss", "lr", "toks_per_s", "grad_norm", "dt_step_s", "dt_fetch_s", "tokens_seen",
-                "skipped_steps", "mfu", "tflops", "toks_per_s_per_gpu", "mem_alloc_mib", "mem_reserved_mib"]
-VAL_FIELDS = ["step", "val_loss", "ppl"]
+from train.artifacts import SUPERSEDED, TRAIN_FIELDS, VAL_FIELDS  # noqa: F401 (the CSV schemas live there)
 
 
 def _fmt(v):
@@ -48,7 +46,7 @@ class CsvLog:
         later = [r for r in rows if r not in keep]
         if not later:
             return
-        with open(self.path.with_name(self.path.name + ".superseded"), "a", newline="") as f:
+        with open(self.path.with_name(self.path.name + SUPERSEDED), "a", newline="") as f:
             csv.DictWriter(f, fieldnames=self.fields, extrasaction="ignore").writerows(later)
         tmp = self.path.with_name(f".{self.path.name}.tmp")
         with open(tmp, "w", newline="") as f:
