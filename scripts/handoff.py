@@ -21,50 +21,42 @@ Weights are large (params x 12 bytes); the manifest lets a receiver check copies
 from __future__ import annotations
 
 import argparse
-import csv
 import hashlib
 import io
 import json
 import math
 import os
-import re
 import sys
 import tarfile
 import tempfile
 import time
 from pathlib import Path
 
+from train.artifacts import (ANOMALY, GATE_STATS, HALT, LATEST, RUN_DIR_FILES, RUN_INFO, TRAIN_CSV, VAL_CSV,
+                             checkpoint_files, heartbeat_name, nsa_statistics, read_csv, read_heartbeat, read_kv)
+from train.runs import newest_run as current_run
+
 from train.env import artifacts_dir
 
 REPO = Path(__file__).resolve().parents[1]
-CKPT_RE = re.compile(r"^checkpoint_step(\d+)\.pt$")
-RUN_FILES = ("run.info", "launch_info.txt", "smoke.log", "train.log", "preflight.log", "causality.log")
+RUN_FILES = RUN_DIR_FILES
 OUT_SUFFIXES = (".csv", ".superseded", ".json", ".jsonl", ".yaml", ".txt", ".log")
-OUT_FLAGS = {".anomaly_type": "anomaly_type.txt", ".HALT": "HALT.flag"}
+OUT_FLAGS = {ANOMALY: "anomaly_type.txt", HALT: "HALT.flag"}
 
 
 class HandoffError(Exception):
     pass
 
 
-def read_kv(path: Path) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        if not line.startswith("#") and ": " in line:
-            k, v = line.split(": ", 1)
-            out[k.strip()] = v.strip()
-    return out
-
-
 def resolve(target: Path) -> tuple[Path | None, Path]:
-    info = target / "run.info"
+    info = target / RUN_INFO
     if info.is_file():
         out = read_kv(info).get("out_dir")
         if not out:
             raise HandoffError(f"{info} names no out_dir")
         p = Path(out)
         return target, p if p.is_absolute() else REPO / p
-    if (target / "training.csv").exists() or (target / "metrics.json").exists() or any(target.glob("heartbeat_rank*.jsonl")):
+    if (target / TRAIN_CSV).exists() or (target / "metrics.json").exists() or any(target.glob("heartbeat_rank*.jsonl")):
         return None, target
     raise HandoffError(f"{target} is neither a run dir (run.info) nor a trainer out_dir (training.csv / metrics.json)")
 
@@ -82,7 +74,7 @@ def lineage_segments(run_dir: Path | None, out: Path, artifacts: Path) -> list[P
     out_dir target, under ARTIFACTS_DIR/train_runs)."""
     root = run_dir.parent if run_dir is not None else artifacts / "train_runs"
     found = []
-    for info in sorted(root.glob("*/run.info")) if root.is_dir() else []:
+    for info in sorted(root.glob(f"*/{RUN_INFO}")) if root.is_dir() else []:
         named = read_kv(info).get("out_dir")
         if named and same_dir(Path(named) if Path(named).is_absolute() else REPO / named, out):
             found.append(info.parent)
@@ -92,10 +84,11 @@ def lineage_segments(run_dir: Path | None, out: Path, artifacts: Path) -> list[P
 
 
 def newest_run(artifacts: Path) -> Path:
-    runs = sorted(p for p in (artifacts / "train_runs").glob("*") if (p / "run.info").is_file())
-    if not runs:
+    """The run the runbooks launched most recently that trained (train/runs.py, as the monitor picks)."""
+    run = current_run(artifacts)
+    if run is None:
         raise HandoffError(f"no run given and no run dir under {artifacts / 'train_runs'}")
-    return max(runs, key=lambda p: (p / "run.info").stat().st_mtime)
+    return run
 
 
 def sha256(path: Path) -> str:
@@ -114,32 +107,15 @@ def to_float(v) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def read_csv(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    with open(path, newline="", encoding="utf-8") as f:
-        return [r for r in csv.DictReader(f) if (r.get("step") or "").isdigit()]
-
-
 def gate_series(out: Path) -> dict[str, list[tuple[int, float]]]:
-    """gate entropy / collapse per step from rank 0's heartbeat 'train' records (both key spellings)."""
+    """gate entropy / collapse per step from rank 0's heartbeat 'train' records (the trainer's key names)."""
     series: dict[str, list[tuple[int, float]]] = {}
-    path = out / "heartbeat_rank0.jsonl"
-    if not path.exists():
-        return series
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
+    for rec in read_heartbeat(out / heartbeat_name(0)):
         if rec.get("kind") != "train":
             continue
-        for key, value in rec.items():
-            if not key.startswith("gate_"):
-                continue
-            name = key[5:] if key[5:].startswith(("gate_", "sel_")) else key
-            if ("entropy" in name or "collapse" in name) and to_float(value) is not None:
-                series.setdefault(name, []).append((int(rec["step"]), float(value)))
+        for name, value in nsa_statistics(rec).items():
+            if name in GATE_STATS and ("entropy" in name or "collapse" in name) and math.isfinite(value):
+                series.setdefault(name, []).append((int(rec["step"]), value))
     return series
 
 
@@ -152,8 +128,8 @@ def make_plots(out: Path, dest: Path) -> list[str]:
         import matplotlib.pyplot as plt
     except ImportError:
         return ["plots skipped: matplotlib not installed (run bash scripts/prime_bootstrap.sh)"]
-    rows = read_csv(out / "training.csv")
-    val = read_csv(out / "val.csv")
+    rows = read_csv(out / TRAIN_CSV)
+    val = read_csv(out / VAL_CSV)
     notes = []
     dest.mkdir(parents=True, exist_ok=True)
 
@@ -200,8 +176,7 @@ def make_plots(out: Path, dest: Path) -> list[str]:
 
 
 def checkpoint_manifest(out: Path) -> list[dict]:
-    found = sorted((int(m.group(1)), p) for p in out.iterdir() if (m := CKPT_RE.match(p.name))) if out.is_dir() else []
-    return [{"name": p.name, "step": s, "bytes": p.stat().st_size, "sha256": sha256(p)} for s, p in found]
+    return [{"name": p.name, "step": s, "bytes": p.stat().st_size, "sha256": sha256(p)} for s, p in checkpoint_files(out)]
 
 
 def build(target: Path, out_root: Path, weights: str = "none", now: float | None = None,
@@ -233,7 +208,7 @@ def build(target: Path, out_root: Path, weights: str = "none", now: float | None
         staging = Path(tmp)
         (staging / "checkpoints.json").write_text(json.dumps(
             {"out_dir": str(out), "checkpoints": ckpts,
-             "latest": os.readlink(out / "latest.pt") if (out / "latest.pt").is_symlink() else None}, indent=2))
+             "latest": os.readlink(out / LATEST) if (out / LATEST).is_symlink() else None}, indent=2))
         files.append((staging / "checkpoints.json", "checkpoints.json"))
         notes = make_plots(out, staging / "plots")
         files += [(p, f"plots/{p.name}") for p in sorted((staging / "plots").glob("*.png"))]

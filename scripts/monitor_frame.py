@@ -1,58 +1,41 @@
 #!/usr/bin/env python3
 """One monitor frame for a training run: progress, ETA, loss, throughput, validation, GPUs,
-heartbeats, NSA gate health, checkpoints, flags and alerts. Standard library only (runs without
-the venv); scripts/monitor_run.sh calls it in a loop.
+heartbeats, NSA gate and selection statistics, checkpoints, flags and alerts. Standard library and
+this checkout only (train/artifacts.py names and reads every file; no torch); scripts/monitor_run.sh
+calls it in a loop.
 
-    python3 scripts/monitor_frame.py RUN_OR_OUT_DIR [--window 20] [--stale-s 300] [--loss-floor 1.5]
+    python3 scripts/monitor_frame.py RUN_OR_OUT_DIR [--window 20] [--stale-s 300]
 
 RUN_OR_OUT_DIR is a run directory (artifacts/train_runs/m7c_*, holding run.info, which names the
 out_dir) or a trainer out_dir (training.csv, heartbeat_rank*.jsonl, metrics.json; docs/ARTIFACTS.md).
 
-Alerts (thresholds also from the environment: WINDOW, STALE_S, LOSS_FLOOR, LOSS_FLOOR_FRAC,
-THROUGHPUT_DROP, GATE_COLLAPSE_MAX, GATE_ENTROPY_MIN):
-  throughput  last toks/s more than THROUGHPUT_DROP (0.2) below the mean of the window
+Alerts. The trainer decides and records its own (train/alerts.py: loss below the floor early, loss
+spikes, throughput drops, gate collapse and low gate entropy, with the run's thresholds); the monitor
+shows them from the heartbeat and recomputes none of them. It adds only what a trainer cannot say
+about itself (WINDOW and STALE_S also come from the environment):
+  trainer     'alert' records the trainer wrote to the heartbeat in the current session
   stale       no heartbeat line for STALE_S (300) seconds while the run is not finished
-  gates       gate collapse fraction > GATE_COLLAPSE_MAX (0.01) or mean gate entropy < GATE_ENTROPY_MIN (0.5)
   nan         a non-finite loss, newly skipped steps, or an anomaly halt
-  leak        loss < LOSS_FLOOR (1.5) before LOSS_FLOOR_FRAC (10%) of the steps (the best-practices guide: suspect leakage)
   watchdog    the trainer's watchdog fired (no step for runtime.watchdog_s) in the current session
-  trainer     'alert' records the trainer wrote to the heartbeat
 """
 from __future__ import annotations
 
 import argparse
-import csv
-import json
 import math
-import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from train.artifacts import (ANOMALY, CONFIG_YAML, GATE_STATS, HALT, HEARTBEAT_GLOB, RUN_INFO, SELECTION_STATS,
+                             TRAIN_CSV, VAL_CSV, checkpoint_files, heartbeat_name, nsa_statistics, read_csv,
+                             read_heartbeat, read_kv, read_metrics)
 from train.env import number, text
-
-CKPT_RE = re.compile(r"^checkpoint_step(\d+)\.pt$")
-
-
-# ---- reading ----------------------------------------------------------------------------------
-def read_kv(path: Path) -> dict[str, str]:
-    """run.info / launch_info.txt: 'key: value' lines (the last value of a key wins)."""
-    out: dict[str, str] = {}
-    try:
-        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-            if line.startswith("#") or ": " not in line:
-                continue
-            key, value = line.split(": ", 1)
-            out[key.strip()] = value.strip()
-    except OSError:
-        pass
-    return out
 
 
 def resolve(target: Path, repo: Path | None = None) -> tuple[Path | None, Path]:
     """-> (run_dir or None, out_dir). A run dir's out_dir is relative to the repository root."""
-    info = target / "run.info"
+    info = target / RUN_INFO
     if info.is_file():
         out = read_kv(info).get("out_dir")
         if out:
@@ -73,38 +56,6 @@ def to_float(v) -> float | None:
         return None
 
 
-def read_csv(path: Path) -> list[dict]:
-    try:
-        with open(path, newline="", encoding="utf-8") as f:
-            return [r for r in csv.DictReader(f) if (r.get("step") or "").isdigit()]
-    except OSError:
-        return []
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    records = []
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                line = line.strip()
-                if not line:
-                    continue
-                try:
-                    records.append(json.loads(line))
-                except ValueError:
-                    continue  # a line being written right now
-    except OSError:
-        pass
-    return records
-
-
-def read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-
-
 def config_steps(path: Path) -> int | None:
     """train.steps from config.yaml (yaml.safe_dump output: 'train:' then '  steps: N')."""
     section = None
@@ -116,29 +67,6 @@ def config_steps(path: Path) -> int | None:
                 return int(float(line.split(":", 1)[1]))
     except (OSError, ValueError):
         pass
-    return None
-
-
-def gate_values(record: dict) -> dict[str, float]:
-    """gate_* keys of a heartbeat 'train' record, normalised: the trainer prefixes 'gate_' onto the
-    stats' own names (gate_entropy_mean -> gate_gate_entropy_mean, sel_free_frac -> gate_sel_free_frac);
-    both spellings, and gate_collapse_fraction, are accepted."""
-    out = {}
-    for key, value in record.items():
-        if not key.startswith("gate_"):
-            continue
-        name = key[5:] if key[5:].startswith(("gate_", "sel_")) else key
-        v = to_float(value)
-        if v is not None:
-            out[name] = v
-    return out
-
-
-def pick(d: dict[str, float], *needles: str) -> tuple[str, float] | None:
-    for needle in needles:
-        for k, v in d.items():
-            if needle in k:
-                return k, v
     return None
 
 
@@ -197,7 +125,6 @@ def gpu_lines(nvidia_smi: str) -> list[str]:
 
 
 # ---- the frame --------------------------------------------------------------------------------
-env_float = number  # the monitor's thresholds come from the environment (train/env.py)
 
 
 def stack_dump_files(out: Path) -> list[Path]:
@@ -213,9 +140,7 @@ def stack_dump_files(out: Path) -> list[Path]:
     return [path for *_, path in sorted(found)]
 
 
-def build_frame(target: Path, *, window: int = 20, stale_s: float = 300.0, loss_floor: float = 1.5,
-                loss_floor_frac: float = 0.1, drop: float = 0.2, collapse_max: float = 0.01,
-                entropy_min: float = 0.5, nvidia_smi: str | None = "nvidia-smi",
+def build_frame(target: Path, *, window: int = 20, stale_s: float = 300.0, nvidia_smi: str | None = "nvidia-smi",
                 now: float | None = None) -> tuple[str, list[str]]:
     """-> (frame text, alerts)."""
     now = time.time() if now is None else now
@@ -227,7 +152,7 @@ def build_frame(target: Path, *, window: int = 20, stale_s: float = 300.0, loss_
         head += f"  (run {run_dir})"
     lines.append(head + f"  {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(now))}")
     if run_dir is not None:
-        ri = read_kv(run_dir / "run.info")
+        ri = read_kv(run_dir / RUN_INFO)
         bits = [f"config {ri.get('config', '?')}", f"gpus {ri.get('gpu_count', '?')}"]
         if ri.get("resume_from"):
             bits.append(f"resume {ri['resume_from']}")
@@ -238,11 +163,11 @@ def build_frame(target: Path, *, window: int = 20, stale_s: float = 300.0, loss_
         lines.append(f"out_dir     {out} does not exist yet (training not started)")
         return "\n".join(lines), alerts
 
-    metrics = read_json(out / "metrics.json")
-    rows = read_csv(out / "training.csv")
-    val_rows = read_csv(out / "val.csv")
-    beats = {p: read_jsonl(p) for p in sorted(out.glob("heartbeat_rank*.jsonl"))}
-    rank0 = beats.get(out / "heartbeat_rank0.jsonl") or (next(iter(beats.values())) if beats else [])
+    metrics = read_metrics(out)
+    rows = read_csv(out / TRAIN_CSV)
+    val_rows = read_csv(out / VAL_CSV)
+    beats = {p: read_heartbeat(p) for p in sorted(out.glob(HEARTBEAT_GLOB))}
+    rank0 = beats.get(out / heartbeat_name(0)) or (next(iter(beats.values())) if beats else [])
     starts = [i for i, r in enumerate(rank0) if r.get("kind") == "start"]
     session = rank0[starts[-1]:] if starts else rank0
     session_start_step = int(session[0].get("step", 0)) if starts else 0
@@ -252,7 +177,7 @@ def build_frame(target: Path, *, window: int = 20, stale_s: float = 300.0, loss_
     ended = status in ("finished", "stopped", "anomaly") or last_kind in ("end", "anomaly")
     if last_kind == "end" and status == "running":
         status = "ended"
-    steps = metrics.get("steps") or config_steps(out / "config.yaml")
+    steps = metrics.get("steps") or config_steps(out / CONFIG_YAML)
     step = max([int(metrics.get("step") or 0)] + [int(r["step"]) for r in rows[-1:]]
                + [int(r.get("step") or 0) for r in rank0[-1:]])
 
@@ -278,7 +203,6 @@ def build_frame(target: Path, *, window: int = 20, stale_s: float = 300.0, loss_
     # loss and throughput over the window of this session's rows
     session_rows = [r for r in rows if int(r["step"]) > session_start_step]
     win = session_rows[-window:] or rows[-window:]
-    first_is_warmup = bool(starts) and 0 < len(session_rows) <= window
     losses = [to_float(r.get("loss")) for r in win]
     finite = [x for x in losses if x is not None and math.isfinite(x)]
     if rows:
@@ -299,16 +223,6 @@ def build_frame(target: Path, *, window: int = 20, stale_s: float = 300.0, loss_
         mem = to_float(rows[-1].get("mem_reserved_mib"))
         if mem is not None:
             lines.append(f"cuda mem    peak reserved {mem / 1024:.1f} GiB (rank 0)")
-        # throughput drop: last vs the window's mean (the session's first interval is warm-up)
-        base = [to_float(r.get("toks_per_s")) for r in win[:-1]]
-        if first_is_warmup:  # the window starts at this session's first interval (start-up, warm-up)
-            base = base[1:]
-        base = [b for b in base if b is not None and math.isfinite(b) and b > 0]
-        if len(base) >= 2 and last_tps is not None and not ended:
-            ref = sum(base) / len(base)
-            if last_tps < (1.0 - drop) * ref:
-                alerts.append(f"throughput: last {fmt_int(last_tps)} tok/s is {100 * (1 - last_tps / ref):.0f}% "
-                              f"below the window mean {fmt_int(ref)} (> {drop * 100:.0f}% drop)")
         # NaN / skipped steps
         if last_loss is None or not math.isfinite(last_loss):
             alerts.append(f"nan: non-finite loss at step {rows[-1]['step']}")
@@ -316,15 +230,6 @@ def build_frame(target: Path, *, window: int = 20, stale_s: float = 300.0, loss_
         if len(skipped) >= 2 and skipped[-1] > skipped[0]:
             alerts.append(f"nan: {skipped[-1] - skipped[0]:.0f} non-finite step(s) skipped in the window "
                           f"({skipped[-1]:.0f} in the run)")
-        # leak suspicion: a loss far too low early on
-        if steps:
-            early = [r for r in rows if int(r["step"]) < loss_floor_frac * int(steps)]
-            low = [r for r in early if (to_float(r.get("loss")) or math.inf) < loss_floor]
-            if low:
-                r = low[0]
-                alerts.append(f"leak: loss {fmt_num(to_float(r['loss']))} at step {r['step']} < {loss_floor} before "
-                              f"{loss_floor_frac * 100:.0f}% of training: suspect data leakage "
-                              "(eye-test the data: scripts/datasets/eye_test.py)")
     else:
         lines.append("loss        no training.csv rows yet")
 
@@ -363,32 +268,19 @@ def build_frame(target: Path, *, window: int = 20, stale_s: float = 300.0, loss_
     else:
         lines.append("heartbeat   none yet")
 
-    # NSA gate health (last train record of rank 0 that carries gate keys)
-    gate_rec = next((r for r in reversed(train_recs or rank0) if r.get("kind") == "train" and gate_values(r)), None)
-    if gate_rec is not None:
-        gv = gate_values(gate_rec)
-        shown = []
-        for label, needles in (("entropy_mean", ("entropy_mean",)), ("entropy_min", ("entropy_min",)),
-                               ("collapse", ("collapse",)), ("saturated", ("saturated",)),
-                               ("max_mean", ("max_mean",)), ("sel_free", ("sel_free_frac",))):
-            hit = pick(gv, *needles)
-            if hit:
-                shown.append(f"{label} {hit[1]:.3f}")
-        shares = [f"{k.rsplit('_', 1)[-1]} {v:.2f}" for k, v in gv.items() if "share" in k]
-        if shares:
-            shown.append("share " + "/".join(shares))
-        lines.append(f"gates       step {gate_rec.get('step')}: " + (" | ".join(shown) or ", ".join(gv)))
-        col = pick(gv, "collapse")
-        if col and col[1] > collapse_max:
-            alerts.append(f"gates: collapse fraction {col[1]:.3f} > {collapse_max} (one branch took over)")
-        ent = pick(gv, "entropy_mean")
-        if ent and ent[1] < entropy_min:
-            alerts.append(f"gates: mean gate entropy {ent[1]:.3f} < {entropy_min} (gates saturating)")
+    # NSA gate and selection statistics: every one the trainer wrote (train/artifacts.py names them)
+    nsa_rec = next((r for r in reversed(train_recs or rank0) if r.get("kind") == "train" and nsa_statistics(r)), None)
+    if nsa_rec is not None:
+        stats = nsa_statistics(nsa_rec)
+        gates = [f"{k.removeprefix('gate_')} {stats[k]:.3f}" for k in GATE_STATS if k in stats]
+        selection = [f"{k.removeprefix('sel_')} {stats[k]:.3f}" for k in SELECTION_STATS if k in stats]
+        lines.append(f"gates       step {nsa_rec.get('step')}: " + (" | ".join(gates) or "-"))
+        lines.append(f"selection   step {nsa_rec.get('step')}: " + (" | ".join(selection) or "-"))
     else:
-        lines.append("gates       n/a (no gate_* keys in the heartbeat)")
+        lines.append("gates       n/a (no NSA statistics in the heartbeat: dense model, or no log interval yet)")
 
     # checkpoints
-    ckpts = sorted((int(m.group(1)), p) for p in out.iterdir() if (m := CKPT_RE.match(p.name)))
+    ckpts = checkpoint_files(out)
     if ckpts:
         s, p = ckpts[-1]
         st = p.stat()
@@ -399,9 +291,9 @@ def build_frame(target: Path, *, window: int = 20, stale_s: float = 300.0, loss_
 
     # flags
     flags = []
-    if (out / ".HALT").exists():
+    if (out / HALT).exists():
         flags.append("HALT requested (remove .HALT before resuming)")
-    anomaly = out / ".anomaly_type"
+    anomaly = out / ANOMALY
     if anomaly.exists():
         text = anomaly.read_text(encoding="utf-8", errors="replace").strip()
         flags.append(f"ANOMALY: {text}")
@@ -431,23 +323,15 @@ def build_frame(target: Path, *, window: int = 20, stale_s: float = 300.0, loss_
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("target", help="run dir (holding run.info) or trainer out_dir")
-    ap.add_argument("--window", type=int, default=int(env_float("WINDOW", 20)))
-    ap.add_argument("--stale-s", type=float, default=env_float("STALE_S", 300))
-    ap.add_argument("--loss-floor", type=float, default=env_float("LOSS_FLOOR", 1.5))
-    ap.add_argument("--loss-floor-frac", type=float, default=env_float("LOSS_FLOOR_FRAC", 0.1))
-    ap.add_argument("--throughput-drop", type=float, default=env_float("THROUGHPUT_DROP", 0.2))
-    ap.add_argument("--gate-collapse-max", type=float, default=env_float("GATE_COLLAPSE_MAX", 0.01))
-    ap.add_argument("--gate-entropy-min", type=float, default=env_float("GATE_ENTROPY_MIN", 0.5))
+    ap.add_argument("--window", type=int, default=int(number("WINDOW", 20)))
+    ap.add_argument("--stale-s", type=float, default=number("STALE_S", 300))
     ap.add_argument("--nvidia-smi", default=text("NVIDIA_SMI", "nvidia-smi"))
     args = ap.parse_args(argv)
     target = Path(args.target)
     if not target.exists():
         print(f"monitor: error: {target} does not exist (give a run dir or an out_dir)", file=sys.stderr)
         return 2
-    frame, _ = build_frame(target, window=max(2, args.window), stale_s=args.stale_s, loss_floor=args.loss_floor,
-                           loss_floor_frac=args.loss_floor_frac, drop=args.throughput_drop,
-                           collapse_max=args.gate_collapse_max, entropy_min=args.gate_entropy_min,
-                           nvidia_smi=args.nvidia_smi)
+    frame, _ = build_frame(target, window=max(2, args.window), stale_s=args.stale_s, nvidia_smi=args.nvidia_smi)
     print(frame, flush=True)
     return 0
 

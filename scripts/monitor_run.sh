@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Live monitor of a training run: progress and ETA, loss, tokens/s, val loss, GPU memory and
 # utilisation, heartbeat age, NSA gate health, latest checkpoint, HALT / anomaly flags and alerts.
-# The analysis lives in scripts/monitor_frame.py (standard library only); this loop only redraws.
+# The analysis lives in scripts/monitor_frame.py (standard library + train/artifacts.py); this loop only redraws.
 #
 #   bash scripts/monitor_run.sh [--once] [--interval N] [--window N] [RUN_OR_OUT_DIR]
 #
 # RUN_OR_OUT_DIR: a run dir (artifacts/train_runs/m7c_*, whose run.info names the out_dir) or a
 # trainer out_dir; default: the run under artifacts/train_runs that trained most recently (python -m train.runs).
-# Environment: INTERVAL (10 s), WINDOW (20 rows), STALE_S (300), LOSS_FLOOR (1.5), LOSS_FLOOR_FRAC (0.1),
-# THROUGHPUT_DROP (0.2), GATE_COLLAPSE_MAX (0.01), GATE_ENTROPY_MIN (0.5), NVIDIA_SMI, ARTIFACTS_DIR.
+# Environment: INTERVAL (10 s), WINDOW (20 rows), STALE_S (300), NVIDIA_SMI, ARTIFACTS_DIR. Alerts are the
+# trainer's own (train/alerts.py, from the heartbeat) plus stale / NaN / watchdog; none is recomputed here.
 # Read-only: it never touches the run. Ctrl-C leaves.
 set -euo pipefail
 

@@ -19,6 +19,7 @@ import math
 import sys
 from pathlib import Path
 
+from train.artifacts import RUN_SUMMARY_GLOB
 from train.errors import ConfigError, UserError
 
 DEFAULT_SKIP_STEPS = 50
@@ -30,7 +31,7 @@ def find_run_json(run: Path) -> Path:
         return run
     if not run.is_dir():
         raise ConfigError(f"{run} does not exist (expected a trainer out_dir or a run_*.json)")
-    found = sorted(run.glob("run_*.json"))
+    found = sorted(run.glob(RUN_SUMMARY_GLOB))
     if not found:
         raise ConfigError(f"{run} holds no run_*.json (the trainer writes one at each checkpoint and at the end)")
     return found[-1]

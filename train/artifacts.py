@@ -139,11 +139,17 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     count = sub.add_parser("count-checkpoints", help="how many files in OUT_DIR are named like checkpoints")
     count.add_argument("out_dir", type=Path)
+    field = sub.add_parser("metrics-field", help="one top-level value of OUT_DIR/metrics.json (empty when absent)")
+    field.add_argument("out_dir", type=Path)
+    field.add_argument("key")
     name = sub.add_parser("name", help="print one file name: config, train_csv, val_csv, metrics, latest, halt, anomaly, lock")
     name.add_argument("which", choices=("config", "train_csv", "val_csv", "metrics", "latest", "halt", "anomaly", "lock"))
     args = parser.parse_args(argv)
     if args.command == "count-checkpoints":
         print(len(checkpoint_files(args.out_dir)))
+    elif args.command == "metrics-field":
+        value = read_metrics(args.out_dir).get(args.key)
+        print("" if value is None else value)
     else:
         print({"config": CONFIG_YAML, "train_csv": TRAIN_CSV, "val_csv": VAL_CSV, "metrics": METRICS_JSON,
                "latest": LATEST, "halt": HALT, "anomaly": ANOMALY, "lock": LOCK}[args.which])

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from train.artifacts import TRAIN_CSV, VAL_CSV
 from train.checkpoint import load_checkpoint, model_from_checkpoint, resolve_checkpoint
 from train.errors import ConversionError, UserError
 from train.hf_convert import ARCHITECTURES, NSA_ONLY, family, to_hf_config, to_hf_tensors
@@ -192,7 +193,7 @@ def model_card(model, kind: str, dtype_name: str, ckpt: dict, ckpt_path: Path, r
 def final_losses(run_dir: Path, step: int) -> tuple[str, str]:
     """Last logged train / validation losses at or before `step`, from the run's training.csv / val.csv."""
     found = []
-    for name, column in (("training.csv", "loss"), ("val.csv", "val_loss")):
+    for name, column in ((TRAIN_CSV, "loss"), (VAL_CSV, "val_loss")):
         path, best = run_dir / name, None
         if path.is_file():
             with open(path, newline="") as f:

@@ -26,19 +26,20 @@ from pathlib import Path
 
 import yaml
 
+from train.artifacts import CONFIG_YAML, EVAL_JSON_GLOB, HEARTBEAT_GLOB, METRICS_JSON, POSTRUN_JSON, RUN_SUMMARY_GLOB
 from train.env import artifacts_dir
 from train.errors import CheckpointError, ConfigError, UserError
 
 REPO = Path(__file__).resolve().parents[1]
 HANDOFF = REPO / "scripts" / "handoff.py"
-ARCHIVE_PATTERNS = ("config.yaml", "run_*.json", "metrics.json", "eval_step*.json", "postrun.json", "*.csv",
-                    "heartbeat_rank*.jsonl", "*.log", "*.txt")
+ARCHIVE_PATTERNS = (CONFIG_YAML, RUN_SUMMARY_GLOB, METRICS_JSON, EVAL_JSON_GLOB, POSTRUN_JSON, "*.csv",
+                    HEARTBEAT_GLOB, "*.log", "*.txt")
 
 
 def resolve_out_dir(run: Path) -> Path:
     """OUT_DIR, or a run_*.json / config.yaml inside it -> the out_dir."""
     out = run.parent if run.is_file() else run
-    if not (out / "config.yaml").is_file():
+    if not (out / CONFIG_YAML).is_file():
         raise ConfigError(f"{run}: no config.yaml (expected a trainer out_dir)")
     return out
 
@@ -90,7 +91,7 @@ def write_record(out_dir: Path, validation: dict | None, skip_steps: int) -> dic
     from train.analyze import find_run_json, load_run, summarize
     from train.runner import git_sha
 
-    metrics_path = out_dir / "metrics.json"
+    metrics_path = out_dir / METRICS_JSON
     metrics = json.loads(metrics_path.read_text()) if metrics_path.is_file() else {}
     try:
         run_json = find_run_json(out_dir)
@@ -100,7 +101,7 @@ def write_record(out_dir: Path, validation: dict | None, skip_steps: int) -> dic
     record = {"out_dir": str(out_dir), "validation": validation, "git_sha_run": metrics.get("git_sha"),
               "git_sha_now": git_sha(), "status": metrics.get("status"), "analysis": analysis,
               "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    (out_dir / "postrun.json").write_text(json.dumps(record, indent=2) + "\n")
+    (out_dir / POSTRUN_JSON).write_text(json.dumps(record, indent=2) + "\n")
     return record
 
 

@@ -16,24 +16,13 @@ import argparse
 import sys
 from pathlib import Path
 
-PROGRESS_FILES = ("metrics.json", "training.csv")  # written once a launch trains, refreshed as it does
+from train.artifacts import METRICS_JSON, RUN_INFO, TRAIN_CSV, read_kv
 
-
-def read_run_info(run_dir: Path) -> dict[str, str]:
-    """run.info 'key: value' lines -> dict; a key written twice keeps its last value (a resumed segment)."""
-    info: dict[str, str] = {}
-    path = Path(run_dir) / "run.info"
-    if not path.is_file():
-        return info
-    for line in path.read_text(errors="replace").splitlines():
-        key, sep, value = line.partition(": ")
-        if sep:
-            info[key.strip()] = value.strip()
-    return info
+PROGRESS_FILES = (METRICS_JSON, TRAIN_CSV)  # written once a launch trains, refreshed as it does
 
 
 def out_dir_of(run_dir: Path) -> Path | None:
-    out = read_run_info(run_dir).get("out_dir")
+    out = read_kv(Path(run_dir) / RUN_INFO).get("out_dir")
     return Path(out) if out else None
 
 
@@ -47,7 +36,7 @@ def _last_progress(run_dir: Path) -> float | None:
 
 
 def newest_run(artifacts: Path, prefix: str = "") -> Path | None:
-    runs = sorted(p for p in (Path(artifacts) / "train_runs").glob(f"{prefix}*") if (p / "run.info").is_file())
+    runs = sorted(p for p in (Path(artifacts) / "train_runs").glob(f"{prefix}*") if (p / RUN_INFO).is_file())
     started = [(t, p) for p in runs if (t := _last_progress(p)) is not None]
     if started:
         return max(started)[1]

@@ -229,12 +229,8 @@ newest_checkpoint() {
   "${PY:-$(any_python)}" -m train.run_dir newest-valid "$1" 2>/dev/null || true
 }
 
-count_checkpoints() {
-  local dir=$1 n=0 f
-  for f in "$dir"/checkpoint_step*.pt; do
-    if [ -f "$f" ]; then n=$((n + 1)); fi
-  done
-  echo "$n"
+count_checkpoints() {  # files named like checkpoints (the name pattern lives in train/artifacts.py)
+  "${PY:-$(any_python)}" -m train.artifacts count-checkpoints "$1" 2>/dev/null || echo 0
 }
 
 # resume_note OUT_DIR RESUME -> what the trainer's train.resume will do (for run.info)
@@ -345,15 +341,7 @@ run_logged_training() {
   info "$run_info" last_checkpoint "$(newest_checkpoint "$out_dir")"
 }
 
-# metrics_field OUT_DIR KEY -> a top-level value of metrics.json (empty when absent)
+# metrics_field OUT_DIR KEY -> a top-level value of metrics.json (empty when absent; train/artifacts.py reads it)
 metrics_field() {
-  [ -f "$1/metrics.json" ] || return 0
-  "$(any_python)" - "$1/metrics.json" "$2" <<'PY' 2>/dev/null || true
-import json, sys
-try:
-    v = json.load(open(sys.argv[1])).get(sys.argv[2])
-except (OSError, ValueError):
-    v = None
-print("" if v is None else v)
-PY
+  "${PY:-$(any_python)}" -m train.artifacts metrics-field "$1" "$2" 2>/dev/null || true
 }
