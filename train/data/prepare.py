@@ -176,18 +176,38 @@ def summary_line(out: Path, meta: dict, tail: str) -> str:
             f"val {s['val']['tokens']:,} tokens / {s['val']['documents']:,} docs, {meta['dtype']}, {tail}")
 
 
+def spellings(dashed: str) -> list[str]:
+    """'--text-sample-by' -> ['--text-sample-by', '--text_sample_by']: the config and the trainer spell the
+    same settings with underscores (data.text_sample_by), so both are accepted."""
+    return [dashed] + ([dashed.replace("-", "_").replace("__", "--", 1)] if "-" in dashed[2:] else [])
+
+
 def add_source_arguments(parser: argparse.ArgumentParser) -> None:
     """Options that name what to read and how to split it (prepare and prepare_sharded)."""
     parser.add_argument("--source", required=True, help="text:GLOB | jsonl:GLOB | parquet:GLOB | hf:NAME | fineweb_edu")
     parser.add_argument("--tokenizer", default="gpt2", help="gpt2 | byte | hf:<local dir>")
     parser.add_argument("--out", required=True, type=Path, help="output directory, e.g. data/NAME")
-    parser.add_argument("--val-fraction", type=float, default=0.005, help="share of documents held out into val.bin")
-    parser.add_argument("--split-seed", type=int, default=0, help="salt of the held-out hash")
+    parser.add_argument(*spellings("--val-fraction"), type=float, default=0.005, help="share of documents held out into val.bin")
+    parser.add_argument(*spellings("--split-seed"), type=int, default=0, help="salt of the held-out hash")
     parser.add_argument("--subset", default=None, help="Hugging Face config name (fineweb_edu: sample-10BT)")
     parser.add_argument("--split", default="train", help="Hugging Face split")
-    parser.add_argument("--text-field", default="text", help="column with the document text")
-    parser.add_argument("--text-sample-by", default="document", choices=("document", "paragraph", "line"),
+    parser.add_argument(*spellings("--text-field"), default="text", help="column with the document text")
+    parser.add_argument(*spellings("--text-sample-by"), default="document", choices=("document", "paragraph", "line"),
                         help="text:GLOB documents: whole files, blank-line paragraphs or lines")
+
+
+def empty_val_warning(meta: dict) -> str | None:
+    """One warning line when documents were held out by fraction but val.bin came out empty (e.g. a single
+    text file read as one document), with what to pass instead; None otherwise."""
+    splits = meta["splits"]
+    if splits["val"]["tokens"] or not meta.get("val_fraction"):
+        return None
+    docs = splits["train"]["documents"]
+    hint = ("pass --text-sample-by paragraph (or line) to read each paragraph of the file as a document"
+            if meta.get("source", "").startswith("text:") and meta.get("text_sample_by") == "document"
+            else "raise --val-fraction or add documents")
+    return (f"warning: val.bin is empty: none of the {docs:,} document(s) was held out (val_fraction "
+            f"{meta['val_fraction']} holds out whole documents), so training with evaluation will stop; {hint}")
 
 
 def prepare(source: str, tokenizer_name: str, out: Path, *, val_fraction: float = 0.005, split_seed: int = 0,
@@ -235,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m train.data.prepare", description=__doc__.split("\n\n")[0])
     add_source_arguments(parser)
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 1) - 1), help="tokenizer processes")
-    parser.add_argument("--max-docs", type=int, default=None, help="stop after this many documents")
+    parser.add_argument(*spellings("--max-docs"), type=int, default=None, help="stop after this many documents")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing prepared dataset")
     args = parser.parse_args(argv)
     try:
@@ -246,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
     print(summary_line(args.out, meta, f"{meta['text_bytes'] / 1e6 / max(meta['seconds'], 1e-9):.1f} MB/s"))
+    if warning := empty_val_warning(meta):
+        print(warning, file=sys.stderr)
     return 0
 
 

@@ -35,7 +35,7 @@ import numpy as np
 from train.data.meta import dtype_for_vocab
 from train.data.prepare import (
     EncodedDocuments, _chunks, _init_worker, _SplitWriter, _tokenize_chunk, add_source_arguments, build_meta,
-    summary_line,
+    empty_val_warning, spellings, summary_line,
 )
 from train.data.sources import ReaderPlan, iter_documents, open_documents
 from train.data.tokenizers import load_tokenizer
@@ -226,8 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     add_source_arguments(parser)
     parser.add_argument("--shards", required=True, type=int, help="number of shards (<= the source's files)")
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 1) - 1), help="shards tokenized at once")
-    parser.add_argument("--max-shards", type=int, default=None, help="tokenize at most this many shards now, then stop")
-    parser.add_argument("--keep-shards", action="store_true", help="keep the shard .bin files after joining")
+    parser.add_argument(*spellings("--max-shards"), type=int, default=None, help="tokenize at most this many shards now, then stop")
+    parser.add_argument(*spellings("--keep-shards"), action="store_true", help="keep the shard .bin files after joining")
     parser.add_argument("--overwrite", action="store_true", help="start again: delete shards and the prepared files")
     args = parser.parse_args(argv)
     try:
@@ -242,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     if meta is None:
         return 0
     print(summary_line(args.out, meta, f"{args.shards} shards (manifest.json)"))
+    if warning := empty_val_warning(meta):
+        print(warning, file=sys.stderr)
     return 0
 
 
