@@ -89,16 +89,27 @@ def test_gradients_match_reference_short_sequence_gathered_path():
         torch.testing.assert_close(a, b, rtol=0, atol=TOL)
 
 
-@pytest.mark.parametrize("batch_rows", [1, 40])
-def test_tile_batches_merge_online_to_the_reference(backend, batch_rows, monkeypatch):
-    """Tiles run in batches with an online softmax merge; one tile per batch is the hardest case."""
-    monkeypatch.setattr(selection, "TILE_BATCH_ROWS", batch_rows)
+@pytest.fixture(scope="module")
+def tiled_reference():
+    """The float64 per-token reference for the tile-batch tests, computed once: it depends on neither the
+    tile batching nor the backend those tests vary (the reference is the slow part: loops over tokens)."""
     T = 100
     layer = make_layer(seed=10, nsa_overrides=dict(sel_tile=3))
     x = make_input(2, T, seed=11).requires_grad_(True)
     rope = rope_for(T)
-    y, (y_ref, _) = layer(x, rope), reference_forward(layer, x, rope)
-    torch.testing.assert_close(y, y_ref.to(DEVICE), rtol=0, atol=TOL)
-    g = torch.randn_like(y)
-    for a, b in zip(_grads(layer, x, y, g), _grads(layer, x, y_ref.to(DEVICE), g)):
+    y_ref = reference_forward(layer, x, rope)[0].to(DEVICE)
+    g = torch.randn_like(y_ref)
+    return T, y_ref.detach(), g, [t.detach() for t in _grads(layer, x, y_ref, g)]
+
+
+@pytest.mark.parametrize("batch_rows", [1, 40])
+def test_tile_batches_merge_online_to_the_reference(backend, batch_rows, monkeypatch, tiled_reference):
+    """Tiles run in batches with an online softmax merge; one tile per batch is the hardest case."""
+    monkeypatch.setattr(selection, "TILE_BATCH_ROWS", batch_rows)
+    T, y_ref, g, ref_grads = tiled_reference
+    layer = make_layer(seed=10, nsa_overrides=dict(sel_tile=3))
+    x = make_input(2, T, seed=11).requires_grad_(True)
+    y = layer(x, rope_for(T))
+    torch.testing.assert_close(y, y_ref, rtol=0, atol=TOL)
+    for a, b in zip(_grads(layer, x, y, g), ref_grads):
         torch.testing.assert_close(a, b, rtol=0, atol=TOL)
