@@ -50,7 +50,7 @@ def last_json(text: str) -> dict:
 
 
 def cuda_tests(args) -> dict:
-    files = ["tests/nsa/test_nsa_gpu.py", "tests/nsa/test_triton_selection.py"]
+    files = ["tests/nsa/test_nsa_gpu.py", "tests/nsa/test_triton_selection.py", "tests/nsa/test_flex_branches.py"]
     code, out = run([PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files], 240)
     tail = [line for line in out.strip().splitlines() if " passed" in line or " failed" in line or "error" in line]
     return {"ok": code == 0, "exit": code, "result": tail[-1] if tail else out[-500:]}

@@ -2,7 +2,8 @@
 # One GPU acceptance command (issue 13): everything a CUDA GPU can tell us about this project, in
 # under 10 minutes on one H100, into artifacts/gpu_acceptance_<timestamp>/ (acceptance.json, summary.md).
 #   bash scripts/gpu_acceptance.sh            # on a CUDA machine: tests, attention, training, decode, MFU
-# Without CUDA it says so, runs the Triton kernel tests in the interpreter (TRITON_INTERPRET=1) and
+# Without CUDA it says so, runs the Triton kernel tests in the interpreter (TRITON_INTERPRET=1) and the
+# FlexAttention branch tests (forward, CPU), and
 # exits with their status (0 when they pass).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,7 +21,7 @@ if "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'
 else
   log "no CUDA device here: only the Triton kernel tests, in Triton's interpreter on the CPU -> $OUT"
   rc=0
-  TRITON_INTERPRET=1 "$PY" -m pytest -q -p no:cacheprovider tests/nsa/test_triton_selection.py 2>&1 \
+  TRITON_INTERPRET=1 "$PY" -m pytest -q -p no:cacheprovider tests/nsa/test_triton_selection.py tests/nsa/test_flex_branches.py 2>&1 \
     | tee "$OUT/kernel_tests.log" || rc=$?
   "$PY" - "$OUT" "$rc" <<'PYEOF'
 import json, sys, time
