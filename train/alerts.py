@@ -1,5 +1,10 @@
-"""Alerts computed once per log interval (the best-practices guide §3): early loss floor (data-leak suspicion),
-loss spikes, and sustained throughput drops (which ask for a profiler trace)."""
+"""Alerts computed once per log interval from the interval's row (the best-practices guide §3): early loss
+floor (data-leak suspicion), loss spikes, sustained throughput drops (which ask for a profiler trace), and for
+NSA models gate collapse and low gate entropy (the row's gate statistics, nsa/attention/gate_stats.py).
+
+An alert is a record {"alert": name, <values>, "message": ...}; the runner's hook (train/hooks.py) sends it to
+every sink as an 'alert' row: heartbeat, console, TensorBoard, W&B (train/sinks.py). A gate alert fires when
+its statistic crosses the threshold and again only after the statistic has been back on the healthy side."""
 from __future__ import annotations
 
 import math
@@ -19,9 +24,10 @@ class Alerts:
         self.degraded_since: float | None = None
         self.profile_requested = False  # set once when a throughput drop has lasted long enough
         self._profiled = False
+        self._gate_alerting: set[str] = set()  # gate alerts whose condition still holds (fired once)
 
     def observe(self, row: dict) -> list[dict]:
-        """row: a training.csv row. Returns alert records for the heartbeat (possibly none)."""
+        """row: a training.csv row (plus gate statistics for NSA). Returns alert records (possibly none)."""
         alerts = []
         step, loss, rate = row["step"], row["loss"], row["toks_per_s"]
         t = self.train
@@ -36,6 +42,27 @@ class Alerts:
                                    "sigma": (loss - mean) / std})
             self.losses.append(loss)
         alerts += self._throughput(rate)
+        alerts += self._gates(row)
+        return alerts
+
+    def _gates(self, row: dict) -> list[dict]:
+        rt = self.runtime
+        checks = (  # name, statistic, threshold, unhealthy(value, threshold), message
+            ("gate_collapse", "gate_collapse_frac", rt.gate_collapse_alert, lambda v, t: v > t,
+             "one NSA branch took over (gate_collapse_frac > runtime.gate_collapse_alert)"),
+            ("gate_entropy_low", "gate_entropy_mean", rt.gate_entropy_alert, lambda v, t: v < t,
+             "NSA gates are saturating (gate_entropy_mean < runtime.gate_entropy_alert)"),
+        )
+        alerts = []
+        for name, key, threshold, unhealthy, message in checks:
+            value = row.get(key)
+            if threshold <= 0 or value is None or not math.isfinite(value):
+                continue
+            if not unhealthy(value, threshold):
+                self._gate_alerting.discard(name)
+            elif name not in self._gate_alerting:
+                self._gate_alerting.add(name)
+                alerts.append({"alert": name, key: value, "threshold": threshold, "message": message})
         return alerts
 
     def _throughput(self, rate: float) -> list[dict]:

@@ -95,6 +95,8 @@ class RuntimeConfig:
     profile_steps: str = ""  # 'A:B': torch.profiler trace of steps A..B (and a CUDA memory snapshot)
     throughput_alert_drop: float = 0.2  # alert when tokens/s falls this far below its running median ...
     throughput_alert_s: float = 300.0  # ... for this long; then a profiler trace is captured once
+    gate_collapse_alert: float = 0.01  # NSA: alert when gate_collapse_frac (one branch's gate > 0.99, both others < 0.01) rises above this; 0 disables
+    gate_entropy_alert: float = 0.5  # NSA: alert when gate_entropy_mean (nats, at most ln 2 = 0.69) falls below this; 0 disables
     wandb: bool = False  # log to Weights & Biases (pre-flight fails if the package is missing)
     wandb_project: str = "nsa-train"
     wandb_run_name: str | None = None
@@ -120,6 +122,9 @@ class RuntimeConfig:
             raise ConfigError("runtime.cuda_graphs needs runtime.compile=true (CUDA graphs come from torch.compile)")
         if self.zero1 and self.fsdp:
             raise ConfigError("runtime.zero1 and runtime.fsdp are exclusive; pick one")
+        for name in ("gate_collapse_alert", "gate_entropy_alert"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"runtime.{name} must be >= 0 (0 disables), got {getattr(self, name)}")
 
 
 @dataclass

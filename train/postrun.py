@@ -89,7 +89,7 @@ def validate_checkpoint(out_dir: Path) -> dict:
 def write_record(out_dir: Path, validation: dict | None, skip_steps: int) -> dict:
     """OUT_DIR/postrun.json: validation, git SHAs, and the analysis summary of the newest run JSON."""
     from train.analyze import find_run_json, load_run, summarize
-    from train.runner import git_sha
+    from train.summary import git_sha
 
     metrics_path = out_dir / METRICS_JSON
     metrics = json.loads(metrics_path.read_text()) if metrics_path.is_file() else {}

@@ -379,7 +379,7 @@ def _wandb(cfg: RunConfig, add, env: dict) -> None:
 
 
 def _git(add, result: PreflightResult) -> None:
-    from train.runner import git_sha
+    from train.summary import git_sha
 
     result.git_sha = git_sha()
     if result.git_sha == "unknown":

@@ -9,6 +9,8 @@ import torch
 
 
 class StepProfiler:
+    """on_written(step, tag, paths): called after a capture is written (the runner records a 'profile' row)."""
+
     def __init__(self, out_dir: Path, spec: str, on_written=None):
         self.dir = out_dir / "profile"
         self.window = tuple(int(x) for x in spec.split(":")) if spec else None
@@ -49,7 +51,7 @@ class StepProfiler:
             torch.cuda.memory._record_memory_history(enabled=None)
             written.append(str(snap))
         if self.on_written:
-            self.on_written(self._tag, written)
+            self.on_written(step, self._tag, written)
 
     def close(self, step: int) -> None:
         if self._prof is not None:

@@ -5,11 +5,13 @@ train.sample_prompts by train.sample_tokens tokens, greedily (temperature 0: det
 samples of successive steps differ only by what the model learned, and no RNG stream of the run is
 touched), stopping a sample at the tokenizer's EOS. The raw model runs in eval mode under the run's
 autocast, with its own decode caches (nsa/generate.py); train mode is restored afterwards. The runner
-takes the time spent out of the interval's tokens/s, as for evaluation.
+takes the time spent out of the interval's tokens/s, as for evaluation (train/clock.py).
 
     out_dir/samples.jsonl: one row per prompt and sampling step: {"step", "prompt", "text", "tokens"}
                            (text: the continuation only; tokens: its new ids)
-    TensorBoard (tb/):     text `samples/<i>` per prompt: prompt + continuation
+
+`sample()` returns those rows; the runner records them as one 'sample' row (train/sinks.py): TensorBoard
+text `samples/<i>` per prompt (prompt + continuation) and one console line with the first sample.
 
 Prompts: 'a|b' (empty pieces dropped), or @FILE with one prompt per line (blank lines skipped); an
 empty setting samples once from EOS (a document start). They are checked when the run starts, on
@@ -27,12 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nsa.generate import GenerationError, check_arguments, generate
+from train.artifacts import SAMPLES_JSONL
 from train.data.tokenizers import load_tokenizer
 from train.distributed import autocast_context
 from train.errors import ConfigError
 from train.text_stream import continuation_text
-
-SAMPLES_FILE = "samples.jsonl"
 
 
 @dataclass
@@ -62,7 +63,7 @@ class TrainingSampler:
         self.run, self.tok, self.prompts = run, tok, prompts
         self.every = run.cfg.train.sample_every
         self.n_tokens = run.cfg.train.sample_tokens
-        self.path = run.out_dir / SAMPLES_FILE
+        self.path = run.out_dir / SAMPLES_JSONL
 
     @classmethod
     def for_run(cls, run) -> TrainingSampler | None:
@@ -91,11 +92,11 @@ class TrainingSampler:
     def due(self, step: int) -> bool:
         return step % self.every == 0
 
-    def sample(self, step: int) -> None:
-        """Rank 0: generate for every prompt, append the rows, write TensorBoard text. Others: nothing."""
+    def sample(self, step: int) -> list[dict]:
+        """Rank 0: generate for every prompt, append the rows to samples.jsonl and return them. Others: []."""
         run = self.run
         if not run.is_main:
-            return
+            return []
         model = run.raw_model
         was_training = model.training
         model.eval()
@@ -109,7 +110,4 @@ class TrainingSampler:
                 for p, ids in zip(self.prompts, results)]
         with open(self.path, "a", encoding="utf-8") as f:
             f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-        for i, row in enumerate(rows):
-            shown = (row["prompt"] + row["text"]).splitlines() or [""]
-            run.tb.text(step, f"samples/{i}", "\n".join("    " + line for line in shown))  # a Markdown code block
-        print(f"step {step:>6} | sample: {rows[0]['prompt'] + rows[0]['text']!r:.120}", flush=True)
+        return rows

@@ -1,7 +1,7 @@
-"""Run artefacts: training.csv, val.csv, heartbeat_rank{R}.jsonl, metrics.json, TensorBoard (tb/).
+"""File writers of the run artefacts: CSV (training.csv, val.csv), JSON lines (heartbeat_rank{R}.jsonl),
+TensorBoard events (tb/), atomic JSON (metrics.json, run_*.json, eval results).
 
-Schemas are documented in docs/ARTIFACTS.md. Rank 0 writes CSVs, metrics.json and TensorBoard;
-every rank writes its own heartbeat.
+Which row goes to which file is train/sinks.py's business; schemas are documented in docs/ARTIFACTS.md.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import threading
 import time
 from pathlib import Path
 
-from train.artifacts import SUPERSEDED, TRAIN_FIELDS, VAL_FIELDS  # noqa: F401 (the CSV schemas live there)
+from train.artifacts import SUPERSEDED
 
 
 def _fmt(v):
@@ -114,7 +114,7 @@ class TensorBoard:
         self._w.flush()
 
     def text(self, step: int, tag: str, text: str) -> None:
-        """Markdown text under `tag` (generated samples: train/sampling.py)."""
+        """Markdown text under `tag` (alerts, generated samples)."""
         if self._w is None:
             return
         self._w.add_text(tag, text, step)
