@@ -11,18 +11,17 @@ cut by max_tokens, nor for a directory whose meta.json predates per-split text_b
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from train.data.build import check_prepared_tokenizer
 from train.data.meta import SPLITS, read_meta, split_tokens
 from train.data.prepare import document_chunks, encode_documents
 from train.data.tokenizers import load_tokenizer
 from train.errors import DataError
 
-log = logging.getLogger(__name__)
 
 DOCUMENT_KINDS = ("text", "jsonl", "parquet")
 KINDS = ("bin", *DOCUMENT_KINDS)
@@ -57,7 +56,8 @@ def _bin_tokens(data_dir: Path, tokenizer_name: str, split: str, max_tokens: int
     if split not in SPLITS:
         raise DataError(f"--split {split!r}: a prepared directory has the splits {', '.join(SPLITS)}")
     meta = read_meta(data_dir)
-    _check_tokenizer(data_dir, meta.tokenizer, tokenizer_name)
+    check_prepared_tokenizer(data_dir, meta.tokenizer, tokenizer_name, "the checkpoint",
+                             f"prepare the text with --tokenizer {tokenizer_name}")
     n = split_tokens(data_dir, meta, split)
     tokens = np.memmap(data_dir / meta.splits[split].file, dtype=meta.np_dtype, mode="r", shape=(n,)) if n \
         else np.zeros(0, meta.np_dtype)
@@ -72,19 +72,6 @@ def _bin_tokens(data_dir: Path, tokenizer_name: str, split: str, max_tokens: int
         note = None
     return EvalTokens(tokens=tokens, id_bound=meta.id_bound, text_bytes=split_bytes,
                       bytes_from="meta.json" if split_bytes is not None else None, note=note)
-
-
-def _check_tokenizer(data_dir: Path, prepared_with: str | None, trained_with: str) -> None:
-    """The directory's ids must come from the checkpoint's tokenizer (hf: paths may differ by machine, as in
-    build_data; a legacy directory names none)."""
-    if not prepared_with or prepared_with == trained_with:
-        return
-    if prepared_with.startswith("hf:") and trained_with.startswith("hf:"):
-        log.warning("%s was tokenized with %s; the checkpoint names %s (assumed to be the same tokenizer)",
-                    data_dir, prepared_with, trained_with)
-        return
-    raise DataError(f"{data_dir} was tokenized with {prepared_with} but the checkpoint was trained with "
-                    f"{trained_with}; prepare the text with --tokenizer {trained_with}")
 
 
 def _document_tokens(spec: str, tokenizer_name: str, text_field: str, text_sample_by: str,

@@ -165,7 +165,7 @@ def test_metadata_missing_or_mismatched(prepared, tmp_path):
     (out / "meta.json").unlink()
     with pytest.raises(DataError, match="metadata missing"):
         _build(out)
-    with pytest.raises(DataError, match="prepared with tokenizer gpt2 but data.tokenizer=byte"):
+    with pytest.raises(DataError, match="prepared with tokenizer gpt2 but data.tokenizer names byte"):
         build_data(DataConfig(source=f"bin:{prepared[0]}", tokenizer="byte"), seq_len=8, batch_size=1, vocab_size=50304, seed=0)
     out = _copy(prepared, tmp_path / "b")
     (out / "val.bin").unlink()

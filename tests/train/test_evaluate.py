@@ -204,7 +204,7 @@ def test_bad_input_is_one_line(run_dir, text_source, tmp_path, capsys):
     (gpt2_dir / "meta.json").write_text(json.dumps({**meta, "tokenizer": "gpt2"}))
     capsys.readouterr()  # prepare's progress bar
     cases = [
-        (["--data", f"bin:{gpt2_dir}", "--split", "train"], "tokenized with gpt2"),
+        (["--data", f"bin:{gpt2_dir}", "--split", "train"], "prepared with tokenizer gpt2 but the checkpoint names byte"),
         (["--data", f"bin:{byte_dir}"], "split val holds 0 token(s)"),  # val_fraction=0: an empty val split
         (["--data", text_source, "--split", "val"], "--split applies to bin:"),
         (["--data", f"bin:{byte_dir}", "--text_sample_by", "line"], "apply to text:"),

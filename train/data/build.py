@@ -117,7 +117,8 @@ def _synthetic(*, seq_len, batch_size, vocab_size, seed, rank, world_size, accum
 def _bin(cfg: DataConfig, data_dir: Path, *, seq_len, batch_size, vocab_size, seed, rank, world_size, accumulate,
          pin) -> DataBundle:
     meta = read_meta(data_dir)
-    _check_tokenizer_matches(data_dir, meta.tokenizer, cfg.tokenizer)
+    check_prepared_tokenizer(data_dir, meta.tokenizer, cfg.tokenizer, "data.tokenizer",
+                             f"set data.tokenizer={meta.tokenizer}")
     if meta.id_bound >= vocab_size:
         raise DataError(f"{data_dir} holds token ids up to {meta.id_bound} (tokenizer vocabulary {meta.vocab_size}) "
                         f"but the model's vocab_size is {vocab_size}; set model.vocab_size >= {meta.vocab_size} (e.g. a multiple of 64)")
@@ -133,16 +134,16 @@ def _bin(cfg: DataConfig, data_dir: Path, *, seq_len, batch_size, vocab_size, se
     return DataBundle(train, val, info, pin=pin)
 
 
-def _check_tokenizer_matches(data_dir: Path, prepared_with: str | None, configured: str) -> None:
-    """The token files decide; data.tokenizer must name the same tokenizer (hf: paths may differ by machine)."""
-    if not prepared_with or prepared_with == configured:
+def check_prepared_tokenizer(data_dir: Path, prepared_with: str | None, wanted: str, wanted_by: str, fix: str) -> None:
+    """A prepared directory's ids must come from the tokenizer `wanted_by` names (the config's data.tokenizer,
+    a checkpoint's); hf: paths may differ by machine (a warning); a legacy directory names none."""
+    if not prepared_with or prepared_with == wanted:
         return
-    if prepared_with.startswith("hf:") and configured.startswith("hf:"):
-        log.warning("data: %s was prepared with %s; data.tokenizer is %s (assumed to be the same tokenizer)",
-                    data_dir, prepared_with, configured)
+    if prepared_with.startswith("hf:") and wanted.startswith("hf:"):
+        log.warning("data: %s was prepared with %s; %s names %s (assumed to be the same tokenizer)",
+                    data_dir, prepared_with, wanted_by, wanted)
         return
-    raise DataError(f"{data_dir} was prepared with tokenizer {prepared_with} but data.tokenizer={configured}; "
-                    f"set data.tokenizer={prepared_with}")
+    raise DataError(f"{data_dir} was prepared with tokenizer {prepared_with} but {wanted_by} names {wanted}; {fix}")
 
 
 def _stream(cfg: DataConfig, *, seq_len, batch_size, vocab_size, seed, rank, world_size, accumulate, pin) -> DataBundle:
