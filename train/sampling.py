@@ -24,12 +24,10 @@ to the next step. Under FSDP the parameters are sharded: sampling is skipped wit
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from nsa.generate import GenerationError, check_arguments, generate
-from train.artifacts import SAMPLES_JSONL
 from train.data.tokenizers import load_tokenizer
 from train.distributed import autocast_context
 from train.errors import ConfigError
@@ -63,7 +61,6 @@ class TrainingSampler:
         self.run, self.tok, self.prompts = run, tok, prompts
         self.every = run.cfg.train.sample_every
         self.n_tokens = run.cfg.train.sample_tokens
-        self.path = run.out_dir / SAMPLES_JSONL
 
     @classmethod
     def for_run(cls, run) -> TrainingSampler | None:
@@ -93,7 +90,8 @@ class TrainingSampler:
         return step % self.every == 0
 
     def sample(self, step: int) -> list[dict]:
-        """Rank 0: generate for every prompt, append the rows to samples.jsonl and return them. Others: []."""
+        """Rank 0: generate for every prompt and return the rows (the recorder's SamplesSink appends them to
+        samples.jsonl, train/sinks.py). Others: []."""
         run = self.run
         if not run.is_main:
             return []
@@ -106,8 +104,5 @@ class TrainingSampler:
                                     prefill_chunk=run.cfg.train.seq_len).ids[0] for p in self.prompts]
         finally:
             model.train(was_training)
-        rows = [{"step": step, "prompt": p.text, "text": continuation_text(self.tok, p.ids, ids), "tokens": ids}
+        return [{"step": step, "prompt": p.text, "text": continuation_text(self.tok, p.ids, ids), "tokens": ids}
                 for p, ids in zip(self.prompts, results)]
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-        return rows

@@ -14,6 +14,7 @@ Every sink gets every row and decides what it writes for its kind:
 |---|---|
 | RunSummary (train/summary.py) | metrics.json at start / checkpoint / end / anomaly, run_*.json at checkpoint / end |
 | CsvSink | training.csv (train rows), val.csv (eval rows) |
+| SamplesSink | samples.jsonl (sample rows; train.sample_every) |
 | TensorBoardSink | scalars (`scalars()`: train/*, gates/*, val/*, alerts/<name>); text alerts/<name>, samples/<i> |
 | WandbSink | the same scalars |
 | HeartbeatSink | every row of a heartbeat kind, with all its fields |
@@ -26,11 +27,14 @@ rank 0 of an eval-only run the heartbeat and the console; every other rank its h
 """
 from __future__ import annotations
 
+import json
 import math
+import os
 from pathlib import Path
 from typing import Protocol
 
-from train.artifacts import HEARTBEAT_KINDS, TB_DIR, TRAIN_CSV, TRAIN_FIELDS, VAL_CSV, VAL_FIELDS, heartbeat_name
+from train.artifacts import (HEARTBEAT_KINDS, SAMPLES_JSONL, SUPERSEDED, TB_DIR, TRAIN_CSV, TRAIN_FIELDS, VAL_CSV,
+                             VAL_FIELDS, heartbeat_name)
 from train.config import RunConfig
 from train.telemetry import CsvLog, Heartbeat, TensorBoard
 
@@ -96,6 +100,43 @@ class CsvSink:
 
     def close(self) -> None:
         self._csv.close()
+
+
+class SamplesSink:
+    """'sample' rows, one JSON line per prompt, in samples.jsonl (train.sample_every). On resume, lines of steps
+    after the checkpoint's are moved to samples.jsonl.superseded (kept, not lost), as the CSVs' rows are."""
+
+    def __init__(self, path: Path, resume_step: int | None):
+        self.path = path
+        if resume_step is not None and path.exists():
+            self._move_aside_after(resume_step)
+
+    def _move_aside_after(self, step: int) -> None:
+        lines = self.path.read_text(encoding="utf-8").splitlines(keepends=True)
+        later = [line for line in lines if _json_step(line) > step]
+        if not later:
+            return
+        with open(self.path.with_name(self.path.name + SUPERSEDED), "a", encoding="utf-8") as f:
+            f.writelines(later)
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text("".join(line for line in lines if _json_step(line) <= step), encoding="utf-8")
+        os.replace(tmp, self.path)
+
+    def log(self, step: int, row: dict) -> None:
+        if row["kind"] == "sample":
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.writelines(json.dumps(sample, ensure_ascii=False) + "\n" for sample in row["samples"])
+
+    def close(self) -> None:
+        pass
+
+
+def _json_step(line: str) -> int:
+    """The step of one samples.jsonl line; a torn line counts as after every checkpoint (moved aside)."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return 2**62
 
 
 class HeartbeatSink:
@@ -188,6 +229,8 @@ def open_sinks(cfg: RunConfig, out_dir: Path, *, rank: int, resume_step: int | N
         if rank == 0 and not cfg.train.eval_only:
             sinks += [CsvSink(out_dir / TRAIN_CSV, TRAIN_FIELDS, "train", resume_step),
                       CsvSink(out_dir / VAL_CSV, VAL_FIELDS, "eval", resume_step), TensorBoardSink(out_dir / TB_DIR)]
+            if cfg.train.sample_every:
+                sinks.append(SamplesSink(out_dir / SAMPLES_JSONL, resume_step))
             if cfg.runtime.wandb:
                 sinks.append(WandbSink(cfg, out_dir))
         sinks.append(HeartbeatSink(out_dir / heartbeat_name(rank), rank))

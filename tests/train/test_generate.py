@@ -218,6 +218,19 @@ def test_training_writes_samples_at_the_sampling_steps(tmp_path):
     assert [e.step for e in events.Tensors("samples/0/text_summary")] == [2, 4]
 
 
+def test_resume_moves_later_samples_aside_like_the_csv_rows(tmp_path):
+    """A run samples at steps 2, 4, 6 and saves at 2 and 4, then resumes from step 2: the samples of steps 4
+    and 6 move to samples.jsonl.superseded (kept, not lost) and the live file has each step once."""
+    out = tmp_path / "run"
+    args = ["--data.tokenizer=byte", "--train.sample_every=2", "--train.sample_prompts=ab", "--train.sample_tokens=4",
+            "--train.save_every=2", "--train.keep_all_checkpoints=true"]
+    assert run_training(tiny_config(out, *args, "--train.steps=6")) == 0
+    assert [r["step"] for r in read_jsonl(out / "samples.jsonl")] == [2, 4, 6]
+    assert run_training(tiny_config(out, *args, "--train.steps=6", f"--train.resume={out / 'checkpoint_step2.pt'}")) == 0
+    assert [r["step"] for r in read_jsonl(out / "samples.jsonl")] == [2, 4, 6]
+    assert [r["step"] for r in read_jsonl(out / "samples.jsonl.superseded")] == [4, 6]
+
+
 def test_training_refuses_prompts_that_do_not_fit(tmp_path):
     cfg = tiny_config(tmp_path / "run", "--data.tokenizer=byte", "--train.sample_every=2",
                       f"--train.sample_prompts={'x' * 60}", "--train.sample_tokens=8")
