@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import json
 import shlex
 import sys
@@ -21,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 
+from train.artifacts import TRAIN_CSV, read_csv
 from train.config import load_config
 from train.env import launch_ranks
 from train.runner import run_training
@@ -57,8 +57,7 @@ def measure(config: str, args: list[str], steps: int, warmup: int, out: Path) ->
                                       "--train.resume=none", "--runtime.watchdog_s=0"])
     with contextlib.redirect_stdout(sys.stderr):
         run_training(cfg)
-    with open(out / "training.csv", newline="") as f:
-        rows = list(csv.DictReader(f))
+    rows = read_csv(out / TRAIN_CSV)
     totals = interval_totals(rows, warmup)
     mem = [float(r["mem_alloc_mib"]) for r in rows if int(r["step"]) > warmup and r.get("mem_alloc_mib")]
     return {"config": config, "args": args, **totals, "peak_mem_alloc_mib": max(mem) if mem else None,

@@ -15,19 +15,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from train.artifacts import CHECKPOINT_RE, LATEST, checkpoint_files, checkpoint_name  # noqa: F401 (re-exported)
+from train.artifacts import LATEST, checkpoint_files, checkpoint_name
 from train.errors import CheckpointError
 
 FORMAT_VERSION = 1
-CKPT_RE = CHECKPOINT_RE
 # model fields that change neither shapes nor the function a checkpoint's weights compute: they may
 # differ between the checkpoint and the run that loads it (resume, train.init_from)
 FREE_MODEL_FIELDS = frozenset({"attn_backend", "dropout", "init_std", "loss_chunk", "rope_scale"})
-
-
-def list_checkpoints(out_dir: Path) -> list[tuple[int, Path]]:
-    """Files named like checkpoints in out_dir, oldest first (valid_checkpoints: those that validate)."""
-    return checkpoint_files(out_dir)
 
 
 def latest_checkpoint(out_dir: Path) -> Path | None:
@@ -135,7 +129,7 @@ def is_valid(path: Path) -> bool:
 
 def valid_checkpoints(out_dir: Path) -> list[tuple[int, Path]]:
     """Checkpoints in out_dir that validate, oldest first."""
-    return [(step, p) for step, p in list_checkpoints(out_dir) if is_valid(p)]
+    return [(step, p) for step, p in checkpoint_files(out_dir) if is_valid(p)]
 
 
 def apply_retention(out_dir: Path, keep_last: int, keep_all: bool, protect: tuple[Path, ...] = ()) -> list[Path]:
@@ -235,20 +229,26 @@ def resolve_checkpoint(path: Path) -> Path:
     return path
 
 
+def stored_model_config(run_config: dict, where: str, **model_overrides):
+    """The ModelConfig of a stored run config (a checkpoint's `config`, an NSA export's nsa_config.json);
+    one CheckpointError line naming `where` when it cannot be built."""
+    from nsa.config import ModelConfig, NSAConfig
+
+    try:
+        return ModelConfig(**{**run_config["model"], **model_overrides}, nsa=NSAConfig(**run_config.get("nsa", {})))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{where}: its model config cannot be built: {exc}") from None
+
+
 def model_from_checkpoint(path: Path, device: str = "cpu", **model_overrides):
     """Build the checkpoint's model (from its stored config) and load its weights, for inference
     tools (needle test, long-context demo, generate, evaluate, export). `path`: a checkpoint file or a
     run directory (its newest valid checkpoint). model_overrides: e.g. rope_scale=8.0.
     Returns (model in eval mode, the checkpoint's config dict)."""
-    from nsa.config import ModelConfig, NSAConfig
     from nsa.model import Transformer
 
     ckpt = load_checkpoint(resolve_checkpoint(path))
     cfg = ckpt["config"]
-    try:
-        model_cfg = ModelConfig(**{**cfg["model"], **model_overrides}, nsa=NSAConfig(**cfg.get("nsa", {})))
-    except (TypeError, ValueError) as exc:
-        raise CheckpointError(f"checkpoint {path}: its model config cannot be built: {exc}") from None
-    model = Transformer(model_cfg)
+    model = Transformer(stored_model_config(cfg, f"checkpoint {path}", **model_overrides))
     model.load_state_dict(ckpt["model"])
     return model.to(device).eval(), cfg

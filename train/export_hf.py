@@ -13,7 +13,6 @@ previous export. Bad input: one `error:` line on stderr, exit 2.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import shutil
@@ -23,7 +22,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from train.artifacts import TRAIN_CSV, VAL_CSV
+from train.artifacts import TRAIN_CSV, VAL_CSV, read_csv
 from train.checkpoint import load_checkpoint, model_from_checkpoint, resolve_checkpoint
 from train.errors import ConversionError, UserError
 from train.hf_convert import ARCHITECTURES, NSA_ONLY, family, to_hf_config, to_hf_tensors
@@ -194,13 +193,8 @@ def final_losses(run_dir: Path, step: int) -> tuple[str, str]:
     """Last logged train / validation losses at or before `step`, from the run's training.csv / val.csv."""
     found = []
     for name, column in ((TRAIN_CSV, "loss"), (VAL_CSV, "val_loss")):
-        path, best = run_dir / name, None
-        if path.is_file():
-            with open(path, newline="") as f:
-                rows = [r for r in csv.DictReader(f) if r.get("step", "").isdigit() and r.get(column)]
-            rows = [r for r in rows if int(r["step"]) <= step]
-            if rows:
-                best = f"{float(rows[-1][column]):.4f} (step {rows[-1]['step']}, {name})"
+        rows = [r for r in read_csv(run_dir / name) if r.get(column) and int(r["step"]) <= step]
+        best = f"{float(rows[-1][column]):.4f} (step {rows[-1]['step']}, {name})" if rows else None
         found.append(best or f"unknown (no {name} row at or before step {step} beside the checkpoint)")
     return found[0], found[1]
 

@@ -22,7 +22,7 @@ import torch
 
 from nsa.config import ModelConfig, NSAConfig
 from train.checkpoint import (FORMAT_VERSION, FREE_MODEL_FIELDS, atomic_save, load_checkpoint, resolve_checkpoint,
-                              rng_state)
+                              rng_state, stored_model_config)
 from train.config import RunConfig
 from train.data.config import DataConfig
 from train.errors import CheckpointError, ConfigError, ConversionError, UserError
@@ -42,7 +42,7 @@ def read_model_dir(model_dir: Path) -> tuple[ModelConfig, dict[str, torch.Tensor
         raise ConversionError(f"{model_dir} is not a directory (expected a Hugging Face model directory)")
     if (model_dir / "nsa_config.json").is_file() and not (model_dir / "config.json").is_file():
         run_config = _read_json(model_dir / "nsa_config.json")
-        cfg = model_config(run_config, str(model_dir / "nsa_config.json"))
+        cfg = stored_model_config(run_config, str(model_dir / "nsa_config.json"))
     else:
         cfg = from_hf_config(_read_json(model_dir / "config.json"))
         run_config = None
@@ -52,14 +52,6 @@ def read_model_dir(model_dir: Path) -> tuple[ModelConfig, dict[str, torch.Tensor
         data = DataConfig(tokenizer=f"hf:{model_dir.resolve()}") if has_tokenizer else DataConfig()
         run_config = RunConfig(model=cfg, data=data).to_dict()
     return cfg, state, run_config
-
-
-def model_config(run_config: dict, where: str) -> ModelConfig:
-    """Our ModelConfig from a stored run config (a checkpoint's `config`, an NSA export's nsa_config.json)."""
-    try:
-        return ModelConfig(**run_config["model"], nsa=NSAConfig(**run_config.get("nsa", {})))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ConversionError(f"{where}: its model config cannot be built: {exc}") from None
 
 
 def _read_json(path: Path) -> dict:
@@ -127,7 +119,7 @@ def init_state_dict(spec: str, cfg: ModelConfig) -> dict[str, torch.Tensor]:
         source, state, _ = read_model_dir(Path(spec[3:]))
     else:
         ckpt = load_checkpoint(resolve_checkpoint(Path(spec)))
-        source, state = model_config(ckpt["config"], spec), ckpt["model"]
+        source, state = stored_model_config(ckpt["config"], spec), ckpt["model"]
     diffs = architecture_diffs(source, cfg)
     if diffs:
         raise ConfigError(f"train.init_from={spec} does not match the run's model: {'; '.join(diffs)}")

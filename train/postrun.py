@@ -26,7 +26,8 @@ from pathlib import Path
 
 import yaml
 
-from train.artifacts import CONFIG_YAML, EVAL_JSON_GLOB, HEARTBEAT_GLOB, METRICS_JSON, POSTRUN_JSON, RUN_SUMMARY_GLOB
+from train.artifacts import (CONFIG_YAML, EVAL_JSON_GLOB, HEARTBEAT_GLOB, METRICS_JSON, POSTRUN_JSON, RUN_SUMMARY_GLOB,
+                             checkpoint_files)
 from train.env import artifacts_dir
 from train.errors import CheckpointError, ConfigError, UserError
 
@@ -70,7 +71,7 @@ def validate_checkpoint(out_dir: Path) -> dict:
     from train import checkpoint as ckpt_io
     from train.runner import run_training
 
-    found = ckpt_io.list_checkpoints(out_dir)
+    found = checkpoint_files(out_dir)
     if not found:
         raise CheckpointError(f"{out_dir} holds no checkpoint_step*.pt to validate")
     step, latest = found[-1]

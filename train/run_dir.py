@@ -20,12 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from train import checkpoint as ckpt_io
-from train.artifacts import ATTEMPTS_DIR, CORRUPT_DIR, LOCK, SUPERSEDED_DIR
+from train.artifacts import ATTEMPTS_DIR, CORRUPT_DIR, LOCK, SUPERSEDED_DIR, checkpoint_files
 from train.errors import CheckpointError, ConfigError, UserError
 
-LOCK_FILE = LOCK
 # what stays in place when an early-crashed attempt is moved aside: the run's owners and the archives
-KEPT_IN_PLACE = {LOCK_FILE, ".launch.lock", SUPERSEDED_DIR, CORRUPT_DIR, ATTEMPTS_DIR}
+KEPT_IN_PLACE = {LOCK, ".launch.lock", SUPERSEDED_DIR, CORRUPT_DIR, ATTEMPTS_DIR}
 # files whose presence means "this out_dir already holds a run" (for resume=none)
 RUN_FILES = ("training.csv", "val.csv", "metrics.json")
 
@@ -39,7 +38,7 @@ class OutDirLock:
     included, so a crashed trainer never leaves a stale lock. The file names the holder."""
 
     def __init__(self, out_dir: Path):
-        self.path = Path(out_dir) / LOCK_FILE
+        self.path = Path(out_dir) / LOCK
         self._fd: int | None = None
 
     def acquire(self) -> None:
@@ -102,7 +101,7 @@ def plan_start(out_dir: Path, resume: str, *, eval_only: bool = False) -> StartP
     elif eval_only:
         return plan
     else:  # none
-        named = ckpt_io.list_checkpoints(out_dir)
+        named = checkpoint_files(out_dir)
         previous = [n for n in RUN_FILES if (out_dir / n).exists()] + [p.name for _, p in named]
         if previous:
             hint = "--train.resume=auto to continue it" if named else "a new train.out_dir"
@@ -137,7 +136,7 @@ def _plan_newest_valid(out_dir: Path, plan: StartPlan, quarantine: bool) -> Path
     """Newest checkpoint that validates; newer invalid ones go to corrupt/ (when quarantine)."""
     bad: list[tuple[Path, str]] = []
     chosen = None
-    for _, path in reversed(ckpt_io.list_checkpoints(out_dir)):
+    for _, path in reversed(checkpoint_files(out_dir)):
         problem = ckpt_io.checkpoint_problem(path)
         if problem is None:
             chosen = path
@@ -159,7 +158,7 @@ def _plan_supersede(out_dir: Path, resume: Path, plan: StartPlan) -> None:
     ckpt = ckpt_io.load_checkpoint(resume)
     step, lineage = ckpt["step"], ckpt.get("lineage")
     leaving = []
-    for other_step, path in ckpt_io.list_checkpoints(out_dir):
+    for other_step, path in checkpoint_files(out_dir):
         if path.resolve() == resume.resolve():
             continue
         if other_step > step or (ckpt_io.is_valid(path) and ckpt_io.load_checkpoint(path).get("lineage") != lineage):

@@ -29,17 +29,15 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from train.artifacts import ANOMALY, HALT
+from train.artifacts import HALT
 
-HALT_FILE = HALT
 
-ANOMALY_FILE = ANOMALY
 
 
 def stale_halt_message(out_dir: Path) -> str | None:
     """The one-line refusal for a leftover OUT_DIR/.HALT (it would stop a new run after one step);
     None when there is none."""
-    halt = Path(out_dir) / HALT_FILE
+    halt = Path(out_dir) / HALT
     if not os.path.lexists(halt):
         return None
     return (f"{halt} exists (a graceful stop was requested earlier); remove it to resume: "
@@ -147,7 +145,7 @@ class StopFlags:
     def should_stop(self) -> bool:
         if self._dump is not None:
             self._check_stackdump()
-        if self.reason is None and (self.out_dir / HALT_FILE).exists():
+        if self.reason is None and (self.out_dir / HALT).exists():
             self.reason = "HALT file"
         return self.reason is not None
 

@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 
 from train import checkpoint as ckpt_io
+from train.artifacts import checkpoint_files, checkpoint_name
 from train.errors import CheckpointError
 from train.runner import run_training
 
-from .helpers import read_csv, read_jsonl, tiny_config
+from .helpers import read_csv, tiny_config
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_CLI = ["--model.vocab_size=320", "--model.dim=32", "--model.n_layers=1", "--model.n_heads=2",
@@ -54,7 +55,7 @@ def truncate(path: Path) -> None:
 
 
 def names(directory: Path) -> list[str]:
-    return sorted(p.name for _, p in ckpt_io.list_checkpoints(directory))
+    return sorted(p.name for _, p in checkpoint_files(directory))
 
 
 # ---- lineage and retention -------------------------------------------------------------------------
@@ -136,7 +137,7 @@ def test_kill9_before_the_first_checkpoint_restarts_fresh_and_keeps_the_attempt(
     finally:
         proc.kill()  # SIGKILL: no handler runs
         proc.communicate(timeout=30)
-    assert not ckpt_io.list_checkpoints(out)
+    assert not checkpoint_files(out)
     first_rows = read_csv(out / "training.csv")
     again = cli(*TINY_CLI, f"--train.out_dir={out}", "--train.steps=3")
     assert again.returncode == 0, again.stderr
@@ -217,5 +218,5 @@ def test_a_vanished_console_reader_does_not_cost_the_final_checkpoint(tmp_path):
     err = proc.stderr.read()
     assert proc.wait(timeout=60) == 0, err
     steps = [int(r["step"]) for r in read_csv(out / "training.csv")]
-    assert names(out) == [ckpt_io.checkpoint_name(steps[-1])]
+    assert names(out) == [checkpoint_name(steps[-1])]
     assert json.loads((out / "metrics.json").read_text())["status"] == "stopped"

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from train import checkpoint as ckpt_io
+from train.artifacts import checkpoint_name
 
 from .helpers import read_jsonl
 
@@ -89,6 +90,6 @@ def test_stop_requests_at_random_moments_end_both_ranks_after_the_same_step(tmp_
             assert proc.returncode == 0, err[-3000:]
         steps = final_checkpoint_steps(out)
         assert steps[0] == steps[1] and steps[0] is not None, (trial, steps, err[-2000:])
-        assert ckpt_io.checkpoint_problem(out / ckpt_io.checkpoint_name(steps[0])) is None
+        assert ckpt_io.checkpoint_problem(out / checkpoint_name(steps[0])) is None
         reasons = {read_jsonl(out / f"heartbeat_rank{r}.jsonl")[-1]["reason"] for r in (0, 1)}
         assert len(reasons) == 1 and reasons <= {"HALT file", "SIGTERM"}, reasons

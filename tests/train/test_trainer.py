@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from train import checkpoint as ckpt_io
+from train.artifacts import checkpoint_files
 from train.errors import CheckpointError, ConfigError, DataError
 from train.optim import lr_at
 from train.runner import EXIT_ANOMALY, run_training
@@ -105,10 +106,10 @@ def test_weight_decay_only_on_matrices(tmp_path):
 def test_retention_keeps_last_k_or_all(tmp_path):
     out = tmp_path / "keep2"
     run_training(tiny_config(out, "--train.save_every=2", "--train.keep_last=2"))
-    assert [p.name for _, p in ckpt_io.list_checkpoints(out)] == ["checkpoint_step6.pt", "checkpoint_step8.pt"]
+    assert [p.name for _, p in checkpoint_files(out)] == ["checkpoint_step6.pt", "checkpoint_step8.pt"]
     out = tmp_path / "all"
     run_training(tiny_config(out, "--train.save_every=2", "--keep_all_checkpoints=true"))
-    assert len(ckpt_io.list_checkpoints(out)) == 4
+    assert len(checkpoint_files(out)) == 4
 
 
 def test_halt_file_stops_gracefully_and_resume_continues(tmp_path, monkeypatch):
@@ -126,7 +127,7 @@ def test_halt_file_stops_gracefully_and_resume_continues(tmp_path, monkeypatch):
 
     monkeypatch.setattr(SyntheticStream, "next_batch", halt_during_step_3)
     assert run_training(tiny_config(out)) == 0
-    assert [p.name for _, p in ckpt_io.list_checkpoints(out)] == ["checkpoint_step3.pt"]
+    assert [p.name for _, p in checkpoint_files(out)] == ["checkpoint_step3.pt"]
     assert json.loads((out / "metrics.json").read_text())["stop_reason"] == "HALT file"
     monkeypatch.setattr(SyntheticStream, "next_batch", original)
     with pytest.raises(ConfigError, match=r"\.HALT exists .*remove it to resume"):
