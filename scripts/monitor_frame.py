@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 
 from train.artifacts import (ANOMALY, CONFIG_YAML, GATE_STATS, HALT, HEARTBEAT_GLOB, RUN_INFO, SELECTION_STATS,
-                             TRAIN_CSV, VAL_CSV, checkpoint_files, heartbeat_name, nsa_statistics, read_csv,
-                             read_heartbeat, read_kv, read_metrics)
+                             STACKDUMP_GLOB, TRAIN_CSV, VAL_CSV, checkpoint_files, heartbeat_name, nsa_statistics,
+                             read_csv, read_heartbeat, read_kv, read_metrics)
 from train.env import number, text
 
 
@@ -131,7 +131,7 @@ def stack_dump_files(out: Path) -> list[Path]:
     """stackdump_rank{R}_{pid}[_watchdog].txt files that hold at least one dump, oldest change first.
     Each trainer process opens its files at start (a header line); faulthandler appends the dumps."""
     found = []
-    for path in out.glob("stackdump_*.txt"):
+    for path in out.glob(STACKDUMP_GLOB):
         try:
             if "(most recent call first)" in path.read_text(encoding="utf-8", errors="replace"):
                 found.append((path.stat().st_mtime, path.name, path))

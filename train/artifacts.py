@@ -21,7 +21,7 @@ VAL_CSV = "val.csv"  # one row per evaluation
 SUPERSEDED = ".superseded"  # suffix: CSV rows logged after the step a resume restarted from
 METRICS_JSON = "metrics.json"  # the run's status, rewritten at start, each log interval and end
 RUN_SUMMARY_GLOB = "run_*.json"  # run_YYYYMMDD_HHMMSS.json: config, hardware, per-interval metrics, summary
-RUN_SUMMARY_NAME = "run_{stamp}.json"
+RUN_SUMMARY_NAME = "run_{stamp}.json"  # stamp: time.strftime("%Y%m%d_%H%M%S") of the run's start
 HEARTBEAT_NAME = "heartbeat_rank{rank}.jsonl"  # one JSON record per line, every rank
 HEARTBEAT_GLOB = "heartbeat_rank*.jsonl"
 TB_DIR = "tb"  # TensorBoard events (rank 0)
@@ -30,12 +30,12 @@ EVAL_JSON_GLOB = "eval_*.json"  # eval_step{N}.json (train.eval_only), eval_<nam
 POSTRUN_JSON = "postrun.json"
 CHECKPOINT_NAME = "checkpoint_step{step}.pt"
 CHECKPOINT_RE = re.compile(r"^checkpoint_step(\d+)\.pt$")
-CHECKPOINT_GLOB = "checkpoint_step*.pt"
 LATEST = "latest.pt"  # symlink to the newest valid checkpoint
 HALT = ".HALT"  # an operator's graceful-stop request
 ANOMALY = ".anomaly_type"  # written when the run halts on an anomaly (exit 3)
 LOCK = ".lock"  # flock of the one trainer that owns the out_dir
-STACKDUMP_GLOB = "stackdump_*.txt"  # stackdump_rank{R}_{pid}[_watchdog].txt
+STACKDUMP_NAME = "stackdump_rank{rank}_{pid}{suffix}.txt"  # suffix "" (SIGUSR1) or "_watchdog"
+STACKDUMP_GLOB = "stackdump_*.txt"
 SUPERSEDED_DIR, CORRUPT_DIR, ATTEMPTS_DIR = "superseded", "corrupt", "attempts"  # moved aside, never deleted
 
 TRAIN_FIELDS = ["step", "loss", "lr", "toks_per_s", "grad_norm", "dt_step_s", "dt_fetch_s", "tokens_seen",
@@ -142,17 +142,12 @@ def main(argv: list[str] | None = None) -> int:
     field = sub.add_parser("metrics-field", help="one top-level value of OUT_DIR/metrics.json (empty when absent)")
     field.add_argument("out_dir", type=Path)
     field.add_argument("key")
-    name = sub.add_parser("name", help="print one file name: config, train_csv, val_csv, metrics, latest, halt, anomaly, lock")
-    name.add_argument("which", choices=("config", "train_csv", "val_csv", "metrics", "latest", "halt", "anomaly", "lock"))
     args = parser.parse_args(argv)
     if args.command == "count-checkpoints":
         print(len(checkpoint_files(args.out_dir)))
-    elif args.command == "metrics-field":
+    else:
         value = read_metrics(args.out_dir).get(args.key)
         print("" if value is None else value)
-    else:
-        print({"config": CONFIG_YAML, "train_csv": TRAIN_CSV, "val_csv": VAL_CSV, "metrics": METRICS_JSON,
-               "latest": LATEST, "halt": HALT, "anomaly": ANOMALY, "lock": LOCK}[args.which])
     return 0
 
 

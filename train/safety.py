@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from train.artifacts import HALT
+from train.artifacts import HALT, STACKDUMP_NAME
 
 
 
@@ -47,7 +47,7 @@ def stale_halt_message(out_dir: Path) -> str | None:
 def stackdump_path(out_dir: Path, rank: int = 0, kind: str = "") -> Path:
     """out_dir/stackdump_rank{R}_{pid}.txt, or ..._{kind}.txt (the watchdog's)."""
     suffix = f"_{kind}" if kind else ""
-    return Path(out_dir) / f"stackdump_rank{rank}_{os.getpid()}{suffix}.txt"
+    return Path(out_dir) / STACKDUMP_NAME.format(rank=rank, pid=os.getpid(), suffix=suffix)
 
 
 def thread_names() -> str:

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from train import checkpoint as ckpt_io
-from train.artifacts import METRICS_JSON
+from train.artifacts import METRICS_JSON, RUN_SUMMARY_NAME
 from train.config import RunConfig
 from train.distributed import DistInfo
 from train.efficiency import Efficiency
@@ -90,7 +90,7 @@ class RunSummary:
         warm = hist[1:] if len(hist) > 1 else hist  # the first interval includes start-up
         mfus = [h["mfu"] for h in warm if h.get("mfu") is not None]
         tps = [h["toks_per_s"] for h in warm]
-        name = time.strftime("run_%Y%m%d_%H%M%S.json", time.localtime(self.started))
+        name = RUN_SUMMARY_NAME.format(stamp=time.strftime("%Y%m%d_%H%M%S", time.localtime(self.started)))
         write_json_atomic(self.out_dir / name, {
             "config": self.cfg.to_dict(),
             "hardware": {"device": str(info.device), "device_name": _device_name(info.device),

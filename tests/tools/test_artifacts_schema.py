@@ -15,8 +15,8 @@ DOC = (Path(__file__).resolve().parents[2] / "docs" / "ARTIFACTS.md").read_text(
 
 
 def documented(name: str) -> bool:
-    """`name` inside a backticked token of the page; {rank}/{step}/{stamp} as the page writes them."""
-    spelled = name.format(rank="{R}", step="{N}", stamp="YYYYMMDD_HHMMSS")
+    """`name` inside a backticked token of the page; {rank}/{step}/{stamp}/{pid}/{suffix} as the page writes them."""
+    spelled = name.format(rank="{R}", step="{N}", stamp="YYYYMMDD_HHMMSS", pid="{pid}", suffix="")
     return any(re.search(r"`[^`\n]*" + re.escape(n) + r"[^`\n]*`", DOC) for n in {name, spelled})
 
 
