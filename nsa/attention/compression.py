@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nsa.profiling import audit
+from nsa.attention.selection import attention_partial, attention_partial_backward
 
 
 def num_compressed(t: int, l: int, d: int) -> int:
@@ -73,6 +73,62 @@ def compressed_visibility(q_start: int, t_q: int, n_c: int, l: int, d: int, devi
     return end_pos <= q_pos
 
 
+def _chunk_mask(q_start: int, C: int, n_vis: int, l: int, d: int, dtype, device):
+    """Additive mask [1, 1, C, n_vis] (0 = visible, -inf = not) and sees_any [C, 1] in `dtype`.
+    Rows that see no token attend to token 0 instead (no NaN); their output and gradient are zeroed."""
+    visible = compressed_visibility(q_start, C, n_vis, l, d, device)  # [C, n_vis]
+    sees_any = visible[:, :1].to(dtype)  # token 0 is the first one any query sees
+    visible[:, 0] = True
+    mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
+    return mask[None, None], sees_any
+
+
+def compressed_attention_fwd(q, ck, cv, q_start: int, l: int, d: int, chunk: int):
+    """The torch path. q [B, H, Tq, hd] at positions q_start ..; ck, cv [B, H_kv, N_c, hd]
+    -> o [B, H, Tq, hd] (rows that see no compressed token are exactly zero), lse [B, H, Tq] (fp32 or wider;
+    the backward pass's state: for rows that see nothing it is that of token 0).
+    Queries run in chunks; each reads only the tokens its chunk's last query sees."""
+    B, H, Tq, hd = q.shape
+    scale = 1.0 / math.sqrt(hd)
+    o = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.zeros(B, H, Tq, dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
+    for a in range(0, Tq, chunk):
+        C = min(chunk, Tq - a)
+        n_vis = visible_compressed(q_start + a + C - 1, l, d)  # seen by the chunk's last query
+        if n_vis == 0:
+            continue
+        mask, sees_any = _chunk_mask(q_start + a, C, n_vis, l, d, q.dtype, q.device)
+        out, lse_c = attention_partial(q[:, :, a : a + C], ck[:, :, :n_vis], cv[:, :, :n_vis], mask, scale,
+                                       site="nsa.compressed")
+        o[:, :, a : a + C] = out * sees_any
+        lse[:, :, a : a + C] = lse_c
+    return o, lse
+
+
+def compressed_attention_bwd(d_o, q, ck, cv, o, lse, q_start: int, l: int, d: int, chunk: int):
+    """Gradients of compressed_attention_fwd: dq [B, H, Tq, hd], dck, dcv [B, H_kv, N_c, hd]."""
+    Tq, hd = q.shape[2], q.shape[3]
+    scale = 1.0 / math.sqrt(hd)
+    dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    dck = torch.zeros(ck.shape, dtype=ck.dtype, device=ck.device)
+    dcv = torch.zeros(cv.shape, dtype=cv.dtype, device=cv.device)
+    for a in range(0, Tq, chunk):
+        C = min(chunk, Tq - a)
+        n_vis = visible_compressed(q_start + a + C - 1, l, d)
+        if n_vis == 0:
+            continue
+        mask, sees_any = _chunk_mask(q_start + a, C, n_vis, l, d, q.dtype, q.device)
+        rows = slice(a, a + C)
+        dq_c, dk_c, dv_c = attention_partial_backward(
+            (d_o[:, :, rows] * sees_any).contiguous(), q[:, :, rows], ck[:, :, :n_vis], cv[:, :, :n_vis],
+            o[:, :, rows], lse[:, :, rows], mask, scale,
+        )
+        dq[:, :, rows] = dq_c
+        dck[:, :, :n_vis] += dk_c
+        dcv[:, :, :n_vis] += dv_c
+    return dq, dck, dcv
+
+
 def compressed_attention(
     q: torch.Tensor,  # [B, H, Tq, hd] queries at positions q_start ..
     ck: torch.Tensor,  # [B, H_kv, N_c, hd] compressed keys (RoPE applied)
@@ -81,24 +137,12 @@ def compressed_attention(
     l: int,
     d: int,
     chunk: int,
+    kernel: str = "torch",  # NSAConfig.kernel (see nsa/attention/ops.py)
 ) -> torch.Tensor:  # [B, H, Tq, hd]; rows that see no compressed token are exactly zero
-    B, H, Tq, hd = q.shape
-    outs = []
-    for a, q_chunk in zip(range(0, Tq, chunk), q.split(chunk, dim=2)):  # split: cheap backward
-        n_vis = visible_compressed(q_start + a + q_chunk.shape[2] - 1, l, d)  # seen by the chunk's last query
-        if n_vis == 0:
-            outs.append(torch.zeros_like(q_chunk))
-            continue
-        mask = compressed_visibility(q_start + a, q_chunk.shape[2], n_vis, l, d, q.device)  # [C, n_vis]
-        sees_any = mask[:, :1].to(q.dtype)  # [C, 1]: token 0 is the first one any query sees
-        # rows that see nothing: let them attend to token 0, then zero their output (no NaN, zero grad)
-        mask[:, 0] = True
-        audit("nsa.compressed", "sdpa_explicit_mask", q)
-        y = F.scaled_dot_product_attention(
-            q_chunk, ck[:, :, :n_vis], cv[:, :, :n_vis], attn_mask=mask, enable_gqa=H != ck.shape[1]
-        )
-        outs.append(y * sees_any)  # [B, H, C, hd]
-    return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+    """The compression branch, differentiable (nsa/attention/ops.py: the custom op, or FlexAttention on CUDA)."""
+    from nsa.attention import ops  # ops registers this module's functions as the op's torch path
+
+    return ops.compressed_attention(q, ck, cv, q_start, l, d, chunk, kernel)
 
 
 @torch.no_grad()

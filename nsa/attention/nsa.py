@@ -7,27 +7,19 @@ layer input -> sigmoid, one gate per head per branch. GQA: the G = H / H_kv quer
 share K/V and the selected blocks (Eq. 10). Semantics and choices: docs/NSA.md. The oracle this must
 match is nsa/attention/reference.py (plain per-token loops, float64).
 
-No Python loop runs over tokens and nothing syncs with the host: the loops below run over chunks of
-queries (memory bound) whose bounds are Python ints derived from shapes.
+No Python loop runs over tokens and nothing syncs with the host. Training and prefill call one custom op
+per stage (nsa/attention/ops.py) on every device, so the layer is a constant number of ops whatever T.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 
-from nsa.attention.compression import (
-    BlockCompressor,
-    compress,
-    compressed_attention,
-    compression_group_probs,
-    num_compressed,
-)
+from nsa.attention import ops
+from nsa.attention.compression import BlockCompressor, compress, num_compressed
 from nsa.attention.decode import decode_branches
-from nsa.attention.flex import flex_compressed_attention, flex_window_attention, use_flex
 from nsa.attention.gate_stats import gate_statistics, selection_counts, selection_statistics
 from nsa.attention.nsa_cache import NSACache
-from nsa.attention.selection import select_blocks, selected_attention, selection_block_scores
-from nsa.attention.window import sliding_window_attention
 from nsa.config import ModelConfig
 from nsa.layers import apply_rotary
 from nsa.profiling import nvtx_range
@@ -144,65 +136,23 @@ class NativeSparseAttention(nn.Module):
             with nvtx_range("nsa.decode"):
                 o_cmp, o_sel, o_win, block_idx = decode_branches(q, ck, cv, sel_k, sel_v, win_k, win_v, t0, c)
             sel_counts = selection_counts(block_idx, t0, c.l_sel) if self.stats_enabled else None
-        else:
-            flex = use_flex(c.kernel, q)  # FlexAttention on CUDA, the portable SDPA path elsewhere
+        else:  # one custom op per stage (nsa/attention/ops.py): a constant number of launches per layer
             with nvtx_range("nsa.compressed"):
-                if flex:
-                    o_cmp = flex_compressed_attention(q, ck, cv, t0, c.l, c.d)  # [B, H, T, hd]
-                else:
-                    o_cmp = compressed_attention(q, ck, cv, t0, c.l, c.d, c.q_chunk)
+                o_cmp = ops.compressed_attention(q, ck, cv, t0, c.l, c.d, c.q_chunk, c.kernel)  # [B, H, T, hd]
+            qg = q.view(B, self.n_kv_heads, self.n_groups, T, self.head_dim)  # [B, H_kv, G, T, hd]
+            with nvtx_range("nsa.select"):
+                block_idx = ops.select_blocks(qg, ck, t0, c.l, c.d, c.l_sel, c.n_sel, c.q_chunk, c.kernel)
             with nvtx_range("nsa.selected"):
-                o_sel, block_idx, sel_counts = self._selection(q, ck, sel_k, sel_v, t0, t_end)
+                o_sel = ops.selected_attention(qg, sel_k, sel_v, block_idx, t0, c.l_sel, c.sel_tile, c.sel_chunk, c.kernel)
+                o_sel = o_sel.view(B, self.n_heads, T, self.head_dim)
             with nvtx_range("nsa.window"):
-                k_start = t_end - win_k.shape[2]
-                if flex:
-                    o_win = flex_window_attention(q, win_k, win_v, t0, k_start, c.w)
-                else:
-                    o_win = sliding_window_attention(q, win_k, win_v, t0, k_start, c.w, c.win_block)
+                o_win = ops.window_attention(q, win_k, win_v, t0, t_end - win_k.shape[2], c.w, c.win_block, c.kernel)
+            sel_counts = selection_counts(block_idx, t0, c.l_sel) if self.stats_enabled else None
 
         g = self.gates(x)  # [B, T, H, 3]
         gt = g.transpose(1, 2).unsqueeze(-1).to(q.dtype)  # [B, H, T, 3, 1]
-        y = gt[..., 0, :] * o_cmp + gt[..., 1, :] * o_sel + gt[..., 2, :] * o_win  # [B, H, T, hd]
+        y = torch.stack((o_cmp, o_sel, o_win), dim=-1) @ gt  # sum_c g^c o^c (one matmul): [B, H, T, hd, 1]
         y = self.dropout(self.proj(y.transpose(1, 2).reshape(B, T, -1)))
         if self.stats_enabled:
             self.last_stats = {**gate_statistics(g), **selection_statistics(sel_counts)}
         return (y, block_idx) if return_indices else y
-
-    def _selection(self, q, ck, sel_k, sel_v, t0: int, t_end: int):
-        """Top-n block selection from the compression scores, then selected-block attention.
-
-        q [B, H, T, hd]; ck [B, H_kv, N_c, hd]; sel_k/v [B, H_kv, >= t_end, hd] (positions 0 ..).
-        Returns o [B, H, T, hd], block_idx [B, H_kv, T, n], selection counts for stats.
-        """
-        c = self.cfg
-        B, H, T, hd = q.shape
-        qg = q.view(B, self.n_kv_heads, self.n_groups, T, hd)
-        outs, idxs = [], []
-        counts = torch.zeros(4, device=q.device)
-        for a, q_chunk in zip(range(0, T, c.sel_chunk), qg.split(c.sel_chunk, dim=3)):
-            idx = self._select(q_chunk, ck, t0 + a)  # [B, H_kv, C, n]
-            outs.append(selected_attention(q_chunk, sel_k, sel_v, idx, t0 + a, c.l_sel, c.sel_tile, c.kernel))
-            idxs.append(idx)
-            if self.stats_enabled:
-                counts += selection_counts(idx, t0 + a, c.l_sel)
-        o = torch.cat(outs, dim=3) if len(outs) > 1 else outs[0]
-        block_idx = torch.cat(idxs, dim=2) if len(idxs) > 1 else idxs[0]
-        return o.reshape(B, H, T, hd), block_idx, counts
-
-    @torch.no_grad()
-    def _select(self, qg: torch.Tensor, ck: torch.Tensor, q_start: int) -> torch.Tensor:
-        """qg [B, H_kv, G, C, hd] at positions q_start .. -> selected blocks [B, H_kv, C, n].
-
-        Scored in sub-chunks of q_chunk queries, each over only the compressed tokens its last query
-        sees and the blocks it may select (the O(T^2 / d) part of NSA: keep it tight).
-        """
-        c = self.cfg
-        idxs = []
-        for a, q_sub in zip(range(0, qg.shape[3], c.q_chunk), qg.split(c.q_chunk, dim=3)):
-            last = q_start + a + q_sub.shape[3] - 1
-            n_vis = num_compressed(last + 1, c.l, c.d)
-            n_reach = last // c.l_sel + 1  # blocks starting at or before the last query
-            p_cmp = compression_group_probs(q_sub, ck[:, :, :n_vis], q_start + a, c.l, c.d)  # [B, H_kv, C', n_vis]
-            scores = selection_block_scores(p_cmp, c.l, c.d, c.l_sel, n_reach)  # [B, H_kv, C', n_reach]
-            idxs.append(select_blocks(scores, q_start + a, c.l_sel, c.n_sel))  # [B, H_kv, C', n]
-        return torch.cat(idxs, dim=2) if len(idxs) > 1 else idxs[0]

@@ -90,15 +90,32 @@ def _use_flash(q: torch.Tensor) -> bool:
     )
 
 
-def _partial_forward(q, k, v, mask, scale: float):
-    """q [N, Hq, L, E]; k, v [N, 1, S, E]; mask [N, 1, L, S] additive (0 = attend, -inf = not; >= 1 key
-    per row) in q's dtype, or None -> out [N, Hq, L, E], lse [N, Hq, L] (float32 or wider)."""
+def _expand_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """[N, Hk, S, E] -> [N, heads, S, E]: each of the Hk key heads serves heads // Hk query heads (GQA)."""
+    if t.shape[1] == heads:
+        return t
+    if t.shape[1] == 1:
+        return t.expand(-1, heads, -1, -1)
+    return t.repeat_interleave(heads // t.shape[1], dim=1)
+
+
+def _reduce_heads(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[N, Hq, S, E] per-query-head gradients -> [N, kv_heads, S, E], summed over each GQA group."""
+    N, Hq = t.shape[:2]
+    return t if Hq == kv_heads else t.view(N, kv_heads, Hq // kv_heads, *t.shape[2:]).sum(2)
+
+
+def attention_partial(q, k, v, mask, scale: float, site: str = "nsa.selected"):
+    """q [N, Hq, L, E]; k, v [N, Hk, S, E] (Hk divides Hq: GQA); mask additive (0 = attend, -inf = not;
+    >= 1 key per row) in q's dtype, broadcastable to [N, Hq, L, S], or None
+    -> out [N, Hq, L, E], lse [N, Hq, L] (float32 or wider)."""
+    heads = q.shape[1]
     if _use_flash(q):
-        audit("nsa.selected", "cpu_flash_kernel_with_lse", q, k)
-        k, v = k.expand(-1, q.shape[1], -1, -1), v.expand(-1, q.shape[1], -1, -1)
-        return _FLASH_CPU(q, k, v, 0.0, False, attn_mask=mask, scale=scale)
-    audit("nsa.selected", "matmul_softmax_with_lse", q, k)
+        audit(site, "cpu_flash_kernel_with_lse", q, k)
+        return _FLASH_CPU(q, _expand_heads(k, heads), _expand_heads(v, heads), 0.0, False, attn_mask=mask, scale=scale)
+    audit(site, "matmul_softmax_with_lse", q, k)
     compute = torch.promote_types(q.dtype, torch.float32)
+    k, v = _expand_heads(k, heads), _expand_heads(v, heads)
     s = torch.matmul(q.to(compute), k.to(compute).transpose(-1, -2)) * scale  # [N, Hq, L, S]
     if mask is not None:
         s = s + mask
@@ -107,14 +124,14 @@ def _partial_forward(q, k, v, mask, scale: float):
     return out.to(q.dtype), lse
 
 
-def _partial_backward(d_out, q, k, v, out, lse, mask, scale: float):
+def attention_partial_backward(d_out, q, k, v, out, lse, mask, scale: float):
     """Gradients of one partial given the MERGED out and lse of its queries, i.e. the gradients of the
-    full softmax restricted to these keys. Returns dq, dk, dv shaped like q, k, v (k, v: [N, 1, S, E])."""
+    full softmax restricted to these keys. Returns dq, dk, dv shaped like q, k, v (k, v: [N, Hk, S, E])."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    k, v = _expand_heads(k, heads), _expand_heads(v, heads)
     if _use_flash(q):
-        heads = q.shape[1]
-        k, v = k.expand(-1, heads, -1, -1), v.expand(-1, heads, -1, -1)
         dq, dk, dv = _FLASH_CPU_BWD(d_out, q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=scale)
-        return dq, dk.sum(1, keepdim=True), dv.sum(1, keepdim=True)
+        return dq, _reduce_heads(dk, kv_heads), _reduce_heads(dv, kv_heads)
     compute = torch.promote_types(q.dtype, torch.float32)
     q, k, v, d_out, out = (t.to(compute) for t in (q, k, v, d_out, out))
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
@@ -123,9 +140,9 @@ def _partial_backward(d_out, q, k, v, out, lse, mask, scale: float):
     p = torch.exp(s - lse[..., None].to(compute))  # probabilities of the merged softmax
     delta = (d_out * out).sum(dim=-1, keepdim=True)  # [N, Hq, L, 1]
     ds = p * (torch.matmul(d_out, v.transpose(-1, -2)) - delta) * scale
-    dv = torch.matmul(p.transpose(-1, -2), d_out).sum(1, keepdim=True)
-    dk = torch.matmul(ds.transpose(-1, -2), q).sum(1, keepdim=True)
-    return torch.matmul(ds, k), dk, dv
+    dv = torch.matmul(p.transpose(-1, -2), d_out)
+    dk = torch.matmul(ds.transpose(-1, -2), q)
+    return torch.matmul(ds, k), _reduce_heads(dk, kv_heads), _reduce_heads(dv, kv_heads)
 
 
 # ---------------------------------------------------------------- local part (forced blocks)
@@ -223,116 +240,101 @@ def _with_dummy_row(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((x, x.new_zeros(1, *x.shape[1:])))
 
 
-class _SelectedAttention(torch.autograd.Function):
-    """q_rows [R=BH*Tq, G, hd]; k/v_blocks [BH*N_b, 1, l', hd] -> out [R, G, hd].
+def _tiled_forward(q_rows, k_blocks, v_blocks, tile_query, tile_block, key_rows, local_mask, layout, scale):
+    """q_rows [R=BH*Tq, G, hd]; k/v_blocks [BH*N_b, 1, l', hd] -> out [R, G, hd], lse [R, G] (fp32 or wider).
 
     The tiles run in batches of about TILE_BATCH_ROWS query rows so every transient stays small (cache
     resident, reused by the allocator); the partial softmaxes are merged online (running max, denominator
     and numerator per query), starting from the local part that every query has.
     """
+    BH, lead, n_loc = layout
+    R, G, hd = q_rows.shape
+    n_tiles = tile_block.shape[0]
+    tile = tile_query.shape[0] // n_tiles
+    l_sel = k_blocks.shape[2]
+    compute = torch.promote_types(q_rows.dtype, torch.float32)
+    # local part: query block c against blocks (0, c-1, c) -> [BH*n_loc, 1, 3l', hd]
+    k_loc = k_blocks.index_select(0, key_rows.flatten()).view(-1, 1, 3 * l_sel, hd)
+    v_loc = v_blocks.index_select(0, key_rows.flatten()).view(-1, 1, 3 * l_sel, hd)
+    out_l, lse_l = attention_partial(_to_local(q_rows, BH, lead, n_loc, l_sel), k_loc, v_loc, local_mask, scale)
+    # running merge state over rows 0..R (row R collects the padding slots and is dropped)
+    m = _with_dummy_row(_from_local(lse_l, BH, lead, R // BH).to(compute))  # [R+1, G]
+    num = _with_dummy_row(_from_local(out_l, BH, lead, R // BH).to(compute))  # [R+1, G, hd]
+    den = torch.ones_like(m)
+    q_ext = _with_dummy_row(q_rows)
+    step = _tiles_per_batch(tile, G, q_rows.device)
+    for a in range(0, n_tiles, step):  # loop over tile batches (count fixed by shapes), not tokens
+        blocks = tile_block[a : a + step]
+        dest = tile_query[a * tile : (a + blocks.shape[0]) * tile]  # [nb*tile]
+        qt = q_ext.index_select(0, dest).view(-1, 1, tile * G, hd)
+        out_t, lse_t = attention_partial(qt, k_blocks.index_select(0, blocks), v_blocks.index_select(0, blocks), None, scale)
+        out_t, lse_t = out_t.view(-1, G, hd), lse_t.view(-1, G).to(compute)
+        m_new = m.scatter_reduce(0, dest[:, None].expand(-1, G), lse_t, reduce="amax")
+        alpha = torch.exp(m - m_new)  # [R+1, G] rescales what was merged so far
+        num.mul_(alpha[..., None])
+        den.mul_(alpha)
+        w_t = torch.exp(lse_t - m_new.index_select(0, dest))  # [nb*tile, G]
+        den.index_add_(0, dest, w_t)
+        num.index_add_(0, dest, out_t.to(compute).mul_(w_t[..., None]))
+        m = m_new
+    out = (num[:R] / den[:R, :, None]).to(q_rows.dtype)
+    return out, m[:R] + torch.log(den[:R])  # lse [R, G]: log-sum-exp over all selected keys
 
-    @staticmethod
-    def forward(ctx, q_rows, k_blocks, v_blocks, tile_query, tile_block, key_rows, local_mask, layout, scale):
-        BH, lead, n_loc = layout
-        R, G, hd = q_rows.shape
-        n_tiles = tile_block.shape[0]
-        tile = tile_query.shape[0] // n_tiles
-        l_sel = k_blocks.shape[2]
-        compute = torch.promote_types(q_rows.dtype, torch.float32)
-        # local part: query block c against blocks (0, c-1, c) -> [BH*n_loc, 1, 3l', hd]
-        k_loc = k_blocks.index_select(0, key_rows.flatten()).view(-1, 1, 3 * l_sel, hd)
-        v_loc = v_blocks.index_select(0, key_rows.flatten()).view(-1, 1, 3 * l_sel, hd)
-        out_l, lse_l = _partial_forward(_to_local(q_rows, BH, lead, n_loc, l_sel), k_loc, v_loc, local_mask, scale)
-        # running merge state over rows 0..R (row R collects the padding slots and is dropped)
-        m = _with_dummy_row(_from_local(lse_l, BH, lead, R // BH).to(compute))  # [R+1, G]
-        num = _with_dummy_row(_from_local(out_l, BH, lead, R // BH).to(compute))  # [R+1, G, hd]
-        den = torch.ones_like(m)
-        q_ext = _with_dummy_row(q_rows)
-        step = _tiles_per_batch(tile, G, q_rows.device)
-        for a in range(0, n_tiles, step):  # loop over tile batches (count fixed by shapes), not tokens
-            blocks = tile_block[a : a + step]
-            dest = tile_query[a * tile : (a + blocks.shape[0]) * tile]  # [nb*tile]
-            qt = q_ext.index_select(0, dest).view(-1, 1, tile * G, hd)
-            out_t, lse_t = _partial_forward(qt, k_blocks.index_select(0, blocks), v_blocks.index_select(0, blocks), None, scale)
-            out_t, lse_t = out_t.view(-1, G, hd), lse_t.view(-1, G).to(compute)
-            m_new = m.scatter_reduce(0, dest[:, None].expand(-1, G), lse_t, reduce="amax")
-            alpha = torch.exp(m - m_new)  # [R+1, G] rescales what was merged so far
-            num.mul_(alpha[..., None])
-            den.mul_(alpha)
-            w_t = torch.exp(lse_t - m_new.index_select(0, dest))  # [nb*tile, G]
-            den.index_add_(0, dest, w_t)
-            num.index_add_(0, dest, out_t.to(compute).mul_(w_t[..., None]))
-            m = m_new
-        out = (num[:R] / den[:R, :, None]).to(q_rows.dtype)
-        lse = m[:R] + torch.log(den[:R])  # [R, G]: log-sum-exp over all selected keys
-        ctx.save_for_backward(q_rows, k_blocks, v_blocks, tile_query, tile_block, key_rows, local_mask, out, lse)
-        ctx.layout, ctx.scale = layout, scale
-        return out
 
-    @staticmethod
-    def backward(ctx, d_out):
-        q_rows, k_blocks, v_blocks, tile_query, tile_block, key_rows, local_mask, out, lse = ctx.saved_tensors
-        BH, lead, n_loc = ctx.layout
-        scale = ctx.scale
-        R, G, hd = q_rows.shape
-        n_tiles = tile_block.shape[0]
-        tile = tile_query.shape[0] // n_tiles
-        l_sel = k_blocks.shape[2]
-        d_out = d_out.contiguous()
-        dk, dv = torch.zeros_like(k_blocks), torch.zeros_like(v_blocks)
+def _tiled_backward(d_out, q_rows, k_blocks, v_blocks, tile_query, tile_block, key_rows, local_mask, layout, scale,
+                    out, lse):
+    """Gradients of _tiled_forward: dq [R, G, hd] (q's dtype), dk, dv [BH*N_b, 1, l', hd] (k's dtype).
+    Scores are recomputed from the merged out and lse (flash-attention style); nothing quadratic is stored."""
+    BH, lead, n_loc = layout
+    R, G, hd = q_rows.shape
+    n_tiles = tile_block.shape[0]
+    tile = tile_query.shape[0] // n_tiles
+    l_sel = k_blocks.shape[2]
+    dk, dv = torch.zeros_like(k_blocks), torch.zeros_like(v_blocks)
 
-        def local(t):
-            return _to_local(t, BH, lead, n_loc, l_sel)
+    def local(t):
+        return _to_local(t, BH, lead, n_loc, l_sel)
 
-        rows = key_rows.flatten()
-        dq_l, dk_l, dv_l = _partial_backward(
-            local(d_out), local(q_rows),
-            k_blocks.index_select(0, rows).view(-1, 1, 3 * l_sel, hd), v_blocks.index_select(0, rows).view(-1, 1, 3 * l_sel, hd),
-            local(out), local(lse), local_mask, scale,
+    rows = key_rows.flatten()
+    dq_l, dk_l, dv_l = attention_partial_backward(
+        local(d_out), local(q_rows),
+        k_blocks.index_select(0, rows).view(-1, 1, 3 * l_sel, hd), v_blocks.index_select(0, rows).view(-1, 1, 3 * l_sel, hd),
+        local(out), local(lse), local_mask, scale,
+    )
+    dq = _with_dummy_row(_from_local(dq_l, BH, lead, R // BH).to(q_rows.dtype))  # [R+1, G, hd]
+    dk.index_add_(0, rows, dk_l.reshape(-1, 1, l_sel, hd).to(dk.dtype))
+    dv.index_add_(0, rows, dv_l.reshape(-1, 1, l_sel, hd).to(dv.dtype))
+    # padding slots read the zero row R: dO = 0 there, so they contribute nothing
+    q_ext, do_ext, out_ext, lse_ext = (_with_dummy_row(t) for t in (q_rows, d_out, out, lse))
+    step = _tiles_per_batch(tile, G, q_rows.device)
+    for a in range(0, n_tiles, step):
+        blocks = tile_block[a : a + step]
+        dest = tile_query[a * tile : (a + blocks.shape[0]) * tile]
+        dq_t, dk_t, dv_t = attention_partial_backward(
+            do_ext.index_select(0, dest).view(-1, 1, tile * G, hd),
+            q_ext.index_select(0, dest).view(-1, 1, tile * G, hd),
+            k_blocks.index_select(0, blocks), v_blocks.index_select(0, blocks),
+            out_ext.index_select(0, dest).view(-1, 1, tile * G, hd),
+            lse_ext.index_select(0, dest).view(-1, 1, tile * G),
+            None, scale,
         )
-        dq = _with_dummy_row(_from_local(dq_l, BH, lead, R // BH).to(q_rows.dtype))  # [R+1, G, hd]
-        dk.index_add_(0, rows, dk_l.reshape(-1, 1, l_sel, hd).to(dk.dtype))
-        dv.index_add_(0, rows, dv_l.reshape(-1, 1, l_sel, hd).to(dv.dtype))
-        # padding slots read the zero row R: dO = 0 there, so they contribute nothing
-        q_ext, do_ext, out_ext, lse_ext = (_with_dummy_row(t) for t in (q_rows, d_out, out, lse))
-        step = _tiles_per_batch(tile, G, q_rows.device)
-        for a in range(0, n_tiles, step):
-            blocks = tile_block[a : a + step]
-            dest = tile_query[a * tile : (a + blocks.shape[0]) * tile]
-            dq_t, dk_t, dv_t = _partial_backward(
-                do_ext.index_select(0, dest).view(-1, 1, tile * G, hd),
-                q_ext.index_select(0, dest).view(-1, 1, tile * G, hd),
-                k_blocks.index_select(0, blocks), v_blocks.index_select(0, blocks),
-                out_ext.index_select(0, dest).view(-1, 1, tile * G, hd),
-                lse_ext.index_select(0, dest).view(-1, 1, tile * G),
-                None, scale,
-            )
-            dq.index_add_(0, dest, dq_t.reshape(-1, G, hd).to(dq.dtype))
-            dk.index_add_(0, blocks, dk_t.to(dk.dtype))
-            dv.index_add_(0, blocks, dv_t.to(dv.dtype))
-        return dq[:R], dk, dv, None, None, None, None, None, None
+        dq.index_add_(0, dest, dq_t.reshape(-1, G, hd).to(dq.dtype))
+        dk.index_add_(0, blocks, dk_t.to(dk.dtype))
+        dv.index_add_(0, blocks, dv_t.to(dv.dtype))
+    return dq[:R], dk, dv
 
 
-def gathered_selected_attention(q, k_blocks, v_blocks, block_idx, q_start: int) -> torch.Tensor:
-    """Query-centric variant for a few queries (decode): gather each query's n*l' keys, one masked SDPA.
-
-    q [B, H_kv, G, Tq, hd]; k/v_blocks [B*H_kv*N_b, 1, l', hd]; block_idx [B, H_kv, Tq, n] -> [B, H_kv, G, Tq, hd].
-    Costs O(Tq * n * l') reads, which is what a decode step should cost; for long prefill the
-    block-centric tiles are far cheaper.
-    """
-    B, H_kv, G, Tq, hd = q.shape
-    n, l_sel = block_idx.shape[-1], k_blocks.shape[2]
-    n_blocks = k_blocks.shape[0] // (B * H_kv)
-    rows = block_idx.clamp_min(0) + (torch.arange(B * H_kv, device=q.device) * n_blocks).view(B, H_kv, 1, 1)
-    kg = k_blocks.view(-1, l_sel, hd)[rows.flatten()].view(B * H_kv * Tq, 1, n * l_sel, hd)
-    vg = v_blocks.view(-1, l_sel, hd)[rows.flatten()].view(B * H_kv * Tq, 1, n * l_sel, hd)
-    k_pos = (block_idx[..., None] * l_sel + torch.arange(l_sel, device=q.device)).flatten(-2)  # [B, H_kv, Tq, n*l']
-    q_pos = q_start + torch.arange(Tq, device=q.device)[:, None]
-    mask = ((k_pos <= q_pos) & (block_idx >= 0).repeat_interleave(l_sel, dim=-1)).view(-1, 1, 1, n * l_sel)
-    qg = q.permute(0, 1, 3, 2, 4).reshape(B * H_kv * Tq, G, 1, hd)
-    audit("nsa.selected[decode]", "sdpa_gathered_mask", qg, kg)
-    out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, enable_gqa=G > 1)  # [B*H_kv*Tq, G, 1, hd]
-    return out.view(B, H_kv, Tq, G, hd).permute(0, 1, 3, 2, 4)
+def _gathered_layout(block_idx, n_blocks: int, q_start: int, l_sel: int, dtype):
+    """block_idx [BH, Tq, n] -> key block rows [BH*Tq*n] into [BH*N_b] and the additive mask
+    [BH*Tq, 1, 1, n*l'] (0 = key visible: its block is selected and its position <= the query's)."""
+    BH, Tq, n = block_idx.shape
+    dev = block_idx.device
+    rows = (block_idx.clamp_min(0) + (torch.arange(BH, device=dev) * n_blocks).view(BH, 1, 1)).flatten()
+    k_pos = (block_idx[..., None] * l_sel + torch.arange(l_sel, device=dev)).flatten(-2)  # [BH, Tq, n*l']
+    q_pos = q_start + torch.arange(Tq, device=dev)[:, None]
+    visible = (k_pos <= q_pos) & (block_idx >= 0).repeat_interleave(l_sel, dim=-1)
+    mask = torch.zeros(visible.shape, dtype=dtype, device=dev).masked_fill_(~visible, float("-inf"))
+    return rows, mask.view(BH * Tq, 1, 1, n * l_sel)
 
 
 GATHER_MAX_QUERIES = 16  # chunks with at most this many queries use the gathered (decode) variant
@@ -363,6 +365,95 @@ def resolve_kernel(kernel: str, device: torch.device) -> str:
     return "triton"
 
 
+def _key_blocks(k: torch.Tensor, l_sel: int) -> torch.Tensor:
+    """[B, H_kv, Tk, hd] keys (or values) -> [B*H_kv*N_b, 1, l', hd], zero-padded to whole blocks (the
+    padded keys lie after every query). A view when Tk is a multiple of l' and k is contiguous."""
+    B, H_kv, Tk, hd = k.shape
+    n_blocks = -(-Tk // l_sel)
+    if n_blocks * l_sel != Tk:
+        k = F.pad(k, (0, 0, 0, n_blocks * l_sel - Tk))
+    return k.reshape(B * H_kv * n_blocks, 1, l_sel, hd)
+
+
+def _chunk_plan(idx, n_blocks: int, q_start: int, l_sel: int, tile: int, dtype):
+    """How one chunk of queries runs: ("gathered", rows, mask) for a few queries (decode-like), else
+    ("tiled", tiles, key_rows, local_mask, layout). idx [BH, C, n]."""
+    BH, C, _ = idx.shape
+    if C <= GATHER_MAX_QUERIES:
+        return ("gathered", *_gathered_layout(idx, n_blocks, q_start, l_sel, dtype))
+    lead, n_loc, key_rows, local_mask = _local_layout(BH, n_blocks, q_start, C, l_sel, dtype, idx.device)
+    tiles = _build_tiles(idx, n_blocks, q_start, l_sel, min(tile, C))
+    return ("tiled", tiles, key_rows, local_mask, (BH, lead, n_loc))
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """[B, H_kv, G, C, ...] -> [B*H_kv*C, G, ...] (query rows, the G heads of a group together)."""
+    B, H_kv, G, C = x.shape[:4]
+    return x.transpose(2, 3).reshape(B * H_kv * C, G, *x.shape[4:])
+
+
+def selected_attention_fwd(q, k, v, block_idx, q_start: int, l_sel: int, tile: int, chunk: int):
+    """The torch path: q [B, H_kv, G, Tq, hd], k/v [B, H_kv, Tk, hd], block_idx [B, H_kv, Tq, n]
+    -> o [B, H_kv, G, Tq, hd] (q's dtype), lse [B, H_kv, G, Tq] (fp32 or wider). Queries run in chunks of
+    `chunk` (bounds the tile index buffers); a chunk of at most GATHER_MAX_QUERIES queries gathers its
+    keys per query, longer ones run block-centric tiles."""
+    B, H_kv, G, Tq, hd = q.shape
+    BH, scale = B * H_kv, 1.0 / math.sqrt(hd)
+    k_blocks, v_blocks = _key_blocks(k, l_sel), _key_blocks(v, l_sel)
+    n_blocks = k_blocks.shape[0] // BH
+    o = torch.empty(B, H_kv, Tq, G, hd, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, H_kv, Tq, G, dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
+    for a in range(0, Tq, chunk):
+        q_rows = _rows(q[:, :, :, a : a + chunk])  # [BH*C, G, hd]
+        idx = block_idx[:, :, a : a + chunk].reshape(BH, -1, block_idx.shape[-1])
+        C = idx.shape[1]
+        plan = _chunk_plan(idx, n_blocks, q_start + a, l_sel, tile, q.dtype)
+        if plan[0] == "gathered":
+            rows, mask = plan[1:]
+            kg, vg = (t.index_select(0, rows).view(BH * C, 1, -1, hd) for t in (k_blocks, v_blocks))
+            out, lse_c = attention_partial(q_rows.unsqueeze(2), kg, vg, mask, scale)  # [BH*C, G, 1, hd]
+        else:
+            tiles, key_rows, local_mask, layout = plan[1:]
+            out, lse_c = _tiled_forward(q_rows, k_blocks, v_blocks, *tiles, key_rows, local_mask, layout, scale)
+        o[:, :, a : a + C] = out.view(B, H_kv, C, G, hd)
+        lse[:, :, a : a + C] = lse_c.view(B, H_kv, C, G)
+    return o.transpose(2, 3).contiguous(), lse.transpose(2, 3).contiguous()
+
+
+def selected_attention_bwd(d_o, q, k, v, block_idx, o, lse, q_start: int, l_sel: int, tile: int, chunk: int):
+    """Gradients of selected_attention_fwd: dq [B, H_kv, G, Tq, hd], dk, dv [B, H_kv, Tk, hd]."""
+    B, H_kv, G, Tq, hd = q.shape
+    BH, Tk, scale = B * H_kv, k.shape[2], 1.0 / math.sqrt(hd)
+    k_blocks, v_blocks = _key_blocks(k, l_sel), _key_blocks(v, l_sel)
+    n_blocks = k_blocks.shape[0] // BH
+    dk, dv = torch.zeros_like(k_blocks), torch.zeros_like(v_blocks)
+    dq = torch.empty(B, H_kv, Tq, G, hd, dtype=q.dtype, device=q.device)
+    for a in range(0, Tq, chunk):
+        part = (slice(None), slice(None), slice(None), slice(a, a + chunk))
+        q_rows, do_rows, o_rows, lse_rows = (_rows(t[part]) for t in (q, d_o, o, lse))
+        idx = block_idx[:, :, a : a + chunk].reshape(BH, -1, block_idx.shape[-1])
+        C = idx.shape[1]
+        plan = _chunk_plan(idx, n_blocks, q_start + a, l_sel, tile, q.dtype)
+        if plan[0] == "gathered":
+            rows, mask = plan[1:]
+            kg, vg = (t.index_select(0, rows).view(BH * C, 1, -1, hd) for t in (k_blocks, v_blocks))
+            dq_c, dk_c, dv_c = attention_partial_backward(
+                do_rows.unsqueeze(2), q_rows.unsqueeze(2), kg, vg, o_rows.unsqueeze(2), lse_rows.unsqueeze(2), mask, scale
+            )
+            dk.index_add_(0, rows, dk_c.reshape(-1, 1, l_sel, hd).to(dk.dtype))
+            dv.index_add_(0, rows, dv_c.reshape(-1, 1, l_sel, hd).to(dv.dtype))
+        else:
+            tiles, key_rows, local_mask, layout = plan[1:]
+            dq_c, dk_c, dv_c = _tiled_backward(
+                do_rows, q_rows, k_blocks, v_blocks, *tiles, key_rows, local_mask, layout, scale, o_rows, lse_rows
+            )
+            dk += dk_c
+            dv += dv_c
+        dq[:, :, a : a + C] = dq_c.reshape(B, H_kv, C, G, hd)
+    unblock = (lambda t: t.view(B, H_kv, n_blocks * l_sel, hd)[:, :, :Tk])
+    return dq.transpose(2, 3).contiguous(), unblock(dk).contiguous(), unblock(dv).contiguous()
+
+
 def selected_attention(
     q: torch.Tensor,  # [B, H_kv, G, Tq, hd] queries at positions q_start ..
     k: torch.Tensor,  # [B, H_kv, Tk, hd] selection keys at positions 0 .. Tk-1 (Tk >= q_start + Tq)
@@ -372,26 +463,10 @@ def selected_attention(
     l_sel: int,
     tile: int,
     kernel: str = "torch",  # NSAConfig.kernel: auto | triton | torch (see resolve_kernel)
+    chunk: int = 1 << 30,  # queries per chunk of the torch path (NSAConfig.sel_chunk)
 ) -> torch.Tensor:  # [B, H_kv, G, Tq, hd]
-    """Attention of each query over the keys of its selected blocks, keys after the query masked."""
-    if resolve_kernel(kernel, q.device) == "triton":
-        from nsa.attention.triton_selection import triton_selected_attention
+    """Attention of each query over the keys of its selected blocks, keys after the query masked.
+    Differentiable: the custom op nsa::selected_attention (nsa/attention/ops.py)."""
+    from nsa.attention import ops  # ops registers this module's functions as the op's torch path
 
-        return triton_selected_attention(q, k, v, block_idx, q_start, l_sel)
-    B, H_kv, G, Tq, hd = q.shape
-    BH, Tk = B * H_kv, k.shape[2]
-    n_blocks = -(-Tk // l_sel)
-    pad = n_blocks * l_sel - Tk  # pad keys to whole blocks; padded keys lie after every query
-    if pad:
-        k, v = F.pad(k, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad))
-    k_blocks = k.reshape(BH * n_blocks, 1, l_sel, hd)  # a view when k is contiguous (decode cache)
-    v_blocks = v.reshape(BH * n_blocks, 1, l_sel, hd)
-    if Tq <= GATHER_MAX_QUERIES:
-        return gathered_selected_attention(q, k_blocks, v_blocks, block_idx, q_start)
-    q_rows = q.permute(0, 1, 3, 2, 4).reshape(BH * Tq, G, hd)
-    lead, n_loc, key_rows, local_mask = _local_layout(BH, n_blocks, q_start, Tq, l_sel, q.dtype, q.device)
-    tiles = _build_tiles(block_idx.reshape(BH, Tq, -1), n_blocks, q_start, l_sel, min(tile, Tq))
-    out = _SelectedAttention.apply(
-        q_rows, k_blocks, v_blocks, *tiles, key_rows, local_mask, (BH, lead, n_loc), 1.0 / math.sqrt(hd)
-    )
-    return out.view(B, H_kv, Tq, G, hd).permute(0, 1, 3, 2, 4)
+    return ops.selected_attention(q, k, v, block_idx, q_start, l_sel, tile, chunk, kernel)

@@ -1,10 +1,104 @@
-"""NSA sliding-window branch: query p attends to the w keys p-w+1 .. p (fewer near the start)."""
+"""NSA sliding-window branch: query p attends to the w keys p-w+1 .. p (fewer near the start).
+
+Banded attention in one batched call: query block i (C = chunk queries) reads only the C + w - 1 keys
+[first - w + 1, last] of its band, cut from k with `unfold` (memory O(T * (C + w))). The backward pass
+recomputes scores from the output and log-sum-exp and folds the bands' key gradients back.
+"""
 from __future__ import annotations
+
+import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from nsa.profiling import audit
+from nsa.attention.selection import attention_partial, attention_partial_backward
+
+
+class _Bands(NamedTuple):
+    C: int  # queries per block
+    n_blk: int  # query blocks
+    span: int  # keys per block: C + w - 1
+    left: int  # zero keys padded before k so every band lies inside
+    right: int  # ... and after it
+    lo: int  # index (into the padded keys) of block 0's first key
+
+
+def _bands(q_start: int, k_start: int, Tq: int, Tk: int, w: int, chunk: int) -> _Bands:
+    C = min(chunk, Tq)
+    n_blk = -(-Tq // C)
+    span = C + w - 1
+    first = q_start - w + 1 - k_start  # key index (into k) of the first key of block 0
+    left = max(0, -first)
+    right = max(0, first + (n_blk - 1) * C + span - Tk)
+    return _Bands(C, n_blk, span, left, right, first + left)
+
+
+def _band_keys(k: torch.Tensor, b: _Bands) -> torch.Tensor:
+    """[B, H_kv, Tk, hd] -> [B*n_blk, H_kv, span, hd]: each query block's keys."""
+    B, H_kv, _, hd = k.shape
+    kp = F.pad(k, (0, 0, b.left, b.right))[:, :, b.lo : b.lo + (b.n_blk - 1) * b.C + b.span]
+    kb = kp.unfold(2, b.span, b.C)  # [B, H_kv, n_blk, hd, span]
+    return kb.permute(0, 2, 1, 4, 3).reshape(B * b.n_blk, H_kv, b.span, hd)
+
+
+def _blocked(x: torch.Tensor, b: _Bands) -> torch.Tensor:
+    """[B, H, Tq, ...] -> [B*n_blk, H, C, ...], zero-padded to whole query blocks."""
+    B, H, Tq = x.shape[:3]
+    pad = [0, 0] * (x.dim() - 3) + [0, b.n_blk * b.C - Tq]
+    x = F.pad(x, pad).view(B, H, b.n_blk, b.C, *x.shape[3:]).transpose(1, 2)
+    return x.reshape(B * b.n_blk, H, b.C, *x.shape[4:])
+
+
+def _unblocked(x: torch.Tensor, B: int, Tq: int) -> torch.Tensor:
+    """Inverse of _blocked: [B*n_blk, H, C, ...] -> [B, H, Tq, ...]."""
+    n_blk, H, C = x.shape[0] // B, x.shape[1], x.shape[2]
+    x = x.view(B, n_blk, H, C, *x.shape[3:]).transpose(1, 2)
+    return x.reshape(B, H, n_blk * C, *x.shape[4:])[:, :, :Tq]
+
+
+def _band_mask(q_start: int, k_start: int, Tq: int, Tk: int, w: int, b: _Bands, B: int, dtype, device):
+    """Additive mask [B*n_blk, 1, C, span]: key s is visible to query p iff p - w < s <= p and s is a key.
+    Padding query rows see every key (their output is discarded; no NaN)."""
+    q_pos = q_start + torch.arange(b.n_blk, device=device)[:, None] * b.C + torch.arange(b.C, device=device)  # [n_blk, C]
+    k_pos = q_pos[:, :1] - w + 1 + torch.arange(b.span, device=device)  # [n_blk, span]
+    qp, kp = q_pos[:, :, None], k_pos[:, None, :]
+    band = (kp <= qp) & (kp > qp - w) & (kp >= k_start) & (kp < k_start + Tk)  # [n_blk, C, span]
+    band |= qp >= q_start + Tq
+    mask = torch.zeros(band.shape, dtype=dtype, device=device).masked_fill_(~band, float("-inf"))
+    return mask[:, None].repeat(B, 1, 1, 1)
+
+
+def sliding_window_fwd(q, k, v, q_start: int, k_start: int, w: int, chunk: int):
+    """The torch path. q [B, H, Tq, hd] at positions q_start ..; k, v [B, H_kv, Tk, hd] at positions
+    k_start .. -> o [B, H, Tq, hd], lse [B, H, Tq] (fp32 or wider)."""
+    B, H, Tq, hd = q.shape
+    b = _bands(q_start, k_start, Tq, k.shape[2], w, chunk)
+    mask = _band_mask(q_start, k_start, Tq, k.shape[2], w, b, B, q.dtype, q.device)
+    out, lse = attention_partial(_blocked(q, b), _band_keys(k, b), _band_keys(v, b), mask, 1.0 / math.sqrt(hd),
+                                 site="nsa.window")  # [B*n_blk, H, C, hd], [B*n_blk, H, C]
+    return _unblocked(out, B, Tq), _unblocked(lse, B, Tq)
+
+
+def sliding_window_bwd(d_o, q, k, v, o, lse, q_start: int, k_start: int, w: int, chunk: int):
+    """Gradients of sliding_window_fwd: dq [B, H, Tq, hd], dk, dv [B, H_kv, Tk, hd]."""
+    B, H, Tq, hd = q.shape
+    H_kv, Tk = k.shape[1], k.shape[2]
+    b = _bands(q_start, k_start, Tq, Tk, w, chunk)
+    mask = _band_mask(q_start, k_start, Tq, Tk, w, b, B, q.dtype, q.device)
+    dqb, dkb, dvb = attention_partial_backward(
+        _blocked(d_o, b), _blocked(q, b), _band_keys(k, b), _band_keys(v, b), _blocked(o, b), _blocked(lse, b),
+        mask, 1.0 / math.sqrt(hd),
+    )  # dkb, dvb [B*n_blk, H_kv, span, hd]
+    # fold the overlapping bands back: band i's key j is padded key lo + i*C + j
+    at = (b.lo + torch.arange(b.n_blk, device=q.device)[:, None] * b.C + torch.arange(b.span, device=q.device)).flatten()
+
+    def fold(grad_bands: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        flat = grad_bands.view(B, b.n_blk, H_kv, b.span, hd).transpose(1, 2).reshape(B, H_kv, b.n_blk * b.span, hd)
+        padded = torch.zeros(B, H_kv, b.left + Tk + b.right, hd, dtype=flat.dtype, device=q.device)
+        return padded.index_add_(2, at, flat)[:, :, b.left : b.left + Tk].to(like.dtype)
+
+    return _unblocked(dqb, B, Tq).contiguous(), fold(dkb, k), fold(dvb, v)
 
 
 def sliding_window_attention(
@@ -15,34 +109,9 @@ def sliding_window_attention(
     k_start: int,
     w: int,
     chunk: int,
+    kernel: str = "torch",  # NSAConfig.kernel (see nsa/attention/ops.py)
 ) -> torch.Tensor:  # [B, H, Tq, hd]
-    """Banded attention in one batched call: query block i (C = chunk queries) reads only the C + w - 1
-    keys [first - w + 1, last] of its band, cut from k with `unfold` (so memory is O(T * (C + w)))."""
-    B, H, Tq, hd = q.shape
-    H_kv, Tk = k.shape[1], k.shape[2]
-    C = min(chunk, Tq)
-    n_blk = -(-Tq // C)
-    span = C + w - 1  # keys per query block
-    # key index (into k) of the first key of block 0, and padding so every band lies inside k
-    first = q_start - w + 1 - k_start
-    left = max(0, -first)
-    right = max(0, first + (n_blk - 1) * C + span - Tk)
-    kp = F.pad(k, (0, 0, left, right))  # [B, H_kv, left + Tk + right, hd]
-    vp = F.pad(v, (0, 0, left, right))
-    lo = first + left
-    kb = kp[:, :, lo : lo + (n_blk - 1) * C + span].unfold(2, span, C)  # [B, H_kv, n_blk, hd, span]
-    vb = vp[:, :, lo : lo + (n_blk - 1) * C + span].unfold(2, span, C)
-    kb = kb.permute(0, 2, 1, 4, 3).reshape(B * n_blk, H_kv, span, hd)
-    vb = vb.permute(0, 2, 1, 4, 3).reshape(B * n_blk, H_kv, span, hd)
-    qb = F.pad(q, (0, 0, 0, n_blk * C - Tq)).view(B, H, n_blk, C, hd).transpose(1, 2).reshape(B * n_blk, H, C, hd)
-    # absolute positions: query (block i, row r) = q_start + i*C + r; key (i, j) = q_start + i*C - w + 1 + j
-    dev = q.device
-    q_pos = q_start + torch.arange(n_blk, device=dev)[:, None] * C + torch.arange(C, device=dev)  # [n_blk, C]
-    k_pos = q_pos[:, :1] - w + 1 + torch.arange(span, device=dev)  # [n_blk, span]
-    qp, kp_ = q_pos[:, :, None], k_pos[:, None, :]
-    band = (kp_ <= qp) & (kp_ > qp - w) & (kp_ >= k_start) & (kp_ < k_start + Tk)  # [n_blk, C, span]
-    band |= (qp >= q_start + Tq)  # padding query rows: see everything (output discarded, no NaN)
-    mask = band[:, None].repeat(B, 1, 1, 1)  # [B*n_blk, 1, C, span]
-    audit("nsa.window", "sdpa_explicit_band_mask", qb, kb)
-    out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, enable_gqa=H != H_kv)  # [B*n_blk, H, C, hd]
-    return out.view(B, n_blk, H, C, hd).transpose(1, 2).reshape(B, H, n_blk * C, hd)[:, :, :Tq]
+    """The window branch, differentiable (nsa/attention/ops.py: the custom op, or FlexAttention on CUDA)."""
+    from nsa.attention import ops  # ops registers this module's functions as the op's torch path
+
+    return ops.window_attention(q, k, v, q_start, k_start, w, chunk, kernel)

@@ -1,0 +1,218 @@
+"""NSA's stages as torch.library custom ops: the layer calls the same four functions on every device.
+
+    select_blocks(q, ck)                   -> block_idx          nsa::select_blocks (no autograd)
+    compressed_attention(q, ck, cv)        -> o                  nsa::compressed_attention (+ _backward)
+    selected_attention(q, k, v, block_idx) -> o                  nsa::selected_attention (+ _backward)
+    window_attention(q, k, v)              -> o                  nsa::window_attention (+ _backward)
+
+Each op is one node for the dispatcher, for torch.compile (no graph break: every op has a fake
+implementation that only computes shapes) and for the meta device, so what is counted on a CPU (ops per
+layer, graph breaks, recompiles) is the structure a GPU runs: a constant number of launches per layer,
+whatever the sequence length. Implementations, chosen per call by NSAConfig.kernel
+(`selection.resolve_kernel`: "auto" = Triton on CUDA tensors, torch elsewhere):
+  torch:  the chunked paths of compression.py, selection.py, window.py and block_select.py; forward ops
+          return (o, log-sum-exp) and the backward ops recompute scores from them (flash-attention style);
+  triton: selection and selected attention run Triton kernels (kernels/select_topk.py,
+          triton_selection.py); on CPU tensors only in Triton's interpreter (the tests);
+  CUDA compressed / window branches: FlexAttention (flex.py). flex_attention is itself a higher-order
+          op that torch.compile traces with its own autograd; it is called directly rather than inside a
+          custom op, whose kernel runs below autograd, where FlexAttention's backward cannot be reached.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from nsa.attention import block_select, compression, selection, window
+from nsa.attention.flex import flex_compressed_attention, flex_window_attention, use_flex
+from nsa.attention.selection import resolve_kernel
+
+
+def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _triton(kernel: str, x: Tensor) -> bool:
+    return resolve_kernel(kernel, x.device) == "triton"
+
+
+# ---------------------------------------------------------------- block selection (no autograd)
+@torch.library.custom_op("nsa::select_blocks", mutates_args=())
+def _select_blocks(q: Tensor, ck: Tensor, q_start: int, l: int, d: int, l_sel: int, n: int, q_chunk: int,
+                   kernel: str) -> Tensor:
+    if _triton(kernel, q):
+        from nsa.attention.kernels.select_topk import fused_select_blocks
+
+        return fused_select_blocks(q, ck, q_start, l, d, l_sel, n)
+    return block_select.select_by_score(q, ck, q_start, l, d, l_sel, n, q_chunk)
+
+
+@_select_blocks.register_fake
+def _(q, ck, q_start, l, d, l_sel, n, q_chunk, kernel):
+    B, H_kv, _, Tq, _ = q.shape
+    return q.new_empty(B, H_kv, Tq, n, dtype=torch.long)
+
+
+def select_blocks(
+    q: Tensor,  # [B, H_kv, G, Tq, hd] queries (RoPE applied) at positions q_start ..
+    ck: Tensor,  # [B, H_kv, N_c, hd] compressed keys (RoPE applied)
+    q_start: int, l: int, d: int, l_sel: int, n: int, q_chunk: int, kernel: str,
+) -> Tensor:  # [B, H_kv, Tq, n] int64, ascending, -1 = none (selection.select_blocks' contract)
+    return _select_blocks(q.detach(), ck.detach(), q_start, l, d, l_sel, n, q_chunk, kernel)
+
+
+# ---------------------------------------------------------------- selected attention
+@torch.library.custom_op("nsa::selected_attention", mutates_args=())
+def _selected(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, q_start: int, l_sel: int, tile: int,
+              chunk: int, kernel: str) -> tuple[Tensor, Tensor]:
+    if _triton(kernel, q):
+        from nsa.attention.triton_selection import selected_attention_fwd
+
+        return selected_attention_fwd(q, k, v, block_idx, q_start, l_sel)
+    return selection.selected_attention_fwd(q, k, v, block_idx, q_start, l_sel, tile, chunk)
+
+
+@_selected.register_fake
+def _(q, k, v, block_idx, q_start, l_sel, tile, chunk, kernel):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:4], dtype=_lse_dtype(q.dtype))
+
+
+@torch.library.custom_op("nsa::selected_attention_backward", mutates_args=())
+def _selected_bwd(d_o: Tensor, q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, o: Tensor, lse: Tensor,
+                  q_start: int, l_sel: int, tile: int, chunk: int, kernel: str) -> tuple[Tensor, Tensor, Tensor]:
+    if _triton(kernel, q):
+        from nsa.attention.triton_selection import selected_attention_bwd
+
+        return selected_attention_bwd(q, k, v, block_idx, o, lse, d_o, q_start, l_sel)
+    return selection.selected_attention_bwd(d_o, q, k, v, block_idx, o, lse, q_start, l_sel, tile, chunk)
+
+
+@_selected_bwd.register_fake
+def _(d_o, q, k, v, block_idx, o, lse, q_start, l_sel, tile, chunk, kernel):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _selected_setup(ctx, inputs, output):
+    q, k, v, block_idx, *args = inputs
+    ctx.save_for_backward(q, k, v, block_idx, *output)
+    ctx.args = args
+    ctx.mark_non_differentiable(output[1])
+
+
+def _selected_backward(ctx, d_o, _d_lse):
+    q, k, v, block_idx, o, lse = ctx.saved_tensors
+    dq, dk, dv = _selected_bwd(d_o.contiguous(), q, k, v, block_idx, o, lse, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+_selected.register_autograd(_selected_backward, setup_context=_selected_setup)
+
+
+def selected_attention(
+    q: Tensor,  # [B, H_kv, G, Tq, hd] queries at positions q_start ..
+    k: Tensor,  # [B, H_kv, Tk, hd] selection keys at positions 0 .. Tk-1 (Tk >= q_start + Tq)
+    v: Tensor,  # [B, H_kv, Tk, hd]
+    block_idx: Tensor,  # [B, H_kv, Tq, n], -1 = none
+    q_start: int, l_sel: int, tile: int, chunk: int, kernel: str,
+) -> Tensor:  # [B, H_kv, G, Tq, hd]
+    if not q.dtype == k.dtype == v.dtype:  # autocast may mix them
+        dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    return _selected(q, k, v, block_idx, q_start, l_sel, tile, chunk, kernel)[0]
+
+
+# ---------------------------------------------------------------- compressed attention (torch path op)
+@torch.library.custom_op("nsa::compressed_attention", mutates_args=())
+def _compressed(q: Tensor, ck: Tensor, cv: Tensor, q_start: int, l: int, d: int, chunk: int) -> tuple[Tensor, Tensor]:
+    return compression.compressed_attention_fwd(q, ck, cv, q_start, l, d, chunk)
+
+
+@_compressed.register_fake
+def _(q, ck, cv, q_start, l, d, chunk):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=_lse_dtype(q.dtype))
+
+
+@torch.library.custom_op("nsa::compressed_attention_backward", mutates_args=())
+def _compressed_bwd(d_o: Tensor, q: Tensor, ck: Tensor, cv: Tensor, o: Tensor, lse: Tensor, q_start: int, l: int,
+                    d: int, chunk: int) -> tuple[Tensor, Tensor, Tensor]:
+    return compression.compressed_attention_bwd(d_o, q, ck, cv, o, lse, q_start, l, d, chunk)
+
+
+@_compressed_bwd.register_fake
+def _(d_o, q, ck, cv, o, lse, q_start, l, d, chunk):
+    return q.new_empty(q.shape), ck.new_empty(ck.shape), cv.new_empty(cv.shape)
+
+
+def _compressed_setup(ctx, inputs, output):
+    q, ck, cv, *args = inputs
+    ctx.save_for_backward(q, ck, cv, *output)
+    ctx.args = args
+    ctx.mark_non_differentiable(output[1])
+
+
+def _compressed_backward(ctx, d_o, _d_lse):
+    q, ck, cv, o, lse = ctx.saved_tensors
+    return (*_compressed_bwd(d_o.contiguous(), q, ck, cv, o, lse, *ctx.args), None, None, None, None)
+
+
+_compressed.register_autograd(_compressed_backward, setup_context=_compressed_setup)
+
+
+def compressed_attention(
+    q: Tensor,  # [B, H, Tq, hd] queries at positions q_start .. (RoPE applied)
+    ck: Tensor,  # [B, H_kv, N_c, hd] compressed keys (RoPE applied)
+    cv: Tensor,  # [B, H_kv, N_c, hd]
+    q_start: int, l: int, d: int, chunk: int, kernel: str,
+) -> Tensor:  # [B, H, Tq, hd]; rows that see no compressed token are zero
+    if use_flex(kernel, q):
+        return flex_compressed_attention(q, ck, cv, q_start, l, d)
+    return _compressed(q, ck, cv, q_start, l, d, chunk)[0]
+
+
+# ---------------------------------------------------------------- sliding window (torch path op)
+@torch.library.custom_op("nsa::window_attention", mutates_args=())
+def _window(q: Tensor, k: Tensor, v: Tensor, q_start: int, k_start: int, w: int, chunk: int) -> tuple[Tensor, Tensor]:
+    o, lse = window.sliding_window_fwd(q, k, v, q_start, k_start, w, chunk)
+    return o.contiguous(), lse.contiguous()
+
+
+@_window.register_fake
+def _(q, k, v, q_start, k_start, w, chunk):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=_lse_dtype(q.dtype))
+
+
+@torch.library.custom_op("nsa::window_attention_backward", mutates_args=())
+def _window_bwd(d_o: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, q_start: int, k_start: int,
+                w: int, chunk: int) -> tuple[Tensor, Tensor, Tensor]:
+    return window.sliding_window_bwd(d_o, q, k, v, o, lse, q_start, k_start, w, chunk)
+
+
+@_window_bwd.register_fake
+def _(d_o, q, k, v, o, lse, q_start, k_start, w, chunk):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _window_setup(ctx, inputs, output):
+    q, k, v, *args = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.args = args
+    ctx.mark_non_differentiable(output[1])
+
+
+def _window_backward(ctx, d_o, _d_lse):
+    q, k, v, o, lse = ctx.saved_tensors
+    return (*_window_bwd(d_o.contiguous(), q, k, v, o, lse, *ctx.args), None, None, None, None)
+
+
+_window.register_autograd(_window_backward, setup_context=_window_setup)
+
+
+def window_attention(
+    q: Tensor,  # [B, H, Tq, hd] queries at positions q_start ..
+    k: Tensor,  # [B, H_kv, Tk, hd] keys at positions k_start .. k_start+Tk-1
+    v: Tensor,  # [B, H_kv, Tk, hd]
+    q_start: int, k_start: int, w: int, chunk: int, kernel: str,
+) -> Tensor:  # [B, H, Tq, hd]
+    if use_flex(kernel, q):
+        return flex_window_attention(q, k, v, q_start, k_start, w)
+    return _window(q, k, v, q_start, k_start, w, chunk)[0]

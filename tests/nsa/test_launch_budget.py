@@ -1,0 +1,41 @@
+"""The NSA layer's launch budget (issue 19): a constant number of ops per layer, whatever T.
+
+Counted on the meta device with nsa.launch_count (views, detach, alias and empty* not counted; a custom op
+counts once), one layer at M7C-125M shapes, batch 1, forward + backward.
+"""
+from __future__ import annotations
+
+import pytest
+
+from nsa.config import ModelConfig, NSAConfig
+from nsa.launch_count import attention_layer_launches
+
+M7C = dict(dim=768, n_heads=12, n_kv_heads=2, head_dim=64)  # configs/m7c_125m_*.yaml
+NSA_M7C = NSAConfig(l=32, d=16, l_sel=64, n_sel=16, w=512)
+BUDGET = 150
+SEQ = (2048, 8192, 32768, 65536)
+
+
+@pytest.fixture(scope="module")
+def counts():
+    nsa = ModelConfig(**M7C, attention="nsa", nsa=NSA_M7C)
+    dense = ModelConfig(**M7C)
+    return {T: (attention_layer_launches(nsa, T), attention_layer_launches(dense, T)) for T in SEQ}
+
+
+def test_nsa_layer_launches_stay_within_budget_at_every_length(counts):
+    for T, (nsa, dense) in counts.items():
+        assert nsa.total <= BUDGET, (T, nsa.total, nsa.by_op.most_common(8))
+        assert nsa.total < 2 * dense.total, (T, nsa.total, dense.total)
+    assert counts[65536][0].total <= 1.25 * counts[2048][0].total
+
+
+def test_each_nsa_stage_is_one_custom_op(counts):
+    """The stages are fused ops, each dispatched exactly once per forward (and its backward once)."""
+    ops = {name: n for name, n in counts[65536][0].by_op.items() if name.startswith("nsa.")}
+    assert ops == {
+        "nsa.select_blocks": 1,
+        "nsa.compressed_attention": 1, "nsa.compressed_attention_backward": 1,
+        "nsa.selected_attention": 1, "nsa.selected_attention_backward": 1,
+        "nsa.window_attention": 1, "nsa.window_attention_backward": 1,
+    }
