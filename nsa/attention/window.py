@@ -96,7 +96,7 @@ def sliding_window_bwd(d_o, q, k, v, o, lse, q_start: int, k_start: int, w: int,
     def fold(grad_bands: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         flat = grad_bands.view(B, b.n_blk, H_kv, b.span, hd).transpose(1, 2).reshape(B, H_kv, b.n_blk * b.span, hd)
         padded = torch.zeros(B, H_kv, b.left + Tk + b.right, hd, dtype=flat.dtype, device=q.device)
-        return padded.index_add_(2, at, flat)[:, :, b.left : b.left + Tk].to(like.dtype)
+        return padded.index_add_(2, at, flat)[:, :, b.left : b.left + Tk].to(like.dtype).contiguous()
 
     return _unblocked(dqb, B, Tq).contiguous(), fold(dkb, k), fold(dvb, v)
 

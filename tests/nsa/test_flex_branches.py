@@ -4,6 +4,8 @@ On CPU FlexAttention runs unfused and forward-only: these tests check (1) the bl
 each branch's geometry against torch's brute-force `create_block_mask` (the fused CUDA kernels trust
 them to skip tiles, the CPU path ignores them, so they are checked on their own), and (2) outputs
 against float64 attention with an explicit [Tq, Tk] mask. Gradients on CUDA: tests/nsa/test_nsa_gpu.py.
+(3) The compiled eager wrapper (run here on CPU with a cheap Dynamo backend) compiles once per shape family,
+not once per chunk offset.
 """
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import math
 
 import pytest
 import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
 from torch.nn.attention.flex_attention import create_block_mask
 
 from nsa.attention import flex
@@ -107,3 +111,38 @@ def test_flex_only_for_cuda_low_precision_tensors():
         assert flex.use_flex("auto", torch.zeros(1, device="cuda"))
         assert not flex.use_flex("torch", torch.zeros(1, device="cuda"))
         assert not flex.use_flex("auto", torch.zeros(1, device="cuda", dtype=torch.float64))
+
+
+def test_compiled_flex_compiles_once_across_chunk_offsets(monkeypatch):
+    """A chunked prefill calls each branch with the same shapes at a new offset per chunk: the eager wrapper
+    torch.compile(flex_attention, dynamic=False) must reuse one graph per branch (the offsets are data in
+    the mask_mod, not code), and still match the SDPA path at every offset. CPU, forward, backend aot_eager:
+    Dynamo's guards (what decides a recompile) do not depend on the backend."""
+    monkeypatch.setattr(flex, "COMPILE_DEVICES", flex.COMPILE_DEVICES | {"cpu"})
+    monkeypatch.setattr(flex, "COMPILE_BACKEND", "aot_eager")
+    B, H_kv, G, T, hd, l, d, w = 1, 1, 2, 256, 16, 32, 16, 64
+    offsets = [256, 512, 768, 1024, 1536]  # >= w - 1: the window keys are w - 1 + T at every offset
+    n_c = num_compressed(max(offsets) + T, l, d)  # one compressed key count (tokens past a query are masked)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, H_kv * G, T, hd, generator=g)
+    ck, cv = (torch.randn(B, H_kv, n_c, hd, generator=g) for _ in range(2))
+    k, v = (torch.randn(B, H_kv, w - 1 + T, hd, generator=g) for _ in range(2))
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        for q_start in offsets:
+            out = flex.flex_compressed_attention(q, ck, cv, q_start, l, d)
+            ref = compressed_attention(q, ck, cv, q_start, l, d, 64)
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5, msg=f"compressed, q_start={q_start}")
+        assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+        for q_start in offsets:
+            k_start, Tk = window_geometry(T, q_start, w)
+            assert Tk == k.shape[2]
+            out = flex.flex_window_attention(q, k, v, q_start, k_start, w)
+            ref = sliding_window_attention(q, k, v, q_start, k_start, w, 128)
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5, msg=f"window, q_start={q_start}")
+        assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])  # one more: the window branch
+        assert counters["frames"]["ok"] == 2, dict(counters["frames"])
+    finally:
+        torch._dynamo.reset()
+        counters.clear()

@@ -1,0 +1,94 @@
+"""torch.compile sees through NSA: the custom ops (nsa/attention/ops.py) trace with their fake
+implementations, so a whole NSA model compiles with fullgraph=True (zero graph breaks), forward and
+backward, and equals eager. Switching statistics or train/eval recompiles at most once per mode."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+
+from nsa.attention import ops
+from nsa.attention.gate_stats import set_gate_stats
+from nsa.config import ModelConfig, NSAConfig
+from nsa.model import Transformer
+
+NSA_SMALL = NSAConfig(l=8, d=4, l_sel=16, n_sel=4, w=16, q_chunk=32, sel_chunk=64, sel_tile=8, win_block=16, gate_hidden=16)
+
+
+def small_model(seed: int = 0) -> Transformer:
+    torch.manual_seed(seed)
+    cfg = ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128,
+                      max_seq_len=128, attention="nsa", nsa=NSA_SMALL)
+    return Transformer(cfg)
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def _loss_and_grads(model, idx):
+    loss = model(idx).float().square().mean()
+    return loss.detach(), torch.autograd.grad(loss, list(model.parameters()))
+
+
+def test_whole_nsa_model_compiles_fullgraph_and_matches_eager():
+    model = small_model()
+    idx = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1))
+    loss, grads = _loss_and_grads(model, idx)
+    compiled = torch.compile(model, fullgraph=True)  # raises on any graph break
+    loss_c, grads_c = _loss_and_grads(compiled, idx)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert not counters["graph_break"]
+    torch.testing.assert_close(loss_c, loss, rtol=1e-4, atol=1e-5)
+    for a, b in zip(grads_c, grads):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+
+
+def test_statistics_and_eval_recompile_once_per_mode():
+    model = small_model()
+    compiled = torch.compile(model, fullgraph=True, backend="eager")  # Dynamo guards decide recompiles
+    idx = torch.randint(0, 256, (1, 48))
+
+    def graphs_after(step) -> int:
+        step()
+        return counters["stats"]["unique_graphs"]
+
+    run = lambda: compiled(idx).sum().backward()  # noqa: E731
+    assert graphs_after(run) == 1
+    assert graphs_after(run) == 1  # the same mode again: cached
+    set_gate_stats(model, True)
+    assert graphs_after(run) == 2  # statistics on: one more graph ...
+    assert all(t.device.type == "cpu" for layer in model.modules() if getattr(layer, "last_stats", None)
+               for t in layer.last_stats.values())
+    set_gate_stats(model, False)
+    assert graphs_after(run) == 2  # ... and back: no recompile
+    model.eval()
+    with torch.no_grad():
+        assert graphs_after(lambda: compiled(idx)) == 3  # eval: once
+        assert graphs_after(lambda: compiled(idx)) == 3
+
+
+def test_custom_ops_pass_opcheck():
+    """torch.library.opcheck: schemas, fake implementations (shapes, strides, dtypes) and registered
+    autograd agree with the real implementations."""
+    g, dtype = torch.Generator().manual_seed(0), torch.float64
+    B, H_kv, G, T, hd, l, d, l_sel, n, w = 1, 2, 2, 40, 8, 8, 4, 16, 3, 12
+    rnd = lambda *s: torch.randn(*s, generator=g, dtype=dtype, requires_grad=True)  # noqa: E731
+    q, k, v = rnd(B, H_kv * G, T, hd), rnd(B, H_kv, T, hd), rnd(B, H_kv, T, hd)
+    n_c = (T - l) // d + 1
+    ck, cv = rnd(B, H_kv, n_c, hd), rnd(B, H_kv, n_c, hd)
+    qg = q.detach().view(B, H_kv, G, T, hd).requires_grad_(True)
+    idx = ops.select_blocks(qg, ck, 0, l, d, l_sel, n, 16, "torch")
+    cases = [
+        (ops._select_blocks, (qg.detach(), ck.detach(), 0, l, d, l_sel, n, 16, "torch")),
+        (ops._compressed, (q, ck, cv, 0, l, d, 16)),
+        (ops._selected, (qg, k, v, idx, 0, l_sel, 4, 24, "torch")),
+        (ops._window, (q, k, v, 0, 0, w, 16)),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args)
