@@ -3,15 +3,19 @@
     python bench/gpu_acceptance.py --out artifacts/gpu_acceptance_<ts>      (scripts/gpu_acceptance.sh)
     python bench/gpu_acceptance.py --out DIR --device cpu --tiny             (the plumbing, on CPU)
 
-Items, each with its own time limit (the whole run stays under 10 minutes on one H100); one that
-fails or runs out of time is recorded as such and the rest go on:
-1. the CUDA tests (bf16 RMS vs the float64 reference, Triton kernels vs the torch path)
-2. NSA vs SDPA attention forward + backward at 8k, 16k, 32k, 64k (bf16, batch 1, M7C head layout), and
+Items, each with its own time limit (ITEM_LIMITS, seconds, Triton / torch.compile compilation included:
+a fresh machine compiles every kernel once); one that fails or runs out of time is recorded as such and
+the rest go on:
+1. launches: ops per NSA / dense layer, forward + backward, 2k .. 64k (meta device; runs anywhere)
+2. kernel_compile: every Triton kernel compiled ahead of time for sm_80 / sm_90 at the shipped shapes
+   (scripts/compile_kernels.py: shared memory, registers, spills, MMA instruction; runs anywhere)
+3. the CUDA tests (bf16 vs the float64 reference with bf16 tolerances, Triton kernels vs the torch path)
+4. NSA vs SDPA attention forward + backward at 8k, 16k, 32k, 64k (bf16, batch 1, M7C head layout), and
    the compressed / window branches through FlexAttention vs the SDPA path (which the layer should use)
-3. M7C-125M training tokens/s at seq 2048 and 8192, NSA and its dense twin, compile on and off
-4. decode step at 32k and 64k (NSA vs dense KV cache)
-5. a dense ~1B Qwen3-style model's MFU on one GPU
-Each number is printed next to its goal from issue 13.
+5. M7C-125M training tokens/s at seq 2048 and 8192, NSA and its dense twin, compile on and off
+6. decode step at 32k and 64k (NSA vs dense KV cache)
+7. a dense ~1B Qwen3-style model's MFU on one GPU
+Each number is printed next to its goal (issues 13 and 19).
 """
 from __future__ import annotations
 
@@ -49,9 +53,39 @@ def last_json(text: str) -> dict:
     raise ValueError("no JSON line in the output")
 
 
+# seconds per item, compilation included (Triton JIT of every kernel, torch.compile of the models)
+ITEM_LIMITS = {"launches": 60, "kernel_compile": 300, "cuda_tests": 420, "attention": 420, "branches": 300,
+               "m7c_training": 900, "decode": 240, "dense_1b_mfu": 480}
+LAUNCH_BUDGET = 150  # ops per NSA layer forward + backward at any T (issue 19)
+
+
+def launches(args) -> dict:
+    code, out = run([PY, "bench/bench_launches.py"], ITEM_LIMITS["launches"])
+    if code:
+        return {"ok": False, "exit": code, "output": out[-1500:]}
+    rows = last_json(out)["rows"]
+    worst = max(r["nsa"] for r in rows)
+    growth = rows[-1]["nsa"] / rows[0]["nsa"]
+    ok = worst <= LAUNCH_BUDGET and growth <= 1.25
+    per_t = ", ".join(f"{r['T']}: {r['nsa']}" for r in rows)
+    return {"ok": ok, "rows": rows, "goals": [
+        f"NSA layer ops, fwd+bwd: {per_t} (goal <= {LAUNCH_BUDGET} at every T)",
+        f"growth {rows[0]['T']} -> {rows[-1]['T']}: {growth:.2f}x (goal <= 1.25x); dense layer: {rows[-1]['dense']}"]}
+
+
+def kernel_compile(args) -> dict:
+    table = args.out / "kernel_compile.md"
+    code, out = run([PY, "scripts/compile_kernels.py", "--shapes", "shipped", "--markdown", str(table)],
+                    ITEM_LIMITS["kernel_compile"], env={"TRITON_INTERPRET": "0"})  # compiled kernels, not the interpreter
+    return {"ok": code == 0, "exit": code, "table": str(table),
+            "goal": f"every kernel compiles for sm_80 / sm_90, fits shared memory, no bf16 spills: "
+                    f"{'met' if code == 0 else 'NOT met'} (table: {table.name})",
+            **({"output": out[-1500:]} if code else {})}
+
+
 def cuda_tests(args) -> dict:
     files = ["tests/nsa/test_nsa_gpu.py", "tests/nsa/test_triton_selection.py", "tests/nsa/test_flex_branches.py"]
-    code, out = run([PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files], 240)
+    code, out = run([PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files], ITEM_LIMITS["cuda_tests"])
     tail = [line for line in out.strip().splitlines() if " passed" in line or " failed" in line or "error" in line]
     return {"ok": code == 0, "exit": code, "result": tail[-1] if tail else out[-500:]}
 
@@ -61,7 +95,7 @@ def attention(args) -> dict:
     layout = ["--dim", "768", "--heads", "12", "--kv_heads", "2", "--head_dim", "64"]  # M7C-125M
     cmd = [PY, "bench/bench_nsa.py", "--S", *map(str, S), *layout, "--device", args.device, "--dtype", "bf16",
            "--repeats", "1" if args.tiny else "3"]
-    code, out = run(cmd, 240)
+    code, out = run(cmd, ITEM_LIMITS["attention"])
     if code:
         return {"ok": False, "exit": code, "output": out[-1500:]}
     res = last_json(out)
@@ -76,7 +110,7 @@ def branches(args) -> dict:
     S = [256, 512] if args.tiny else [8192, 16384, 32768, 65536]
     cmd = [PY, "bench/bench_branches.py", "--S", *map(str, S), "--device", args.device, "--dtype", "bf16",
            "--repeats", "1" if args.tiny else "3"]
-    code, out = run(cmd, 180)
+    code, out = run(cmd, ITEM_LIMITS["branches"])
     if code:
         return {"ok": False, "exit": code, "output": out[-1500:]}
     res = last_json(out)
@@ -119,6 +153,7 @@ def m7c_training(args) -> dict:
     runs = [(kind, seq, compile_) for seq in seqs for kind in ("nsa", "dense") for compile_ in (False, True)
             if not compile_ or (seq == seqs[0] and not args.tiny)]
     results = {}
+    per_run = ITEM_LIMITS["m7c_training"] / len(runs)
     with tempfile.TemporaryDirectory(prefix="gpu_acceptance_") as tmp:
         tmp = Path(tmp)
         for kind, seq, compile_ in runs:
@@ -126,7 +161,7 @@ def m7c_training(args) -> dict:
             cfg = _train_config(tmp, kind, seq, args.tiny)
             out = tmp / name
             code, text = run([PY, "-m", "train", str(cfg), f"--train.out_dir={out}", f"--runtime.device={args.device}",
-                              f"--runtime.compile={str(compile_).lower()}", "--runtime.precision=bf16"], 100)
+                              f"--runtime.compile={str(compile_).lower()}", "--runtime.precision=bf16"], per_run)
             results[name] = _tokens_per_s(out) if code == 0 else {"exit": code, "output": text[-800:]}
     get = lambda n: results.get(n, {}).get("toks_per_s")  # noqa: E731
     lo, hi = seqs
@@ -145,7 +180,7 @@ def decode(args) -> dict:
     S = [1024, 2048] if args.tiny else [32768, 65536]
     cmd = [PY, "bench/bench_decode.py", "--S", *map(str, S), "--dim", "768", "--heads", "12", "--kv_heads", "2",
            "--head_dim", "64", "--device", args.device, "--dtype", "bf16"] + (["--quick", "--prefill_tile", "512"] if args.tiny else [])
-    code, out = run(cmd, 180)
+    code, out = run(cmd, ITEM_LIMITS["decode"])
     if code:
         return {"ok": False, "exit": code, "output": out[-1500:]}
     res = last_json(out)
@@ -164,7 +199,7 @@ def dense_1b_mfu(args) -> dict:
                           "--train.log_every=4" if not args.tiny else "--train.log_every=2", "--train.eval_every=0",
                           "--train.save_every=0", "--train.warmup_steps=2", f"--runtime.device={args.device}",
                           "--runtime.compile=true" if not args.tiny else "--runtime.compile=false",
-                          "--runtime.zero1=false", *overrides], 240)
+                          "--runtime.zero1=false", *overrides], ITEM_LIMITS["dense_1b_mfu"])
         if code:
             return {"ok": False, "exit": code, "output": text[-1500:]}
         got = _tokens_per_s(out)
@@ -173,7 +208,7 @@ def dense_1b_mfu(args) -> dict:
     return {"ok": True, **got, "goal": goal}
 
 
-ITEMS = {"cuda_tests": cuda_tests, "attention": attention, "branches": branches, "m7c_training": m7c_training, "decode": decode,
+ITEMS = {"launches": launches, "kernel_compile": kernel_compile, "cuda_tests": cuda_tests, "attention": attention, "branches": branches, "m7c_training": m7c_training, "decode": decode,
          "dense_1b_mfu": dense_1b_mfu}
 
 

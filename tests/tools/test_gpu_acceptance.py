@@ -37,3 +37,15 @@ def test_summary_puts_goals_beside_numbers():
     assert "## branches: ok" in text and "window @65536: 2.5x" in text
     assert "## m7c_training: FAILED" in text and "nsa_2048_eager: 160,000 tokens/s" in text
     assert "dense_2048_eager: failed (exit 124)" in text
+
+
+def test_launch_item_reports_counts_beside_the_budget(tmp_path):
+    """The launches item runs anywhere (meta device): every T's count is printed beside its goal."""
+    import argparse
+
+    item = ga.launches(argparse.Namespace(out=tmp_path))
+    assert item["ok"], item
+    assert [r["T"] for r in item["rows"]] == [2048, 8192, 32768, 65536]
+    assert all(r["nsa"] <= ga.LAUNCH_BUDGET for r in item["rows"])
+    text = ga.summary_markdown({"date": "d", "device_name": "cpu", "torch": "t", "items": {"launches": {**item, "seconds": 1}}})
+    assert f"(goal <= {ga.LAUNCH_BUDGET} at every T)" in text and "65536: " in text and "(goal <= 1.25x)" in text
