@@ -1,0 +1,248 @@
+"""NSA top-n block selection as one Triton kernel: scores -> softmax -> group sum -> Eq. 9 -> top-n.
+
+Same result as the torch path `nsa.attention.block_select.select_by_score`, i.e.
+select_blocks(selection_block_scores(compression_group_probs(q, ck))) for every query, ties included.
+No [T, N_c] (or [T, N_blocks]) tensor exists at any time, by construction: probabilities and block
+scores live in registers one chunk at a time, and the only tensor written is block_idx [B, H_kv, Tq, n].
+
+Geometry (stride units of d positions): compressed token i covers units [i, i+m) with m = l/d; selection
+block j covers units [j*r, (j+1)*r) with r = l'/d. Query p sees token i iff i*d + l - 1 <= p; its
+current block is c = p // l', and only blocks j <= c compete.
+
+Grid (cdiv(Tq, BT), B*H_kv). A program owns BT consecutive queries of one KV head and all G query heads
+of the group as one tile of R = GP*BT rows (~64), row = g*BT + t (GP = G padded to a power of two;
+padded heads and queries past Tq get probability 0), so small groups still fill the MMA rows.
+  pass 1  over chunks of BN compressed tokens, up to those the tile's last query sees:
+            s = q @ ck^T / sqrt(hd)                          # [R, DP] @ [DP, BN] -> [R, BN]
+            online max m and denominator den per row (scores a row cannot see are -inf);
+          lse = m + log(den)                                 # [R]; a row that sees nothing keeps p = 0
+  pass 2  over chunks of BJ selection blocks, columns 0 .. BJ-1 = blocks j0-S .. j0-S+BJ-1, where
+          S = ceil((m-1)/r) look-back columns hold the tokens whose tails reach block j0; up to the
+          current block of the tile's last query (later chunks are skipped):
+            p     = exp(s - lse), 0 where not visible        # [R, BN] the chunk's tokens, BN = BJ*RUP
+            p_grp = sum over heads of p.reshape(GP, BT, BN)  # [BT, BN]        Eq. 10
+            score = Eq. 9 on p_grp.reshape(BT, BJ, RUP):     # [BT, BJ]
+                    the token at offset o of column jj adds |[o, o+m) & [k*r, (k+1)*r)| times its
+                    probability to column jj + k (k = 0 .. S; k > 0 via tl.gather along the columns)
+          (RUP = r padded to a power of two; padded lanes are masked.) The S look-back columns
+          (incomplete; scored by the previous chunk) and blocks > c get -inf, blocks 0, c-1, c +inf.
+          The BJ candidates then merge into a running top-n per query: (value, block) pairs [BT, NP]
+          kept sorted best-first (NP = n padded to a power of two; slots >= n stay -inf). Order: higher
+          value first, ties -> lower block. Every block of a chunk has a higher index than all blocks
+          merged before, so a running entry precedes a new one iff its value is >= the new one; ranks
+          in the union come from counting ([BT, NP, BJ] and [BT, BJ, BJ] comparisons; they form a
+          permutation) and slot s takes the entry of rank s. A chunk where no candidate beats any
+          query's n-th value is not merged. Allowed blocks score >= 0 > -inf, so each query keeps
+          exactly min(n, c+1) blocks.
+  output  the kept blocks ascending, again by counting ([BT, NP, NP]); empty slots -> -1 (last).
+Every block's score is computed by the same operations over the same token pattern (no carry between
+chunks), so blocks that tie in exact arithmetic (e.g. uniform probabilities) tie here too, and the
+lower index wins as in select_blocks.
+
+Accumulation is fp32 (fp64 for fp64 inputs). q @ ck^T: bf16/fp16 on tensor cores; fp32 on a GPU as
+3xTF32 (~fp32 accuracy; an IEEE FMA dot spills registers), IEEE for fp64 and in the interpreter.
+q_start, Tq and N_c are runtime arguments, not specialized (chunked prefill does not recompile); head
+counts, head dim, l, d, l', n and tile sizes are constexprs. On CPU tensors the kernel runs only in
+Triton's interpreter (TRITON_INTERPRET=1 before triton is imported), which has no bf16 matmul: there
+bf16/fp16 tiles are upcast to fp32 right before the dot (UPCAST).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+BLOCK_ROWS = 64  # (head, query) rows per program: BT = BLOCK_ROWS // GP queries (1 .. MAX_BLOCK_QUERIES)
+MAX_BLOCK_QUERIES = 16
+BLOCKS_PER_CHUNK = 16  # BJ: selection blocks per pass-2 chunk (a power of two)
+
+
+@triton.jit(do_not_specialize=["q_start", "Tq", "N_c"])  # new chunk offsets / lengths: no recompile
+def _select_topk_kernel(
+    Q, CK, OUT,
+    sqb, sqh, sqg, sqt, sqd,
+    skb, skh, skn, skd,
+    q_start, Tq, N_c,
+    H_KV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, DP: tl.constexpr,
+    L: tl.constexpr, D: tl.constexpr, L_SEL: tl.constexpr, N: tl.constexpr, NP: tl.constexpr,
+    BT: tl.constexpr, BJ: tl.constexpr, SHIFT: tl.constexpr, SCALE: tl.constexpr,
+    RUP: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+):
+    M: tl.constexpr = L // D  # units per compressed token
+    RU: tl.constexpr = L_SEL // D  # units (= compressed tokens) per selection block
+    BN: tl.constexpr = BJ * RUP  # token lanes per chunk (RUP = RU padded to a power of two)
+    R: tl.constexpr = GP * BT  # rows: (head, query) pairs
+    q0 = tl.program_id(0) * BT  # positions and block indices are int32, pointer offsets int64
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // H_KV
+    h = bh % H_KV
+
+    # rows of the tile: row = g * BT + t
+    offs_r = tl.arange(0, R)
+    row_g = offs_r // BT
+    row_q = q0 + offs_r % BT  # query index in 0 .. Tq-1
+    row_ok = (row_g < G) & (row_q < Tq)
+    row_pos = q_start + row_q  # [R] absolute positions
+    offs_d = tl.arange(0, DP)
+    d_ok = offs_d < HD
+    q_rows = Q + b * sqb + h * sqh + row_g[:, None] * sqg + row_q[:, None].to(tl.int64) * sqt  # [R, 1]
+    q = tl.load(q_rows + offs_d[None, :] * sqd, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [R, DP]
+    if UPCAST:  # the interpreter has no bf16/fp16 matmul
+        q = q.to(tl.float32)
+    ck_tile = CK + b * skb + h * skh + offs_d[None, :] * skd  # [1, DP] pointers of token 0
+
+    last = q_start + tl.minimum(q0 + BT, Tq) - 1  # the tile's last query position
+    n_vis = tl.where(last + 1 >= L, (last + 1 - L) // D + 1, 0)  # tokens it sees
+    n_vis = tl.minimum(n_vis, N_c)
+    offs_n = tl.arange(0, BN)
+
+    # ---- pass 1: log-sum-exp per row over the tokens it sees
+    # running max starts finite so chunks a row cannot see give exp(-inf - m) = 0 (no -inf - -inf)
+    m_i = tl.full([R], -1.0e30, dtype=ACC)
+    den = tl.zeros([R], dtype=ACC)
+    for n0 in range(0, n_vis, BN):
+        tok = n0 + offs_n  # [BN]
+        kt = tl.load(ck_tile + tok[:, None].to(tl.int64) * skn, mask=(tok < n_vis)[:, None] & d_ok[None, :], other=0.0)
+        if UPCAST:
+            kt = kt.to(tl.float32)
+        s = tl.dot(q, tl.trans(kt), input_precision=PREC, out_dtype=ACC) * SCALE  # [R, BN]
+        vis = row_ok[:, None] & (tok < n_vis)[None, :] & (tok[None, :] * D + (L - 1) <= row_pos[:, None])
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        den = den * tl.exp(m_i - m_new) + tl.sum(tl.exp(s - m_new[:, None]), axis=1)
+        m_i = m_new
+    lse = tl.where(den > 0, m_i + tl.log(tl.where(den > 0, den, 1.0)), 0.0)  # [R]
+
+    # ---- pass 2: block scores per chunk of blocks, merged into a running top-n
+    offs_t = tl.arange(0, BT)
+    current = (q_start + q0 + offs_t) // L_SEL  # [BT] each query's current block
+    cols = tl.arange(0, BJ)  # [BJ] block column within a chunk
+    lane_col = offs_n // RUP  # [BN] token lane -> block column
+    lane_off = offs_n % RUP  # [BN] token lane -> token offset in its block (units)
+    offs_o = tl.arange(0, RUP)
+    # Eq. 9: the token at offset o of block column c covers units [o, o+M) from that block's start, so it
+    # adds |[o, o+M) & [k*RU, (k+1)*RU)| of its probability to block column c + k (k = 0 .. SHIFT)
+    w_own = (tl.minimum(offs_o + M, RU) - offs_o).to(ACC)  # [RUP] (k = 0; o < RU)
+    slots = tl.arange(0, NP)
+    top_v = tl.full([BT, NP], float("-inf"), dtype=ACC)  # running top-n, best first
+    top_i = tl.zeros([BT, NP], dtype=tl.int32)
+    c_last = last // L_SEL
+    for j0 in range(0, c_last + 1, BJ - SHIFT):  # blocks j0 .. j0 + BJ - SHIFT - 1 are complete here
+        first = j0 - SHIFT  # block of column 0
+        tok = (first + lane_col) * RU + lane_off  # [BN] tokens of columns 0 .. BJ-1
+        tok_ok = (lane_off < RU) & (tok >= 0) & (tok < n_vis)
+        kt = tl.load(ck_tile + tok[:, None].to(tl.int64) * skn, mask=tok_ok[:, None] & d_ok[None, :], other=0.0)
+        if UPCAST:
+            kt = kt.to(tl.float32)
+        s = tl.dot(q, tl.trans(kt), input_precision=PREC, out_dtype=ACC) * SCALE  # [R, BN]
+        vis = row_ok[:, None] & tok_ok[None, :] & (tok[None, :] * D + (L - 1) <= row_pos[:, None])
+        p = tl.exp(tl.where(vis, s - lse[:, None], float("-inf")))  # [R, BN], 0 where not visible
+        p_grp = tl.sum(tl.reshape(p, (GP, BT, BN)), axis=0)  # [BT, BN] Eq. 10
+        p_blk = tl.reshape(p_grp, (BT, BJ, RUP))  # [BT, BJ, RUP] tokens by block column
+        score = tl.sum(p_blk * w_own[None, None, :], axis=2)  # [BT, BJ] Eq. 9, tokens of the block itself
+        for k in tl.static_range(1, SHIFT + 1):  # tails of the k-th previous column (m > 1)
+            w_k = tl.maximum(tl.minimum(offs_o + M, (k + 1) * RU) - tl.maximum(offs_o, k * RU), 0).to(ACC)
+            carry = tl.sum(p_blk * w_k[None, None, :], axis=2)  # [BT, BJ] into column c + k
+            src = tl.maximum(cols - k, 0)[None, :] + tl.zeros([BT, BJ], dtype=tl.int32)
+            score += tl.gather(carry, src, axis=1)  # columns < SHIFT get junk and are excluded below
+        blk = first + cols  # [BJ]
+        allowed = (cols[None, :] >= SHIFT) & (blk[None, :] <= current[:, None])  # [BT, BJ]
+        forced = (blk[None, :] == 0) | (blk[None, :] == current[:, None]) | (blk[None, :] == current[:, None] - 1)
+        val = tl.where(allowed, tl.where(forced, float("inf"), score), float("-inf"))  # [BT, BJ]
+
+        nth = tl.max(tl.where(slots[None, :] == N - 1, top_v, float("-inf")), axis=1)  # [BT] n-th best so far
+        if tl.max((val > nth[:, None]).to(tl.int32)) > 0:  # some candidate enters some query's top-n
+            # rank in the union: running entries ahead of it + new candidates ahead of it
+            new_ahead_of_run = (val[:, None, :] > top_v[:, :, None]).to(tl.int32)  # [BT, NP, BJ]
+            rank_run = slots[None, :] + tl.sum(new_ahead_of_run, axis=2)  # [BT, NP]
+            run_ahead_of_new = (top_v[:, :, None] >= val[:, None, :]).to(tl.int32)  # [BT, NP, BJ]
+            v_a = val[:, :, None]  # [BT, BJ (ahead), 1]
+            v_b = val[:, None, :]  # [BT, 1, BJ (behind)]
+            new_ahead = (v_a > v_b) | ((v_a == v_b) & (cols[:, None] < cols[None, :])[None, :, :])  # [BT, BJ, BJ]
+            rank_new = tl.sum(run_ahead_of_new, axis=1) + tl.sum(new_ahead.to(tl.int32), axis=1)  # [BT, BJ]
+            # slot s takes the entry of rank s
+            take_run = rank_run[:, :, None] == slots[None, None, :]  # [BT, NP, NP (slot)]
+            take_new = rank_new[:, :, None] == slots[None, None, :]  # [BT, BJ, NP (slot)]
+            v_run = tl.max(tl.where(take_run, top_v[:, :, None], float("-inf")), axis=1)  # [BT, NP]
+            v_new = tl.max(tl.where(take_new, val[:, :, None], float("-inf")), axis=1)
+            i_run = tl.max(tl.where(take_run, top_i[:, :, None], -1), axis=1)
+            i_new = tl.max(tl.where(take_new, blk[None, :, None], -1), axis=1)
+            keep = slots[None, :] < N
+            top_v = tl.where(keep, tl.maximum(v_run, v_new), float("-inf"))
+            top_i = tl.where(keep, tl.maximum(i_run, i_new), 0).to(tl.int32)
+
+    # ---- output: the kept blocks ascending, -1 for empty slots (last)
+    NO_BLOCK: tl.constexpr = 2147483647  # sorts after every block index
+    key = tl.where(top_v > float("-inf"), top_i, NO_BLOCK)  # [BT, NP] int32; kept blocks are distinct
+    k_a = key[:, :, None]  # [BT, NP (a), 1]
+    k_b = key[:, None, :]  # [BT, 1, NP (b)]
+    b_first = (k_b < k_a) | ((k_b == k_a) & (slots[None, :] < slots[:, None])[None, :, :])  # [BT, NP, NP]
+    position = tl.sum(b_first.to(tl.int32), axis=2)  # [BT, NP] ascending rank (a permutation)
+    at = position[:, :, None] == slots[None, None, :]  # [BT, NP (a), NP (slot)]
+    key = tl.max(tl.where(at, key[:, :, None], -1), axis=1)  # [BT, NP] ascending
+    out = tl.where(key == NO_BLOCK, -1, key).to(tl.int64)
+    q_idx = q0 + offs_t
+    tl.store(OUT + (bh * Tq + q_idx[:, None].to(tl.int64)) * N + slots[None, :], out,
+             mask=(q_idx < Tq)[:, None] & (slots < N)[None, :])
+
+
+def interpreter_active() -> bool:
+    """True when the kernel was built for Triton's interpreter (TRITON_INTERPRET=1 at import)."""
+    return isinstance(_select_topk_kernel, InterpretedFunction)
+
+
+def kernel_constexprs(dtype: torch.dtype, G: int, hd: int, l: int, d: int, l_sel: int, n: int) -> dict:
+    """The kernel's compile-time constants for these shapes (also used to compile it ahead of time)."""
+    m, r = l // d, l_sel // d
+    shift = -(-(m - 1) // r)  # blocks of look-back so a chunk holds every token overlapping its blocks
+    rup, gp = triton.next_power_of_2(r), triton.next_power_of_2(G)
+    bj = max(BLOCKS_PER_CHUNK, 16 // rup, triton.next_power_of_2(2 * shift + 1))  # tl.dot needs BJ * RUP >= 16
+    f64, interpret = dtype == torch.float64, interpreter_active()
+    return dict(
+        G=G, GP=gp, HD=hd, DP=max(16, triton.next_power_of_2(hd)),
+        L=l, D=d, L_SEL=l_sel, N=n, NP=triton.next_power_of_2(n),
+        BT=max(1, min(MAX_BLOCK_QUERIES, BLOCK_ROWS // gp)), BJ=bj, SHIFT=shift, RUP=rup, SCALE=1.0 / math.sqrt(hd),
+        ACC=tl.float64 if f64 else tl.float32,
+        UPCAST=interpret and dtype in (torch.bfloat16, torch.float16),
+        # q @ ck^T: bf16/fp16 run natively (the precision is ignored); fp32 on a GPU as 3xTF32 (tensor
+        # cores, ~fp32 accuracy; a plain FMA dot spills registers); fp64 and the interpreter IEEE
+        PREC="ieee" if f64 or interpret else "tf32x3",
+    )
+
+
+@torch.no_grad()
+def fused_select_blocks(
+    q: torch.Tensor,  # [B, H_kv, G, Tq, hd] queries (RoPE applied) at positions q_start .., any strides
+    ck: torch.Tensor,  # [B, H_kv, N_c, hd] compressed keys (RoPE applied); token i covers [i*d, i*d + l)
+    q_start: int,
+    l: int,
+    d: int,
+    l_sel: int,
+    n: int,
+) -> torch.Tensor:  # [B, H_kv, Tq, n] int64 block indices, ascending; -1 pads |I_p| = min(n, p // l' + 1)
+    """Top-n selection blocks per query (block 0, the previous and the current block forced; ties -> lower
+    index), equal to block_select.select_by_score. One kernel launch, no host sync."""
+    B, H_kv, G, Tq, hd = q.shape
+    if ck.dim() != 4 or ck.shape[:2] != (B, H_kv) or ck.shape[3] != hd:
+        raise ValueError(f"fused_select_blocks: q {tuple(q.shape)} and ck {tuple(ck.shape)} do not match")
+    if d < 1 or l < 1 or l % d or l_sel % d or l_sel < 1 or n < 1 or q_start < 0:
+        raise ValueError(f"fused_select_blocks: need d | l, d | l', n >= 1, q_start >= 0 "
+                         f"(l={l}, d={d}, l'={l_sel}, n={n}, q_start={q_start})")
+    if q.device.type == "cpu" and not interpreter_active():
+        raise RuntimeError("fused_select_blocks needs a CUDA tensor, or TRITON_INTERPRET=1 set before triton "
+                           "is imported")
+    if ck.dtype != q.dtype:
+        dtype = torch.promote_types(q.dtype, ck.dtype)
+        q, ck = q.to(dtype), ck.to(dtype)
+    out = torch.empty(B, H_kv, Tq, n, dtype=torch.long, device=q.device)
+    if out.numel() == 0:
+        return out
+    meta = kernel_constexprs(q.dtype, G, hd, l, d, l_sel, n)
+    grid = (triton.cdiv(Tq, meta["BT"]), B * H_kv)
+    _select_topk_kernel[grid](
+        q, ck, out, *q.stride(), *ck.stride(), q_start, Tq, ck.shape[2], H_KV=H_kv, **meta,
+    )
+    return out

@@ -1,0 +1,139 @@
+"""The fused top-n block selection kernel (nsa/attention/kernels/select_topk.py) against the torch path.
+
+The reference is `block_select.select_by_score` = select_blocks(selection_block_scores(
+compression_group_probs(...))) per chunk of queries. Without CUDA the kernel runs in Triton's interpreter
+(tests/nsa/conftest.py sets TRITON_INTERPRET=1 before triton is imported); it is slow, so sizes stay small.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nsa.attention.block_select import select_by_score
+from nsa.attention.compression import compression_group_probs, num_compressed
+from nsa.attention.selection import selection_block_scores
+
+try:
+    from nsa.attention.kernels import select_topk
+except ImportError as exc:  # triton not installed
+    pytest.skip(f"triton is not importable ({exc})", allow_module_level=True)
+
+DEV = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+if DEV.type == "cpu" and not select_topk.interpreter_active():
+    pytest.skip("Triton's interpreter is off (TRITON_INTERPRET=1 must be set before triton is imported)",
+                allow_module_level=True)
+fused_select_blocks = select_topk.fused_select_blocks
+
+
+def make_inputs(B, H_kv, G, Tq, hd, q_start, l, d, seed=0, spread=2.0):
+    """q [B, H_kv, G, Tq, hd] as a strided view (not contiguous); ck covers the prefix up to the last query."""
+    g = torch.Generator().manual_seed(seed)
+    q = (spread * torch.randn(B, Tq, H_kv, G, hd, generator=g, dtype=torch.float64)).permute(0, 2, 3, 1, 4)
+    ck = torch.randn(B, H_kv, num_compressed(q_start + Tq, l, d), hd, generator=g, dtype=torch.float64)
+    return q.to(DEV), ck.to(DEV)
+
+
+def reference(q, ck, q_start, l, d, l_sel, n):
+    return select_by_score(q.double(), ck.double(), q_start, l, d, l_sel, n, q_chunk=32)
+
+
+def forced_or_lowest(q_start: int, Tq: int, l_sel: int, n: int) -> torch.Tensor:
+    """[Tq, n] what selection must give when every competing block ties: block 0, the previous and the
+    current block, then the lowest-indexed others; ascending, -1 padded."""
+    rows = []
+    for p in range(q_start, q_start + Tq):
+        c = p // l_sel
+        forced = sorted({0, max(c - 1, 0), c})  # all at +inf: with n < 3 the lower ones win too
+        picked = (forced + list(range(1, c - 1)))[: min(n, c + 1)]
+        rows.append(sorted(picked) + [-1] * (n - len(picked)))
+    return torch.tensor(rows, dtype=torch.long, device=DEV)
+
+
+# (B, H_kv, G, Tq, hd, q_start, l, d, l_sel, n)
+CASES = [
+    pytest.param(1, 2, 1, 80, 16, 0, 8, 4, 16, 4, id="G1-l2d-lsel4d-from0"),
+    pytest.param(1, 1, 2, 90, 32, 40, 16, 16, 32, 3, id="G2-l=d-n3-chunk"),
+    pytest.param(1, 1, 6, 123, 24, 77, 8, 4, 16, 5, id="G6-hd24-n5-chunk"),
+    pytest.param(1, 1, 6, 37, 64, 1100, 32, 16, 64, 16, id="G6-M7C-geometry-late-chunk"),
+    pytest.param(2, 1, 3, 64, 16, 5, 24, 8, 48, 6, id="G3-l3d-lsel6d-B2"),
+]
+
+
+@pytest.mark.parametrize("B, H_kv, G, Tq, hd, q_start, l, d, l_sel, n", CASES)
+def test_matches_torch_path_float64(B, H_kv, G, Tq, hd, q_start, l, d, l_sel, n):
+    q, ck = make_inputs(B, H_kv, G, Tq, hd, q_start, l, d)
+    got = fused_select_blocks(q, ck, q_start, l, d, l_sel, n)
+    assert got.dtype == torch.long and got.shape == (B, H_kv, Tq, n)
+    torch.testing.assert_close(got, reference(q, ck, q_start, l, d, l_sel, n), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("G, q_start, n", [(6, 29, 5), (2, 0, 2)])
+def test_exact_ties_go_to_lower_blocks(dtype, G, q_start, n):
+    """q = 0: uniform probabilities, so all fully visible competing blocks tie exactly; the lowest win
+    (n = 2 < 3: even the forced blocks tie, at +inf)."""
+    Tq, l, d, l_sel = 80, 8, 4, 16
+    q, ck = make_inputs(1, 1, G, Tq, 16, q_start, l, d)
+    q = torch.zeros_like(q)
+    got = fused_select_blocks(q.to(dtype), ck.to(dtype), q_start, l, d, l_sel, n)[0, 0]
+    torch.testing.assert_close(got, forced_or_lowest(q_start, Tq, l_sel, n), rtol=0, atol=0)
+    torch.testing.assert_close(got, reference(q, ck, q_start, l, d, l_sel, n)[0, 0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_low_precision_differs_only_at_near_ties(dtype):
+    """fp32 / bf16 inputs against the float64 torch path on the same (rounded) values: a query's set may
+    differ only by swapping blocks whose float64 scores are within a tiny relative gap."""
+    B, H_kv, G, Tq, hd, q_start, l, d, l_sel, n = 1, 1, 6, 100, 32, 60, 8, 4, 16, 5
+    q, ck = make_inputs(B, H_kv, G, Tq, hd, q_start, l, d, seed=3)
+    q, ck = q.to(dtype), ck.to(dtype)
+    got = fused_select_blocks(q, ck, q_start, l, d, l_sel, n)
+    want = reference(q, ck, q_start, l, d, l_sel, n)
+    n_blocks = (q_start + Tq - 1) // l_sel + 1
+    probs = compression_group_probs(q.double(), ck.double(), q_start, l, d)
+    scores = selection_block_scores(probs, l, d, l_sel, n_blocks)  # [B, H_kv, Tq, N_b] float64
+    rows = (got != want).any(-1).nonzero().tolist()
+    assert len(rows) <= 2, f"{len(rows)} of {B * H_kv * Tq} queries differ"
+    for b, h, t in rows:
+        mine, theirs = set(got[b, h, t].tolist()) - {-1}, set(want[b, h, t].tolist()) - {-1}
+        assert len(mine) == len(theirs)
+        s = scores[b, h, t]
+        gap = max(abs(s[i] - s[j]).item() for i in mine - theirs for j in theirs - mine)
+        assert gap <= 1e-5 * s.max().item(), (b, h, t, sorted(mine), sorted(theirs), gap)
+
+
+def test_causality_perturbation():
+    """Changing compressed keys a query cannot see and queries after it never changes its selection."""
+    G, Tq, hd, q_start, l, d, l_sel, n = 2, 96, 16, 0, 8, 4, 16, 4
+    q, ck = make_inputs(1, 1, G, Tq, hd, q_start, l, d, seed=5)
+    base = fused_select_blocks(q, ck, q_start, l, d, l_sel, n)
+    g = torch.Generator().manual_seed(6)
+    for p in (37, 70):  # inside a tile of queries, not at its end
+        t = p - q_start
+        q2, ck2 = q.clone(), ck.clone()
+        q2[..., t + 1 :, :] += 50 * torch.randn(q2[..., t + 1 :, :].shape, generator=g, dtype=q.dtype).to(DEV)
+        seen = num_compressed(p + 1, l, d)
+        ck2[:, :, seen:] += 50 * torch.randn(ck2[:, :, seen:].shape, generator=g, dtype=ck.dtype).to(DEV)
+        out = fused_select_blocks(q2, ck2, q_start, l, d, l_sel, n)
+        torch.testing.assert_close(out[..., : t + 1, :], base[..., : t + 1, :], rtol=0, atol=0)
+        assert (out[..., t + 1 :, :] != base[..., t + 1 :, :]).any()  # the perturbation is felt later
+
+
+def test_chunked_calls_match_one_call_and_empty_prefix():
+    """Queries split into chunks (q_start > 0) select as in one call; with no compressed token yet
+    (N_c = 0) each query keeps its forced blocks only."""
+    G, Tq, hd, l, d, l_sel, n = 2, 53, 16, 8, 4, 16, 4
+    q, ck = make_inputs(1, 1, G, Tq, hd, 0, l, d, seed=7)
+    whole = fused_select_blocks(q, ck, 0, l, d, l_sel, n)
+    part = fused_select_blocks(q[..., 21:, :], ck, 21, l, d, l_sel, n)
+    torch.testing.assert_close(part, whole[..., 21:, :], rtol=0, atol=0)
+    empty = fused_select_blocks(q[..., :7, :], ck[:, :, :0], 0, l, d, l_sel, n)  # positions 0..6 < l
+    torch.testing.assert_close(empty[0, 0], torch.tensor([[0, -1, -1, -1]] * 7, device=DEV), rtol=0, atol=0)
+
+
+def test_rejects_mismatched_shapes():
+    q, ck = make_inputs(1, 1, 2, 16, 16, 0, 8, 4)
+    with pytest.raises(ValueError):
+        fused_select_blocks(q, ck[..., :8], 0, 8, 4, 16, 4)
+    with pytest.raises(ValueError):
+        fused_select_blocks(q, ck, 0, 6, 4, 16, 4)
