@@ -40,7 +40,9 @@ def test_whole_nsa_model_compiles_fullgraph_and_matches_eager():
     model = small_model()
     idx = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1))
     loss, grads = _loss_and_grads(model, idx)
-    compiled = torch.compile(model, fullgraph=True)  # raises on any graph break
+    # aot_eager: Dynamo + AOTAutograd trace forward and backward through the fake implementations
+    # (inductor adds only code generation; opcheck below checks the fakes' strides)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")  # raises on any graph break
     loss_c, grads_c = _loss_and_grads(compiled, idx)
     assert counters["stats"]["unique_graphs"] == 1
     assert not counters["graph_break"]
@@ -90,5 +92,14 @@ def test_custom_ops_pass_opcheck():
         (ops._selected, (qg, k, v, idx, 0, l_sel, 4, 24, "torch")),
         (ops._window, (q, k, v, 0, 0, w, 16)),
     ]
+    for op, args in cases[1:]:  # each backward op on the forward's outputs
+        o, lse = (t.detach() for t in op(*args))
+        tensors = [t.detach() for t in args[:3]]
+        d_o = torch.randn(o.shape, generator=g, dtype=dtype)
+        backward = {ops._compressed: ops._compressed_bwd, ops._selected: ops._selected_bwd, ops._window: ops._window_bwd}[op]
+        if op is ops._selected:
+            cases.append((backward, (d_o, *tensors, idx, o, lse, *args[4:])))
+        else:
+            cases.append((backward, (d_o, *tensors, o, lse, *args[3:])))
     for op, args in cases:
         torch.library.opcheck(op, args)
