@@ -110,9 +110,9 @@ def attention_partial(q, k, v, mask, scale: float, site: str = "nsa.selected"):
     >= 1 key per row) in q's dtype, broadcastable to [N, Hq, L, S], or None
     -> out [N, Hq, L, E], lse [N, Hq, L] (float32 or wider)."""
     heads = q.shape[1]
-    if _use_flash(q):
+    if _use_flash(q):  # the CPU flash kernels take GQA (fewer key heads) as they are
         audit(site, "cpu_flash_kernel_with_lse", q, k)
-        return _FLASH_CPU(q, _expand_heads(k, heads), _expand_heads(v, heads), 0.0, False, attn_mask=mask, scale=scale)
+        return _FLASH_CPU(q, k, v, 0.0, False, attn_mask=mask, scale=scale)
     audit(site, "matmul_softmax_with_lse", q, k)
     compute = torch.promote_types(q.dtype, torch.float32)
     k, v = _expand_heads(k, heads), _expand_heads(v, heads)
@@ -128,10 +128,9 @@ def attention_partial_backward(d_out, q, k, v, out, lse, mask, scale: float):
     """Gradients of one partial given the MERGED out and lse of its queries, i.e. the gradients of the
     full softmax restricted to these keys. Returns dq, dk, dv shaped like q, k, v (k, v: [N, Hk, S, E])."""
     heads, kv_heads = q.shape[1], k.shape[1]
+    if _use_flash(q):  # GQA as it is: dk, dv come back with the key heads
+        return _FLASH_CPU_BWD(d_out, q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=scale)
     k, v = _expand_heads(k, heads), _expand_heads(v, heads)
-    if _use_flash(q):
-        dq, dk, dv = _FLASH_CPU_BWD(d_out, q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=scale)
-        return dq, _reduce_heads(dk, kv_heads), _reduce_heads(dv, kv_heads)
     compute = torch.promote_types(q.dtype, torch.float32)
     q, k, v, d_out, out = (t.to(compute) for t in (q, k, v, d_out, out))
     s = torch.matmul(q, k.transpose(-1, -2)) * scale

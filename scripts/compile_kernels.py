@@ -1,0 +1,367 @@
+#!/usr/bin/env python3
+"""Compile every Triton kernel of the project ahead of time for sm_80 (A100) and sm_90 (H100), on a CPU.
+
+    python scripts/compile_kernels.py [--shapes shipped|paper|all] [--targets 80,90] [--markdown FILE] [--json FILE]
+
+For each kernel module in KERNEL_MODULES, each shape (shipped: every configs/*.yaml with
+model.attention: nsa, at its train.seq_len; paper: head dims 64/128/192, G 6/16, l=32 d=16 l'=64 n=16,
+64k tokens), each dtype (bf16, fp32) and each target, the module's real host wrappers run on meta
+tensors while their launches are recorded (scripts/kernel_capture.py); each recorded launch is compiled
+for the target with the ptxas bundled in triton. Prints one table: shared memory (bytes, % of the
+target's limit), registers and spills (`ptxas -v`), warps, pipeline stages and the tensor-core
+instruction family (PTX wgmma / mma.sync; none: FMA dots, e.g. fp32 in IEEE precision). Compiles use
+Triton's cache: the first run takes minutes, later ones seconds.
+
+Exit status 1 when: a wrapper or a kernel fails to compile, a module defines a kernel its wrappers never
+launch, a kernel needs more shared memory than the target allows (the launcher would raise
+OutOfResources), or a bf16 kernel spills registers at a shipped shape. Other spills are reported only.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernel_capture import Launch, capture_launches, compile_with_usage, mma_family  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "configs"
+
+# compute capability -> (GPU, shared memory per block the launcher allows, bytes)
+TARGETS = {
+    80: ("A100", 166912),
+    90: ("H100", 232448),
+}
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+PAPER = "paper"  # source name of the paper's shapes
+
+# Triton 3.9 warns that its FP-fusion default changes in 3.10; the compile uses the same default a launch does
+warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")
+
+
+# ---------------------------------------------------------------- shapes
+@dataclass(frozen=True)
+class Shape:
+    """What the kernels are specialized on: head dim, heads, NSA block sizes; T only through whether the
+    lengths derived from it divide by 16 (meta tensors make a long T free)."""
+
+    hd: int  # head dim
+    G: int  # query heads per KV head
+    H_kv: int  # KV heads
+    l: int  # compression block length
+    d: int  # compression stride
+    l_sel: int  # selection block length l'
+    n: int  # selected blocks per query
+    T: int  # sequence length (Tq = Tk): the config's train.seq_len
+
+    @property
+    def name(self) -> str:
+        return f"hd{self.hd} G{self.G} Hkv{self.H_kv} l{self.l} d{self.d} lsel{self.l_sel} n{self.n} T{self.T}"
+
+
+def shipped_shapes() -> dict[Shape, list[str]]:
+    """Shape -> the configs/*.yaml (model.attention: nsa) training with it, read with the trainer's loader."""
+    from train.config import load_config
+
+    shapes: dict[Shape, list[str]] = {}
+    for path in sorted(CONFIGS.glob("*.yaml")):
+        cfg = load_config(path)
+        m = cfg.model
+        if m.attention == "nsa":
+            shape = Shape(m.head_dim, m.n_groups, m.n_kv_heads, m.nsa.l, m.nsa.d, m.nsa.l_sel, m.nsa.n_sel, cfg.train.seq_len)
+            shapes.setdefault(shape, []).append(path.stem)
+    return shapes
+
+
+def paper_shapes() -> dict[Shape, list[str]]:
+    """The paper's kernel shapes: head dims 64/128/192, GQA groups 6 and 16, l=32 d=16 l'=64 n=16, 64k tokens."""
+    return {Shape(hd, G, 4, 32, 16, 64, 16, 65536): [PAPER] for hd in (64, 128, 192) for G in (6, 16)}
+
+
+def select_shapes(which: str) -> dict[Shape, list[str]]:
+    shapes: dict[Shape, list[str]] = {}
+    parts = [shipped_shapes] * (which in ("shipped", "all")) + [paper_shapes] * (which in ("paper", "all"))
+    for part in parts:
+        for shape, sources in part().items():
+            shapes.setdefault(shape, []).extend(sources)
+    return shapes
+
+
+def is_shipped(sources: list[str]) -> bool:
+    return any(s != PAPER for s in sources)
+
+
+# ---------------------------------------------------------------- kernel modules and their wrappers
+def _meta(*size: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(*size, dtype=dtype, device="meta")
+
+
+def exercise_selection(shape: Shape, dtype: torch.dtype) -> None:
+    """selected attention forward then backward, called as nsa/attention/ops.py calls them (q_start 0, the
+    module's kv_tile / block_rows defaults), on both forward/dQ paths (query-centric and block-centric,
+    forced with the module's SELECTION_PATH; by default G < 16 takes the block-centric one), so every
+    kernel is compiled at every shape."""
+    from nsa.attention import triton_selection as ts
+
+    T = shape.T
+    q = _meta(1, shape.H_kv, shape.G, T, shape.hd, dtype=dtype)  # [B, H_kv, G, Tq, hd]
+    k = _meta(1, shape.H_kv, T, shape.hd, dtype=dtype)  # [B, H_kv, Tk, hd]
+    v = _meta(1, shape.H_kv, T, shape.hd, dtype=dtype)
+    block_idx = _meta(1, shape.H_kv, T, shape.n, dtype=torch.long)  # [B, H_kv, Tq, n] as select_blocks returns
+    default = ts.SELECTION_PATH
+    try:
+        for path in ("query", "block"):
+            ts.SELECTION_PATH = path
+            o, lse = ts.selected_attention_fwd(q, k, v, block_idx, 0, shape.l_sel)
+            ts.selected_attention_bwd(q, k, v, block_idx, o, lse, torch.empty_like(o), 0, shape.l_sel)
+    finally:
+        ts.SELECTION_PATH = default
+
+
+def exercise_select_topk(shape: Shape, dtype: torch.dtype) -> None:
+    """Fused block selection, called as nsa/attention/ops.py calls it."""
+    from nsa.attention.compression import num_compressed
+    from nsa.attention.kernels.select_topk import fused_select_blocks
+
+    T = shape.T
+    q = _meta(1, shape.H_kv, shape.G, T, shape.hd, dtype=dtype)  # [B, H_kv, G, Tq, hd]
+    ck = _meta(1, shape.H_kv, num_compressed(T, shape.l, shape.d), shape.hd, dtype=dtype)  # [B, H_kv, N_c, hd]
+    fused_select_blocks(q, ck, 0, shape.l, shape.d, shape.l_sel, shape.n)
+
+
+# Every module with Triton kernels, and a function running its wrappers once. A module not present
+# (not landed yet) is skipped with a notice; tests/tools/test_compile_kernels.py checks that every
+# module of nsa/ with @triton.jit is listed here.
+KERNEL_MODULES = (
+    ("nsa.attention.triton_selection", exercise_selection),
+    ("nsa.attention.kernels.block_centric", exercise_selection),  # launched by triton_selection's wrappers
+    ("nsa.attention.kernels.select_topk", exercise_select_topk),
+)
+
+
+def available_modules() -> list[tuple[object, object]]:
+    """The KERNEL_MODULES present, imported (their kernels must be JITFunctions: TRITON_INTERPRET unset)."""
+    found = []
+    for name, exercise in KERNEL_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if not name.startswith(exc.name or "\0"):
+                raise  # the module exists but one of its imports is missing
+            print(f"note: {name} not present, skipped", file=sys.stderr)
+            continue
+        if any(isinstance(f, InterpretedFunction) for f in vars(module).values()):
+            raise RuntimeError(f"{name} was imported with TRITON_INTERPRET set; its kernels cannot be compiled")
+        found.append((module, exercise))
+    return found
+
+
+def module_kernels(module) -> list[str]:
+    """The @triton.jit functions a module defines that no other of its JIT functions calls (those are
+    device functions, compiled inside their callers)."""
+    jit = {n: f for n, f in vars(module).items() if isinstance(f, JITFunction) and f.module == module.__name__}
+    called = {n for n in jit for other, f in jit.items() if other != n and f"{n}(" in f.src}
+    return sorted(set(jit) - called)
+
+
+# ---------------------------------------------------------------- compile and judge
+@dataclass
+class Row:
+    kernel: str  # module.kernel
+    shape: str
+    dtype: str
+    target: int  # compute capability
+    shared: int | None = None  # bytes of shared memory per program
+    registers: int | None = None  # per thread
+    spill_stores: int | None = None  # bytes
+    spill_loads: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+    mma: str = ""
+    error: str = ""
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def spills(self) -> bool:
+        return bool(self.spill_stores or self.spill_loads)
+
+
+def judge(row: Row, shipped: bool) -> list[str]:
+    """Why this row fails the check (empty: it passes)."""
+    if row.error:
+        return [row.error]
+    out = []
+    limit = TARGETS[row.target][1]
+    if row.shared > limit:
+        out.append(f"shared memory {row.shared} B > {limit} B")
+    if shipped and row.dtype == "bf16" and row.spills:
+        out.append("bf16 register spills at a shipped shape")
+    return out
+
+
+def _short_error(exc: BaseException) -> str:
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return f"{type(exc).__name__}: {lines[-1][:200] if lines else ''}"
+
+
+def compile_row(label: str, launch: Launch, shape: str, dtype: str, capability: int, shipped: bool) -> Row:
+    """Compile one recorded launch for sm_<capability> and judge it."""
+    row = Row(label, shape, dtype, capability)
+    try:
+        kernel, usage = compile_with_usage(launch, capability)
+    except Exception as exc:  # a compile error is a result of the check, not a crash of it
+        row.error = "compile error: " + _short_error(exc)
+    else:
+        row.shared, row.registers = kernel.metadata.shared, usage.registers
+        row.spill_stores, row.spill_loads = usage.spill_stores, usage.spill_loads
+        row.num_warps, row.num_stages, row.mma = kernel.metadata.num_warps, kernel.metadata.num_stages, mma_family(kernel)
+    row.failures = judge(row, shipped)
+    return row
+
+
+def label_variants(prefix: str, launches: list[Launch]) -> list[tuple[str, Launch]]:
+    """One launch per distinct (kernel, keyword arguments); a kernel launched with two different
+    constexpr sets is listed twice, as name and name#2."""
+    seen: dict[str, list[str]] = {}
+    out = []
+    for launch in launches:
+        variants = seen.setdefault(launch.name, [])
+        key = repr(sorted(launch.kwargs.items()))
+        if key not in variants:
+            variants.append(key)
+            suffix = "" if len(variants) == 1 else f"#{len(variants)}"
+            out.append((f"{prefix}.{launch.name}{suffix}", launch))
+    return out
+
+
+def check_module(module, exercise, shape: Shape, dtype: str, targets: list[int], shipped: bool) -> list[Row]:
+    """Capture one module's launches at one shape and dtype, compile each for every target."""
+    prefix = module.__name__.rsplit(".", 1)[-1]
+    try:
+        with capture_launches() as launches:
+            exercise(shape, DTYPES[dtype])
+    except Exception as exc:
+        error = "wrapper failed under capture: " + _short_error(exc)
+        return [Row(f"{prefix}.<wrappers>", shape.name, dtype, t, error=error, failures=[error]) for t in targets]
+    launches = [launch for launch in launches if launch.kernel.module == module.__name__]  # its own kernels
+    rows = [compile_row(label, launch, shape.name, dtype, t, shipped)
+            for label, launch in label_variants(prefix, launches) for t in targets]
+    for name in sorted(set(module_kernels(module)) - {launch.name for launch in launches}):
+        error = "never launched by the module's wrappers (add it to the exercise function)"
+        rows += [Row(f"{prefix}.{name}", shape.name, dtype, t, error=error, failures=[error]) for t in targets]
+    return rows
+
+
+def check_all(shapes: dict[Shape, list[str]], targets: list[int]) -> tuple[list[Row], dict[str, list[str]]]:
+    rows, kernels = [], {}
+    for module, exercise in available_modules():
+        kernels[module.__name__] = module_kernels(module)
+        for shape, sources in shapes.items():
+            for dtype in DTYPES:
+                rows += check_module(module, exercise, shape, dtype, targets, is_shipped(sources))
+    return rows, kernels
+
+
+# ---------------------------------------------------------------- report
+def _status(row: Row) -> str:
+    if row.failures:
+        return "FAIL: " + "; ".join(row.failures)
+    return "ok (spills)" if row.spills else "ok"
+
+
+def _pct(row: Row) -> str:
+    return "" if row.shared is None else f"{100 * row.shared / TARGETS[row.target][1]:.1f}%"
+
+
+def _opt(value) -> str:
+    return "" if value is None else str(value)
+
+
+COLUMNS = (  # header, cell
+    ("kernel", lambda r: r.kernel),
+    ("shape", lambda r: r.shape),
+    ("dtype", lambda r: r.dtype),
+    ("target", lambda r: f"sm_{r.target} ({TARGETS[r.target][0]})"),
+    ("smem B", lambda r: _opt(r.shared)),
+    ("smem %", _pct),
+    ("regs", lambda r: _opt(r.registers)),
+    ("spill st/ld B", lambda r: "" if r.spill_stores is None else f"{r.spill_stores}/{r.spill_loads}"),
+    ("warps", lambda r: _opt(r.num_warps)),
+    ("stages", lambda r: _opt(r.num_stages)),
+    ("MMA", lambda r: r.mma),
+    ("status", _status),
+)
+
+
+def text_table(rows: list[Row]) -> str:
+    cells = [[h for h, _ in COLUMNS]] + [[cell(r) for _, cell in COLUMNS] for r in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(COLUMNS))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in cells)
+
+
+def markdown_table(rows: list[Row]) -> str:
+    lines = ["| " + " | ".join(h for h, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(cell(r) for _, cell in COLUMNS) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def legend(shapes: dict[Shape, list[str]]) -> list[str]:
+    limits = ", ".join(f"sm_{c} ({gpu}) {limit} B" for c, (gpu, limit) in TARGETS.items())
+    out = [f"shape {s.name}: {', '.join(src)}" for s, src in shapes.items()]
+    return out + [f"shared-memory limits: {limits}"]
+
+
+def write_json(path: Path, shapes, kernels, rows: list[Row], seconds: float) -> None:
+    doc = {
+        "targets": {c: {"gpu": gpu, "shared_limit": limit} for c, (gpu, limit) in TARGETS.items()},
+        "shapes": [{"name": s.name, **asdict(s), "sources": src} for s, src in shapes.items()],
+        "kernels": kernels,
+        "rows": [asdict(r) for r in rows],
+        "failures": sum(bool(r.failures) for r in rows),
+        "seconds": round(seconds, 1),
+    }
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", choices=("shipped", "paper", "all"), default="shipped")
+    ap.add_argument("--targets", default=",".join(map(str, TARGETS)), help="compute capabilities, e.g. 80,90")
+    ap.add_argument("--markdown", type=Path, help="also write the table as markdown here")
+    ap.add_argument("--json", type=Path, help="also write every row as JSON here")
+    args = ap.parse_args(argv)
+    os.environ.pop("TRITON_INTERPRET", None)  # before the kernel modules are imported: JITFunctions, not interpreted
+    targets = [int(t) for t in args.targets.split(",")]
+    unknown = sorted(set(targets) - set(TARGETS))
+    if unknown:
+        ap.error(f"--targets: no shared-memory limit known for {unknown}; known: {sorted(TARGETS)}")
+
+    start = time.perf_counter()
+    shapes = select_shapes(args.shapes)
+    rows, kernels = check_all(shapes, targets)
+    seconds = time.perf_counter() - start
+
+    print("\n".join(legend(shapes)))
+    print(text_table(rows))
+    failed = [r for r in rows if r.failures]
+    print(f"{len(rows)} kernel compiles ({args.shapes} shapes) in {seconds:.1f} s; {len(failed)} failed")
+    if args.markdown:
+        args.markdown.write_text("\n".join(f"- {line}" for line in legend(shapes)) + "\n\n" + markdown_table(rows) + "\n")
+    if args.json:
+        write_json(args.json, shapes, kernels, rows, seconds)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""Block-centric selected attention (nsa/attention/kernels/block_centric.py, chosen for G < 16 by
+nsa/attention/triton_selection.py): forward out/lse and dq/dk/dv equal the query-centric kernels and the
+float64 dense reference; bit-identical reruns; the by-slot inverted index; the tile configs.
+
+Triton's interpreter without CUDA (tests/nsa/conftest.py); sizes stay small (T <= 64).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tests.nsa.test_triton_selection import ATOL, DEV, RTOL, dense_reference, grads, make_case, ts  # skips without triton
+
+CASES = {  # B, H_kv, G, Tq, hd, l', n, q_start, shuffle, q_tile
+    "G1_T40": (1, 1, 1, 40, 16, 16, 4, 0, False, 4),  # T not a multiple of l'
+    "G2_qstart_shuffled": (2, 1, 2, 17, 16, 8, 4, 17, True, 3),  # a later chunk, -1 anywhere in a row
+    "G6_hd24_tiles_below_block": (1, 1, 6, 45, 24, 16, 4, 0, False, 5),  # 45 queries pick block 0: 9 tiles
+    "G6_n_above_blocks": (1, 2, 6, 11, 16, 16, 16, 0, False, 64),  # one block, 15 empty slots per row
+}
+RERUN = "G2_qstart_shuffled"  # determinism: rerun once (the interpreter is slow)
+
+
+def _run(path, monkeypatch, q, k, v, idx, d_o, q_start, l_sel, q_tile):
+    monkeypatch.setattr(ts, "SELECTION_PATH", path)
+    out, lse = ts.selected_attention_fwd(q, k, v, idx, q_start, l_sel, q_tile=q_tile)
+    return (out, lse, *ts.selected_attention_bwd(q, k, v, idx, out, lse, d_o, q_start, l_sel, q_tile=q_tile))
+
+
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+def test_block_centric_matches_query_centric_and_float64(case, monkeypatch):
+    monkeypatch.setattr(ts, "KV_TILE", 7)  # dK/dV tiles smaller than a block's queries too
+    B, H_kv, G, Tq, hd, l_sel, n, q_start, shuffle, q_tile = CASES[case]
+    q, k, v, idx = make_case(B, H_kv, G, Tq, hd, l_sel, n, q_start, shuffle=shuffle, seed=len(case))
+    d_o = torch.randn(q.shape, generator=torch.Generator().manual_seed(9)).to(DEV)
+    blk = _run("block", monkeypatch, q, k, v, idx, d_o, q_start, l_sel, q_tile)
+    qry = _run("query", monkeypatch, q, k, v, idx, d_o, q_start, l_sel, q_tile)
+    _, lse_ref = dense_reference(q, k, v, idx, q_start, l_sel)
+    ref = grads(lambda *t: dense_reference(*t, idx, q_start, l_sel)[0], q.double(), k.double(), v.double(), d_o.double())
+    ref = (ref[0], lse_ref, *ref[1:])
+    for name, a, b, c in zip(("out", "lse", "dq", "dk", "dv"), blk, qry, ref):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.is_contiguous(), name
+        assert torch.isfinite(a).all(), name
+        torch.testing.assert_close(a.double(), c, atol=ATOL, rtol=RTOL, msg=lambda m: f"{name} vs float64: {m}")
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL, msg=lambda m: f"{name} vs query-centric: {m}")
+    if case == RERUN:
+        again = _run("block", monkeypatch, q, k, v, idx, d_o, q_start, l_sel, q_tile)
+        assert all(torch.equal(a, b) for a, b in zip(blk, again))  # no atomics: bit-identical reruns
+
+
+def test_empty_rows_and_future_blocks_give_zero_without_nan(monkeypatch):
+    """A row with no valid slot (all -1) gets out 0, lse -inf and dq 0; a block wholly after its query
+    (no visible key) adds nothing. Block-centric path only."""
+    monkeypatch.setattr(ts, "SELECTION_PATH", "block")
+    q, k, v, idx = make_case(1, 1, 2, 20, 16, 8, 4, seed=5)
+    idx[..., 3, :] = -1  # query 3 selects nothing
+    idx[..., 4, :] = torch.tensor([0, 2, -1, -1])  # block 2 (keys 16..23) is after query 4
+    d_o = torch.randn(q.shape, generator=torch.Generator().manual_seed(2)).to(DEV)
+    d_o[..., 3, :] = 0  # the float64 reference has NaN on an empty row: compare the others
+    out, lse = ts.selected_attention_fwd(q, k, v, idx, 0, 8, q_tile=2)
+    dq, dk, dv = ts.selected_attention_bwd(q, k, v, idx, out, lse, d_o, 0, 8, q_tile=2)
+    assert not out[..., 3, :].any() and not dq[..., 3, :].any() and (lse[..., 3] == float("-inf")).all()
+    idx_ref = idx.clone()
+    idx_ref[..., 3, :] = torch.tensor([0, -1, -1, -1])  # query 3 with d_o = 0 adds nothing to dk, dv
+    _, lse_ref = dense_reference(q, k, v, idx_ref, 0, 8)
+    ref = grads(lambda *t: dense_reference(*t, idx_ref, 0, 8)[0], q.double(), k.double(), v.double(), d_o.double())
+    keep = torch.arange(20) != 3
+    torch.testing.assert_close(lse[..., keep].double(), lse_ref[..., keep], atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(out[..., keep, :].double(), ref[0][..., keep, :], atol=ATOL, rtol=RTOL)
+    for name, a, b in zip(("dq", "dk", "dv"), (dq, dk, dv), ref[1:]):
+        assert torch.isfinite(a).all(), name
+        torch.testing.assert_close(a.double(), b, atol=ATOL, rtol=RTOL, msg=lambda m: f"{name}: {m}")
+
+
+def test_default_path_follows_group_size(monkeypatch):
+    assert ts.SELECTION_PATH == "auto"
+    assert ts.use_block_centric(6) and ts.use_block_centric(1) and not ts.use_block_centric(16)
+    launched = {}
+    active = ts.interpreter_active()
+    monkeypatch.setattr(ts, "interpreter_active", lambda: active)  # it looks at _fwd_kernel, spied on below
+    for name in ("block_fwd_kernel", "block_dq_kernel", "_fwd_kernel", "_dq_kernel"):
+        kernel = getattr(ts, name)
+
+        class Spy:  # records the launch, then runs the kernel
+            def __getitem__(self, grid, kernel=kernel, name=name):
+                launched[name] = launched.get(name, 0) + 1
+                return kernel[grid]
+
+        monkeypatch.setattr(ts, name, Spy())
+    for G in (6, 16):
+        q, k, v, idx = make_case(1, 1, G, 9, 16, 8, 3, seed=G)
+        out, lse = ts.selected_attention_fwd(q, k, v, idx, 0, 8)
+        ts.selected_attention_bwd(q, k, v, idx, out, lse, torch.ones_like(out), 0, 8)
+    # G = 6: one launch per slot (n = 3), whatever Tq; G = 16: the query-centric kernels once
+    assert launched == {"block_fwd_kernel": 3, "block_dq_kernel": 3, "_fwd_kernel": 1, "_dq_kernel": 1}
+    monkeypatch.setattr(ts, "SELECTION_PATH", "blocks")
+    with pytest.raises(ValueError, match="SELECTION_PATH"):
+        ts.use_block_centric(6)
+
+
+def test_slot_index_tiles_every_entry_once():
+    """inverted_index(by_slot=True): each slot's tiles (fixed stride n_tiles) cover exactly that slot's
+    valid entries, grouped by (bh, block), ascending query, at most kv_tile per tile; shapes are static."""
+    g = torch.Generator().manual_seed(0)
+    BH, Tq, n, n_blocks, kv_tile = 3, 21, 4, 6, 4
+    idx = torch.stack([torch.randperm(n_blocks, generator=g)[:n] for _ in range(BH * Tq)]).view(BH, Tq, n)
+    idx[torch.rand(idx.shape, generator=g) < 0.3] = -1
+    queries, tile_seg, tile_start, tile_count, _, _ = ts.inverted_index(idx, n_blocks, kv_tile, by_slot=True)
+    n_tiles = tile_seg.shape[0] // n
+    assert n_tiles == BH * Tq // kv_tile + min(BH * n_blocks, BH * Tq)
+    for s in range(n):
+        seen = []
+        for i in range(s * n_tiles, (s + 1) * n_tiles):
+            c, st, seg = int(tile_count[i]), int(tile_start[i]), int(tile_seg[i])
+            assert 0 <= c <= kv_tile
+            ts_ = queries[st:st + c].long()
+            assert torch.all(ts_[1:] > ts_[:-1])
+            bh, blk = divmod(seg, n_blocks)
+            assert torch.all(idx[bh, ts_, s] == blk)
+            seen += [(bh, int(t)) for t in ts_]
+        want = [(bh, t) for bh in range(BH) for t in range(Tq) if idx[bh, t, s] >= 0]
+        assert sorted(seen) == want
+
+
+def test_tile_config_fits_targets_and_is_pure():
+    """fp32 gets smaller row tiles than bf16; every launched kernel's estimate fits an A100 at head dims
+    64/128/192 (G 6 and 16, l' = 64) in bf16 and fp32. Measured values: the AOT table of
+    scripts/compile_kernels.py (shared memory compiled <= estimate)."""
+    a100 = 166912
+    for hd in (64, 128, 192):
+        for G in (6, 16):
+            for dtype in ("bf16", "fp32", torch.bfloat16, torch.float32):
+                assert ts.shared_memory_estimate(hd, 64, G, dtype) <= a100, (hd, G, dtype)
+    bf, fp = (ts.tile_config("dkv", 64, 64, 6, d) for d in (torch.bfloat16, torch.float32))
+    assert fp.rows < bf.rows and (bf.BS, bf.DP) == (64, 64)
+    assert ts.launched_kernels(6)[:2] == ("block_fwd", "block_dq") and ts.launched_kernels(16)[:2] == ("fwd", "dq")
+    with pytest.raises(ValueError, match="unknown kernel"):
+        ts.tile_config("dkv2", 64, 64, 6, "bf16")
+
+
+def test_dkv_programs_split_a_blocks_keys(monkeypatch):
+    """fp32 and head dim 256 run the dK/dV kernel with programs of BK < BS keys (grid axis 1): same
+    gradients as one program per block (forced here at a small head dim)."""
+    q, k, v, idx = make_case(1, 1, 2, 20, 16, 16, 3, seed=11)
+    d_o = torch.randn(q.shape, generator=torch.Generator().manual_seed(3)).to(DEV)
+    out, lse = ts.selected_attention_fwd(q, k, v, idx, 0, 16)
+    whole = ts.selected_attention_bwd(q, k, v, idx, out, lse, d_o, 0, 16)
+    config = ts.tile_config
+    monkeypatch.setattr(ts, "tile_config", lambda kernel, *a: dataclasses.replace(config(kernel, *a), keys=8)
+                        if kernel == "dkv" else config(kernel, *a))
+    assert ts._launch("dkv", 16, 16, 2, torch.float32)["BK"] == 8
+    split = ts.selected_attention_bwd(q, k, v, idx, out, lse, d_o, 0, 16)
+    for a, b in zip(whole, split):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)

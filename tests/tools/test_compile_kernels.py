@@ -1,0 +1,163 @@
+"""scripts/compile_kernels.py: every Triton kernel of nsa/ compiles ahead of time for sm_80 and sm_90 on this
+CPU machine at every shipped config's shape, in bf16 and fp32, within the targets' limits; and the check
+fails when a kernel needs more shared memory than a target has or does not compile (caused by real
+kernels compiled through the script's own functions, not mocked).
+
+The shipped run is one subprocess (~10 s with Triton's cache warm; a cold cache compiles everything,
+~1.5-2 min on 2 cores)."""
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import triton.language as tl
+from triton.runtime.jit import JITFunction
+
+from train.config import load_config
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "compile_kernels.py"
+spec = importlib.util.spec_from_file_location("compile_kernels", SCRIPT)
+ck = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # dataclasses look their module up
+spec.loader.exec_module(ck)
+
+pytestmark = pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")  # Triton 3.9's notice of a 3.10 change
+SELECTION_KERNELS = {"_fwd_kernel", "_dq_kernel", "_dkv_kernel", "_dkv_reduce_kernel"}
+
+
+def _is_triton_jit(decorator: ast.expr) -> bool:
+    node = decorator.func if isinstance(decorator, ast.Call) else decorator
+    return isinstance(node, ast.Attribute) and node.attr == "jit" and getattr(node.value, "id", "") == "triton"
+
+
+def jit_kernels(path: Path) -> set[str]:
+    """The @triton.jit functions of a source file that no other of them calls (those are launched)."""
+    funcs = [f for f in ast.walk(ast.parse(path.read_text())) if isinstance(f, ast.FunctionDef)
+             and any(_is_triton_jit(d) for d in f.decorator_list)]
+    called = {c.func.id for f in funcs for c in ast.walk(f) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)}
+    return {f.name for f in funcs} - called
+
+
+def modules_with_kernels() -> dict[str, set[str]]:
+    """module name -> kernels, for every file of nsa/ with a @triton.jit function."""
+    out = {}
+    for path in sorted((REPO / "nsa").rglob("*.py")):
+        kernels = jit_kernels(path)
+        if kernels:
+            out[".".join(path.relative_to(REPO).with_suffix("").parts)] = kernels
+    return out
+
+
+def shipped_configs() -> dict[str, dict]:
+    """config name -> the Shape fields its NSA kernels are compiled at."""
+    out = {}
+    for path in sorted((REPO / "configs").glob("*.yaml")):
+        cfg = load_config(path)
+        m = cfg.model
+        if m.attention == "nsa":
+            out[path.stem] = dict(hd=m.head_dim, G=m.n_heads // m.n_kv_heads, H_kv=m.n_kv_heads, l=m.nsa.l,
+                                  d=m.nsa.d, l_sel=m.nsa.l_sel, n=m.nsa.n_sel, T=cfg.train.seq_len)
+    return out
+
+
+@pytest.fixture(scope="module")
+def shipped_run(tmp_path_factory):
+    """One run of the script at the shipped shapes: (completed process, its JSON report)."""
+    out = tmp_path_factory.mktemp("compile_kernels")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # tests/nsa's conftest sets it
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--shapes", "shipped", "--json", str(out / "k.json"), "--markdown", str(out / "k.md")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert (out / "k.json").exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc, json.loads((out / "k.json").read_text()), (out / "k.md").read_text()
+
+
+def test_every_kernel_module_is_listed_in_the_script():
+    found = modules_with_kernels()
+    assert SELECTION_KERNELS <= found["nsa.attention.triton_selection"]
+    listed = {name for name, _ in ck.KERNEL_MODULES}
+    assert set(found) <= listed, f"add these modules to KERNEL_MODULES: {sorted(set(found) - listed)}"
+
+
+def test_table_covers_every_kernel_config_target_and_dtype(shipped_run):
+    proc, doc, markdown = shipped_run
+    shapes = {s["name"]: s for s in doc["shapes"]}
+    rows = {(r["kernel"], r["shape"], r["dtype"], r["target"]) for r in doc["rows"] if not r["error"]}
+    for config, fields in shipped_configs().items():
+        (shape,) = [s for s in shapes.values() if config in s["sources"]]
+        assert {k: shape[k] for k in fields} == fields, config
+        for module, kernels in modules_with_kernels().items():
+            assert module in doc["kernels"], f"{module} not compiled"
+            for kernel in kernels:
+                label = f"{module.rsplit('.', 1)[-1]}.{kernel}"
+                for dtype in ("bf16", "fp32"):
+                    for target in (80, 90):
+                        assert (label, shape["name"], dtype, target) in rows, (label, config, dtype, target)
+                        assert label in proc.stdout and label in markdown
+
+
+def test_shipped_shapes_pass(shipped_run):
+    proc, doc, _ = shipped_run
+    failed = [f"{r['kernel']} {r['shape']} {r['dtype']} sm_{r['target']}: {r['failures']}" for r in doc["rows"] if r["failures"]]
+    assert proc.returncode == 0 and not failed, "\n".join(failed) + "\n" + proc.stderr[-2000:]
+
+
+# ---------------------------------------------------------------- the check fails when it should
+def _tile_dot(A, B, C, K, BM: tl.constexpr, BK: tl.constexpr):
+    """C [BM, BM] = A [BM, K] @ B [K, BM]; the K loop is software-pipelined over num_stages shared-memory
+    buffers of A [BM, BK] and B [BK, BM] tiles (bf16: 2 * BM * BK * 2 bytes per stage)."""
+    om = tl.arange(0, BM)
+    ok = tl.arange(0, BK)
+    acc = tl.zeros([BM, BM], dtype=tl.float32)
+    for k in range(0, K, BK):
+        a = tl.load(A + om[:, None] * K + (k + ok)[None, :])
+        b = tl.load(B + (k + ok)[:, None] * BM + om[None, :])
+        acc += tl.dot(a, b)
+    tl.store(C + om[:, None] * BM + om[None, :], acc)
+
+
+def _bad_arange(X):
+    tl.store(X + tl.arange(0, 3), 0.0)  # arange length must be a power of 2: a compile error
+
+
+# JITFunction, not triton.jit: a test session with tests/nsa has TRITON_INTERPRET=1 set (interpreted kernels)
+tile_dot, bad_arange = JITFunction(_tile_dot), JITFunction(_bad_arange)
+
+
+def launch_tile_dot(stages: int) -> None:
+    """A host wrapper: 64 x 1024 @ 1024 x 64 in bf16 with 128-wide K tiles and `stages` pipeline stages."""
+    a = torch.empty(64, 1024, dtype=torch.bfloat16, device="meta")
+    b = torch.empty(1024, 64, dtype=torch.bfloat16, device="meta")
+    c = torch.empty(64, 64, dtype=torch.float32, device="meta")
+    tile_dot[(1,)](a, b, c, a.shape[1], BM=64, BK=128, num_stages=stages)
+
+
+def _rows(wrapper, *args) -> list:
+    with ck.capture_launches() as launches:
+        wrapper(*args)
+    (launch,) = launches
+    return [ck.compile_row(f"test.{launch.name}", launch, "synthetic", "bf16", target, shipped=True)
+            for target in ck.TARGETS]
+
+
+def test_shared_memory_over_the_target_limit_fails():
+    for row in _rows(launch_tile_dot, 16):  # 16 stages x 32 KB > 232448 B and > 166912 B
+        limit = ck.TARGETS[row.target][1]
+        assert row.num_stages == 16 and row.shared > limit, (row.target, row.shared)
+        assert row.failures == [f"shared memory {row.shared} B > {limit} B"]
+    for row in _rows(launch_tile_dot, 2):  # the same kernel with 2 stages fits
+        assert row.num_stages == 2 and row.failures == [] and row.mma in ("mma.sync", "wgmma")
+
+
+def test_a_compile_error_fails():
+    x = torch.empty(4, dtype=torch.float32, device="meta")
+    for row in _rows(lambda: bad_arange[(1,)](x)):
+        assert row.error.startswith("compile error:") and row.failures == [row.error]
