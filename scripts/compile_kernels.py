@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
-import os
 import sys
 import time
 import warnings
@@ -32,8 +32,20 @@ import torch
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernel_capture import Launch, capture_launches, compile_with_usage, mma_family  # noqa: E402
+from train.env import disable_triton_interpreter
+
+
+def _sibling(name: str):
+    """scripts/<name>.py as a module (scripts/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_capture = _sibling("kernel_capture")
+Launch, capture_launches, compile_with_usage, mma_family = (
+    _capture.Launch, _capture.capture_launches, _capture.compile_with_usage, _capture.mma_family)
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -341,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--markdown", type=Path, help="also write the table as markdown here")
     ap.add_argument("--json", type=Path, help="also write every row as JSON here")
     args = ap.parse_args(argv)
-    os.environ.pop("TRITON_INTERPRET", None)  # before the kernel modules are imported: JITFunctions, not interpreted
+    disable_triton_interpreter()  # before the kernel modules are imported: JITFunctions, not interpreted
     targets = [int(t) for t in args.targets.split(",")]
     unknown = sorted(set(targets) - set(TARGETS))
     if unknown:

@@ -99,6 +99,7 @@ class Run:
 
         torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
         self.raw_model = Transformer(cfg.model).to(self.info.device)
+        self._check_kernels_fit()
         if cfg.train.init_from:
             self._init_weights(cfg.train.init_from)
         self.raw_model.checkpoint_every = cfg.runtime.gradient_checkpointing
@@ -151,6 +152,17 @@ class Run:
         self.raw_model.load_state_dict(init_state_dict(spec, self.cfg.model))
         if self.is_main:
             print(f"init: weights from {spec}", flush=True)
+
+    def _check_kernels_fit(self) -> None:
+        """Refuse, before any launch, NSA kernels that cannot fit this GPU's shared memory."""
+        if self.info.device.type != "cuda":
+            return
+        from nsa.attention.ops import kernel_fit_problem
+
+        limit = torch.cuda.get_device_properties(self.info.device).shared_memory_per_block_optin
+        problem = kernel_fit_problem(self.cfg.model, self.amp_dtype or torch.float32, limit)
+        if problem:
+            raise ConfigError(problem)
 
     def _note_single_process_options(self) -> None:
         rt = self.cfg.runtime

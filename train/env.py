@@ -111,3 +111,9 @@ def main() -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def disable_triton_interpreter() -> None:
+    """Triton kernels defined after this call are compiled for real GPUs, not run by Triton's interpreter
+    (scripts/compile_kernels.py, which a test may start with TRITON_INTERPRET=1 inherited)."""
+    os.environ.pop("TRITON_INTERPRET", None)

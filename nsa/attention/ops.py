@@ -216,3 +216,20 @@ def window_attention(
     if use_flex(kernel, q):
         return flex_window_attention(q, k, v, q_start, k_start, w)
     return _window(q, k, v, q_start, k_start, w, chunk)[0]
+
+
+def kernel_fit_problem(cfg, dtype: torch.dtype, shared_memory_limit: int) -> str | None:
+    """One line saying why the Triton selection kernels of an NSA model `cfg` (a ModelConfig) cannot run
+    in `dtype` on a GPU with `shared_memory_limit` bytes of shared memory per block (H100 232,448;
+    A100 166,912), or None when they fit (or the model does not use them). Checked when a run starts on
+    CUDA, before any kernel launches."""
+    if cfg.attention != "nsa" or cfg.nsa.kernel == "torch":
+        return None
+    from nsa.attention.triton_selection import shared_memory_estimate
+
+    need = shared_memory_estimate(cfg.head_dim, cfg.nsa.l_sel, cfg.n_groups, dtype)
+    if need <= shared_memory_limit:
+        return None
+    return (f"NSA's Triton kernels need ~{need:,} B of shared memory at head_dim={cfg.head_dim}, "
+            f"nsa.l_sel={cfg.nsa.l_sel}, G={cfg.n_groups} in {str(dtype).replace('torch.', '')}; this GPU allows "
+            f"{shared_memory_limit:,} B: use bf16 (runtime.precision), a smaller head_dim or l_sel, or nsa.kernel=torch")

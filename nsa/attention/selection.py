@@ -9,8 +9,11 @@ Selected attention is split in two parts whose softmax partials (out, log-sum-ex
          (block-centric: each block's K/V is read once per tile); one batched call runs all tiles.
 All shapes are static (bounded by the worst case): no host syncs. The backward pass recomputes scores
 (flash-attention style) from the merged output and log-sum-exp; nothing quadratic is stored.
-`selected_attention(..., kernel=)` dispatches per call (`resolve_kernel`): NSAConfig.kernel "auto" runs
-the Triton kernels of triton_selection.py on CUDA tensors and this torch path elsewhere.
+`selected_attention_fwd` / `_bwd` are the torch implementation of the custom op nsa::selected_attention
+(nsa/attention/ops.py), which chooses per call (`resolve_kernel`): NSAConfig.kernel "auto" runs the
+Triton kernels of triton_selection.py on CUDA tensors and this torch path elsewhere. The attention
+partials here (`attention_partial`, with PyTorch's CPU flash kernels or plain matmuls) also serve the
+compressed and window branches.
 """
 from __future__ import annotations
 

@@ -153,3 +153,17 @@ def test_dkv_programs_split_a_blocks_keys(monkeypatch):
     split = ts.selected_attention_bwd(q, k, v, idx, out, lse, d_o, 0, 16)
     for a, b in zip(whole, split):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_kernel_fit_refuses_what_a_gpu_cannot_hold():
+    """The start-of-run check (train/build_run.py on CUDA) in one line, from the tile configs."""
+    from nsa.attention.ops import kernel_fit_problem
+    from nsa.config import ModelConfig, NSAConfig
+
+    cfg = ModelConfig(dim=1536, n_heads=8, n_kv_heads=2, head_dim=192, attention="nsa", nsa=NSAConfig())
+    assert kernel_fit_problem(cfg, torch.bfloat16, 232_448) is None  # H100
+    assert kernel_fit_problem(cfg, torch.bfloat16, 166_912) is None  # A100
+    problem = kernel_fit_problem(cfg, torch.float32, 48 * 1024)  # a GPU with 48 KB per block
+    assert problem and "\n" not in problem and "head_dim=192" in problem and "nsa.kernel=torch" in problem
+    torch_path = ModelConfig(dim=1536, n_heads=8, n_kv_heads=2, head_dim=192, attention="nsa", nsa=NSAConfig(kernel="torch"))
+    assert kernel_fit_problem(torch_path, torch.float32, 1024) is None

@@ -213,6 +213,11 @@ def kernel_constexprs(dtype: torch.dtype, G: int, hd: int, l: int, d: int, l_sel
     )
 
 
+def num_stages(dtype: torch.dtype, hd: int) -> int:
+    """Software-pipelining depth: fp32 at hd > 128 keeps one stage (three overflow an A100's shared memory)."""
+    return 1 if dtype in (torch.float32, torch.float64) and hd > 128 else 3
+
+
 @torch.no_grad()
 def fused_select_blocks(
     q: torch.Tensor,  # [B, H_kv, G, Tq, hd] queries (RoPE applied) at positions q_start .., any strides
@@ -244,5 +249,6 @@ def fused_select_blocks(
     grid = (triton.cdiv(Tq, meta["BT"]), B * H_kv)
     _select_topk_kernel[grid](
         q, ck, out, *q.stride(), *ck.stride(), q_start, Tq, ck.shape[2], H_KV=H_kv, **meta,
+        num_stages=num_stages(q.dtype, hd),
     )
     return out
