@@ -151,7 +151,7 @@ class NativeSparseAttention(nn.Module):
 
         g = self.gates(x)  # [B, T, H, 3]
         gt = g.transpose(1, 2).unsqueeze(-1).to(q.dtype)  # [B, H, T, 3, 1]
-        y = torch.stack((o_cmp, o_sel, o_win), dim=-1) @ gt  # sum_c g^c o^c (one matmul): [B, H, T, hd, 1]
+        y = gt[..., 0, :] * o_cmp + gt[..., 1, :] * o_sel + gt[..., 2, :] * o_win  # [B, H, T, hd]
         y = self.dropout(self.proj(y.transpose(1, 2).reshape(B, T, -1)))
         if self.stats_enabled:
             self.last_stats = {**gate_statistics(g), **selection_statistics(sel_counts)}
