@@ -204,13 +204,18 @@ def kernel_constexprs(dtype: torch.dtype, G: int, hd: int, l: int, d: int, l_sel
     return dict(
         G=G, GP=gp, HD=hd, DP=max(16, triton.next_power_of_2(hd)),
         L=l, D=d, L_SEL=l_sel, N=n, NP=triton.next_power_of_2(n),
-        BT=max(1, min(MAX_BLOCK_QUERIES, BLOCK_ROWS // gp)), BJ=bj, SHIFT=shift, RUP=rup, SCALE=1.0 / math.sqrt(hd),
+        BT=max(1, min(MAX_BLOCK_QUERIES, _rows(dtype, hd) // gp)), BJ=bj, SHIFT=shift, RUP=rup, SCALE=1.0 / math.sqrt(hd),
         ACC=tl.float64 if f64 else tl.float32,
         UPCAST=interpret and dtype in (torch.bfloat16, torch.float16),
         # q @ ck^T: bf16/fp16 run natively (the precision is ignored); fp32 on a GPU as 3xTF32 (tensor
         # cores, ~fp32 accuracy; a plain FMA dot spills registers); fp64 and the interpreter IEEE
         PREC="ieee" if f64 or interpret else "tf32x3",
     )
+
+
+def _rows(dtype: torch.dtype, hd: int) -> int:
+    """(head, query) rows per program: half for 4-byte dtypes at hd > 128 (fits an H100's shared memory)."""
+    return BLOCK_ROWS // 2 if dtype in (torch.float32, torch.float64) and hd > 128 else BLOCK_ROWS
 
 
 def num_stages(dtype: torch.dtype, hd: int) -> int:
