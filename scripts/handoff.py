@@ -34,6 +34,7 @@ from pathlib import Path
 
 from train.artifacts import (ANOMALY, GATE_STATS, HALT, LATEST, RUN_DIR_FILES, RUN_INFO, TRAIN_CSV, VAL_CSV,
                              checkpoint_files, heartbeat_name, nsa_statistics, read_csv, read_heartbeat, read_kv)
+from train.run_status import run_status
 from train.runs import newest_run as current_run
 
 from train.env import artifacts_dir
@@ -216,6 +217,7 @@ def build(target: Path, out_root: Path, weights: str = "none", now: float | None
         entries = [(src, arc, src.stat().st_size, sha256(src)) for src, arc in files]
         lines = [f"# handoff {base}", f"# created {time.strftime('%Y-%m-%dT%H:%M:%S%z', time.localtime(now))}",
                  f"# source run dir: {run_dir if run_dir else '-'}", f"# out_dir: {out}",
+                 f"# status: {run_status(out, read_kv(run_dir / RUN_INFO) if run_dir else None).line()}",
                  f"# segments (launches of this out_dir, oldest first): {' '.join(p.name for p in segments) or '-'}",
                  f"# weights: {weights}", "# files: bytes  sha256  path"]
         lines += [f"{size:>12}  {digest}  {arc}" for _, arc, size, digest in entries]

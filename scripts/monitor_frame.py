@@ -14,6 +14,7 @@ spikes, throughput drops, gate collapse and low gate entropy, with the run's thr
 shows them from the heartbeat and recomputes none of them. It adds only what a trainer cannot say
 about itself (WINDOW and STALE_S also come from the environment):
   trainer     'alert' records the trainer wrote to the heartbeat in the current session
+  crashed     the trainer is gone while metrics.json still says running (train/run_status.py)
   stale       no heartbeat line for STALE_S (300) seconds while the run is not finished
   nan         a non-finite loss, newly skipped steps, or an anomaly halt
   watchdog    the trainer's watchdog fired (no step for runtime.watchdog_s) in the current session
@@ -27,10 +28,11 @@ import sys
 import time
 from pathlib import Path
 
-from train.artifacts import (ANOMALY, CONFIG_YAML, GATE_STATS, HALT, HEARTBEAT_GLOB, RUN_INFO, SELECTION_STATS,
-                             STACKDUMP_GLOB, TRAIN_CSV, VAL_CSV, checkpoint_files, heartbeat_name, nsa_statistics,
+from train.artifacts import (ANOMALY, CONFIG_YAML, CRASHED, GATE_STATS, HALT, HEARTBEAT_GLOB, RUN_INFO,
+                             SELECTION_STATS, STACKDUMP_GLOB, TRAIN_CSV, VAL_CSV, checkpoint_files, heartbeat_name, nsa_statistics,
                              read_csv, read_heartbeat, read_kv, read_metrics)
 from train.env import number, text
+from train.run_status import run_status
 
 
 def resolve(target: Path, repo: Path | None = None) -> tuple[Path | None, Path]:
@@ -173,10 +175,15 @@ def build_frame(target: Path, *, window: int = 20, stale_s: float = 300.0, nvidi
     session_start_step = int(session[0].get("step", 0)) if starts else 0
     last_kind = rank0[-1].get("kind") if rank0 else None
 
-    status = metrics.get("status") or ("running" if rank0 else "not started")
-    ended = status in ("finished", "stopped", "anomaly") or last_kind in ("end", "anomaly")
-    if last_kind == "end" and status == "running":
+    run = run_status(out, read_kv(run_dir / RUN_INFO) if run_dir is not None else None)
+    status = run.line() if run.status != "not started" or not rank0 else "starting"
+    ended = run.ended or last_kind in ("end", "anomaly")
+    if last_kind == "end" and run.status == "running":
         status = "ended"
+    if run.status == CRASHED:
+        ckpts_now = checkpoint_files(out)
+        resume = f"a relaunch resumes from {ckpts_now[-1][1].name}" if ckpts_now else "no checkpoint: a relaunch starts fresh"
+        alerts.append(f"crashed: the trainer is gone ({status}); {resume}")
     steps = metrics.get("steps") or config_steps(out / CONFIG_YAML)
     step = max([int(metrics.get("step") or 0)] + [int(r["step"]) for r in rows[-1:]]
                + [int(r.get("step") or 0) for r in rank0[-1:]])

@@ -53,7 +53,10 @@ SELECTION_STATS = ("sel_free_frac", "sel_distance_mean", "sel_free_distance_mean
 METRICS_FIELDS = ("status", "step", "steps", "tokens_seen", "last_loss", "last_toks_per_s", "best_val_loss",
                   "last_val_loss", "skipped_steps", "params", "params_non_embedding", "flops", "device", "world_size",
                   "precision", "torch", "python", "git_sha", "started", "updated", "checkpoints", "data", "stop_reason")
-STATUSES = ("running", "finished", "stopped", "anomaly")
+CRASH_FIELDS = ("exit_code", "crashed_at_step")  # added when a launcher records a crash (train/run_status.py)
+CRASHED = "crashed"  # the trainer died without a word (a signal, the OOM killer); train/run_status.py says so
+ENDED_STATUSES = ("finished", "stopped", "anomaly", CRASHED)
+STATUSES = ("running",) + ENDED_STATUSES
 
 # ---- the runbooks' run dir (ARTIFACTS_DIR/train_runs/<name>_<timestamp>/) ---------------------------
 RUN_INFO = "run.info"  # 'key: value' lines; a resumed launch appends

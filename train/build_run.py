@@ -17,7 +17,6 @@ from train import checkpoint as ckpt_io
 from train.artifacts import CONFIG_YAML
 from train.config import RunConfig, dump_config
 from train.data import build_data
-from train.data.build import stream_resume_refusal
 from train.distributed import (
     DistInfo, barrier, broadcast_from_main, gather_objects, init_distributed, resolve_precision, wrap_model,
 )
@@ -28,6 +27,7 @@ from train.loop import TrainState
 from train.optim import build_optimizer
 from train.run_dir import OutDirBusy, OutDirLock, apply_start, plan_start
 from train.safety import stale_halt_message
+from train.start_checks import BATCH_KEYS, resume_checks
 from train.state_dicts import gather_states, load_states
 
 
@@ -112,9 +112,10 @@ class Run:
         # memory-mapped: tensors are read from the file while copied in, never held twice
         ckpt = ckpt_io.load_checkpoint(self.resume_path) if self.resume_path else None
         self.resumed = ckpt is not None
-        if self.resumed and ckpt.get("imported_from"):  # written by train/import_hf.py
-            raise CheckpointError(f"checkpoint {self.resume_path} holds imported weights only (no optimizer or data "
-                                  f"state) and cannot be resumed; start from it with train.init_from={self.resume_path}")
+        if self.resumed:  # the launch's start checks (train/start_checks.py); may re-split the global batch
+            for note in resume_checks(cfg, ckpt, self.resume_path, self.info.world_size):
+                if self.is_main:
+                    print(note, flush=True)
         self.lineage = (ckpt or {}).get("lineage") or uuid.uuid4().hex
         if self.resumed:
             self._restore_weights(ckpt)
@@ -172,8 +173,6 @@ class Run:
 
     # ---- resume ------------------------------------------------------------------------------
     def _restore_weights(self, ck: dict) -> None:
-        ckpt_io.check_architecture(ck, self.cfg.to_dict()["model"] | {"nsa": self.cfg.to_dict()["nsa"]},
-                                   self.resume_path)
         try:
             load_states(self.raw_model, self.optimizer, ck["model"], ck["optimizer"])
         except (RuntimeError, ValueError, KeyError) as exc:
@@ -187,12 +186,11 @@ class Run:
         data_states = ck.get("data") or []
         if data_states and not self.cfg.train.eval_only:  # evaluation reads held-out data only
             if getattr(self.data.train, "any_world_size", False):  # a function of the global step: any world size
-                self.data.train.load_state_dict(data_states[0])
-            elif refusal := stream_resume_refusal(
-                    len(data_states), self.info.world_size, ck["config"].get("data", {}).get("num_workers", 0),
-                    self.cfg.data.num_workers, checkpoint=str(self.resume_path)):
-                raise CheckpointError(refusal)
-            else:
+                state = data_states[0]
+                if any(key in self.cfg.overrides for key in BATCH_KEYS):
+                    state = {**state, "global_batch": self.data.train.global_batch}  # a new global batch, by choice
+                self.data.train.load_state_dict(state)
+            else:  # same world size and workers: resume_checks refused any other
                 self.data.train.load_state_dict(data_states[self.info.rank])
         rng = ck["rng"]
         ranks_rng = ck.get("rng_per_rank")

@@ -134,6 +134,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     source: str = "<defaults>"  # where the config came from (for messages)
+    overrides: frozenset[str] = frozenset()  # 'section.key' set on the command line (an explicit choice)
 
     def to_dict(self) -> dict:
         """Every section in full (checkpoints and run summaries store this)."""
@@ -441,7 +442,8 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     except (ModelConfigError, TypeError, ValueError) as exc:
         raise ConfigError(f"{where}: {exc}") from None
     cfg = RunConfig(model=model, train=TrainConfig(**built["train"]), data=data,
-                    runtime=RuntimeConfig(**built["runtime"]), source=where)
+                    runtime=RuntimeConfig(**built["runtime"]), source=where,
+                    overrides=frozenset(f"{section}.{leaf}" for section, leaves in origins.items() for leaf in leaves))
     cfg.train.validate()
     cfg.runtime.validate()
     try:

@@ -11,6 +11,7 @@ What each check covers, and what stays manual, is in docs/PRODUCTION.md.
 from __future__ import annotations
 
 import argparse
+import copy
 import glob
 import math
 import os
@@ -107,14 +108,8 @@ def _dataset(cfg: RunConfig, add: _Recorder, eye: list[str], checksums: bool) ->
         _stream_dataset(cfg, add)
 
 
-def _tokenizers_agree(prepared_with: str | None, configured: str) -> str:
-    """ok | warn | fail, by train/data/build.py's rule (two hf: paths may be the same tokenizer)."""
-    if prepared_with is None or prepared_with == configured:
-        return OK
-    return WARN if prepared_with.startswith("hf:") and configured.startswith("hf:") else FAIL
-
-
 def _bin_dataset(data_dir: Path, cfg: RunConfig, add, eye: list[str], checksums: bool) -> None:
+    from train.data.build import tokenizers_agree
     from train.data.meta import SPLITS, dtype_for_vocab, read_meta, split_tokens
 
     try:
@@ -130,7 +125,7 @@ def _bin_dataset(data_dir: Path, cfg: RunConfig, add, eye: list[str], checksums:
     elif meta.dtype != want:
         add(WARN, "token dtype", f"metadata says {meta.dtype} but vocab {meta.vocab_size} implies {want}; "
                                  f"prepare writes {want}, so check how the files were written")
-    agree = _tokenizers_agree(meta.tokenizer, cfg.data.tokenizer)
+    agree = {"same": OK, "assumed": WARN, "different": FAIL}[tokenizers_agree(meta.tokenizer, cfg.data.tokenizer)]
     if agree != OK:
         add(agree, "tokenizer", f"data prepared with {meta.tokenizer}, data.tokenizer={cfg.data.tokenizer}")
     model_vocab = cfg.model.vocab_size
@@ -330,29 +325,38 @@ def _disk(cfg: RunConfig, add, free_bytes: Callable[[Path], int]) -> None:
     add(OK if free >= need else FAIL, "disk", detail)
 
 
-def _out_dir(cfg: RunConfig, add) -> None:
-    """What the trainer's start will do with out_dir: the same plan (train/run_dir.py), not carried out."""
-    from train.errors import UserError
-    from train.run_dir import plan_start
-    from train.safety import stale_halt_message
+def _out_dir(cfg: RunConfig, add, gpus: int) -> None:
+    """The launch's own start checks (train/start_checks.py, the functions the trainer calls): stale .HALT,
+    a live owner, the resume plan (not carried out), and what resuming on `gpus` ranks needs."""
+    from train import checkpoint as ckpt_io
+    from train.data.build import check_data_source
+    from train.start_checks import out_dir_checks, resume_checks
 
     out, resume = Path(cfg.train.out_dir), cfg.train.resume
-    halt = stale_halt_message(out)
-    if halt:
-        add(FAIL, "out_dir", halt)
-        return
     try:
-        plan = plan_start(out, resume, eval_only=cfg.train.eval_only)
+        add(OK, "launch data checks", check_data_source(cfg.data, vocab_size=cfg.model.vocab_size))
+    except UserError as exc:
+        add(FAIL, "launch data checks", str(exc))
+    try:
+        plan = out_dir_checks(cfg)
     except UserError as exc:
         add(FAIL, "out_dir", str(exc))
         return
     for note in plan.notes:
         add(WARN, "out_dir", note.split(": ", 1)[1])
-    if plan.resume is not None:
-        add(OK, "out_dir", f"{out}: continuing from {plan.resume.name if resume == 'auto' else plan.resume} "
-                           f"(train.resume={'auto' if resume == 'auto' else 'PATH'})")
-    else:
+    if plan.resume is None:
         add(OK, "out_dir", f"{out}: fresh run" + ("" if out.is_dir() else " (the directory does not exist yet)"))
+        return
+    try:
+        ckpt = ckpt_io.load_checkpoint(plan.resume)
+        notes = resume_checks(copy.deepcopy(cfg), ckpt, plan.resume, gpus)
+    except UserError as exc:
+        add(FAIL, "resume", str(exc))
+        return
+    add(OK, "out_dir", f"{out}: continuing from {plan.resume.name if resume == 'auto' else plan.resume} "
+                       f"(step {ckpt['step']}, train.resume={'auto' if resume == 'auto' else 'PATH'})")
+    add(OK, "resume", f"architecture, train.steps, tokenizer and data state fit {gpus} rank(s)"
+                      + (f"; {notes[0]}" if notes else ""))
 
 
 def _wandb_logged_in(env: dict) -> bool:
@@ -438,7 +442,7 @@ def run_preflight(cfg: RunConfig, *, gpus: int | None = None, free_bytes: Callab
     add.section = "environment"
     _wandb(cfg, add, env)
     _disk(cfg, add, free_bytes or _disk_free)
-    _out_dir(cfg, add)
+    _out_dir(cfg, add, gpus)
     _git(add, result)
     return result
 

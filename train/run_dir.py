@@ -46,14 +46,30 @@ class OutDirLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = _describe_holder(fd)
-            os.close(fd)
-            raise OutDirBusy(f"out_dir {self.path.parent} is in use by another trainer ({holder}); "
-                             f"stop it first or use another train.out_dir") from None
+            raise self._busy(fd) from None
         os.ftruncate(fd, 0)
         record = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%dT%H:%M:%S")}
         os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
         self._fd = fd
+
+    def check_free(self) -> None:
+        """OutDirBusy, as acquire() would raise it, when a live process holds the lock; creates nothing
+        (preflight and the runners' start checks: train/start_checks.py)."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise self._busy(fd) from None
+        os.close(fd)
+
+    def _busy(self, fd: int) -> OutDirBusy:
+        holder = _describe_holder(fd)
+        os.close(fd)
+        return OutDirBusy(f"out_dir {self.path.parent} is in use by another trainer ({holder}); "
+                          f"stop it first or use another train.out_dir")
 
     def release(self) -> None:
         if self._fd is not None:

@@ -313,10 +313,12 @@ log_to() {
 }
 
 # run_logged_training RUN_DIR OUT_DIR RUN_INFO: run "${TRAIN_CMD[@]}" with its output appended to
-# RUN_DIR/train.log, then record final_step, final_status and last_checkpoint in RUN_INFO. Sets
-# TRAIN_RC to the trainer's exit code, 3 when the run halted on an anomaly.
+# RUN_DIR/train.log, then record this launch's final_step, final_status and last_checkpoint in RUN_INFO
+# (statuses: train/run_status.py). A trainer that died without a word (kill -9, OOM) is recorded as
+# crashed, in metrics.json too; one that never wrote metrics.json in this launch "failed before training".
+# Sets TRAIN_RC to the trainer's exit code, 3 when the run halted on an anomaly.
 run_logged_training() {
-  local run_dir=$1 out_dir=$2 run_info=$3 final_status
+  local run_dir=$1 out_dir=$2 run_info=$3 final_status final_step
   local started updated
   TRAIN_RC=0
   started=$(date +%s)
@@ -325,18 +327,27 @@ run_logged_training() {
   trap ':' TERM
   "${TRAIN_CMD[@]}" 2>&1 | log_to -a "$run_dir/train.log" || TRAIN_RC=$?
   trap - TERM
-  final_status=$(metrics_field "$out_dir" status)
   updated=$(metrics_field "$out_dir" updated)
   updated=${updated%%.*}
-  if [ "$TRAIN_RC" -ne 0 ] && [ "${updated:-0}" -ge "$started" ]; then
+  if [ "${updated:-0}" -lt "$started" ]; then  # metrics.json (if any) is an earlier launch's
+    if [ "$TRAIN_RC" -eq 0 ]; then final_status="exited 0 before training"; else final_status="failed before training (exit $TRAIN_RC)"; fi
+    info "$run_info" final_step "none (this launch trained no step)"
+    info "$run_info" final_status "$final_status"
+    return 0
+  fi
+  final_status=$(metrics_field "$out_dir" status)
+  if [ "$TRAIN_RC" -ne 0 ]; then
     # torchrun reports any failed worker, and a signal it received itself, as 1; the run's own
     # status (written by this launch) says why: anomaly halt, or a graceful stop on SIGTERM/SIGINT
     case "$final_status" in
       anomaly) TRAIN_RC=3 ;;
       stopped) TRAIN_RC=0 ;;
+      running) "$PY" -m train.run_status mark-crashed "$out_dir" "$TRAIN_RC" >/dev/null || true ;;
     esac
   fi
-  info "$run_info" final_step "$(metrics_field "$out_dir" step)"
+  final_status=$("$PY" -m train.run_status describe "$out_dir" 2>/dev/null || echo "$final_status")
+  final_step=$("$PY" -m train.run_status step "$out_dir" 2>/dev/null || metrics_field "$out_dir" step)
+  info "$run_info" final_step "$final_step"
   info "$run_info" final_status "$final_status"
   info "$run_info" last_checkpoint "$(newest_checkpoint "$out_dir")"
 }

@@ -23,7 +23,8 @@ def documented(name: str) -> bool:
 def test_every_name_of_the_schema_is_documented():
     names = [v for k, v in vars(artifacts).items() if k.isupper() and isinstance(v, str)]
     groups = [names, artifacts.TRAIN_FIELDS, artifacts.VAL_FIELDS, artifacts.HEARTBEAT_KINDS, artifacts.GATE_STATS,
-              artifacts.SELECTION_STATS, artifacts.METRICS_FIELDS, artifacts.STATUSES, artifacts.RUN_DIR_FILES]
+              artifacts.SELECTION_STATS, artifacts.METRICS_FIELDS, artifacts.CRASH_FIELDS, artifacts.STATUSES,
+              artifacts.RUN_DIR_FILES]
     missing = [name for group in groups for name in group if not documented(name)]
     assert not missing, f"docs/ARTIFACTS.md does not name {missing}"
 

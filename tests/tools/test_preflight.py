@@ -103,10 +103,11 @@ def test_tokenizer_that_does_not_match_the_data(tmp_path, kjv_bin):
     assert status(result, "tokenizer") == {FAIL}
 
 
-def valid_checkpoint(out: Path, step: int) -> Path:
-    """A small file that passes the trainer's checkpoint validation."""
+def valid_checkpoint(out: Path, step: int, cfg) -> Path:
+    """A small file that passes the trainer's checkpoint validation and resumes cfg's architecture."""
     out.mkdir(parents=True, exist_ok=True)
-    return ckpt_io.save_checkpoint(out, step, {"model": {}, "optimizer": {}, "config": {}}, keep_last=1, keep_all=True)
+    return ckpt_io.save_checkpoint(out, step, {"model": {}, "optimizer": {}, "config": cfg.to_dict()},
+                                   keep_last=1, keep_all=True)
 
 
 def test_out_dir_under_resume_auto_and_none(tmp_path, kjv_bin):
@@ -121,13 +122,13 @@ def test_out_dir_under_resume_auto_and_none(tmp_path, kjv_bin):
     assert "an attempt without a valid checkpoint (training.csv); its files move to " in found[0].detail
     assert f"{out}/attempts/" in found[0].detail and found[0].detail.endswith("training starts fresh")
     assert found[1].detail == f"{out}: fresh run"
-    valid_checkpoint(out, 4)
+    valid_checkpoint(out, 4, cfg)
     (out / "checkpoint_step8.pt").write_bytes(b"not a checkpoint")  # newer, garbage
     found = check(cfg).find("out_dir")
     assert [c.status for c in found] == [WARN, OK]
     assert found[0].detail == (f"checkpoint_step8.pt failed validation and moves to {out}/corrupt/ (resuming from "
                                f"checkpoint_step4.pt): {ckpt_io.checkpoint_problem(out / 'checkpoint_step8.pt')}")
-    assert found[1].detail == f"{out}: continuing from checkpoint_step4.pt (train.resume=auto)"
+    assert found[1].detail == f"{out}: continuing from checkpoint_step4.pt (step 4, train.resume=auto)"
     (found,) = check(make_cfg(tmp_path, kjv_bin, "--train.resume=none")).find("out_dir")
     assert found.status == FAIL and "already holds a run" in found.detail and "--train.resume=auto" in found.detail
     (out / ".HALT").write_text("")
@@ -153,9 +154,9 @@ def test_resume_path_must_be_a_valid_checkpoint(tmp_path, kjv_bin, capsys, monke
     assert "checkpoint_step5.pt" in found.detail and "continuing" not in found.detail
     (found,) = check(make_cfg(tmp_path, kjv_bin, f"--train.resume={tmp_path / 'nope.pt'}")).find("out_dir")
     assert found.status == FAIL and found.detail == f"checkpoint not found: {tmp_path / 'nope.pt'}"
-    good = valid_checkpoint(tmp_path / "elsewhere", 5)
+    good = valid_checkpoint(tmp_path / "elsewhere", 5, make_cfg(tmp_path, kjv_bin))
     (found,) = check(make_cfg(tmp_path, kjv_bin, f"--train.resume={good}")).find("out_dir")
-    assert found.status == OK and found.detail == f"{tmp_path / 'out'}: continuing from {good} (train.resume=PATH)"
+    assert found.status == OK and found.detail == f"{tmp_path / 'out'}: continuing from {good} (step 5, train.resume=PATH)"
     # the command line: a garbage resume file is a failed pre-flight, not a PASS
     config = tmp_path / "run.yaml"
     config.write_text("")

@@ -114,15 +114,52 @@ def _synthetic(*, seq_len, batch_size, vocab_size, seed, rank, world_size, accum
     return DataBundle(train, val, info, pin=pin)
 
 
-def _bin(cfg: DataConfig, data_dir: Path, *, seq_len, batch_size, vocab_size, seed, rank, world_size, accumulate,
-         pin) -> DataBundle:
+def check_data_source(cfg: DataConfig, *, vocab_size: int) -> str:
+    """The checks build_data makes before it reads a batch (files, metadata, tokenizer, vocabulary), reading
+    nothing else: the launch's start checks (train/start_checks.py). One line describing the source."""
+    cfg.validate()
+    kind = cfg.source_kind
+    if kind == "synthetic":
+        return "synthetic tokens"
+    if kind == "bin":
+        data_dir = Path(cfg.source[4:])
+        meta, counts = _checked_bin(cfg, data_dir, vocab_size)
+        return f"{data_dir}: train {counts['train']:,} tokens, val {counts['val']:,} tokens ({meta.tokenizer})"
+    where = "remote, not checked before the launch"
+    if kind in ("text", "jsonl", "parquet"):
+        from train.data.sources import local_files
+
+        where = f"{len(local_files(cfg.source))} file(s)"
+        if cfg.val_source and cfg.val_source.partition(":")[0] in ("text", "jsonl", "parquet"):
+            local_files(cfg.val_source)
+    tokenizer = _checked_tokenizer(cfg, vocab_size)
+    return f"{cfg.source}: {where}, tokenizer {tokenizer.name}"
+
+
+def _checked_bin(cfg: DataConfig, data_dir: Path, vocab_size: int):
+    """(metadata, token counts per split) of a prepared directory that fits this config and model."""
     meta = read_meta(data_dir)
     check_prepared_tokenizer(data_dir, meta.tokenizer, cfg.tokenizer, "data.tokenizer",
                              f"set data.tokenizer={meta.tokenizer}")
     if meta.id_bound >= vocab_size:
         raise DataError(f"{data_dir} holds token ids up to {meta.id_bound} (tokenizer vocabulary {meta.vocab_size}) "
                         f"but the model's vocab_size is {vocab_size}; set model.vocab_size >= {meta.vocab_size} (e.g. a multiple of 64)")
-    counts = {split: split_tokens(data_dir, meta, split) for split in ("train", "val")}
+    return meta, {split: split_tokens(data_dir, meta, split) for split in ("train", "val")}
+
+
+def _checked_tokenizer(cfg: DataConfig, vocab_size: int):
+    from train.data.tokenizers import load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    if tokenizer.n_vocab > vocab_size:
+        raise DataError(f"tokenizer {tokenizer.name} has {tokenizer.n_vocab} ids but the model's vocab_size is {vocab_size}; "
+                        f"set model.vocab_size >= {tokenizer.n_vocab} (e.g. padded_vocab = {-(-tokenizer.n_vocab // 64) * 64})")
+    return tokenizer
+
+
+def _bin(cfg: DataConfig, data_dir: Path, *, seq_len, batch_size, vocab_size, seed, rank, world_size, accumulate,
+         pin) -> DataBundle:
+    meta, counts = _checked_bin(cfg, data_dir, vocab_size)
     common = dict(dtype=meta.np_dtype, seq_len=seq_len, batch_size=batch_size, seed=seed, rank=rank, world_size=world_size, pin=pin)
     train = MemmapStream(data_dir / meta.splits["train"].file, n_tokens=counts["train"], stream=TRAIN_STREAM,
                          accumulate=accumulate, **common)
@@ -134,12 +171,21 @@ def _bin(cfg: DataConfig, data_dir: Path, *, seq_len, batch_size, vocab_size, se
     return DataBundle(train, val, info, pin=pin)
 
 
+def tokenizers_agree(prepared_with: str | None, wanted: str) -> str:
+    """'same', 'assumed' (two hf: paths: they may differ by machine only) or 'different'; a legacy
+    directory (None) names no tokenizer and agrees."""
+    if not prepared_with or prepared_with == wanted:
+        return "same"
+    return "assumed" if prepared_with.startswith("hf:") and wanted.startswith("hf:") else "different"
+
+
 def check_prepared_tokenizer(data_dir: Path, prepared_with: str | None, wanted: str, wanted_by: str, fix: str) -> None:
     """A prepared directory's ids must come from the tokenizer `wanted_by` names (the config's data.tokenizer,
     a checkpoint's); hf: paths may differ by machine (a warning); a legacy directory names none."""
-    if not prepared_with or prepared_with == wanted:
+    agree = tokenizers_agree(prepared_with, wanted)
+    if agree == "same":
         return
-    if prepared_with.startswith("hf:") and wanted.startswith("hf:"):
+    if agree == "assumed":
         log.warning("data: %s was prepared with %s; %s names %s (assumed to be the same tokenizer)",
                     data_dir, prepared_with, wanted_by, wanted)
         return
@@ -149,12 +195,8 @@ def check_prepared_tokenizer(data_dir: Path, prepared_with: str | None, wanted: 
 def _stream(cfg: DataConfig, *, seq_len, batch_size, vocab_size, seed, rank, world_size, accumulate, pin) -> DataBundle:
     from train.data.sources import StreamUnavailable, open_documents
     from train.data.stream import StreamBatches
-    from train.data.tokenizers import load_tokenizer
 
-    tokenizer = load_tokenizer(cfg.tokenizer)
-    if tokenizer.n_vocab > vocab_size:
-        raise DataError(f"tokenizer {tokenizer.name} has {tokenizer.n_vocab} ids but the model's vocab_size is {vocab_size}; "
-                        f"set model.vocab_size >= {tokenizer.n_vocab} (e.g. padded_vocab = {-(-tokenizer.n_vocab // 64) * 64})")
+    tokenizer = _checked_tokenizer(cfg, vocab_size)
     open_args = dict(subset=cfg.subset, split=cfg.split, text_field=cfg.text_field, text_sample_by=cfg.text_sample_by)
     stream_args = dict(tokenizer_name=tokenizer.name, text_field=cfg.text_field, split_seed=cfg.split_seed,
                        val_fraction=cfg.val_fraction, seq_len=seq_len, batch_size=batch_size,

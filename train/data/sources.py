@@ -29,15 +29,21 @@ class StreamUnavailable(DataError):
     """The stream could not be opened or produced no data in time (network, hub, stall)."""
 
 
+def local_files(source: str) -> list[str]:
+    """The files a local stream source (text:/jsonl:/parquet:GLOB) names, sorted; DataError when none."""
+    files = sorted(glob.glob(source.partition(":")[2], recursive=True))
+    if not files:
+        raise DataError(f"{source}: the pattern matched no files")
+    return files
+
+
 def open_documents(source: str, *, subset: str | None, split: str, text_field: str, text_sample_by: str):
     """Open a stream source as a `datasets.IterableDataset` (nothing is downloaded yet)."""
     import datasets
 
     kind, _, arg = source.partition(":")
     if kind in LOCAL_BUILDERS:
-        files = sorted(glob.glob(arg, recursive=True))
-        if not files:
-            raise DataError(f"{source}: the pattern matched no files")
+        files = local_files(source)
         extra = {"sample_by": text_sample_by} if kind == "text" else {}
         try:
             ds = datasets.load_dataset(LOCAL_BUILDERS[kind], data_files=files, split="train", streaming=True, **extra)
