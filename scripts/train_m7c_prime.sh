@@ -11,13 +11,17 @@
 #   2. picks the config from the largest GPU's memory (>= 75 GB: 80g, >= 35 GB: 40g, else 24g;
 #      no GPU: configs/m7c_cpu.yaml) and the launcher (torchrun over every visible GPU when
 #      there are 2 or more, python otherwise);
-#   3. creates artifacts/train_runs/m7c_<timestamp>/ with run.info, smoke.log, train.log;
-#   4. smoke: SMOKE_STEPS (50) synthetic steps of configs/train_showcase.yaml with the same launcher
-#      into <run dir>/smoke; a failing smoke stops everything (exit 1);
-#   5. trains; the trainer resumes from the newest complete checkpoint of the config's out_dir
-#      (train.resume=auto) and run.info records which one.
-# Exit status: 0 finished or gracefully stopped; 1 set-up / smoke failure; otherwise the trainer's
-# (2 bad input, 3 anomaly halt).
+#   3. runs the launch's own start checks (python -m train.start_checks, the trainer's code): data source,
+#      stale .HALT, a live trainer on the out_dir, and for a resume the checkpoint's architecture,
+#      train.steps, tokenizer and global batch on this GPU count; a refusal exits 2 before anything is written;
+#   4. creates artifacts/train_runs/m7c_<timestamp>/ with run.info (this launch's facts only), smoke.log, train.log;
+#   5. smoke, once per out_dir: SMOKE_STEPS (50) synthetic steps of configs/train_showcase.yaml with the same
+#      launcher into <run dir>/smoke, skipped when resuming from a checkpoint; a failing smoke stops everything (exit 1);
+#   6. trains; the trainer resumes from the newest complete checkpoint of the config's out_dir
+#      (train.resume=auto), keeping its global batch on another GPU count, and run.info records which one.
+# Exit status: 0 finished or gracefully stopped; 1 set-up / smoke failure; 2 bad input (config, data,
+# stale .HALT, a checkpoint that cannot continue); otherwise the trainer's (3 anomaly halt; 137 killed, ...).
+# A crash is recorded as such: run.info final_status and metrics.json say `crashed (exit N at step S)`.
 #
 # Knobs (environment):
 #   CONFIG=path.yaml        force a config instead of choosing by VRAM
@@ -68,7 +72,8 @@ else
     reason="largest GPU ${GPU_MAX_MIB} MiB = ${max_gb} GB < 35 GB"
   fi
 fi
-[ -f "$CONFIG" ] || die "config $CONFIG not found"
+if [ -d "$CONFIG" ]; then die "CONFIG=$CONFIG is a directory; give a YAML file (e.g. configs/m7c_cpu.yaml)" 2; fi
+[ -f "$CONFIG" ] || die "config $CONFIG not found" 2
 
 NPROC=$GPU_COUNT
 launcher_for "$NPROC"
@@ -99,12 +104,18 @@ if [ "${DRY_RUN:-0}" = 1 ]; then
   exit 0
 fi
 
-# ---- pre-checks on the effective config ----------------------------------------------------------
+# ---- the launch's own start checks, before anything is written or smoked -------------------------
 config_facts "$CONFIG" "${OVERRIDES[@]}"
 OUT_DIR=$CFG_OUT_DIR
-check_halt "$OUT_DIR"
+run_start_checks "$CONFIG" "$(( NPROC > 1 ? NPROC : 1 ))" "${OVERRIDES[@]}"
+if [ -n "$START_PROBLEM" ]; then die "$START_PROBLEM" 2; fi
+OUT_DIR_EXISTED=0
+if [ -e "$OUT_DIR" ]; then OUT_DIR_EXISTED=1; fi
 lock_out_dir "$OUT_DIR"
 RESUME_FROM=$(resume_note "$OUT_DIR" "$CFG_RESUME")
+RESUMING=0
+if [ "$CFG_RESUME" != none ] && [ -n "$(newest_checkpoint "$OUT_DIR")" ]; then RESUMING=1; fi
+if [ "$CFG_RESUME" != auto ] && [ "$CFG_RESUME" != none ]; then RESUMING=1; fi
 
 RUN_DIR=$(new_run_dir m7c)
 RUN_INFO="$RUN_DIR/run.info"
@@ -132,6 +143,7 @@ SMOKE_CMD=("${LAUNCH[@]}" "$SMOKE_CONFIG" "--train.out_dir=$RUN_DIR/smoke" "--tr
   kv torch "$(torch_version)"
   kv python "$(python_version)"
   kv resume_from "$RESUME_FROM"
+  printf '%s\n' "$START_LINES" | sed -n 's/^resume: keeping/batch_split: keeping/p'
   kv smoke_cmd "$(quote_cmd "${SMOKE_CMD[@]}")"
   kv train_cmd "$(quote_cmd "${TRAIN_CMD[@]}")"
   env_snapshot | sed 's/^/env: /'
@@ -140,6 +152,9 @@ SMOKE_CMD=("${LAUNCH[@]}" "$SMOKE_CONFIG" "--train.out_dir=$RUN_DIR/smoke" "--tr
 log "run dir: $RUN_DIR"
 log "config: $CONFIG ($reason)"
 log "out_dir: $OUT_DIR | resume: $RESUME_FROM"
+while IFS= read -r line; do
+  case "$line" in "resume: keeping"* | "resume: note"* | *"global batch"*) log "$line" ;; esac
+done <<<"$START_LINES"
 log "gpus: $GPU_COUNT | launch: $(quote_cmd "${TRAIN_CMD[@]}")"
 
 finish() {
@@ -148,8 +163,11 @@ finish() {
   if [ -n "${2:-}" ]; then info "$RUN_INFO" failure "$2"; fi
 }
 
-# ---- smoke ---------------------------------------------------------------------------------------
-if [ "$SMOKE_STEPS" -gt 0 ]; then
+# ---- smoke: once per out_dir (a resume found a checkpoint, so the stack trained here before) -------
+if [ "$SMOKE_STEPS" -gt 0 ] && [ "$RESUMING" = 1 ]; then
+  info "$RUN_INFO" smoke "skipped (resuming: this out_dir trained before)"
+  log "smoke: skipped (resuming from a checkpoint of this out_dir)"
+elif [ "$SMOKE_STEPS" -gt 0 ]; then
   log "smoke: $SMOKE_STEPS synthetic steps of $SMOKE_CONFIG -> $RUN_DIR/smoke.log"
   info "$RUN_INFO" smoke_start "$(now_iso)"
   smoke_rc=0
@@ -184,7 +202,10 @@ case "$train_rc" in
     die "training halted on an anomaly ($(cat "$OUT_DIR/.anomaly_type" 2>/dev/null || echo see train.log)); last good checkpoint kept in $OUT_DIR" 3
     ;;
   *)
+    status_line=$(sed -n 's/^final_status: //p' "$RUN_INFO" | tail -n 1)
     finish "$train_rc" "trainer exited $train_rc"
-    die "training failed (exit $train_rc): see $RUN_DIR/train.log" "$train_rc"
+    drop_lock_only_out_dir "$OUT_DIR" "$OUT_DIR_EXISTED"
+    ckpt=$(newest_checkpoint "$OUT_DIR")
+    die "training ${status_line:-failed (exit $train_rc)}: see $RUN_DIR/train.log; ${ckpt:+rerun the same command to resume from $ckpt}${ckpt:-no checkpoint yet: a rerun starts fresh}" "$train_rc"
     ;;
 esac

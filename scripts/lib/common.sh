@@ -246,6 +246,24 @@ resume_note() {
   esac
 }
 
+# run_start_checks CONFIG NPROC [OVERRIDES...]: the launch's own start checks, through the trainer's code
+# (python -m train.start_checks: stale .HALT, a live trainer on the out_dir, the data source, and for a resume
+# the checkpoint's architecture, train.steps, tokenizer and global batch on NPROC ranks). Reads only. Sets
+# START_LINES (what the launch will do, one per line) and START_PROBLEM (the launch's one-line refusal, or empty).
+run_start_checks() {
+  local config=$1 nproc=$2 out rc=0
+  shift 2
+  START_LINES=""
+  START_PROBLEM=""
+  out=$("$PY" -m train.start_checks "$config" "$@" --world-size "$nproc" 2>&1) || rc=$?
+  if [ "$rc" -ne 0 ]; then
+    START_PROBLEM=$(printf '%s\n' "$out" | grep -m1 '^error: ' || printf '%s\n' "$out" | tail -n 1)
+    START_PROBLEM=${START_PROBLEM#error: }
+  else
+    START_LINES=$out
+  fi
+}
+
 # check_halt OUT_DIR: a leftover .HALT would stop the new run after one step. The message is the
 # trainer's own (train/safety.py stale_halt_message); halt_problem prints it, or nothing.
 halt_problem() {
@@ -257,7 +275,7 @@ halt_problem() {
 check_halt() {
   local msg
   msg=$(halt_problem "$1")
-  if [ -n "$msg" ]; then die "$msg"; fi
+  if [ -n "$msg" ]; then die "$msg" 2; fi
 }
 
 # lock_out_dir OUT_DIR: one launcher per out_dir. The lock (fd 9) is inherited by the trainer
@@ -271,6 +289,16 @@ lock_out_dir() {
   exec 9>"$1/.launch.lock"
   if ! flock -n 9; then
     die "another launch is running on $1 (lock $1/.launch.lock held): attach to it (tmux attach -t m7c) or stop it first"
+  fi
+}
+
+# drop_lock_only_out_dir OUT_DIR EXISTED: after a failed start, an out_dir this launch created that holds only
+# lock files goes again (it held nothing before and holds nothing of value now)
+drop_lock_only_out_dir() {
+  local dir=$1 existed=$2
+  if [ "$existed" = 0 ] && [ -d "$dir" ] && [ -z "$(ls -A "$dir" | grep -v -x -e .lock -e .launch.lock)" ]; then
+    rm -f "$dir/.lock" "$dir/.launch.lock"
+    rmdir "$dir" 2>/dev/null || true
   fi
 }
 

@@ -185,9 +185,9 @@ prod_preflight() {
   prod_gpus_idle
   prod_causality
   prod_config_checks
-  local halt
-  halt=$(halt_problem "$OUT_DIR")
-  if [ -n "$halt" ]; then prod_fail "$halt"; fi
+  run_start_checks "$CONFIG" "$(( NPROC > 1 ? NPROC : 1 ))" "${OVERRIDES[@]}"  # the trainer's own checks
+  if [ -n "$START_PROBLEM" ]; then prod_fail "$START_PROBLEM" 2; fi
+  printf '%s\n' "$START_LINES" >>"$RUN_DIR/preflight.log"
   RESUME_FROM=$(resume_note "$OUT_DIR" "$CFG_RESUME")
   {
     kv out_dir "$OUT_DIR"
@@ -257,7 +257,7 @@ prod_launch() {
   if [ "$rc" -eq 3 ]; then
     die "training halted on an anomaly ($(cat "$OUT_DIR/.anomaly_type" 2>/dev/null || echo see train.log)); last good checkpoint kept in $OUT_DIR" 3
   elif [ "$rc" -ne 0 ]; then
-    die "training failed (exit $rc): see $RUN_DIR/train.log" "$rc"
+    die "training $(sed -n 's/^final_status: //p' "$RUN_DIR/run.info" | tail -n 1): see $RUN_DIR/train.log" "$rc"
   fi
   log "done: $(metrics_field "$OUT_DIR" status) at step $(metrics_field "$OUT_DIR" step)"
 }

@@ -77,30 +77,61 @@ def test_ddp_ranks_write_heartbeats_and_rank0_checkpoints(ddp_run):
     assert ck["tokens_seen"] == STEPS * 4 * 2 * 16
 
 
-def test_one_process_checkpoint_resumes_under_torchrun_with_two(ddp_run, tmp_path):
-    """The seed's sequence: one process first, then `CONFIG=... torchrun --nproc_per_node=2
-    scripts/train_showcase.py --resume CKPT`; the global batch (8) stays, the split changes."""
-    out = tmp_path / "grow"
-    single(out, "--train.batch_size=8", "--train.stop_after=10", "--train.save_every=10")
-    config = tmp_path / "tiny.yaml"
-    config.write_text("train:\n  batch_size: 4\n")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "scripts/train_showcase.py", "--resume", str(out / "checkpoint_step10.pt"), *TINY, *COMMON,
-           f"--train.out_dir={out}"]
+def showcase(out: Path, config: Path, *args: str, nproc: int = 1) -> subprocess.CompletedProcess:
+    """The M7C runbook's command as written: `CONFIG=<YAML> [torchrun --nproc_per_node=N] scripts/train_showcase.py
+    ...`; the batch comes from the YAML only (no batch flag on the command line)."""
+    launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+              if nproc > 1 else [sys.executable])
+    cmd = [*launch, "scripts/train_showcase.py", *args, *TINY, *COMMON, f"--train.out_dir={out}"]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "CONFIG": str(config)}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+
+
+@pytest.fixture(scope="module")
+def batch8_yaml(tmp_path_factory) -> Path:
+    config = tmp_path_factory.mktemp("cfg") / "tiny.yaml"
+    config.write_text("train:\n  batch_size: 8\n")
+    return config
+
+
+def test_one_gpu_start_resumes_on_two_with_the_runbooks_command(batch8_yaml, tmp_path):
+    """1 -> 2 ranks with the same YAML (batch_size 8 per rank): the checkpoint's global batch 8 is kept as
+    4 per rank on 2 ranks, said in one line, and the losses are those of the uninterrupted one-rank run."""
+    whole, out = tmp_path / "whole", tmp_path / "grow"
+    assert showcase(whole, batch8_yaml).returncode == 0
+    assert showcase(out, batch8_yaml, "--train.stop_after=10", "--train.save_every=10").returncode == 0
+    proc = showcase(out, batch8_yaml, "--resume", str(out / "checkpoint_step10.pt"), nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    a, b = losses(ddp_run), losses(out)
-    assert len(b) == STEPS
-    assert max(abs(x - y) for x, y in zip(a, b)) < 1e-5, (a, b)
+    assert ("resume: keeping the checkpoint's global batch 8 on 2 rank(s): train.batch_size 4 x "
+            "accumulate_grad_batches 1 (the config says 8 x 1; set both on the command line to override)") in proc.stdout
+    a, b = losses(whole), losses(out)
+    assert len(b) == STEPS and max(abs(x - y) for x, y in zip(a, b)) < 1e-5, (a, b)
+    assert "train:\n" in (out / "config.yaml").read_text() and "batch_size: 4" in (out / "config.yaml").read_text()
 
 
-def test_two_rank_checkpoint_resumes_on_one_rank(ddp_run, tmp_path):
-    out = tmp_path / "shrink"
-    single(out, "--train.batch_size=8", f"--train.resume={ddp_run / 'checkpoint_step10.pt'}")
-    a, b = losses(ddp_run), losses(out)
-    assert [int(r["step"]) for r in read_csv(out / "training.csv")] == list(range(11, STEPS + 1))
-    assert max(abs(x - y) for x, y in zip(a[10:], b)) < 1e-5, (a[10:], b)
+def test_two_gpu_start_resumes_on_one_with_the_runbooks_command(batch8_yaml, tmp_path):
+    """2 -> 1 rank: global batch 16 is kept as 8 per micro-batch x 2 accumulated (the micro-batch never grows);
+    the losses are those of an uninterrupted run of the same global batch."""
+    whole, out = tmp_path / "whole", tmp_path / "shrink"
+    assert showcase(whole, batch8_yaml, "--train.accumulate_grad_batches=2").returncode == 0
+    assert showcase(out, batch8_yaml, "--train.stop_after=10", "--train.save_every=10", nproc=2).returncode == 0
+    proc = showcase(out, batch8_yaml, "--resume", str(out / "checkpoint_step10.pt"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "keeping the checkpoint's global batch 16 on 1 rank(s): train.batch_size 8 x accumulate_grad_batches 2" \
+        in proc.stdout
+    a, b = losses(whole), losses(out)
+    assert [int(r["step"]) for r in read_csv(out / "training.csv")][-1] == STEPS
+    assert len(b) == STEPS and max(abs(x - y) for x, y in zip(a, b)) < 1e-5, (a, b)
+
+
+def test_a_global_batch_no_rank_count_splits_is_refused_naming_the_flags(batch8_yaml, tmp_path):
+    out = tmp_path / "odd"
+    assert showcase(out, batch8_yaml, "--train.batch_size=3", "--train.stop_after=2", "--train.save_every=2").returncode == 0
+    proc = showcase(out, batch8_yaml, nproc=2)
+    assert proc.returncode != 0  # each rank exits 2; torchrun reports 1
+    line = next(ln for ln in proc.stderr.splitlines() if ln.startswith("error: "))
+    assert "was trained with global batch 3, which 2 rank(s) cannot split evenly; resume on 1 / 3 rank(s) " \
+           "(--nproc_per_node), or set --train.batch_size and --train.accumulate_grad_batches" in line
 
 
 def test_zero1_matches_ddp_and_resumes(ddp_run, tmp_path):
