@@ -92,7 +92,7 @@ def test_train_halt_resume_monitor_handoff(script_env, corpus_path, tmp_path):
 
     # 2. a leftover .HALT is refused (it would stop the new run at once)
     res = run_script("train_m7c_prime.sh", env | {"SMOKE_STEPS": "0"})
-    assert res.returncode == 1 and ".HALT exists" in res.stderr and "rm " in res.stderr
+    assert res.returncode == 2 and ".HALT exists" in res.stderr and "rm " in res.stderr
     assert len(list((tmp_path / "artifacts" / "train_runs").iterdir())) == 1
 
     # 3. remove it and launch again: resumes from the checkpoint (recorded in run.info), 2 more steps
