@@ -14,12 +14,21 @@ test:
 
 STAMP := $(shell date +%Y%m%d_%H%M%S)
 
-# 50 steps of the tiny showcase model; a fresh out_dir each time (artifacts/smoke_<stamp>)
+# 50 steps of the tiny showcase model; a fresh out_dir each time (artifacts/smoke_<stamp>). The checkpoints it
+# writes (and resumes nothing from) are removed after a passing smoke: a smoke's weights are noise, ~85 MB each.
+# KEEP_CHECKPOINTS=1 keeps them; SMOKE_ARGS="--section.key=value ..." adds overrides.
+SMOKE_OUT = $(or $(OUT),artifacts/smoke_$(STAMP))
+SMOKE_NSA_OUT = $(or $(OUT),artifacts/smoke_nsa_$(STAMP))
+drop_smoke_weights = $(if $(filter 1,$(KEEP_CHECKPOINTS)),true,rm -f $(1)/checkpoint_step*.pt $(1)/latest.pt) && \
+	echo "smoke ok: $(1) ($(if $(filter 1,$(KEEP_CHECKPOINTS)),checkpoints kept,checkpoints removed; KEEP_CHECKPOINTS=1 keeps them))"
+
 smoke:
-	$(PY) -m train configs/train_showcase.yaml --train.out_dir=$(or $(OUT),artifacts/smoke_$(STAMP))
+	$(PY) -m train configs/train_showcase.yaml --train.out_dir=$(SMOKE_OUT) $(SMOKE_ARGS)
+	@$(call drop_smoke_weights,$(SMOKE_OUT))
 
 smoke-nsa:
-	$(PY) -m train configs/train_showcase_nsa.yaml --train.out_dir=$(or $(OUT),artifacts/smoke_nsa_$(STAMP))
+	$(PY) -m train configs/train_showcase_nsa.yaml --train.out_dir=$(SMOKE_NSA_OUT) $(SMOKE_ARGS)
+	@$(call drop_smoke_weights,$(SMOKE_NSA_OUT))
 
 train:
 	bash scripts/train_m7c_prime.sh

@@ -39,7 +39,8 @@ STACKDUMP_GLOB = "stackdump_*.txt"
 SUPERSEDED_DIR, CORRUPT_DIR, ATTEMPTS_DIR = "superseded", "corrupt", "attempts"  # moved aside, never deleted
 
 TRAIN_FIELDS = ["step", "loss", "lr", "toks_per_s", "grad_norm", "dt_step_s", "dt_fetch_s", "tokens_seen",
-                "skipped_steps", "mfu", "tflops", "toks_per_s_per_gpu", "mem_alloc_mib", "mem_reserved_mib"]
+                "skipped_steps", "mfu", "tflops", "toks_per_s_per_gpu", "mem_alloc_mib", "mem_reserved_mib",
+                "interval_steps"]  # steps averaged in the row: < train.log_every marks a partial interval (a stop, a resume)
 VAL_FIELDS = ["step", "val_loss", "ppl"]
 
 # heartbeat record kinds (field "kind"); every record also has ts, time, rank, step

@@ -25,7 +25,7 @@ from train.errors import CheckpointError, ConfigError, UserError
 from train.import_hf import init_state_dict
 from train.loop import TrainState
 from train.optim import build_optimizer
-from train.run_dir import OutDirBusy, OutDirLock, apply_start, plan_start
+from train.run_dir import OutDirBusy, OutDirLock, apply_start, drop_if_only_lock, plan_start
 from train.safety import stale_halt_message
 from train.start_checks import BATCH_KEYS, resume_checks
 from train.state_dicts import gather_states, load_states
@@ -82,12 +82,15 @@ class Run:
         self.is_main = self.info.is_main
         if cfg.runtime.threads and self.info.device.type == "cpu":
             torch.set_num_threads(cfg.runtime.threads)
+        existed = Path(cfg.train.out_dir).exists()
         self.out_dir, self.lock, self.resume_path = claim_out_dir(cfg, self.info)
         try:
             self._build(cfg)
         except BaseException:
             if self.lock is not None:  # a failed start leaves the out_dir free at once, in-process too
                 self.lock.release()
+                if not existed:  # and a directory it created for nothing goes again
+                    drop_if_only_lock(self.out_dir)
             raise
 
     def _build(self, cfg: RunConfig) -> None:

@@ -144,7 +144,7 @@ class Loop:
             "toks_per_s": toks_per_s, "grad_norm": norm_sum / ok if ok else float("nan"),
             "dt_step_s": elapsed / self.i_steps, "dt_fetch_s": self.i_fetch_s / self.i_steps,
             "tokens_seen": state.tokens_seen, "skipped_steps": state.skipped_steps,
-            **self.efficiency.columns(toks_per_s), **gate,
+            **self.efficiency.columns(toks_per_s), "interval_steps": self.i_steps, **gate,
         }
         self._reset_interval()
         return row

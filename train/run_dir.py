@@ -77,6 +77,17 @@ class OutDirLock:
             self._fd = None
 
 
+def drop_if_only_lock(out_dir: Path) -> None:
+    """Remove out_dir when it holds nothing but the lock file (a start that failed in a directory it created)."""
+    out_dir = Path(out_dir)
+    if out_dir.is_dir() and [e.name for e in out_dir.iterdir()] == [LOCK]:
+        (out_dir / LOCK).unlink(missing_ok=True)
+        try:
+            out_dir.rmdir()
+        except OSError:  # something arrived meanwhile: leave it
+            pass
+
+
 def _describe_holder(fd: int) -> str:
     try:
         record = json.loads(os.pread(fd, 4096, 0).decode() or "{}")

@@ -32,6 +32,8 @@ class CsvLog:
         self.path, self.fields = path, fields
         if resume_step is not None and path.exists():
             self._truncate_after(resume_step)
+        if path.exists() and path.stat().st_size and self._header() != fields:  # written by an older version
+            self._rewrite(self._rows())
         new = not path.exists() or path.stat().st_size == 0
         self._f = open(path, "a", newline="")
         self._w = csv.DictWriter(self._f, fieldnames=fields, extrasaction="ignore")
@@ -39,15 +41,26 @@ class CsvLog:
             self._w.writeheader()
             self._f.flush()
 
-    def _truncate_after(self, step: int) -> None:
+    def _header(self) -> list[str]:
         with open(self.path, newline="") as f:
-            rows = list(csv.DictReader(f))
+            return next(csv.reader(f), [])
+
+    def _rows(self) -> list[dict]:
+        with open(self.path, newline="") as f:
+            return list(csv.DictReader(f))
+
+    def _truncate_after(self, step: int) -> None:
+        rows = self._rows()
         keep = [r for r in rows if r.get("step", "").isdigit() and int(r["step"]) <= step]
         later = [r for r in rows if r not in keep]
         if not later:
             return
         with open(self.path.with_name(self.path.name + SUPERSEDED), "a", newline="") as f:
             csv.DictWriter(f, fieldnames=self.fields, extrasaction="ignore").writerows(later)
+        self._rewrite(keep)
+
+    def _rewrite(self, keep: list[dict]) -> None:
+        """The file again with this log's header and `keep` (a column it lacked stays empty), atomically."""
         tmp = self.path.with_name(f".{self.path.name}.tmp")
         with open(tmp, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=self.fields, extrasaction="ignore")

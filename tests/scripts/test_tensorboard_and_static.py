@@ -4,6 +4,7 @@ and the Makefile targets the runbook names."""
 from __future__ import annotations
 
 import re
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -75,6 +76,21 @@ def test_makefile_targets():
                  "bash scripts/run_tensorboard.sh artifacts/train_runs/m7c_x",
                  ".venv/bin/python scripts/handoff.py artifacts/train_runs/m7c_x"):
         assert line in res.stdout, line
+
+
+def test_make_smoke_runs_for_real_and_leaves_no_checkpoints_behind(tmp_path):
+    """`make smoke` exercises the checkpoint path (periodic save, retention, final save) and then drops the
+    weights (~85 MB each at the showcase size); KEEP_CHECKPOINTS=1 keeps them."""
+    tiny = ("SMOKE_ARGS=--model.vocab_size=256 --model.dim=32 --model.n_layers=1 --model.ffn_dim=64 "
+            "--train.steps=4 --train.save_every=2 --train.log_every=1 --train.eval_every=2 --train.seq_len=32 "
+            "--runtime.threads=1")
+    for keep, out in (("0", tmp_path / "dropped"), ("1", tmp_path / "kept")):
+        res = subprocess.run(["make", "smoke", f"OUT={out}", tiny, f"KEEP_CHECKPOINTS={keep}"], cwd=REPO,
+                             capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr[-2000:]
+        assert (out / "training.csv").exists() and json.loads((out / "metrics.json").read_text())["status"] == "finished"
+        assert res.stdout.strip().splitlines()[-1].startswith(f"smoke ok: {out}")
+        assert bool(list(out.glob("checkpoint_step*.pt"))) == (keep == "1")
 
 
 def test_junit_summary_counts_skipped_tests_on_the_same_line(tmp_path):

@@ -14,7 +14,7 @@ import pytest
 
 from train import checkpoint as ckpt_io
 from train.artifacts import checkpoint_files, checkpoint_name
-from train.errors import CheckpointError
+from train.errors import CheckpointError, UserError
 from train.runner import run_training
 
 from .helpers import read_csv, tiny_config
@@ -204,6 +204,18 @@ def test_a_failed_start_frees_the_out_dir_in_the_same_process(tmp_path):
     with pytest.raises(CheckpointError, match="architecture"):
         run_training(tiny_config(out, "--train.steps=4", "--model.n_kv_heads=4"))
     assert run_training(tiny_config(out, "--train.steps=4")) == 0  # not "in use by another trainer"
+
+
+def test_a_failed_start_leaves_no_out_dir_holding_only_its_lock(tmp_path):
+    out = tmp_path / "new_run"
+    with pytest.raises(UserError, match="meta.json|no such|not found|does not exist"):
+        run_training(tiny_config(out, f"--data.source=bin:{tmp_path / 'no_data'}"))
+    assert not out.exists()
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    with pytest.raises(UserError):
+        run_training(tiny_config(kept, f"--data.source=bin:{tmp_path / 'no_data'}"))
+    assert kept.is_dir()  # a directory the operator made stays
 
 
 def test_a_vanished_console_reader_does_not_cost_the_final_checkpoint(tmp_path):

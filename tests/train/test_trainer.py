@@ -344,3 +344,22 @@ def test_vocab_smaller_than_dataset_ids_fails_before_training(tmp_path, kjv_bin)
     with pytest.raises(DataError, match="vocab"):
         run_training(cfg)
     assert not (tmp_path / "r" / "training.csv").exists()
+
+
+def test_partial_log_intervals_are_marked_in_training_csv(tmp_path):
+    """A stop between log intervals writes a row over fewer steps, and so does the first interval after the
+    resume: interval_steps says how many steps each row averages, so a plot can tell them from full rows.
+    A training.csv of an older version (without the column) gets the new header, its rows kept."""
+    from train.runner import run_training
+
+    out = tmp_path / "run"
+    args = ("--train.steps=15", "--train.log_every=5")
+    assert run_training(tiny_config(out, *args, "--train.stop_after=6")) == 0
+    rows = read_csv(out / "training.csv")
+    assert [(r["step"], r["interval_steps"]) for r in rows] == [("5", "5"), ("6", "1")]  # the stop's row: 1 step
+    old_header = [k for k in rows[0] if k != "interval_steps"]
+    with open(out / "training.csv", "w") as f:  # as an older version wrote it
+        f.write(",".join(old_header) + "\n" + "".join(",".join(r[k] for k in old_header) + "\n" for r in rows))
+    assert run_training(tiny_config(out, *args)) == 0
+    rows = read_csv(out / "training.csv")
+    assert [(r["step"], r["interval_steps"]) for r in rows] == [("5", ""), ("6", ""), ("10", "4"), ("15", "5")]
