@@ -16,8 +16,11 @@ VENV=${VENV:-.venv}
 
 log() { printf '[bootstrap] %s\n' "$*"; }
 
-if ! "$PYTHON" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else 1)'; then
-  echo "[bootstrap] error: Python >= 3.10 required ($("$PYTHON" --version 2>&1))" >&2
+# the minimum Python is pyproject.toml's requires-python (one place)
+MIN_PY=$(sed -n 's/^requires-python = ">=\([0-9.]*\)".*/\1/p' pyproject.toml)
+have_py=$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null || echo none)
+if [ "$have_py" = none ] || [ "$(printf '%s\n%s\n' "$MIN_PY" "$have_py" | sort -V | head -n 1)" != "$MIN_PY" ]; then
+  echo "[bootstrap] error: Python >= $MIN_PY required (pyproject.toml); $PYTHON is $have_py: set PYTHON=python$MIN_PY" >&2
   exit 1
 fi
 if [ ! -x "$VENV/bin/python" ]; then
