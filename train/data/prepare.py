@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import multiprocessing
 import os
 import sys
@@ -71,6 +72,26 @@ class _SplitWriter:
         self.sha.update(data)
         self.tokens += len(part.tokens)
         self.max_id = max(self.max_id, int(part.tokens.max()))
+
+    def move_tail(self, other: "_SplitWriter", n_tokens: int) -> None:
+        """Move this split's last n_tokens to `other` (one document: its contiguous tail becomes held out)."""
+        self.file.flush()
+        itemsize = np.dtype(self.dtype).itemsize
+        keep = self.tokens - n_tokens
+        tail = np.fromfile(self.path, dtype=self.dtype, offset=keep * itemsize)
+        self.file.truncate(keep * itemsize)
+        self.file.seek(keep * itemsize)
+        self.tokens = keep
+        self.sha, self.max_id = hashlib.sha256(), -1
+        with open(self.path, "rb") as f:  # the kept head, hashed again in bounded blocks
+            for block in iter(lambda: f.read(1 << 24), b""):
+                self.sha.update(block)
+                self.max_id = max(self.max_id, int(np.frombuffer(block, dtype=self.dtype).max()))
+        other.write(EncodedDocuments(tokens=tail, documents=0, text_bytes=0))
+
+    def abort(self) -> None:
+        self.file.close()
+        self.path.unlink(missing_ok=True)
 
     def finish(self) -> dict:
         self.file.close()
@@ -210,6 +231,17 @@ def empty_val_warning(meta: dict) -> str | None:
             f"{meta['val_fraction']} holds out whole documents), so training with evaluation will stop; {hint}")
 
 
+def _hold_out_tail(writers: dict, val_fraction: float) -> str | None:
+    """One document and no held-out one (a single text file): its last val_fraction of tokens becomes val.bin, a
+    contiguous tail (hashing whole documents cannot split one). Returns what was done, or None."""
+    train, val = writers["train"], writers["val"]
+    if val.tokens or not val_fraction or train.documents != 1 or train.tokens < 2:
+        return None
+    n = min(train.tokens - 1, max(1, math.ceil(train.tokens * val_fraction)))
+    train.move_tail(val, n)
+    return f"one document: its last {val_fraction:.2%} ({n:,} tokens) held out as val.bin (a contiguous tail)"
+
+
 def prepare(source: str, tokenizer_name: str, out: Path, *, val_fraction: float = 0.005, split_seed: int = 0,
             workers: int = 1, max_docs: int | None = None, subset: str | None = None, split: str = "train",
             text_field: str = "text", text_sample_by: str = "document", overwrite: bool = False) -> dict:
@@ -236,15 +268,24 @@ def prepare(source: str, tokenizer_name: str, out: Path, *, val_fraction: float 
                 writers[name].write(part)
             progress.update(sum(p.documents for p in parts.values()), sum(w.tokens for w in writers.values()),
                             sum(w.text_bytes for w in writers.values()) / 1e6)
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        raise
     finally:
         progress.close()
+    if not sum(w.text_bytes for w in writers.values()):  # nothing, or only empty documents: no final files
+        for w in writers.values():
+            w.abort()
+        raise DataError(f"{source}: no text was read (empty files?); nothing to train on, nothing written")
+    tail_note = _hold_out_tail(writers, val_fraction)
     splits = {name: w.finish() for name, w in writers.items()}
-    if not splits["train"]["tokens"]:
-        raise DataError(f"{source}: no documents were read; nothing to train on")
     seconds = time.monotonic() - started
     meta = build_meta(tokenizer, dtype_name, max(w.max_id for w in writers.values()), splits, source=source,
                       subset=subset, split=split, text_field=text_field, text_sample_by=text_sample_by,
                       split_seed=split_seed, val_fraction=val_fraction, max_docs=max_docs, seconds=seconds)
+    if tail_note:
+        meta["val_split"] = tail_note
     tmp = out / "meta.json.partial"
     tmp.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
     os.replace(tmp, out / "meta.json")
@@ -266,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
     print(summary_line(args.out, meta, f"{meta['text_bytes'] / 1e6 / max(meta['seconds'], 1e-9):.1f} MB/s"))
+    if meta.get("val_split"):
+        print(f"note: {meta['val_split']}")
     if warning := empty_val_warning(meta):
         print(warning, file=sys.stderr)
     return 0

@@ -66,6 +66,10 @@ def verify(data_dir: Path, model_vocab: int | None = None) -> list[str]:
         if model_vocab is not None and max_id >= model_vocab:
             problems.append(f"{path}: token id {max_id} >= model vocab_size {model_vocab}")
         seen_max = max(seen_max, max_id)
+        if size == 0 and (split == "train" or meta.raw.get("val_fraction", 1) != 0):  # val_fraction 0: none wanted
+            problems.append(f"{path}: the {split} split is empty (0 tokens): "
+                            + ("evaluation would have nothing to score; prepare again (one file: its tail is held out)"
+                               if split == "val" else "nothing to train on"))
     if meta.max_token_id is not None and not problems and seen_max != meta.max_token_id:
         problems.append(f"largest id in the files is {seen_max} but meta.json says max_token_id {meta.max_token_id}")
     return problems
