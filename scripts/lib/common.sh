@@ -250,6 +250,7 @@ resume_note() {
 # (python -m train.start_checks: stale .HALT, a live trainer on the out_dir, the data source, and for a resume
 # the checkpoint's architecture, train.steps, tokenizer and global batch on NPROC ranks). Reads only. Sets
 # START_LINES (what the launch will do, one per line) and START_PROBLEM (the launch's one-line refusal, or empty).
+# shellcheck disable=SC2034  # START_LINES is read by the caller
 run_start_checks() {
   local config=$1 nproc=$2 out rc=0
   shift 2
@@ -295,11 +296,14 @@ lock_out_dir() {
 # drop_lock_only_out_dir OUT_DIR EXISTED: after a failed start, an out_dir this launch created that holds only
 # lock files goes again (it held nothing before and holds nothing of value now)
 drop_lock_only_out_dir() {
-  local dir=$1 existed=$2
-  if [ "$existed" = 0 ] && [ -d "$dir" ] && [ -z "$(ls -A "$dir" | grep -v -x -e .lock -e .launch.lock)" ]; then
-    rm -f "$dir/.lock" "$dir/.launch.lock"
-    rmdir "$dir" 2>/dev/null || true
-  fi
+  local dir=$1 existed=$2 entry
+  [ "$existed" = 0 ] && [ -d "$dir" ] || return 0
+  for entry in "$dir"/* "$dir"/.[!.]* "$dir"/..?*; do
+    [ -e "$entry" ] || continue
+    case "${entry##*/}" in .lock | .launch.lock) ;; *) return 0 ;; esac
+  done
+  rm -f "$dir/.lock" "$dir/.launch.lock"
+  rmdir "$dir" 2>/dev/null || true
 }
 
 # new_run_dir PREFIX -> creates and prints $ARTIFACTS_DIR/train_runs/PREFIX_<timestamp>[_n]

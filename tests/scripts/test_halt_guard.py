@@ -43,7 +43,7 @@ def test_common_check_halt_prints_the_trainers_line(tmp_path, script_env):
     (out / ".HALT").touch()
     res = subprocess.run(["bash", "-c", script, "_", str(out)], cwd=REPO, env=script_env(), capture_output=True,
                          text=True, timeout=60)
-    assert res.returncode == 1 and res.stdout == ""
+    assert res.returncode == 2 and res.stdout == ""  # bad input: exit 2, as docs/RUNBOOK.md says
     assert res.stderr == f"[t] error: {stale_halt_message(out)}\n"
 
 
@@ -54,7 +54,23 @@ def test_production_preflight_refuses_a_stale_halt(fake_smi, script_env, tmp_pat
     env = script_env(fake_smi([A100_80, A100_80]), DRY_RUN="1", SKIP_CAUSALITY="1",
                      EXTRA_ARGS=f"--train.out_dir={out}")
     res = run_script("production_50k_launch.sh", env)
-    assert res.returncode == 1
+    assert res.returncode == 2
     assert res.stderr.strip().splitlines()[-1].endswith(f"error: {stale_halt_message(out)}")
     info = kv_file(only_run_dir(tmp_path / "artifacts") / "run.info")
-    assert info["preflight"] == f"FAILED: {stale_halt_message(out)}" and info["exit_code"] == "1"
+    assert info["preflight"] == f"FAILED: {stale_halt_message(out)}" and info["exit_code"] == "2"
+
+
+def test_a_failed_launch_drops_an_out_dir_holding_only_its_locks(tmp_path, script_env):
+    script = 'SCRIPT_TAG=t; source scripts/lib/common.sh; drop_lock_only_out_dir "$1" "$2"'
+    new, kept, used = tmp_path / "new", tmp_path / "kept", tmp_path / "used"
+    for d in (new, kept, used):
+        d.mkdir()
+        (d / ".lock").write_text("{}")
+        (d / ".launch.lock").write_text("")
+    (used / "training.csv").write_text("step\n")
+    for d, existed in ((new, "0"), (kept, "1"), (used, "0")):
+        res = subprocess.run(["bash", "-c", script, "_", str(d), existed], cwd=REPO, env=script_env(),
+                             capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, res.stderr
+    assert not new.exists()  # created by the launch, holds nothing else
+    assert (kept / ".lock").exists() and (used / "training.csv").exists()  # there before / holds a run
