@@ -23,7 +23,7 @@ def rows(csv_path: Path) -> list[str]:
 
 def wait_for_rows(proc: subprocess.Popen, out: Path, n: int, log: Path) -> None:
     deadline = time.time() + 180
-    while len(rows(out / "training.csv")) < n or not (out / "checkpoint_step2.pt").exists():
+    while len(rows(out / "training.csv")) < n or not list(out.glob("checkpoint_step*.pt")):
         assert proc.poll() is None and time.time() < deadline, log.read_text()
         time.sleep(0.2)
 
