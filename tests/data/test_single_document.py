@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from train.data.prepare import prepare
+from train.data.prepare_sharded import prepare_sharded
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -21,6 +22,10 @@ def run(*args: str) -> subprocess.CompletedProcess:
 def tokens(out: Path, split: str) -> np.ndarray:
     meta = json.loads((out / "meta.json").read_text())
     return np.fromfile(out / meta["splits"][split]["file"], dtype=meta["dtype"])
+
+
+def snapshot(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
 
 
 def test_one_text_file_holds_out_its_tail_by_default(tmp_path, corpus_path):
@@ -39,6 +44,15 @@ def test_one_text_file_holds_out_its_tail_by_default(tmp_path, corpus_path):
     assert run("train.data.verify", str(out)).returncode == 0
 
 
+def test_a_small_file_still_holds_out_a_few_windows(tmp_path, corpus_path):
+    """0.5% of 20,000 tokens would be 100 tokens, less than one window of most configs: the tail takes 10%."""
+    text = tmp_path / "small.txt"
+    text.write_bytes(corpus_path.read_bytes()[:19_999])  # ASCII: 19,999 byte tokens + EOS
+    meta = prepare(f"text:{text}", "byte", tmp_path / "out", workers=1)
+    assert meta["splits"]["val"]["tokens"] == 2_000 and meta["splits"]["train"]["tokens"] == 18_000
+    assert meta["val_split"].startswith("one document: its last 10.00% (2,000 tokens)")
+
+
 def test_many_documents_stay_whole(tmp_path):
     texts = tmp_path / "docs"
     texts.mkdir()
@@ -49,15 +63,43 @@ def test_many_documents_stay_whole(tmp_path):
     assert meta["splits"]["val"]["tokens"] == meta["splits"]["val"]["documents"] * (len("document 000 ") * 20 + 1)
 
 
+def test_sharded_prepare_of_one_file_holds_out_the_same_tail(tmp_path, corpus_path):
+    text = tmp_path / "book.txt"
+    text.write_bytes(corpus_path.read_bytes()[:30_000])
+    one_shot = prepare(f"text:{text}", "byte", tmp_path / "one", workers=1)
+    sharded = prepare_sharded(f"text:{text}", "byte", tmp_path / "sharded", n_shards=1)
+    for name in ("train.bin", "val.bin"):
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "sharded" / name).read_bytes(), name
+    assert sharded["splits"] == one_shot["splits"] and sharded["val_split"] == one_shot["val_split"]
+
+
 def test_an_empty_source_is_one_line_and_leaves_no_final_files(tmp_path):
-    (tmp_path / "empty.txt").write_text("")
+    for name, content in (("empty.txt", ""), ("blank.txt", "  \n\n \t\n")):
+        (tmp_path / name).write_text(content)
+        source, out = f"text:{tmp_path / name}", tmp_path / f"out_{name}"
+        for tool in ("train.data.prepare", "train.data.prepare_sharded"):
+            res = run(tool, "--source", source, "--out", str(out), "--tokenizer", "gpt2", "--workers", "1",
+                      *(["--shards", "1"] if tool.endswith("sharded") else []))
+            assert not (out / "train.bin").exists() and not (out / "val.bin").exists(), (tool, name)
+            assert res.returncode == 2, (tool, name, res.stdout, res.stderr)
+            assert res.stderr.strip().splitlines()[-1] == (f"error: {source}: no text was read (empty or whitespace-only "
+                                                          f"files); nothing to train on, nothing written")
+        assert not (out / "meta.json").exists()
+
+
+def test_an_empty_source_keeps_what_the_directory_held(tmp_path, corpus_path):
+    """--overwrite replaces a prepared dataset only once there is data to replace it with."""
+    text, empty = tmp_path / "book.txt", tmp_path / "empty.txt"
+    text.write_bytes(corpus_path.read_bytes()[:30_000])
+    empty.write_text("")
     out = tmp_path / "out"
-    res = run("train.data.prepare", "--source", f"text:{tmp_path / 'empty.txt'}", "--out", str(out), "--tokenizer", "byte",
-              "--workers", "1")
-    assert res.returncode == 2
-    assert res.stderr.strip().splitlines()[-1] == (f"error: text:{tmp_path / 'empty.txt'}: no text was read (empty "
-                                                  f"files?); nothing to train on, nothing written")
-    assert not out.exists() or not list(out.iterdir())
+    prepare(f"text:{text}", "byte", out, workers=1)
+    before = snapshot(out)
+    res = run("train.data.prepare", "--source", f"text:{empty}", "--out", str(out), "--tokenizer", "byte",
+              "--workers", "1", "--overwrite")
+    assert res.returncode == 2 and res.stderr.strip().splitlines()[-1].startswith("error: ")
+    assert snapshot(out) == before  # meta.json, train.bin and val.bin untouched, no *.partial left
+    assert run("train.data.verify", str(out)).returncode == 0
 
 
 def test_verify_flags_an_empty_val_split(tmp_path):

@@ -33,6 +33,8 @@ from train.data.tokenizers import load_tokenizer
 from train.errors import DataError, UserError
 
 CHUNK_DOCS = 256
+TAIL_MIN_TOKENS = 4096  # a single document's held-out tail takes at least this many tokens ...
+TAIL_MAX_SHARE = 0.1  # ... or this share of the document when that is fewer
 
 
 @dataclass
@@ -42,6 +44,7 @@ class EncodedDocuments:
     tokens: np.ndarray  # [n] ids in the dtype of the token files
     documents: int
     text_bytes: int  # UTF-8 bytes of the documents' text (EOS excluded)
+    blank_documents: int = 0  # documents of nothing but whitespace
 
 
 def encode_documents(tokenizer, texts: list[str]) -> EncodedDocuments:
@@ -51,7 +54,8 @@ def encode_documents(tokenizer, texts: list[str]) -> EncodedDocuments:
     encoded = tokenizer.encode_batch(texts) if texts else []  # some tokenizers refuse an empty batch
     parts = [piece for ids in encoded for piece in (np.asarray(ids, dtype=dtype), eos)]
     return EncodedDocuments(tokens=np.concatenate(parts) if parts else np.zeros(0, dtype), documents=len(texts),
-                            text_bytes=sum(len(t.encode("utf-8")) for t in texts))
+                            text_bytes=sum(len(t.encode("utf-8")) for t in texts),
+                            blank_documents=sum(1 for t in texts if not t or t.isspace()))
 
 
 class _SplitWriter:
@@ -61,10 +65,12 @@ class _SplitWriter:
         self.path, self.final = out / f"{name}.bin.partial", out / f"{name}.bin"
         self.file, self.dtype = open(self.path, "wb"), dtype
         self.sha, self.tokens, self.documents, self.text_bytes, self.max_id = hashlib.sha256(), 0, 0, 0, -1
+        self.blank_documents = 0
 
     def write(self, part: EncodedDocuments) -> None:
         self.documents += part.documents
         self.text_bytes += part.text_bytes
+        self.blank_documents += part.blank_documents
         if not len(part.tokens):
             return
         data = part.tokens.astype(self.dtype, copy=False).tobytes()
@@ -231,15 +237,32 @@ def empty_val_warning(meta: dict) -> str | None:
             f"{meta['val_fraction']} holds out whole documents), so training with evaluation will stop; {hint}")
 
 
-def _hold_out_tail(writers: dict, val_fraction: float) -> str | None:
-    """One document and no held-out one (a single text file): its last val_fraction of tokens becomes val.bin, a
-    contiguous tail (hashing whole documents cannot split one). Returns what was done, or None."""
+def tail_tokens(n_tokens: int, val_fraction: float) -> int:
+    """Tokens held out from the end of a single document of n_tokens: val_fraction of them, but at least
+    min(TAIL_MIN_TOKENS, TAIL_MAX_SHARE of them), so a small file still leaves a few windows to evaluate; train
+    keeps at least one token."""
+    floor = min(TAIL_MIN_TOKENS, int(n_tokens * TAIL_MAX_SHARE))
+    return max(1, min(n_tokens - 1, max(math.ceil(n_tokens * val_fraction), floor)))
+
+
+def hold_out_tail(writers: dict, val_fraction: float) -> str | None:
+    """One document and no held-out one (a single text file): its contiguous tail (tail_tokens) becomes val.bin,
+    since hashing whole documents cannot split one. Returns the line saying what was done, or None."""
     train, val = writers["train"], writers["val"]
     if val.tokens or not val_fraction or train.documents != 1 or train.tokens < 2:
         return None
-    n = min(train.tokens - 1, max(1, math.ceil(train.tokens * val_fraction)))
+    n = tail_tokens(train.tokens, val_fraction)
+    share = n / train.tokens
     train.move_tail(val, n)
-    return f"one document: its last {val_fraction:.2%} ({n:,} tokens) held out as val.bin (a contiguous tail)"
+    return f"one document: its last {share:.2%} ({n:,} tokens) held out as val.bin (a contiguous tail)"
+
+
+def no_text_error(source: str, documents: int, blank_documents: int) -> DataError | None:
+    """An error when the source gave no text at all (no documents, or only empty / whitespace ones), else None."""
+    if documents > blank_documents:
+        return None
+    return DataError(f"{source}: no text was read (empty or whitespace-only files); nothing to train on, "
+                     f"nothing written")
 
 
 def prepare(source: str, tokenizer_name: str, out: Path, *, val_fraction: float = 0.005, split_seed: int = 0,
@@ -257,8 +280,8 @@ def prepare(source: str, tokenizer_name: str, out: Path, *, val_fraction: float 
     dtype_name = dtype_for_vocab(tokenizer.n_vocab)
     chunks = document_chunks(source, subset=subset, split=split, text_field=text_field, text_sample_by=text_sample_by,
                              max_docs=max_docs)
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    (out / "meta.json").unlink(missing_ok=True)
     writers = {name: _SplitWriter(out, name, np.dtype(dtype_name)) for name in ("train", "val")}
     progress, started = _Progress(), time.monotonic()
     try:
@@ -268,17 +291,19 @@ def prepare(source: str, tokenizer_name: str, out: Path, *, val_fraction: float 
                 writers[name].write(part)
             progress.update(sum(p.documents for p in parts.values()), sum(w.tokens for w in writers.values()),
                             sum(w.text_bytes for w in writers.values()) / 1e6)
-    except BaseException:
+        if error := no_text_error(source, sum(w.documents for w in writers.values()),
+                                  sum(w.blank_documents for w in writers.values())):
+            raise error
+    except BaseException:  # only this run's *.partial files go; what the directory held before stays
         for w in writers.values():
             w.abort()
+        if created and not any(out.iterdir()):
+            out.rmdir()
         raise
     finally:
         progress.close()
-    if not sum(w.text_bytes for w in writers.values()):  # nothing, or only empty documents: no final files
-        for w in writers.values():
-            w.abort()
-        raise DataError(f"{source}: no text was read (empty files?); nothing to train on, nothing written")
-    tail_note = _hold_out_tail(writers, val_fraction)
+    tail_note = hold_out_tail(writers, val_fraction)
+    (out / "meta.json").unlink(missing_ok=True)  # (--overwrite) the old dataset goes only now, with data to replace it
     splits = {name: w.finish() for name, w in writers.items()}
     seconds = time.monotonic() - started
     meta = build_meta(tokenizer, dtype_name, max(w.max_id for w in writers.values()), splits, source=source,

@@ -35,7 +35,7 @@ import numpy as np
 from train.data.meta import dtype_for_vocab
 from train.data.prepare import (
     EncodedDocuments, _chunks, _init_worker, _SplitWriter, _tokenize_chunk, add_source_arguments, build_meta,
-    empty_val_warning, spellings, summary_line,
+    empty_val_warning, hold_out_tail, no_text_error, spellings, summary_line,
 )
 from train.data.sources import ReaderPlan, iter_documents, open_documents
 from train.data.tokenizers import load_tokenizer
@@ -97,6 +97,7 @@ def _tokenize_shard(job: dict) -> dict:
     splits = {s: {**w.finish(), "max_id": w.max_id} for s, w in writers.items()}
     record = {"shard": i, "data_files": [lo, hi], "splits": splits,
               "text_bytes": sum(info["text_bytes"] for info in splits.values()),
+              "blank_documents": sum(w.blank_documents for w in writers.values()),
               "seconds": round(time.monotonic() - started, 3)}
     _write_json(_marker(shards, i), record)
     return record
@@ -111,8 +112,9 @@ def _run_shards(jobs: list[dict], workers: int):
         yield from pool.imap_unordered(_tokenize_shard, jobs)
 
 
-def _join(out: Path, shards: Path, records: list[dict], dtype_name: str) -> dict:
-    """Concatenate the shard files in order into out/{train,val}.bin (prepare's writer: sha256, counts)."""
+def _join(out: Path, shards: Path, records: list[dict], dtype_name: str, val_fraction: float) -> tuple[dict, int, str | None]:
+    """Concatenate the shard files in order into out/{train,val}.bin (prepare's writer: sha256, counts; a single
+    document's tail held out as prepare holds it). -> (splits, max id, prepare's note on the tail or None)."""
     dtype = np.dtype(dtype_name)
     writers = {s: _SplitWriter(out, s, dtype) for s in SPLIT_NAMES}
     for record in records:
@@ -133,9 +135,9 @@ def _join(out: Path, shards: Path, records: list[dict], dtype_name: str) -> dict
                     w.path.unlink(missing_ok=True)
                 raise DataError(f"{_shard_file(shards, i, split)} changed after it was written (sha256 mismatch); "
                                 f"delete {_marker(shards, i).name} and rerun")
+    tail_note = hold_out_tail(writers, val_fraction)
     splits = {s: w.finish() for s, w in writers.items()}
-    splits["max_id"] = max((w.max_id for w in writers.values()), default=-1)
-    return splits
+    return splits, max((w.max_id for w in writers.values()), default=-1), tail_note
 
 
 def prepare_sharded(source: str, tokenizer_name: str, out: Path, *, n_shards: int, workers: int = 1,
@@ -196,10 +198,10 @@ def prepare_sharded(source: str, tokenizer_name: str, out: Path, *, n_shards: in
 
 def _finish(out: Path, shards: Path, records: list[dict], params: dict, tokenizer, keep_shards: bool,
             started: float) -> dict:
-    splits = _join(out, shards, records, params["dtype"])
-    max_id = splits.pop("max_id")
-    if not splits["train"]["tokens"]:
-        raise DataError(f"{params['source']}: no documents were read; nothing to train on")
+    documents = sum(r["splits"][s]["documents"] for r in records for s in SPLIT_NAMES)
+    if error := no_text_error(params["source"], documents, sum(r.get("blank_documents", 0) for r in records)):
+        raise error
+    splits, max_id, tail_note = _join(out, shards, records, params["dtype"], params["val_fraction"])
     kind, _, arg = params["source"].partition(":")
     files = sorted(glob.glob(arg, recursive=True)) if kind in ("text", "jsonl", "parquet") else None
     manifest = {"format": MANIFEST_FORMAT, "version": 1, **params, "shards": [
@@ -213,6 +215,8 @@ def _finish(out: Path, shards: Path, records: list[dict], params: dict, tokenize
                       split=p["split"], text_field=p["text_field"], text_sample_by=p["text_sample_by"],
                       split_seed=p["split_seed"], val_fraction=p["val_fraction"], max_docs=None,
                       seconds=time.monotonic() - started)
+    if tail_note:
+        meta["val_split"] = tail_note
     _write_json(out / "meta.json", meta)
     if not keep_shards:
         for r in records:
@@ -242,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     if meta is None:
         return 0
     print(summary_line(args.out, meta, f"{args.shards} shards (manifest.json)"))
+    if meta.get("val_split"):
+        print(f"note: {meta['val_split']}")
     if warning := empty_val_warning(meta):
         print(warning, file=sys.stderr)
     return 0
