@@ -12,7 +12,8 @@ and appended to (docs/ARTIFACTS.md):
 
 Python notices a new dump later, when it runs again: it appends a line with the time and the names of
 the threads (faulthandler prints thread ids only) and calls the heartbeat callback. A file that got no
-dump is removed when the run ends cleanly.
+dump is removed when the process ends, however it ends (kill -9 and OOM kills included): a small
+sweeper process per file waits on a pipe that only this process (and its forks) hold open.
 
 `python -m train.safety check-halt OUT_DIR` prints the stale-.HALT message (stale_halt_message) and
 exits 2 when OUT_DIR/.HALT exists, else exits 0: the bash runners use it, so the text lives here only.
@@ -23,6 +24,7 @@ import faulthandler
 import os
 import shlex
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -31,7 +33,21 @@ from typing import Callable
 
 from train.artifacts import HALT, STACKDUMP_NAME
 
-
+# The sweeper of one dump file: it blocks reading a pipe until DumpFile.close() writes a byte or the dumping
+# process is gone (end of file: a crash, kill -9), then removes the file if it still holds the header only.
+SWEEPER = """
+import os, signal, sys
+for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    signal.signal(sig, signal.SIG_IGN)
+os.read(0, 1)
+path, inode, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+try:
+    st = os.stat(path)
+except OSError:
+    sys.exit(0)
+if (st.st_ino, st.st_size) == (inode, size):
+    os.unlink(path)
+"""
 
 
 def stale_halt_message(out_dir: Path) -> str | None:
@@ -66,6 +82,20 @@ class DumpFile:
         self.note(f"{header}; opened {time.strftime('%Y-%m-%d %H:%M:%S')}, pid {os.getpid()}, "
                   f"main thread 0x{threading.main_thread().ident:016x}")
         self.empty_size = self.seen = self.size()
+        self._sweeper, self._sweep_fd = self._start_sweeper()
+
+    def _start_sweeper(self) -> tuple[subprocess.Popen, int]:
+        """A process (in its own session: a Ctrl-C or a process-group kill of the run misses it) that
+        removes the file unless a dump arrived, at close() or when this process dies."""
+        read_end, write_end = os.pipe()
+        try:
+            proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", SWEEPER, str(self.path),
+                                     str(os.fstat(self.file.fileno()).st_ino), str(self.empty_size)],
+                                    stdin=read_end, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                    start_new_session=True)
+        finally:
+            os.close(read_end)
+        return proc, write_end
 
     def size(self) -> int:
         return os.fstat(self.file.fileno()).st_size
@@ -90,13 +120,20 @@ class DumpFile:
         self.seen = self.size()
 
     def close(self) -> None:
-        """Close; remove the file when no dump ever arrived (only the header is in it)."""
+        """Close; the sweeper removes the file now when no dump ever arrived (only the header is in it)."""
         if self.file.closed:
             return
-        unused = self.size() == self.empty_size
         self.file.close()
-        if unused:
-            self.path.unlink(missing_ok=True)
+        try:
+            os.write(self._sweep_fd, b"x")
+        except BrokenPipeError:  # the sweeper is gone (killed): nothing removes the file
+            pass
+        os.close(self._sweep_fd)
+        try:
+            self._sweeper.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._sweeper.kill()
+            self._sweeper.wait()
 
 
 class StopFlags:

@@ -16,6 +16,8 @@ import pytest
 
 from train.safety import StopFlags, Watchdog, stackdump_path
 
+from .helpers import TINY_MODEL
+
 REPO = Path(__file__).resolve().parents[2]
 
 # A default pthread mutex locked twice by the same thread waits forever. PyDLL keeps the GIL during the
@@ -204,3 +206,36 @@ def test_an_unused_watchdog_file_is_removed(tmp_path):
 def test_dump_file_names(tmp_path):
     assert stackdump_path(tmp_path).name == f"stackdump_rank0_{os.getpid()}.txt"
     assert stackdump_path(tmp_path, 2, kind="watchdog").name == f"stackdump_rank2_{os.getpid()}_watchdog.txt"
+
+
+def test_kill_9_of_a_training_run_leaves_no_empty_dump_file(tmp_path):
+    """A real training run killed with SIGKILL (no cleanup code of its own runs): its watchdog file, which
+    never got a dump, is gone; its SIGUSR1 file, which got one, stays."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "train", *TINY_MODEL, f"--train.out_dir={out}",
+                             "--train.steps=100000", "--train.seq_len=16", "--train.batch_size=2", "--train.log_every=1",
+                             "--runtime.device=cpu", "--runtime.threads=1"], cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    usr1, watchdog = out / f"stackdump_rank0_{proc.pid}.txt", out / f"stackdump_rank0_{proc.pid}_watchdog.txt"
+    try:
+        deadline = time.time() + 90
+        beat = out / "heartbeat_rank0.jsonl"
+        while not (beat.exists() and '"kind": "train"' in beat.read_text()):  # training steps
+            assert proc.poll() is None and time.time() < deadline, proc.stderr.read() if proc.poll() is not None else ""
+            time.sleep(0.1)
+        assert usr1.exists() and watchdog.exists()  # both opened at start
+        proc.send_signal(signal.SIGUSR1)
+        while "(most recent call first)" not in usr1.read_text():
+            assert time.time() < deadline, usr1.read_text()
+            time.sleep(0.05)
+    finally:
+        proc.kill()
+        proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    deadline = time.time() + 15
+    while watchdog.exists():
+        assert time.time() < deadline, f"{watchdog.name} (no dump in it) outlived its process: {watchdog.read_text()!r}"
+        time.sleep(0.05)
+    assert "(most recent call first)" in usr1.read_text()  # the dump is kept
+    assert sorted(p.name for p in out.glob("stackdump_*")) == [usr1.name]
