@@ -94,7 +94,16 @@ def write_weights(model, dtype: torch.dtype, out: Path) -> None:
     from safetensors.torch import save_file
 
     tensors = to_hf_tensors(model.cfg, model.state_dict(), dtype)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    path = out / "model.safetensors"
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    path.chmod(0o666 & ~_umask())  # safetensors renames a private (0600) temporary file into place
+
+
+def _umask() -> int:
+    """The process umask (reading it means setting it, so it is set back at once)."""
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
 
 
 # ---- tokenizer -------------------------------------------------------------------------------

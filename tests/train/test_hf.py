@@ -296,6 +296,18 @@ def test_export_cli_refuses_a_non_empty_out_dir(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt", "out"]  # no temporary directories left
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_export_cli_writes_every_file_with_the_umask_mode(tmp_path, umask):
+    """model.safetensors too (safetensors itself writes a private 0600 file): 0644 under umask 022."""
+    ckpt = save_checkpoint(tmp_path / "ckpt.pt", randomized(BASE))
+    proc = subprocess.run([sys.executable, "-m", "train.export_hf", str(ckpt), str(tmp_path / "out")], cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120,
+                          umask=umask)
+    assert proc.returncode == 0, proc.stderr
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in (tmp_path / "out").iterdir()}
+    assert "model.safetensors" in modes and set(modes.values()) == {oct(0o666 & ~umask)}, modes
+
+
 # ---- train.init_from -------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def llama_export(tmp_path_factory):
