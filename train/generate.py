@@ -12,7 +12,8 @@ trained in bf16). Text streams to stdout as tokens are produced: the prompt, the
       `=== prompt P, sample S ===` goes before each.
   --temperature 0: greedy (argmax); --top_k 0 and --top_p 1 switch those filters off.
   --json: one JSON line per sample instead of streaming: prompt, text, ids and the prompt's timings.
-After each prompt one line on stderr: prefill and decode tokens/s, counted over all samples' rows.
+On stderr: one line naming the checkpoint loaded and its step, then after each prompt one line with
+prefill and decode tokens/s, counted over all samples' rows.
 Prompt + max_new_tokens must fit the model's max_seq_len (nsa/generate.py). Bad input: one `error:`
 line on stderr, exit 2.
 """
@@ -26,7 +27,7 @@ from pathlib import Path
 import torch
 
 from nsa.generate import Generation, GenerationError, check_arguments, generate, seeded_generators
-from train.checkpoint import model_from_checkpoint
+from train.checkpoint import load_checkpoint, model_from_checkpoint, resolve_checkpoint
 from train.data.tokenizers import load_tokenizer
 from train.distributed import autocast_context, resolve_precision
 from train.errors import ConfigError, UserError
@@ -39,12 +40,15 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = _Parser(prog="python -m train.generate", description=__doc__.split("\n\n")[1].split("\n")[0])
+    _usage, description, details = __doc__.split("\n\n", 2)
+    p = _Parser(prog="python -m train.generate", description=description, epilog=details,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("ckpt", type=Path, help="checkpoint file or run directory")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the prompt text")
     src.add_argument("--prompt_file", type=Path, help="one prompt per line (blank lines skipped)")
-    p.add_argument("--max_new_tokens", type=int, default=200)
+    p.add_argument("--max_new_tokens", type=int, default=200,
+                   help="tokens to generate per sample (the prompt plus these must fit the model's max_seq_len)")
     p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
     p.add_argument("--top_k", type=int, default=50, help="0: off")
     p.add_argument("--top_p", type=float, default=0.95, help="1: off")
@@ -102,7 +106,8 @@ def main(argv: list[str] | None = None, out=None, err=None) -> int:
         args = parse_args(argv)
         device = resolve_device(args.device)
         prompts = read_prompts(args)
-        model, cfg = model_from_checkpoint(args.ckpt, str(device))
+        checkpoint = resolve_checkpoint(args.ckpt).resolve()  # latest.pt -> the checkpoint it names
+        model, cfg = model_from_checkpoint(checkpoint, str(device))
         tok = load_tokenizer(cfg["data"]["tokenizer"])
         encoded = tok.encode_batch(prompts)
         for n, ids in enumerate(encoded, 1):  # every prompt is checked before any output
@@ -112,6 +117,7 @@ def main(argv: list[str] | None = None, out=None, err=None) -> int:
                                 f"vocab_size {model.cfg.vocab_size}")
             check_arguments(model.cfg.max_seq_len, len(ids), args.max_new_tokens, args.temperature, args.top_k,
                             args.top_p, args.num_samples, args.prefill_chunk)
+        print(f"checkpoint: {checkpoint} (step {load_checkpoint(checkpoint)['step']})", file=err, flush=True)
         headers = len(prompts) * args.num_samples > 1
         with autocast_context(device, run_precision(cfg, device)):
             for n, (text, ids) in enumerate(zip(prompts, encoded), 1):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -188,6 +189,28 @@ def test_cli_bad_input_is_one_error_line(run_dir, argv, message):
     code, out, err = _main(str(run_dir), *argv)
     assert code == 2 and out == ""
     assert err.startswith("error: ") and err.count("\n") == 1 and message in err
+
+
+def test_cli_names_the_checkpoint_it_loaded(run_dir):
+    for given in (run_dir, run_dir / "latest.pt", run_dir / "checkpoint_step2.pt"):
+        code, _, err = _main(str(given), "--prompt", "Hi", "--max_new_tokens", "2", "--device", "cpu")
+        assert code == 0, err
+        assert err.splitlines()[0] == f"checkpoint: {(run_dir / 'checkpoint_step2.pt').resolve()} (step 2)"
+
+
+def test_cli_help_is_whole_sentences_and_covers_every_option():
+    proc = subprocess.run([sys.executable, "-m", "train.generate", "--help"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr
+    flat = " ".join(proc.stdout.split())
+    for paragraph in cli.__doc__.split("\n\n")[1:]:  # the whole docstring after its usage line
+        assert " ".join(paragraph.split()) in flat
+    assert "its newest valid checkpoint), using the checkpoint's own tokenizer" in flat
+    options = proc.stdout.split("\noptions:\n")[1].split("\n\n")[0]
+    entries = re.split(r"\n(?=  -)", options)
+    assert len(entries) == 13  # -h and the 12 options
+    for entry in entries:  # invocation, then two spaces or a new line, then the help
+        assert re.fullmatch(r"  -\S+(?: [A-Z_]+)?(?:, --\S+)?(?: {2,}|\n +)\S.*", entry, re.S), f"no help: {entry!r}"
 
 
 def test_cli_missing_checkpoint_exits_2(tmp_path):
