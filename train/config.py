@@ -1,14 +1,15 @@
 """Run configuration: YAML sections model / nsa / train / data / runtime -> typed dataclasses.
 
 Strict by design: an unknown key, a key nothing reads, or a value of the wrong type is a
-ConfigError naming the file (or, for an override, the command-line flag), the key and the valid
-keys. Command-line overrides use
+ConfigError naming the file (or, for an override, the command-line flag), the key and the closest
+valid key (difflib; with none close, where the keys are listed). Command-line overrides use
 `--section.key=value`, a bare `--key=value` when the leaf name is unambiguous, or one of the
 nanoGPT-style aliases in ALIASES (the source guides' commands).
 """
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
 import sys
 import types
@@ -294,6 +295,16 @@ def _field_types(cls: type) -> dict[str, object]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.name != "nsa"}
 
 
+def _did_you_mean(name: str, choices: dict[str, str], otherwise: str) -> str:
+    """choices: candidate -> how to write it. 'did you mean X?' for the closest candidate, else `otherwise`."""
+    close = difflib.get_close_matches(name, list(choices), n=1)
+    return f"did you mean {choices[close[0]]}?" if close else otherwise
+
+
+def _section_hint(section: str) -> str:
+    return _did_you_mean(section, {s: f"'{s}'" for s in SECTIONS}, f"valid sections: {', '.join(SECTIONS)}")
+
+
 def _build(cls: type, values: dict, where: str, section: str = "", origins: dict[str, str] | None = None):
     """Typed keyword arguments for cls. origins: key -> the command-line flag that set it (errors about
     such a key name the flag, not the YAML file `where`)."""
@@ -302,10 +313,11 @@ def _build(cls: type, values: dict, where: str, section: str = "", origins: dict
     unknown = sorted(set(values) - set(types_), key=lambda k: (k not in origins, k))
     if unknown:
         key = unknown[0]
+        hint = _did_you_mean(key, {k: f"'{k}'" for k in types_},
+                             "no close match; `python -m train --help` lists the keys (docs/CONFIG.md)")
         if key in origins:
-            raise ConfigError(f"{origins[key]}: unknown key '{key}' in section {section}; "
-                              f"valid keys: {', '.join(types_)}")
-        raise ConfigError(f"{where}: unknown key '{key}' in section; valid keys: {', '.join(types_)}")
+            raise ConfigError(f"{origins[key]}: unknown key '{key}' in section {section}; {hint}")
+        raise ConfigError(f"{where}: unknown key '{key}'; {hint}")
     kwargs = {k: _coerce(v, types_[k], origins.get(k, f"{where}.{k}")) for k, v in values.items()}
     return kwargs
 
@@ -333,7 +345,7 @@ def _load_yaml(path: Path) -> dict:
         raise ConfigError(f"{path}: top level must be a mapping of sections ({', '.join(SECTIONS)})")
     for section, body in raw.items():
         if section not in SECTIONS:
-            raise ConfigError(f"{path}: unknown section '{section}'; valid sections: {', '.join(SECTIONS)}")
+            raise ConfigError(f"{path}: unknown section '{section}'; {_section_hint(str(section))}")
         if body is not None and not isinstance(body, dict):
             raise ConfigError(f"{path}: section '{section}' must be a mapping, got {type(body).__name__}")
     return {k: dict(v or {}) for k, v in raw.items()}
@@ -389,7 +401,7 @@ def _parse_overrides(args: list[str]) -> list[tuple[str, object, str]]:
         if "." in key:
             section = key.split(".", 1)[0]
             if section not in SECTIONS:
-                raise ConfigError(f"--{key}: unknown section '{section}'; valid: {', '.join(SECTIONS)}")
+                raise ConfigError(f"--{key}: unknown section '{section}'; {_section_hint(section)}")
             pairs.append((key, value, f"--{key}"))
         elif key in NO_OP_FLAGS:
             print(f"note: --{key}={text} has no effect: {NO_OP_FLAGS[key]}", file=sys.stderr)
@@ -402,7 +414,10 @@ def _parse_overrides(args: list[str]) -> list[tuple[str, object, str]]:
         elif key in index:
             raise ConfigError(f"--{key} is ambiguous ({', '.join(index[key])}); give the section")
         else:
-            raise ConfigError(f"--{key}: unknown option; use --section.key=value (sections: {', '.join(SECTIONS)})")
+            flags = {name: " or ".join(f"--{q}" for q in qualified) for name, qualified in index.items()}
+            flags.update({name: f"--{name}" for name in [*ALIASES, *NO_OP_FLAGS]})
+            raise ConfigError(f"--{key}: unknown option; " + _did_you_mean(
+                key, flags, f"use --section.key=value (sections: {', '.join(SECTIONS)})"))
     return pairs
 
 
