@@ -6,9 +6,11 @@
 
 Every target of the split's token stream is scored exactly once (train/scoring.py): non-overlapping
 windows by default, a sliding window with --stride S for RoPE models. The data comes from
-train/eval_data.py. Prints one JSON object and writes it to eval_<name>.json beside the checkpoint
-(a file of another checkpoint, or not written by this tool, is never replaced). Bad input: one
-`error:` line, exit 2.
+train/eval_data.py; the batch, unless --batch_size names it, from the model and the free memory
+(train/eval_batch.py): the result does not depend on it. Progress with an ETA goes to stderr every
+PROGRESS_EVERY_S. Prints one JSON object and writes it to eval_<name>.json beside the checkpoint (a
+file of another checkpoint, or not written by this tool, is never replaced). Bad input: one `error:`
+line, exit 2.
 """
 from __future__ import annotations
 
@@ -25,13 +27,14 @@ import torch
 from train.checkpoint import load_checkpoint, model_from_checkpoint, resolve_checkpoint
 from train.distributed import autocast_context, resolve_precision
 from train.errors import UserError
+from train.eval_batch import batch_size_for
 from train.eval_data import DOCUMENT_KINDS, data_kind, load_eval_tokens
-from train.scoring import score_stream
+from train.scoring import count_windows, score_stream
 from train.telemetry import write_json_atomic
 
 TOOL = "train.evaluate"  # marks the result files this tool may replace
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
-PROGRESS_EVERY_S = 30.0
+PROGRESS_EVERY_S = 5.0
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -45,7 +48,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--stride", type=int, default=None,
                    help="RoPE models: targets scored per window after the first (default seq_len: non-overlapping)")
     p.add_argument("--batch_size", type=int, default=None,
-                   help="windows per forward (default: the checkpoint's train.batch_size)")
+                   help="windows per forward (default: chosen from the model and the free memory)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--max_tokens", type=int, default=None, help="score only the first N tokens of the stream")
     p.add_argument("--name", default=None, help="result file eval_<name>.json (default: from --data, split and step)")
@@ -65,8 +68,8 @@ def check_data_options(args: argparse.Namespace, kind: str) -> None:
                         "a bin: directory was tokenized by prepare already")
 
 
-def check_windows(model_cfg, seq_len: int, stride: int, batch_size: int, max_tokens: int | None) -> None:
-    if seq_len < 1 or batch_size < 1 or (max_tokens is not None and max_tokens < 2):
+def check_windows(model_cfg, seq_len: int, stride: int, batch_size: int | None, max_tokens: int | None) -> None:
+    if seq_len < 1 or (batch_size is not None and batch_size < 1) or (max_tokens is not None and max_tokens < 2):
         raise UserError(f"--seq_len and --batch_size must be >= 1 and --max_tokens >= 2 "
                         f"(got {seq_len}, {batch_size}, {max_tokens})")
     if not 1 <= stride <= seq_len:
@@ -128,8 +131,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     model, cfg = model_from_checkpoint(checkpoint, str(device))
     seq_len = args.seq_len if args.seq_len is not None else cfg["train"]["seq_len"]
     stride = args.stride if args.stride is not None else seq_len
-    batch_size = args.batch_size if args.batch_size is not None else cfg["train"]["batch_size"]
-    check_windows(model.cfg, seq_len, stride, batch_size, args.max_tokens)
+    check_windows(model.cfg, seq_len, stride, args.batch_size, args.max_tokens)
     name = args.name or default_name(args.data, split, step)
     if not NAME_RE.match(name):
         raise UserError(f"--name {name!r}: use letters, digits, '.', '_' and '-' (at most 100)")
@@ -147,6 +149,11 @@ def evaluate(args: argparse.Namespace) -> dict:
                         f"{model.cfg.vocab_size}")
 
     precision = resolve_precision("auto", device)  # bf16 on CUDA, fp32 on CPU
+    n_windows = count_windows(n_tokens, seq_len, stride)
+    batch_size, batch_from = batch_size_for(args.batch_size, model.cfg, seq_len=seq_len, n_windows=n_windows,
+                                            device=device, precision=precision)
+    print(f"evaluate: {n_tokens - 1:,} targets in {n_windows:,} windows of up to {seq_len} tokens, {batch_size} "
+          f"per forward ({batch_from})", file=sys.stderr, flush=True)
     started = time.perf_counter()
     score = score_stream(model, data.tokens, seq_len=seq_len, stride=stride, batch_size=batch_size, device=device,
                          autocast=lambda: autocast_context(device, precision),
@@ -156,6 +163,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     result = {
         "tool": TOOL, "checkpoint": str(checkpoint), "step": step, "data": args.data, "split": split,
         "tokenizer": cfg["data"]["tokenizer"], "seq_len": seq_len, "stride": stride, "batch_size": batch_size,
+        "batch_size_from": batch_from,
         "max_tokens": args.max_tokens, "windows": score.windows, "tokens": score.tokens, "loss": score.loss,
         "perplexity": math.exp(score.loss) if score.loss < 700 else math.inf,
         "bits_per_token": score.loss / math.log(2), "bytes": data.text_bytes, "bytes_from": data.bytes_from,
@@ -169,15 +177,27 @@ def evaluate(args: argparse.Namespace) -> dict:
 
 
 def _progress_printer(total: int, started: float):
+    """progress(scored) for score_stream: one stderr line per PROGRESS_EVERY_S at most, with rate and ETA."""
     last = [started]
 
     def report(scored: int) -> None:
         now = time.perf_counter()
-        if now - last[0] >= PROGRESS_EVERY_S:
+        if now - last[0] >= PROGRESS_EVERY_S and scored < total:
             last[0] = now
-            print(f"evaluate: {scored:,} / {total:,} targets, {scored / (now - started):,.0f} tokens/s",
-                  file=sys.stderr, flush=True)
+            rate = scored / max(now - started, 1e-9)
+            print(f"evaluate: {scored:,} / {total:,} targets ({scored / total:.1%}), {rate:,.0f} tokens/s, "
+                  f"ETA {duration((total - scored) / max(rate, 1e-9))}", file=sys.stderr, flush=True)
     return report
+
+
+def duration(seconds: float) -> str:
+    """e.g. 42s, 3m52s, 2h05m."""
+    s = round(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,6 +41,14 @@ def plan_windows(n_tokens: int, seq_len: int, stride: int) -> Iterator[Window]:
         scored_to = end
 
 
+def count_windows(n_tokens: int, seq_len: int, stride: int) -> int:
+    """len(list(plan_windows(n_tokens, seq_len, stride))), without walking them."""
+    targets = max(0, n_tokens - 1)
+    if targets <= seq_len:
+        return 1 if targets else 0
+    return 1 + -(-(targets - seq_len) // stride)
+
+
 @dataclass
 class Score:
     nll_sum: float  # nats, summed over the scored targets
@@ -56,14 +64,17 @@ class Score:
 def window_batch(tokens: np.ndarray, windows: list[Window]) -> tuple[torch.Tensor, torch.Tensor]:
     """-> inputs [B, T] and targets [B, T] (int64; T: the longest window), IGNORE_INDEX where nothing is
     scored: a window's context targets and the right padding of shorter windows."""
-    width = max(w.end - w.start for w in windows)
-    inputs = torch.zeros(len(windows), width, dtype=torch.int64)  # [B, T]
-    targets = torch.full((len(windows), width), IGNORE_INDEX, dtype=torch.int64)  # [B, T]
-    for row, w in enumerate(windows):
-        span = torch.from_numpy(np.asarray(tokens[w.start:w.end + 1], dtype=np.int64))  # [n + 1]
-        n = w.end - w.start
-        inputs[row, :n] = span[:-1]
-        targets[row, n - w.scored:n] = span[n + 1 - w.scored:]
+    starts = np.array([w.start for w in windows], dtype=np.int64)  # [B]
+    lengths = np.array([w.end - w.start for w in windows], dtype=np.int64)  # [B] inputs (= targets) per window
+    scored = np.array([w.scored for w in windows], dtype=np.int64)  # [B]
+    width = int(lengths.max())
+    columns = np.arange(width + 1)  # [T + 1]
+    index = np.minimum(starts[:, None] + columns, (starts + lengths)[:, None])  # [B, T + 1], within each window
+    span = torch.from_numpy(np.asarray(tokens[index], dtype=np.int64))  # [B, T + 1]: one gather
+    pos = torch.arange(width)  # [T]
+    n, first = torch.from_numpy(lengths)[:, None], torch.from_numpy(lengths - scored)[:, None]  # [B, 1]
+    inputs = torch.where(pos < n, span[:, :-1], 0)  # [B, T]
+    targets = torch.where((pos >= first) & (pos < n), span[:, 1:], IGNORE_INDEX)  # [B, T]
     return inputs, targets
 
 

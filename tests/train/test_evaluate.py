@@ -16,9 +16,11 @@ import torch.nn.functional as F
 from train.checkpoint import model_from_checkpoint
 from train.data.prepare import prepare
 from train.data.sources import is_held_out
+import train.evaluate
+from train.eval_batch import TARGET_TOKENS, choose_batch_size, forward_bytes
 from train.evaluate import main
 from train.runner import run_training
-from train.scoring import plan_windows
+from train.scoring import count_windows, plan_windows
 
 from .helpers import tiny_config
 
@@ -80,6 +82,7 @@ def test_windows_cover_every_target_once():
     for n_tokens in (2, 16, 17, 18, 100, 101):
         for seq_len, stride in ((16, 16), (16, 4), (16, 1), (5, 3)):
             windows = list(plan_windows(n_tokens, seq_len, stride))
+            assert count_windows(n_tokens, seq_len, stride) == len(windows)
             scored = [t for w in windows for t in range(w.end - w.scored + 1, w.end + 1)]
             assert scored == list(range(1, n_tokens)), (n_tokens, seq_len, stride)
             assert all(0 <= w.start < w.end and w.end - w.start <= seq_len for w in windows)
@@ -227,3 +230,57 @@ def test_cli_as_a_subprocess(run_dir, text_source, tmp_path):
     result = json.loads(ok.stdout)
     assert result["tokens_per_s"] > 0 and result["device"] == "cpu" and result["precision"] == "float32"
     assert json.loads((run_dir / "eval_cli.json").read_text()) == result
+
+
+def test_the_default_batch_comes_from_the_model_and_memory_and_changes_nothing(run_dir, text_source, capsys):
+    """No --batch_size: many windows per forward (not the checkpoint's train.batch_size of 4); any batch scores
+    the same targets to the same loss."""
+    code, auto, err = evaluate(capsys, run_dir, "--data", text_source, "--seq_len", SEQ_LEN, "--name", "auto")
+    assert code == 0, err
+    model, cfg = model_from_checkpoint(run_dir, "cpu")
+    assert auto["batch_size_from"].startswith("auto: ") and auto["batch_size"] > cfg["train"]["batch_size"]
+    assert auto["batch_size"] == min(auto["windows"], TARGET_TOKENS["cpu"] // SEQ_LEN)  # memory is plentiful here
+    assert f"{auto['batch_size']} per forward ({auto['batch_size_from']})" in err
+    for batch in (1, 7):
+        for stride in (SEQ_LEN, STRIDE):
+            code, explicit, err = evaluate(capsys, run_dir, "--data", text_source, "--seq_len", SEQ_LEN, "--stride",
+                                           stride, "--batch_size", batch, "--name", f"b{batch}_s{stride}")
+            assert code == 0, err
+            assert explicit["batch_size"] == batch and explicit["batch_size_from"] == "--batch_size"
+            if stride == SEQ_LEN:
+                assert (explicit["tokens"], explicit["windows"]) == (auto["tokens"], auto["windows"])
+                assert explicit["loss"] == pytest.approx(auto["loss"], rel=1e-6, abs=1e-6)
+    strided = [json.loads((run_dir / f"eval_b{b}_s{STRIDE}.json").read_text()) for b in (1, 7)]
+    assert strided[0]["tokens"] == strided[1]["tokens"]
+    assert strided[0]["loss"] == pytest.approx(strided[1]["loss"], rel=1e-6)
+
+
+def test_the_default_batch_shrinks_to_fit_the_free_memory(run_dir):
+    model, _ = model_from_checkpoint(run_dir, "cpu")
+    seq_len, cpu = 256, torch.device("cpu")
+    plenty = choose_batch_size(model.cfg, seq_len=seq_len, n_windows=10_000, device=cpu, act_bytes=4, free_bytes=2**40)
+    assert plenty.size == TARGET_TOKENS["cpu"] // seq_len
+    assert choose_batch_size(model.cfg, seq_len=seq_len, n_windows=3, device=cpu, act_bytes=4,
+                             free_bytes=2**40).size == 3  # never more windows than the stream has
+    need = forward_bytes(model.cfg, plenty.size, seq_len, 4)
+    tight = choose_batch_size(model.cfg, seq_len=seq_len, n_windows=10_000, device=cpu, act_bytes=4,
+                              free_bytes=int(need))  # a quarter of this is free for a forward
+    assert 1 <= tight.size < plenty.size and "GiB free" in tight.why
+    assert forward_bytes(model.cfg, tight.size, seq_len, 4) <= need / 4 or tight.size == 1
+    assert choose_batch_size(model.cfg, seq_len=seq_len, n_windows=10_000, device=cpu, act_bytes=4,
+                             free_bytes=1).size == 1
+
+
+def test_progress_lines_carry_an_eta_and_do_not_spam(run_dir, text_source, capsys, monkeypatch):
+    code, _, err = evaluate(capsys, run_dir, "--data", text_source, "--seq_len", SEQ_LEN, "--batch_size", 1,
+                            "--name", "quiet")
+    assert code == 0 and err.count("\n") == 1  # a fast run: the one line saying what runs, no per-batch lines
+    monkeypatch.setattr(train.evaluate, "PROGRESS_EVERY_S", 0.0)  # a line at every chance (each batch)
+    code, result, err = evaluate(capsys, run_dir, "--data", text_source, "--seq_len", SEQ_LEN, "--batch_size", 8,
+                                 "--name", "progress")
+    assert code == 0
+    lines = err.splitlines()[1:]
+    assert len(lines) == math.ceil(result["windows"] / 8) - 1  # every batch but the last
+    first = lines[0]
+    assert first.startswith(f"evaluate: {8 * SEQ_LEN:,} / {result['tokens']:,} targets (") and " ETA " in first
+    assert all(" tokens/s, ETA " in line for line in lines)
