@@ -112,7 +112,8 @@ def _run_shards(jobs: list[dict], workers: int):
         yield from pool.imap_unordered(_tokenize_shard, jobs)
 
 
-def _join(out: Path, shards: Path, records: list[dict], dtype_name: str, val_fraction: float) -> tuple[dict, int, str | None]:
+def _join(out: Path, shards: Path, records: list[dict], dtype_name: str,
+          val_fraction: float) -> tuple[dict, int, str | None]:
     """Concatenate the shard files in order into out/{train,val}.bin (prepare's writer: sha256, counts; a single
     document's tail held out as prepare holds it). -> (splits, max id, prepare's note on the tail or None)."""
     dtype = np.dtype(dtype_name)
