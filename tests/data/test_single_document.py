@@ -39,6 +39,8 @@ def test_one_text_file_holds_out_its_tail_by_default(tmp_path, corpus_path):
     whole = np.frombuffer(corpus_path.read_bytes(), dtype=np.uint8)  # byte tokenizer: id = byte, then EOS
     assert np.array_equal(np.concatenate([train, val])[:-1], whole)  # head + tail = the file, in order
     meta = json.loads((out / "meta.json").read_text())
+    assert meta["splits"]["val"]["text_bytes"] == len(val) - 1  # the tail's bytes (bits per byte), EOS excluded
+    assert meta["splits"]["train"]["text_bytes"] == len(train)
     assert meta["val_split"] == f"one document: its last 0.50% ({len(val):,} tokens) held out as val.bin (a contiguous tail)"
     assert f"note: {meta['val_split']}" in res.stdout and "warning" not in res.stderr
     assert run("train.data.verify", str(out)).returncode == 0

@@ -79,8 +79,9 @@ class _SplitWriter:
         self.tokens += len(part.tokens)
         self.max_id = max(self.max_id, int(part.tokens.max()))
 
-    def move_tail(self, other: "_SplitWriter", n_tokens: int) -> None:
-        """Move this split's last n_tokens to `other` (one document: its contiguous tail becomes held out)."""
+    def move_tail(self, other: "_SplitWriter", n_tokens: int, text_bytes_of=None) -> None:
+        """Move this split's last n_tokens to `other` (one document: its contiguous tail becomes held out);
+        text_bytes_of(tokens) -> the UTF-8 bytes they decode to, so bits per byte stay known for both splits."""
         self.file.flush()
         itemsize = np.dtype(self.dtype).itemsize
         keep = self.tokens - n_tokens
@@ -93,7 +94,9 @@ class _SplitWriter:
             for block in iter(lambda: f.read(1 << 24), b""):
                 self.sha.update(block)
                 self.max_id = max(self.max_id, int(np.frombuffer(block, dtype=self.dtype).max()))
-        other.write(EncodedDocuments(tokens=tail, documents=0, text_bytes=0))
+        moved = min(self.text_bytes, text_bytes_of(tail)) if text_bytes_of is not None else 0
+        self.text_bytes -= moved
+        other.write(EncodedDocuments(tokens=tail, documents=0, text_bytes=moved))
 
     def abort(self) -> None:
         self.file.close()
@@ -245,15 +248,18 @@ def tail_tokens(n_tokens: int, val_fraction: float) -> int:
     return max(1, min(n_tokens - 1, max(math.ceil(n_tokens * val_fraction), floor)))
 
 
-def hold_out_tail(writers: dict, val_fraction: float) -> str | None:
+def hold_out_tail(writers: dict, val_fraction: float, tokenizer=None) -> str | None:
     """One document and no held-out one (a single text file): its contiguous tail (tail_tokens) becomes val.bin,
-    since hashing whole documents cannot split one. Returns the line saying what was done, or None."""
+    since hashing whole documents cannot split one; tokenizer (optional) splits the text bytes too. Returns the
+    line saying what was done, or None."""
     train, val = writers["train"], writers["val"]
     if val.tokens or not val_fraction or train.documents != 1 or train.tokens < 2:
         return None
     n = tail_tokens(train.tokens, val_fraction)
     share = n / train.tokens
-    train.move_tail(val, n)
+    text_bytes_of = None if tokenizer is None else (
+        lambda ids: len(tokenizer.decode([int(t) for t in ids if t != tokenizer.eos_id]).encode("utf-8")))
+    train.move_tail(val, n, text_bytes_of)
     return f"one document: its last {share:.2%} ({n:,} tokens) held out as val.bin (a contiguous tail)"
 
 
@@ -302,7 +308,7 @@ def prepare(source: str, tokenizer_name: str, out: Path, *, val_fraction: float 
         raise
     finally:
         progress.close()
-    tail_note = hold_out_tail(writers, val_fraction)
+    tail_note = hold_out_tail(writers, val_fraction, tokenizer)
     (out / "meta.json").unlink(missing_ok=True)  # (--overwrite) the old dataset goes only now, with data to replace it
     splits = {name: w.finish() for name, w in writers.items()}
     seconds = time.monotonic() - started

@@ -113,7 +113,7 @@ def _run_shards(jobs: list[dict], workers: int):
 
 
 def _join(out: Path, shards: Path, records: list[dict], dtype_name: str,
-          val_fraction: float) -> tuple[dict, int, str | None]:
+          val_fraction: float, tokenizer) -> tuple[dict, int, str | None]:
     """Concatenate the shard files in order into out/{train,val}.bin (prepare's writer: sha256, counts; a single
     document's tail held out as prepare holds it). -> (splits, max id, prepare's note on the tail or None)."""
     dtype = np.dtype(dtype_name)
@@ -136,7 +136,7 @@ def _join(out: Path, shards: Path, records: list[dict], dtype_name: str,
                     w.path.unlink(missing_ok=True)
                 raise DataError(f"{_shard_file(shards, i, split)} changed after it was written (sha256 mismatch); "
                                 f"delete {_marker(shards, i).name} and rerun")
-    tail_note = hold_out_tail(writers, val_fraction)
+    tail_note = hold_out_tail(writers, val_fraction, tokenizer)
     splits = {s: w.finish() for s, w in writers.items()}
     return splits, max((w.max_id for w in writers.values()), default=-1), tail_note
 
@@ -202,7 +202,7 @@ def _finish(out: Path, shards: Path, records: list[dict], params: dict, tokenize
     documents = sum(r["splits"][s]["documents"] for r in records for s in SPLIT_NAMES)
     if error := no_text_error(params["source"], documents, sum(r.get("blank_documents", 0) for r in records)):
         raise error
-    splits, max_id, tail_note = _join(out, shards, records, params["dtype"], params["val_fraction"])
+    splits, max_id, tail_note = _join(out, shards, records, params["dtype"], params["val_fraction"], tokenizer)
     kind, _, arg = params["source"].partition(":")
     files = sorted(glob.glob(arg, recursive=True)) if kind in ("text", "jsonl", "parquet") else None
     manifest = {"format": MANIFEST_FORMAT, "version": 1, **params, "shards": [
