@@ -85,8 +85,9 @@ def test_make_smoke_runs_for_real_and_leaves_no_checkpoints_behind(tmp_path):
             "--train.steps=4 --train.save_every=2 --train.log_every=1 --train.eval_every=2 --train.seq_len=32 "
             "--runtime.threads=1")
     for keep, out in (("0", tmp_path / "dropped"), ("1", tmp_path / "kept")):
-        res = subprocess.run(["make", "smoke", f"OUT={out}", tiny, f"KEEP_CHECKPOINTS={keep}"], cwd=REPO,
-                             capture_output=True, text=True, timeout=300)
+        # Under `make test` this is a sub-make: without --no-print-directory it adds "Leaving directory" lines.
+        res = subprocess.run(["make", "--no-print-directory", "smoke", f"OUT={out}", tiny, f"KEEP_CHECKPOINTS={keep}"],
+                             cwd=REPO, capture_output=True, text=True, timeout=300)
         assert res.returncode == 0, res.stderr[-2000:]
         assert (out / "training.csv").exists() and json.loads((out / "metrics.json").read_text())["status"] == "finished"
         assert res.stdout.strip().splitlines()[-1].startswith(f"smoke ok: {out}")
