@@ -4,7 +4,7 @@ CONFIG ?= configs/train_showcase.yaml
 RUN ?=
 OUT ?=
 
-.PHONY: setup test smoke smoke-nsa train monitor tb bench handoff preflight clean
+.PHONY: setup test smoke smoke-nsa train monitor tb bench handoff preflight compare clean
 
 setup:
 	bash scripts/prime_bootstrap.sh
@@ -44,6 +44,12 @@ bench:
 
 handoff:
 	$(PY) scripts/handoff.py $(RUN) $(HANDOFF_ARGS)
+
+# an NSA config against its dense twin (docs/NSA.md, "NSA vs its dense twin"); CONFIG defaults to the
+# small KJV twin here; OUT defaults to artifacts/compare_<stamp>; COMPARE_ARGS="--section.key=value ..."
+COMPARE_CONFIG = $(if $(filter command line environment,$(origin CONFIG)),$(CONFIG),configs/nsa_twin_kjv.yaml)
+compare:
+	$(PY) -m train.compare $(COMPARE_CONFIG) --out $(or $(OUT),artifacts/compare_$(STAMP)) $(COMPARE_ARGS)
 
 # the best-practices guide's pre-flight checklist for CONFIG (docs/PRODUCTION.md); e.g. PREFLIGHT_ARGS="--gpus 8"
 preflight:

@@ -8,6 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+# nsa.* keys that change kernels, memory or the initial weights, not the function a checkpoint computes:
+# a checkpoint made with other values loads (resume, import).
+NON_ARCHITECTURE_FIELDS = frozenset({"q_chunk", "sel_chunk", "sel_tile", "win_block", "kernel", "gate_init"})
+GATE_INITS = ("equal", "window")
+
+
 class ModelConfigError(ValueError):
     """A model or NSA configuration that cannot be built."""
 
@@ -27,6 +33,7 @@ class NSAConfig:
     sel_tile: int = 128  # (query, block) pairs per tile in block-centric selected attention
     win_block: int = 128  # queries per sliding-window block (each block reads win_block + w - 1 keys)
     kernel: str = "auto"  # fused CUDA paths: auto (Triton selection + FlexAttention branches on CUDA, torch elsewhere) | triton | torch
+    gate_init: str = "equal"  # branch gates at step 0: equal (all ~0.5) | window (cmp, sel ~0.12, win ~0.88; docs/NSA.md)
 
     def validate(self) -> None:
         for name in ("l", "d", "l_sel", "n_sel", "w", "q_chunk", "sel_chunk", "sel_tile", "win_block"):
@@ -44,6 +51,8 @@ class NSAConfig:
             )
         if self.gate_hidden < 0:
             raise ModelConfigError(f"nsa.gate_hidden must be >= 0, got {self.gate_hidden}")
+        if self.gate_init not in GATE_INITS:
+            raise ModelConfigError(f"nsa.gate_init={self.gate_init!r}; valid: {', '.join(GATE_INITS)}")
         if self.kernel not in ("auto", "triton", "torch"):
             raise ModelConfigError(f"nsa.kernel={self.kernel!r}; valid: auto, triton, torch")
 

@@ -15,6 +15,7 @@ artifacts/handoff/<run>_<timestamp>.tar.gz, holding <run>_<timestamp>/ with
                     stack dumps, eval results (top-level files of the out_dir; no tb/, no weights)
   checkpoints.json  the checkpoint manifest (name, step, bytes, sha256)
   plots/            loss.png (train + val), throughput.png, lr.png, gates.png (NSA runs)
+  compare/          report.json / .md / .png when the out_dir is an arm of python -m train.compare
   weights/          only with --with-weights (newest checkpoint) or --all-weights
 Weights are large (params x 12 bytes); the manifest lets a receiver check copies made separately.
 """
@@ -34,6 +35,7 @@ from pathlib import Path
 
 from train.artifacts import (ANOMALY, GATE_STATS, HALT, LATEST, RUN_DIR_FILES, RUN_INFO, TRAIN_CSV, VAL_CSV,
                              checkpoint_files, heartbeat_name, nsa_statistics, read_csv, read_heartbeat, read_kv)
+from train.compare_report import report_files_for
 from train.run_status import run_status
 from train.runs import newest_run as current_run
 
@@ -200,6 +202,7 @@ def build(target: Path, out_root: Path, weights: str = "none", now: float | None
             files.append((p, f"out/{p.name}"))
         elif p.name in OUT_FLAGS and p.is_file():
             files.append((p, f"out/{OUT_FLAGS[p.name]}"))
+    files += [(p, f"compare/{p.name}") for p in report_files_for(out)]  # an arm of python -m train.compare
     ckpts = checkpoint_manifest(out)
     if weights != "none" and ckpts:
         chosen = ckpts if weights == "all" else ckpts[-1:]

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from nsa.config import NON_ARCHITECTURE_FIELDS
 from train.artifacts import LATEST, checkpoint_files, checkpoint_name
 from train.errors import CheckpointError
 
@@ -213,7 +214,7 @@ def check_architecture(ckpt: dict, model_config: dict, path: Path) -> None:
              for k, v in current.items() if k not in free and saved.get(k) != v]
     if current["attention"] == "nsa":
         diffs += [f"nsa.{k}: checkpoint {saved_nsa.get(k)!r} vs config {v!r}"
-                  for k, v in current_nsa.items() if k not in ("q_chunk", "sel_chunk", "sel_tile", "win_block", "kernel") and saved_nsa.get(k) != v]
+                  for k, v in current_nsa.items() if k not in NON_ARCHITECTURE_FIELDS and saved_nsa.get(k) != v]
     if diffs:
         raise CheckpointError(f"checkpoint {path} does not match the config's architecture ({'; '.join(diffs[:3])})")
 

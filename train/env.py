@@ -36,6 +36,11 @@ def default_config() -> str | None:
     return os.environ.get("CONFIG") or None
 
 
+def one_gpu_environment(index: int) -> dict[str, str]:
+    """The environment for a child process that sees only GPU `index` (CUDA_VISIBLE_DEVICES)."""
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": str(index)}
+
+
 def text(name: str, default: str) -> str:
     return os.environ.get(name) or default
 

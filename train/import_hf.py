@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from nsa.config import ModelConfig, NSAConfig
+from nsa.config import NON_ARCHITECTURE_FIELDS, ModelConfig, NSAConfig
 from train.checkpoint import (FORMAT_VERSION, FREE_MODEL_FIELDS, atomic_save, load_checkpoint, resolve_checkpoint,
                               rng_state, stored_model_config)
 from train.config import RunConfig
@@ -30,7 +30,6 @@ from train.hf_convert import from_hf_config, from_hf_tensors, our_state_shapes
 
 # model fields a source may differ in from the run: they change neither shapes nor the trained weights'
 # meaning (rope_scale: context extension by position interpolation is a reason to start from weights)
-NSA_RUNTIME_FIELDS = {"q_chunk", "sel_chunk", "sel_tile", "win_block", "kernel"}  # kernels and memory, not math
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
@@ -97,7 +96,7 @@ def architecture_diffs(source: ModelConfig, run: ModelConfig) -> list[str]:
     diffs = [f"{k}: {a[k]!r} in the source vs {v!r} in the run" for k, v in b.items() if k not in free and a[k] != v]
     if run.attention == "nsa" and source.attention == "nsa":
         diffs += [f"nsa.{k}: {nsa_a[k]!r} in the source vs {v!r} in the run"
-                  for k, v in nsa_b.items() if k not in NSA_RUNTIME_FIELDS and nsa_a[k] != v]
+                  for k, v in nsa_b.items() if k not in NON_ARCHITECTURE_FIELDS and nsa_a[k] != v]
     return diffs
 
 

@@ -26,6 +26,7 @@ from nsa.profiling import nvtx_range
 
 
 BRANCHES = ("cmp", "sel", "win")
+WINDOW_GATE_BIAS = (-2.0, -2.0, 2.0)  # nsa.gate_init=window: (cmp, sel, win) pre-sigmoid biases
 
 
 class NativeSparseAttention(nn.Module):
@@ -54,9 +55,16 @@ class NativeSparseAttention(nn.Module):
         self.forced_gates: tuple[float, float, float] | None = None  # tests: fixed (cmp, sel, win) gates
 
     def reset_extra_parameters(self) -> None:
-        """Called by Transformer.reset_parameters after its generic init: phi position encodings."""
+        """Called by Transformer.reset_parameters after its generic init: phi position encodings, and the
+        gates' output layer for nsa.gate_init=window (weights 0, biases -2 / -2 / +2 per head: every token
+        starts at sigmoid = 0.12 / 0.12 / 0.88 for cmp / sel / win, local context first)."""
         self.compress_k.reset_extra_parameters()
         self.compress_v.reset_extra_parameters()
+        if self.cfg.gate_init == "window":
+            out = self.gate_mlp[2]
+            nn.init.zeros_(out.weight)
+            with torch.no_grad():
+                out.bias.copy_(torch.tensor(WINDOW_GATE_BIAS, dtype=out.bias.dtype).repeat(self.n_heads))
 
     def new_cache(self) -> NSACache:
         return NSACache(self.cfg)

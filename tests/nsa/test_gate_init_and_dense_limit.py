@@ -1,0 +1,72 @@
+"""nsa.gate_init, and NSA's dense limit: with every gate on the window branch and w >= T, the layer is dense
+causal attention over the window branch's keys and values (checked against an explicit-mask reference)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nsa.attention.nsa import WINDOW_GATE_BIAS
+from nsa.config import ModelConfigError, NSAConfig
+from nsa.model import Transformer
+from tests.nsa._nsa_helpers import HEAD_DIM, HEADS, KV_HEADS, make_input, make_layer, rope_for, small_cfg
+from train.checkpoint import check_architecture
+
+
+def _init_gates(gate_init: str, T: int = 33) -> torch.Tensor:  # [B, T, H, 3] of a freshly built model's layer 0
+    torch.manual_seed(0)
+    model = Transformer(small_cfg({"gate_init": gate_init}, n_layers=2, vocab_size=64)).double()
+    return model.blocks[0].attn.gates(make_input(2, T))
+
+
+def test_window_gate_init_starts_every_token_on_the_window_branch():
+    gates = _init_gates("window")
+    expected = torch.sigmoid(torch.tensor(WINDOW_GATE_BIAS, dtype=torch.float64))  # 0.12, 0.12, 0.88
+    torch.testing.assert_close(gates, expected.expand_as(gates), rtol=0, atol=1e-12)
+    equal = _init_gates("equal")  # the generic init: every gate near 0.5, token-dependent
+    assert (equal - 0.5).abs().max() < 0.05 and equal.std() > 0
+
+
+def test_window_gate_init_still_learns_per_token_gates():
+    torch.manual_seed(0)
+    model = Transformer(small_cfg({"gate_init": "window"}, n_layers=1, vocab_size=64)).double()
+    idx = torch.randint(0, 64, (2, 33))
+    model(idx, targets=torch.roll(idx, -1, 1)).backward()
+    assert model.blocks[0].attn.gate_mlp[2].weight.grad.abs().sum() > 0  # zero weights, non-zero gradient
+
+
+def test_gate_init_is_validated_and_does_not_block_resume():
+    with pytest.raises(ModelConfigError, match="gate_init"):
+        NSAConfig(gate_init="windows").validate()
+    saved = {"config": {"model": {"attention": "nsa"}, "nsa": {"l": 16, "gate_init": "equal"}}}
+    check_architecture(saved, {"attention": "nsa", "nsa": {"l": 16, "gate_init": "window"}}, "ckpt")  # no raise
+    legacy = {"config": {"model": {"attention": "nsa"}, "nsa": {"l": 16}}}  # saved before the key existed
+    check_architecture(legacy, {"attention": "nsa", "nsa": {"l": 16, "gate_init": "equal"}}, "ckpt")
+
+
+def _dense_causal(q, k, v):  # q [B, H, T, hd], k/v [B, H_kv, T, hd] -> [B, H, T, hd], explicit mask
+    G = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    T = q.shape[2]
+    mask = torch.ones(T, T, dtype=torch.bool).tril()
+    return F.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ v
+
+
+@pytest.mark.parametrize("T", [17, 64])
+def test_gates_forced_to_the_window_with_w_at_least_T_is_dense_causal_attention(T):
+    layer = make_layer(nsa_overrides={"w": 64})
+    layer.forced_gates = (0.0, 0.0, 1.0)
+    x, rope = make_input(2, T), rope_for(T)
+    q, branches = layer.project(x, rope)
+    win_k, win_v = branches["win"]
+    y = _dense_causal(q, win_k, win_v)  # [B, H, T, hd]
+    expected = layer.proj(y.transpose(1, 2).reshape(2, T, HEADS * HEAD_DIM))
+    torch.testing.assert_close(layer(x, rope), expected, rtol=1e-10, atol=1e-10)
+    # a shorter window is not dense: the first query to lose a key differs
+    layer_short = make_layer(nsa_overrides={"w": 8})
+    layer_short.forced_gates = (0.0, 0.0, 1.0)
+    assert not torch.allclose(layer_short(x, rope)[:, 8:], expected[:, 8:])
+    assert KV_HEADS < HEADS  # the reference shares K/V across each GQA group, as the layer must
