@@ -8,9 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-# nsa.* keys that change kernels, memory or the initial weights, not the function a checkpoint computes:
+# nsa.* keys that change kernels, memory, the initial weights or the optimizer, not the function a checkpoint computes:
 # a checkpoint made with other values loads (resume, import).
-NON_ARCHITECTURE_FIELDS = frozenset({"q_chunk", "sel_chunk", "sel_tile", "win_block", "kernel", "gate_init"})
+NON_ARCHITECTURE_FIELDS = frozenset({"q_chunk", "sel_chunk", "sel_tile", "win_block", "kernel", "gate_init",
+                                     "aux_decay"})
 GATE_INITS = ("equal", "window")
 
 
@@ -33,6 +34,7 @@ class NSAConfig:
     sel_tile: int = 128  # (query, block) pairs per tile in block-centric selected attention
     win_block: int = 128  # queries per sliding-window block (each block reads win_block + w - 1 keys)
     kernel: str = "auto"  # fused CUDA paths: auto (Triton selection + FlexAttention branches on CUDA, torch elsewhere) | triton | torch
+    aux_decay: bool = True  # weight decay (train.weight_decay) on the matrices of the gate MLP and of phi; false: none
     gate_init: str = "equal"  # branch gates at step 0: equal (all ~0.5) | window (cmp, sel ~0.12, win ~0.88; docs/NSA.md)
 
     def validate(self) -> None:

@@ -14,12 +14,15 @@ from train.config import TrainConfig
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Matrices (embeddings, linear weights) decay; vectors (biases, norm gains, NSA encodings) do not."""
+    """Matrices (embeddings, linear weights, phi's [l, hd] encodings) decay; vectors (biases, norm gains) do not, nor
+    do the matrices a module names in its `no_weight_decay()` (NSA with nsa.aux_decay=false)."""
+    exempt = {f"{prefix}.{name}" if prefix else name for prefix, module in model.named_modules()
+              if hasattr(module, "no_weight_decay") for name in module.no_weight_decay()}
     decay, no_decay = [], []
-    for p in model.parameters():
+    for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        (decay if p.dim() >= 2 else no_decay).append(p)
+        (decay if p.dim() >= 2 and name not in exempt else no_decay).append(p)
     return [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},

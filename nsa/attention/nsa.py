@@ -66,6 +66,14 @@ class NativeSparseAttention(nn.Module):
             with torch.no_grad():
                 out.bias.copy_(torch.tensor(WINDOW_GATE_BIAS, dtype=out.bias.dtype).repeat(self.n_heads))
 
+    def no_weight_decay(self) -> set[str]:
+        """Names (relative to this module) of matrices the optimizer must not decay: the gate MLP's and phi's
+        with nsa.aux_decay=false (the trainer's param_groups asks every module that has this method)."""
+        if self.cfg.aux_decay:
+            return set()
+        return {name for name, p in self.named_parameters() if p.dim() >= 2
+                and name.startswith(("gate_mlp.", "compress_k.", "compress_v."))}
+
     def new_cache(self) -> NSACache:
         return NSACache(self.cfg)
 

@@ -70,3 +70,19 @@ def test_gates_forced_to_the_window_with_w_at_least_T_is_dense_causal_attention(
     layer_short.forced_gates = (0.0, 0.0, 1.0)
     assert not torch.allclose(layer_short(x, rope)[:, 8:], expected[:, 8:])
     assert KV_HEADS < HEADS  # the reference shares K/V across each GQA group, as the layer must
+
+
+@pytest.mark.parametrize("aux_decay", [True, False])
+def test_aux_decay_moves_the_gate_and_phi_matrices_out_of_weight_decay(aux_decay):
+    from train.config import TrainConfig
+    from train.optim import build_optimizer
+
+    model = Transformer(small_cfg({"aux_decay": aux_decay}, n_layers=2, vocab_size=64))
+    names = {id(p): n for n, p in model.named_parameters()}
+    decay, no_decay = build_optimizer(model, TrainConfig(weight_decay=0.1), "cpu").param_groups
+    aux = {n for n, p in model.named_parameters() if p.dim() >= 2 and (".gate_mlp." in n or ".compress_" in n)}
+    assert len(aux) == 2 * 8  # per layer: gate_mlp.0/.2, compress_k/v: fc_in, fc_out and the [l, hd] pos_enc
+    in_decay = {names[id(p)] for p in decay["params"]}
+    assert (aux <= in_decay) if aux_decay else not (aux & in_decay)
+    assert "blocks.0.attn.q_proj.weight" in in_decay and decay["weight_decay"] == 0.1
+    assert {names[id(p)] for p in no_decay["params"]} >= (set() if aux_decay else aux)
