@@ -2,7 +2,7 @@
 
     python -m train.compare CONFIG.yaml [--section.key=value ...] --out DIR [--side_by_side]
         [--eval_max_tokens N]
-    make compare CONFIG=configs/m7c_cpu.yaml OUT=artifacts/compare_kjv ARGS="--data.source=bin:data/kjv"
+    make compare CONFIG=configs/m7c_125m_80g.yaml OUT=artifacts/twin_m7c COMPARE_ARGS="--data.source=bin:data/DIR"
 
 The dense twin is the same config with model.attention: dense and no nsa section. DIR holds
   nsa.yaml, dense.yaml      the two effective configs (each loads again with python -m train)
@@ -28,9 +28,11 @@ from pathlib import Path
 import yaml
 
 from train.artifacts import read_metrics
+from train.compare_report import build_report, write_report
 from train.config import RunConfig, dump_config, load_config
 from train.env import one_gpu_environment
 from train.errors import ConfigError, UserError
+from train.evaluate import default_name, evaluate, parse_args as eval_args
 
 ARMS = ("nsa", "dense")
 RESUMABLE_KEYS = {"train.steps"}  # may differ from DIR's configs on a relaunch (both arms train on)
@@ -90,7 +92,11 @@ def _flat(doc: dict, prefix: str = "") -> dict[str, object]:
 
 def _first_difference(path: Path, doc: dict, ignored: set[str]) -> tuple[str, object, object] | None:
     """The first key whose value differs between the YAML at `path` and `doc` (None: the same)."""
-    before, now = _flat(yaml.safe_load(path.read_text(encoding="utf-8")) or {}), _flat(doc)
+    try:  # through the loader, so that a key added since (at its default) is no difference
+        before = _flat(yaml.safe_load(dump_config(load_config(path))))
+    except UserError:
+        before = _flat(yaml.safe_load(path.read_text(encoding="utf-8")) or {})
+    now = _flat(doc)
     changed = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k) and k not in ignored)
     return (changed[0], before.get(changed[0]), now.get(changed[0])) if changed else None
 
@@ -172,8 +178,6 @@ class ArmFailed(Exception):
 def evaluate_arm(out_dir: Path, data_spec: str, max_tokens: int | None) -> dict:
     """train.evaluate on the arm's newest checkpoint, whole validation split; an earlier result for the
     same step and token limit is reused."""
-    from train.evaluate import default_name, evaluate, parse_args as eval_args
-
     step = read_metrics(out_dir).get("step")
     done = out_dir / f"eval_{default_name(data_spec, EVAL_SPLIT, step)}.json"
     if done.exists():
@@ -215,8 +219,6 @@ def main(argv: list[str] | None = None) -> int:
     except ArmFailed as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
-    from train.compare_report import build_report, write_report
-
     report = build_report(args.out, out_dirs, scores)
     files = write_report(args.out, report)
     print(f"compare: {report['verdict']}")
