@@ -27,6 +27,24 @@ def compare(*args: str, check: bool = True, config: str = "configs/nsa_twin_kjv.
     return res
 
 
+def compare_in_process(*args: str, config: str = "configs/nsa_twin_kjv.yaml") -> tuple[int, str]:
+    """(exit code, stderr) of train.compare's main for refusals, which stop before any arm starts."""
+    import contextlib
+    import io
+    import os
+
+    from train.compare import main
+
+    err, cwd = io.StringIO(), os.getcwd()
+    try:
+        os.chdir(REPO)
+        with contextlib.redirect_stderr(err):
+            code = main([config, *args])
+    finally:
+        os.chdir(cwd)
+    return code, err.getvalue()
+
+
 @pytest.fixture(scope="module")
 def compared(tmp_path_factory, kjv_bin):
     out = tmp_path_factory.mktemp("compare") / "twin"
@@ -67,11 +85,13 @@ def test_report_numbers_come_from_the_two_out_dirs(compared):
 def test_the_same_command_resumes_and_reuses_and_another_config_is_refused(compared):
     out, data, _ = compared
     before = json.loads((out / "report.json").read_text())
+    nsa_yaml = out / "nsa.yaml"  # as written before nsa.gate_init existed: a key at its default is no change
+    nsa_yaml.write_text("".join(line for line in nsa_yaml.read_text().splitlines(True) if "gate_init" not in line))
     again = compare("--out", str(out), data, *TINY, "--eval_max_tokens", "3000")
     assert again.stdout.count("compare: reusing") == 2 and "done: step 4 (finished)" in again.stdout
     assert json.loads((out / "report.json").read_text())["gap_pct"] == before["gap_pct"]
-    other = compare("--out", str(out), data, *TINY, "--nsa.w=64", check=False)
-    assert other.returncode == 2 and other.stderr.strip().splitlines() == [
+    code, err = compare_in_process("--out", str(out), data, *TINY, "--nsa.w=64")
+    assert code == 2 and err.strip().splitlines() == [
         f"error: {out} compares another config (nsa.w: 128 there, 64 now); use another --out"]
 
 
@@ -83,8 +103,8 @@ def test_dense_from_reuses_the_twin_and_handoff_carries_the_report(compared, tmp
     report = json.loads((ablation / "report.json").read_text())
     assert not (ablation / "dense").exists() and report["arms"]["dense"]["out_dir"] == str(out / "dense")
     assert report["arms"]["nsa"]["eval"]["loss"] != json.loads((out / "report.json").read_text())["arms"]["nsa"]["eval"]["loss"]
-    not_twin = compare("--out", str(tmp_path / "x"), data, *TINY, "--train.lr=1e-3", "--dense_from", str(out), check=False)
-    assert not_twin.returncode == 2 and "train.lr" in not_twin.stderr and len(not_twin.stderr.strip().splitlines()) == 1
+    code, err = compare_in_process("--out", str(tmp_path / "x"), data, *TINY, "--train.lr=1e-3", "--dense_from", str(out))
+    assert code == 2 and "train.lr" in err and len(err.strip().splitlines()) == 1
     handoff = subprocess.run([sys.executable, "scripts/handoff.py", str(ablation / "nsa"), "--out-dir", str(tmp_path / "ho")],
                              cwd=REPO, capture_output=True, text=True, timeout=120)
     assert handoff.returncode == 0, handoff.stderr
@@ -100,6 +120,6 @@ def test_dense_from_reuses_the_twin_and_handoff_carries_the_report(compared, tmp
     ("configs/nsa_twin_kjv.yaml", ["--eval_max_tokens", "1"], "--eval_max_tokens must be >= 2"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, config, args, message):
-    res = compare("--out", str(tmp_path / "c"), *args, check=False, config=config)
-    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1 and message in res.stderr, res.stderr
+    code, err = compare_in_process("--out", str(tmp_path / "c"), *args, config=config)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
     assert not (tmp_path / "c").exists()
