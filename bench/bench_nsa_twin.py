@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from train.compare_report import SHARES
+
 REPO = Path(__file__).resolve().parents[1]
 ABLATIONS: dict[str, list[str]] = {
     "baseline": [],
@@ -44,8 +46,8 @@ def row(name: str, overrides: list[str], report: dict) -> dict:
         "gap_pct": report["gap_pct"], "nsa_bits_per_byte": arms["nsa"]["eval"]["bits_per_byte"],
         "dense_bits_per_byte": arms["dense"]["eval"]["bits_per_byte"], "eval_tokens": arms["nsa"]["eval"]["tokens"],
         "nsa_params": arms["nsa"]["params"], "dense_params": arms["dense"]["params"],
-        "gate_shares_end": {k: report["nsa"]["over_time"][-1].get(k) for k in
-                            ("gate_share_cmp", "gate_share_sel", "gate_share_win")} if report["nsa"]["over_time"] else None,
+        "gate_shares_end": {k: report["nsa"]["over_time"][-1].get(k) for k in SHARES}
+        if report["nsa"]["over_time"] else None,
         "dense_out_dir": arms["dense"]["out_dir"], "verdict": report["verdict"],
     }
 
@@ -55,7 +57,7 @@ def table(rows: list[dict]) -> str:
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         g = r["gate_shares_end"] or {}
-        shares = "/".join(f"{g[k]:.2f}" for k in ("gate_share_cmp", "gate_share_sel", "gate_share_win") if g.get(k) is not None)
+        shares = "/".join(f"{g[k]:.2f}" for k in SHARES if g.get(k) is not None)
         lines.append(f"| {r['name']} | {' '.join(r['overrides']) or '-'} | {r['tokens']:,} | {r['nsa_loss']:.4f} | "
                      f"{r['dense_loss']:.4f} | {r['gap_pct']:+.2f}% | {r['nsa_bits_per_byte']:.4f} | {shares} |")
     return "\n".join(lines)

@@ -19,6 +19,7 @@ reuses an earlier comparison's dense arm when it is this config's twin (checked 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import subprocess
 import sys
@@ -29,7 +30,7 @@ import yaml
 
 from train.artifacts import read_metrics
 from train.compare_report import build_report, write_report
-from train.config import RunConfig, dump_config, load_config
+from train.config import dump_config, load_config
 from train.env import one_gpu_environment
 from train.errors import ConfigError, UserError
 from train.evaluate import default_name, evaluate, parse_args as eval_args
@@ -57,8 +58,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, rest
 
 
-def arm_configs(config: Path, overrides: list[str], out: Path) -> dict[str, RunConfig]:
-    """{'nsa': the config with overrides, 'dense': its twin}, each with its out_dir under `out`."""
+def arm_configs(config: Path, overrides: list[str], out: Path) -> dict[str, dict]:
+    """{'nsa': the config with overrides, 'dense': its twin} as YAML documents, out_dirs under `out`."""
     cfg = load_config(config, overrides)
     if cfg.model.attention != "nsa":
         raise ConfigError(f"{config}: model.attention is {cfg.model.attention!r}; train.compare takes an NSA config "
@@ -67,16 +68,11 @@ def arm_configs(config: Path, overrides: list[str], out: Path) -> dict[str, RunC
         raise ConfigError(f"{config}: data.source={cfg.data.source!r}; train.compare scores both arms on the whole "
                           "validation split of a prepared directory: --data.source=bin:DIR "
                           "(python -m train.data.prepare --source text:FILE --out DIR)")
-    arms = {}
-    for arm in ARMS:
-        text = dump_config(cfg)
-        doc = yaml.safe_load(text)
+    twin = copy.deepcopy(cfg)
+    twin.model.attention = "dense"  # dump_config leaves out the nsa section of a dense model
+    arms = {"nsa": yaml.safe_load(dump_config(cfg)), "dense": yaml.safe_load(dump_config(twin))}
+    for arm, doc in arms.items():
         doc["train"]["out_dir"] = str(out / arm)
-        if arm == "dense":
-            doc.pop("nsa")
-            doc["model"]["attention"] = "dense"
-            doc["model"]["attn_backend"] = "auto"
-        arms[arm] = doc
     return arms
 
 

@@ -14,14 +14,14 @@ from pathlib import Path
 
 import yaml
 
-from train.artifacts import (CONFIG_YAML, GATE_STATS, SELECTION_STATS, TRAIN_CSV, VAL_CSV, heartbeat_name,
-                             read_csv, read_heartbeat, read_metrics)
+from train.artifacts import (CONFIG_YAML, GATE_STATS, TRAIN_CSV, VAL_CSV, heartbeat_name, nsa_statistics, read_csv,
+                             read_heartbeat, read_metrics)
 from train.telemetry import write_json_atomic
 
 TOOL = "train.compare"
 REPORT_FILES = ("report.json", "report.md", "report.png")
 WITHIN_PCT = 1.0  # the verdict's "matches dense" band (issue 21's goal)
-SHARES = ("gate_share_cmp", "gate_share_sel", "gate_share_win")
+SHARES = tuple(k for k in GATE_STATS if k.startswith("gate_share_"))  # cmp, sel, win
 
 
 def _floats(rows: list[dict], key: str) -> list[tuple[int, float]]:
@@ -62,7 +62,7 @@ def nsa_over_time(out_dir: Path) -> list[dict]:
     for record in read_heartbeat(out_dir / heartbeat_name(0)):
         if record.get("kind") != "train":
             continue
-        stats = {k: record[k] for k in GATE_STATS + SELECTION_STATS if isinstance(record.get(k), (int, float))}
+        stats = nsa_statistics(record)
         if stats:
             rows.append({"step": record.get("step"), **stats})
     return rows
