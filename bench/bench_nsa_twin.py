@@ -3,10 +3,10 @@
     .venv/bin/python bench/bench_nsa_twin.py [--config configs/nsa_twin_kjv.yaml] [--root artifacts/ablations]
         [--only NAME ...] [--collect] [--json FILE]
 
-Each ablation is a name and config overrides. `baseline` trains both arms; an ablation that changes only
-nsa.* keys reuses the baseline's dense arm (--dense_from), one that changes anything else trains its own
-twin. Every number comes from the comparisons' report.json (train/compare_report.py); --collect only
-reads the directories already there. Prints a markdown table (docs/NSA.md) and one JSON line.
+Each ablation is a name and config overrides. Ablations that differ only in nsa.* keys share one dense
+twin: an ablation reuses (--dense_from) the dense arm of the first finished one under --root with the same
+non-nsa overrides, and trains its own twin when there is none. Every number comes from the comparisons'
+report.json (train/compare_report.py); --collect only reads the directories already there. Prints a markdown table (docs/NSA.md) and one JSON line.
 """
 from __future__ import annotations
 
@@ -26,14 +26,37 @@ ABLATIONS: dict[str, list[str]] = {
     "n16": ["--nsa.n_sel=16"],
     "no_aux_decay": ["--nsa.aux_decay=false"],
     "gate_window_w256": ["--nsa.gate_init=window", "--nsa.w=256"],
+    # the dense limit in training: the window branch sees every earlier key (w >= seq_len)
+    "gate_window_w1024": ["--nsa.gate_init=window", "--nsa.w=1024"],
+    # 4x the token budget (the schedule stretched to 1200 steps)
+    "gate_window_4x": ["--nsa.gate_init=window", "--train.steps=1200"],
+    "baseline_4x": ["--train.steps=1200"],
+    # a second seed: the spread between seeds is the yardstick for a gap
+    "gate_window_seed8": ["--nsa.gate_init=window", "--train.seed=8"],
+    "baseline_seed8": ["--train.seed=8"],
 }
+
+
+def twin_overrides(overrides: list[str]) -> list[str]:
+    """The overrides the dense twin sees: all but nsa.* ones."""
+    return sorted(o for o in overrides if not o.startswith("--nsa."))
+
+
+def dense_source(root: Path, name: str) -> list[str]:
+    """--dense_from the first finished ablation sharing this one's dense twin, or nothing (train one)."""
+    for other, overrides in ABLATIONS.items():
+        if other != name and twin_overrides(overrides) == twin_overrides(ABLATIONS[name]) \
+                and (root / other / "report.json").is_file():
+            return ["--dense_from", str(root / other)]
+    return []
 
 
 def run(config: str, root: Path, name: str, overrides: list[str]) -> int:
     out = root / name
-    reuse = [] if name == "baseline" or any(not o.startswith("--nsa.") for o in overrides) else \
-        ["--dense_from", str(root / "baseline")]
-    cmd = [sys.executable, "-m", "train.compare", config, "--out", str(out), *overrides, *reuse]
+    if (out / "report.json").is_file():
+        print(f"{name}: done ({out / 'report.json'})", flush=True)
+        return 0
+    cmd = [sys.executable, "-m", "train.compare", config, "--out", str(out), *overrides, *dense_source(root, name)]
     print("$", " ".join(cmd), flush=True)
     return subprocess.run(cmd, cwd=REPO).returncode
 
@@ -73,7 +96,7 @@ def main() -> None:
     args = ap.parse_args()
     names = args.only or list(ABLATIONS)
     if not args.collect:
-        for name in (["baseline"] if "baseline" not in names else []) + names:
+        for name in names:
             if run(args.config, args.root, name, ABLATIONS[name]) != 0:
                 sys.exit(f"error: ablation {name} failed (see {args.root / name / 'logs'})")
     rows = []
