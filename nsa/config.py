@@ -1,7 +1,8 @@
 """Model configuration: plain dataclasses, validated on construction.
 
 The model library owns these; the trainer fills them from YAML (train/config.py).
-Every field here is read by the model builder; tests/nsa/test_config_effect.py proves it.
+Every field here is read by the model builder (tests/nsa/test_dense_model.py changes each ModelConfig field
+and sees the model change; the NSA fields have their own tests under tests/nsa/).
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from dataclasses import dataclass, field
 # nsa.* keys that change kernels, memory, the initial weights or the optimizer, not the function a checkpoint computes:
 # a checkpoint made with other values loads (resume, import).
 NON_ARCHITECTURE_FIELDS = frozenset({"q_chunk", "sel_chunk", "sel_tile", "win_block", "kernel", "gate_init",
-                                     "aux_decay"})
+                                     "aux_decay", "aux_lr_scale"})
 GATE_INITS = ("equal", "window")
 
 
@@ -35,6 +36,7 @@ class NSAConfig:
     win_block: int = 128  # queries per sliding-window block (each block reads win_block + w - 1 keys)
     kernel: str = "auto"  # fused CUDA paths: auto (Triton selection + FlexAttention branches on CUDA, torch elsewhere) | triton | torch
     aux_decay: bool = True  # weight decay (train.weight_decay) on the matrices of the gate MLP and of phi; false: none
+    aux_lr_scale: float = 1.0  # learning-rate multiplier (on train.lr's schedule) for the gate MLP and phi parameters
     gate_init: str = "equal"  # branch gates at step 0: equal (all ~0.5) | window (cmp, sel ~0.12, win ~0.88; docs/NSA.md)
 
     def validate(self) -> None:
@@ -51,6 +53,8 @@ class NSAConfig:
             raise ModelConfigError(
                 f"nsa.n_sel={self.n_sel} must be >= 3: block 0, the current and the previous block are forced picks"
             )
+        if not self.aux_lr_scale > 0:
+            raise ModelConfigError(f"nsa.aux_lr_scale must be positive, got {self.aux_lr_scale}")
         if self.gate_hidden < 0:
             raise ModelConfigError(f"nsa.gate_hidden must be >= 0, got {self.gate_hidden}")
         if self.gate_init not in GATE_INITS:

@@ -15,18 +15,24 @@ from train.config import TrainConfig
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Matrices (embeddings, linear weights, phi's [l, hd] encodings) decay; vectors (biases, norm gains) do not, nor
-    do the matrices a module names in its `no_weight_decay()` (NSA with nsa.aux_decay=false)."""
-    exempt = {f"{prefix}.{name}" if prefix else name for prefix, module in model.named_modules()
+    do the matrices a module names in its `no_weight_decay()` (NSA with nsa.aux_decay=false). Parameters a module
+    names in its `lr_scales()` (NSA with nsa.aux_lr_scale) get their own groups; `set_lr` scales their lr.
+    Without lr scales: two groups, decay then no decay."""
+
+    def qualified(prefix: str, name: str) -> str:
+        return f"{prefix}.{name}" if prefix else name
+
+    exempt = {qualified(prefix, name) for prefix, module in model.named_modules()
               if hasattr(module, "no_weight_decay") for name in module.no_weight_decay()}
-    decay, no_decay = [], []
+    scales = {qualified(prefix, name): scale for prefix, module in model.named_modules()
+              if hasattr(module, "lr_scales") for name, scale in module.lr_scales().items()}
+    groups: dict[tuple[bool, float], list[nn.Parameter]] = {(True, 1.0): [], (False, 1.0): []}
     for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        (decay if p.dim() >= 2 and name not in exempt else no_decay).append(p)
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
+        if p.requires_grad:
+            decays = p.dim() >= 2 and name not in exempt
+            groups.setdefault((decays, scales.get(name, 1.0)), []).append(p)
+    return [{"params": params, "weight_decay": weight_decay if decays else 0.0, "lr_scale": scale}
+            for (decays, scale), params in groups.items() if params or scale == 1.0]
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig, device_type: str, zero1: bool = False) -> torch.optim.Optimizer:
@@ -44,7 +50,8 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, device_type: str, zero1:
 
         opt = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW,
                                       weight_decay=groups[0]["weight_decay"], **kwargs)
-        opt.add_param_group(groups[1])
+        for group in groups[1:]:
+            opt.add_param_group(group)
         return opt
     return torch.optim.AdamW(groups, **kwargs)
 
@@ -75,5 +82,6 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Every group's lr: `lr` times the group's lr_scale (param_groups)."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_scale", 1.0)

@@ -25,15 +25,17 @@ def _index_to_fqn(state: dict, group_names: list[list[str]]) -> dict:
     return {"state": {flat[i]: s for i, s in state["state"].items()}, "param_groups": groups}
 
 
-def _fqn_to_index(state: dict, group_names: list[list[str]]) -> dict:
+def _fqn_to_index(state: dict, optimizer: torch.optim.Optimizer, group_names: list[list[str]]) -> dict:
+    """The saved per-parameter state (moments, step) in this optimizer's groups: hyper-parameters come from
+    the optimizer as the current config built it (param_groups), so nsa.aux_decay or nsa.aux_lr_scale may
+    change on resume like train.lr may."""
     index = {n: i for i, n in enumerate(n for g in group_names for n in g)}
     saved = [n for g in state["param_groups"] for n in g["params"]]
     if sorted(saved) != sorted(index):
         missing = sorted(set(index) - set(saved))[:3]
         raise CheckpointError(f"optimizer state does not cover the model's parameters (e.g. {missing})")
-    groups = []
-    for g, names in zip(state["param_groups"], group_names):
-        groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": [index[n] for n in names]})
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[n] for n in names]}
+              for g, names in zip(optimizer.param_groups, group_names)]
     return {"state": {index[n]: s for n, s in state["state"].items()}, "param_groups": groups}
 
 
@@ -68,4 +70,4 @@ def load_states(model: nn.Module, optimizer: torch.optim.Optimizer, model_sd: di
                        options=StateDictOptions(full_state_dict=True))
         return
     model.load_state_dict(model_sd)
-    optimizer.load_state_dict(_fqn_to_index(optim_sd, _group_param_names(model, optimizer)))
+    optimizer.load_state_dict(_fqn_to_index(optim_sd, optimizer, _group_param_names(model, optimizer)))

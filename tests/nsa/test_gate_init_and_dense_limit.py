@@ -86,3 +86,57 @@ def test_aux_decay_moves_the_gate_and_phi_matrices_out_of_weight_decay(aux_decay
     assert (aux <= in_decay) if aux_decay else not (aux & in_decay)
     assert "blocks.0.attn.q_proj.weight" in in_decay and decay["weight_decay"] == 0.1
     assert {names[id(p)] for p in no_decay["params"]} >= (set() if aux_decay else aux)
+
+
+def _aux_names(model) -> set[str]:  # the gate MLP's and phi's parameters, every layer
+    return {n for n, _ in model.named_parameters() if ".gate_mlp." in n or ".compress_" in n}
+
+
+def _one_adamw_step(nsa_overrides: dict, seed: int = 0):
+    from train.config import TrainConfig
+    from train.optim import build_optimizer, set_lr
+
+    torch.manual_seed(seed)
+    model = Transformer(small_cfg(nsa_overrides, n_layers=2, vocab_size=64))
+    opt = build_optimizer(model, TrainConfig(weight_decay=0.1), "cpu")
+    set_lr(opt, 1e-3)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    idx = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(1))
+    model(idx, targets=torch.roll(idx, -1, 1)).backward()
+    opt.step()
+    return model, opt, {n: p.detach() - before[n] for n, p in model.named_parameters()}
+
+
+def test_aux_lr_scale_moves_only_the_gate_and_phi_parameters_faster():
+    with pytest.raises(ModelConfigError, match="aux_lr_scale"):
+        NSAConfig(aux_lr_scale=0.0).validate()
+    model, plain_opt, plain = _one_adamw_step({})
+    assert len(plain_opt.param_groups) == 2  # scale 1: the layout checkpoints were always written with
+    _, opt, scaled = _one_adamw_step({"aux_lr_scale": 3.0})
+    aux = _aux_names(model)
+    assert len(aux) == 2 * 10  # per layer: gate_mlp.0/.2 weight and bias; compress_k/v: fc_in, fc_out, pos_enc
+    for name, delta in scaled.items():
+        # AdamW's update (weight decay included) is proportional to lr: the aux steps are exactly 3x as long
+        torch.testing.assert_close(delta, plain[name] * (3.0 if name in aux else 1.0), rtol=1e-4, atol=3e-8)  # fp32 steps ~1e-3
+    assert sorted(g["lr"] for g in opt.param_groups) == pytest.approx([1e-3, 1e-3, 3e-3, 3e-3])
+
+
+@pytest.mark.parametrize("change", [{"aux_lr_scale": 3.0}, {"aux_decay": False}])
+def test_a_checkpoints_optimizer_state_loads_under_other_aux_settings(change):
+    from train.state_dicts import gather_states, load_states
+
+    model, opt, _ = _one_adamw_step({})
+    model_sd, optim_sd = gather_states(model, opt, is_main=True)
+    new_model, new_opt, _ = _one_adamw_step(change, seed=1)
+    load_states(new_model, new_opt, model_sd, optim_sd)
+    names = {id(p): n for n, p in new_model.named_parameters()}
+    old = {n: opt.state[p] for n, p in model.named_parameters()}
+    for n, p in new_model.named_parameters():  # every parameter's moments come back, under its new group
+        torch.testing.assert_close(new_opt.state[p]["exp_avg"], old[n]["exp_avg"], rtol=0, atol=0)
+        torch.testing.assert_close(new_opt.state[p]["exp_avg_sq"], old[n]["exp_avg_sq"], rtol=0, atol=0)
+    group_of = {names[id(p)]: g for g in new_opt.param_groups for p in g["params"]}
+    gate_w = "blocks.0.attn.gate_mlp.0.weight"
+    if "aux_lr_scale" in change:
+        assert group_of[gate_w]["lr_scale"] == 3.0 and group_of["blocks.0.attn.q_proj.weight"]["lr_scale"] == 1.0
+    else:
+        assert group_of[gate_w]["weight_decay"] == 0.0 and group_of["blocks.0.attn.q_proj.weight"]["weight_decay"] == 0.1
