@@ -9,8 +9,8 @@ OUT ?=
 setup:
 	bash scripts/prime_bootstrap.sh
 
-test:
-	$(PY) -m pytest -q
+test:  # two workers (pytest-xdist), one test file each at a time: the subprocess tests of a file stay in order
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 STAMP := $(shell date +%Y%m%d_%H%M%S)
 
