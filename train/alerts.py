@@ -12,6 +12,7 @@ import statistics
 import time
 from collections import deque
 
+from nsa.attention.nsa import initial_gate_entropy
 from train.config import RunConfig
 
 
@@ -25,6 +26,10 @@ class Alerts:
         self.profile_requested = False  # set once when a throughput drop has lasted long enough
         self._profiled = False
         self._gate_alerting: set[str] = set()  # gate alerts whose condition still holds (fired once)
+        # runtime.gate_entropy_alert is for gates that start equal (ln 2); other inits start lower, and the
+        # threshold keeps the same fraction of their starting entropy
+        start = initial_gate_entropy(cfg.model.nsa.gate_init)
+        self.gate_entropy_threshold = cfg.runtime.gate_entropy_alert * start / math.log(2.0)
 
     def observe(self, row: dict) -> list[dict]:
         """row: a training.csv row (plus gate statistics for NSA). Returns alert records (possibly none)."""
@@ -50,8 +55,9 @@ class Alerts:
         checks = (  # name, statistic, threshold, unhealthy(value, threshold), message
             ("gate_collapse", "gate_collapse_frac", rt.gate_collapse_alert, lambda v, t: v > t,
              "one NSA branch took over (gate_collapse_frac > runtime.gate_collapse_alert)"),
-            ("gate_entropy_low", "gate_entropy_mean", rt.gate_entropy_alert, lambda v, t: v < t,
-             "NSA gates are saturating (gate_entropy_mean < runtime.gate_entropy_alert)"),
+            ("gate_entropy_low", "gate_entropy_mean", self.gate_entropy_threshold, lambda v, t: v < t,
+             "NSA gates are saturating (gate_entropy_mean < runtime.gate_entropy_alert, scaled by the gate init's "
+             "starting entropy)"),
         )
         alerts = []
         for name, key, threshold, unhealthy, message in checks:

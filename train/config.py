@@ -97,7 +97,7 @@ class RuntimeConfig:
     throughput_alert_drop: float = 0.2  # alert when tokens/s falls this far below its running median ...
     throughput_alert_s: float = 300.0  # ... for this long; then a profiler trace is captured once
     gate_collapse_alert: float = 0.01  # NSA: alert when gate_collapse_frac (one branch's gate > 0.99, both others < 0.01) rises above this; 0 disables
-    gate_entropy_alert: float = 0.5  # NSA: alert when gate_entropy_mean (nats, at most ln 2 = 0.69) falls below this; 0 disables
+    gate_entropy_alert: float = 0.5  # NSA: alert when gate_entropy_mean (nats, at most ln 2 = 0.69) falls below this; nsa.gate_init=window scales it by its starting entropy / ln 2 (0.53); 0 disables
     wandb: bool = False  # log to Weights & Biases (pre-flight fails if the package is missing)
     wandb_project: str = "nsa-train"
     wandb_run_name: str | None = None

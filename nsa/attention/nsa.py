@@ -12,6 +12,8 @@ per stage (nsa/attention/ops.py) on every device, so the layer is a constant num
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 
@@ -27,6 +29,15 @@ from nsa.profiling import nvtx_range
 
 BRANCHES = ("cmp", "sel", "win")
 WINDOW_GATE_BIAS = (-2.0, -2.0, 2.0)  # nsa.gate_init=window: (cmp, sel, win) pre-sigmoid biases
+
+
+def initial_gate_entropy(gate_init: str) -> float:
+    """Mean binary entropy (nats) of the gates at step 0 (gate_stats' gate_entropy_mean): ln 2 for equal
+    gates (all ~0.5), H(sigmoid(-2)) = 0.365 for the window init (H is symmetric: 0.12 and 0.88 alike)."""
+    if gate_init == "equal":
+        return math.log(2.0)
+    gates = [1.0 / (1.0 + math.exp(-b)) for b in WINDOW_GATE_BIAS]
+    return sum(-g * math.log(g) - (1 - g) * math.log(1 - g) for g in gates) / len(gates)
 
 
 class NativeSparseAttention(nn.Module):
