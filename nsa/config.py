@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 # nsa.* keys that change kernels, memory, the initial weights or the optimizer, not the function a checkpoint computes:
 # a checkpoint made with other values loads (resume, import).
 NON_ARCHITECTURE_FIELDS = frozenset({"q_chunk", "sel_chunk", "sel_tile", "win_block", "kernel", "gate_init",
-                                     "aux_decay", "aux_lr_scale"})
+                                     "gate_bias", "aux_decay", "aux_lr_scale"})
 GATE_INITS = ("equal", "window")
 
 
@@ -38,6 +38,7 @@ class NSAConfig:
     aux_decay: bool = True  # weight decay (train.weight_decay) on the matrices of the gate MLP and of phi; false: none
     aux_lr_scale: float = 1.0  # learning-rate multiplier (on train.lr's schedule) for the gate MLP and phi parameters
     gate_init: str = "equal"  # branch gates at step 0: equal (all ~0.5) | window (cmp, sel ~0.12, win ~0.88; docs/NSA.md)
+    gate_bias: float = 2.0  # gate_init=window: pre-sigmoid biases -b, -b, +b for cmp, sel, win (2: 0.12 / 0.88; 4: 0.018 / 0.982)
 
     def validate(self) -> None:
         for name in ("l", "d", "l_sel", "n_sel", "w", "q_chunk", "sel_chunk", "sel_tile", "win_block"):
@@ -53,6 +54,8 @@ class NSAConfig:
             raise ModelConfigError(
                 f"nsa.n_sel={self.n_sel} must be >= 3: block 0, the current and the previous block are forced picks"
             )
+        if not self.gate_bias > 0:
+            raise ModelConfigError(f"nsa.gate_bias must be positive, got {self.gate_bias}")
         if not self.aux_lr_scale > 0:
             raise ModelConfigError(f"nsa.aux_lr_scale must be positive, got {self.aux_lr_scale}")
         if self.gate_hidden < 0:

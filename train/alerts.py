@@ -28,7 +28,7 @@ class Alerts:
         self._gate_alerting: set[str] = set()  # gate alerts whose condition still holds (fired once)
         # runtime.gate_entropy_alert is for gates that start equal (ln 2); other inits start lower, and the
         # threshold keeps the same fraction of their starting entropy
-        start = initial_gate_entropy(cfg.model.nsa.gate_init)
+        start = initial_gate_entropy(cfg.model.nsa)
         self.gate_entropy_threshold = cfg.runtime.gate_entropy_alert * start / math.log(2.0)
 
     def observe(self, row: dict) -> list[dict]:

@@ -22,22 +22,26 @@ from nsa.attention.compression import BlockCompressor, compress, num_compressed
 from nsa.attention.decode import decode_branches
 from nsa.attention.gate_stats import gate_statistics, selection_counts, selection_statistics
 from nsa.attention.nsa_cache import NSACache
-from nsa.config import ModelConfig
+from nsa.config import ModelConfig, NSAConfig
 from nsa.layers import apply_rotary
 from nsa.profiling import nvtx_range
 
 
 BRANCHES = ("cmp", "sel", "win")
-WINDOW_GATE_BIAS = (-2.0, -2.0, 2.0)  # nsa.gate_init=window: (cmp, sel, win) pre-sigmoid biases
 
 
-def initial_gate_entropy(gate_init: str) -> float:
+def window_gate_biases(cfg: NSAConfig) -> tuple[float, float, float]:
+    """nsa.gate_init=window: the (cmp, sel, win) pre-sigmoid biases -b, -b, +b with b = nsa.gate_bias."""
+    return (-cfg.gate_bias, -cfg.gate_bias, cfg.gate_bias)
+
+
+def initial_gate_entropy(cfg: NSAConfig) -> float:
     """Mean binary entropy (nats) of the gates at step 0 (gate_stats' gate_entropy_mean): ln 2 for equal
-    gates (all ~0.5), H(sigmoid(-2)) = 0.365 for the window init (H is symmetric: 0.12 and 0.88 alike)."""
-    if gate_init == "equal":
+    gates (all ~0.5); for the window init H(sigmoid(b)), 0.365 at b = 2 (H is symmetric: 0.12 and 0.88 alike)."""
+    if cfg.gate_init == "equal":
         return math.log(2.0)
-    gates = [1.0 / (1.0 + math.exp(-b)) for b in WINDOW_GATE_BIAS]
-    return sum(-g * math.log(g) - (1 - g) * math.log(1 - g) for g in gates) / len(gates)
+    g = 1.0 / (1.0 + math.exp(-cfg.gate_bias))
+    return -g * math.log(g) - (1 - g) * math.log(1 - g)
 
 
 class NativeSparseAttention(nn.Module):
@@ -67,7 +71,7 @@ class NativeSparseAttention(nn.Module):
 
     def reset_extra_parameters(self) -> None:
         """Called by Transformer.reset_parameters after its generic init: phi position encodings, and the
-        gates' output layer for nsa.gate_init=window (weights 0, biases -2 / -2 / +2 per head: every token
+        gates' output layer for nsa.gate_init=window (weights 0, biases -b / -b / +b per head, b = nsa.gate_bias: at b = 2 every token
         starts at sigmoid = 0.12 / 0.12 / 0.88 for cmp / sel / win, local context first)."""
         self.compress_k.reset_extra_parameters()
         self.compress_v.reset_extra_parameters()
@@ -75,7 +79,7 @@ class NativeSparseAttention(nn.Module):
             out = self.gate_mlp[2]
             nn.init.zeros_(out.weight)
             with torch.no_grad():
-                out.bias.copy_(torch.tensor(WINDOW_GATE_BIAS, dtype=out.bias.dtype).repeat(self.n_heads))
+                out.bias.copy_(torch.tensor(window_gate_biases(self.cfg), dtype=out.bias.dtype).repeat(self.n_heads))
 
     def _aux_parameter_names(self) -> list[str]:
         """The gate MLP's and phi's parameters (relative to this module): NSA's additions to attention."""

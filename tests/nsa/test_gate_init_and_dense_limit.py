@@ -8,25 +8,29 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nsa.attention.nsa import WINDOW_GATE_BIAS
+from nsa.attention.nsa import initial_gate_entropy
 from nsa.config import ModelConfigError, NSAConfig
 from nsa.model import Transformer
 from tests.nsa._nsa_helpers import HEAD_DIM, HEADS, KV_HEADS, make_input, make_layer, rope_for, small_cfg
 from train.checkpoint import check_architecture
 
 
-def _init_gates(gate_init: str, T: int = 33) -> torch.Tensor:  # [B, T, H, 3] of a freshly built model's layer 0
+def _init_gates(gate_init: str, T: int = 33, **nsa) -> torch.Tensor:  # [B, T, H, 3] of a fresh model's layer 0
     torch.manual_seed(0)
-    model = Transformer(small_cfg({"gate_init": gate_init}, n_layers=2, vocab_size=64)).double()
+    model = Transformer(small_cfg({"gate_init": gate_init, **nsa}, n_layers=2, vocab_size=64)).double()
     return model.blocks[0].attn.gates(make_input(2, T))
 
 
-def test_window_gate_init_starts_every_token_on_the_window_branch():
-    gates = _init_gates("window")
-    expected = torch.sigmoid(torch.tensor(WINDOW_GATE_BIAS, dtype=torch.float64))  # 0.12, 0.12, 0.88
-    torch.testing.assert_close(gates, expected.expand_as(gates), rtol=0, atol=1e-12)
+@pytest.mark.parametrize("gate_bias, cmp_sel, win", [(2.0, 0.1192, 0.8808), (4.0, 0.0180, 0.9820)])
+def test_window_gate_init_starts_every_token_on_the_window_branch(gate_bias, cmp_sel, win):
+    gates = _init_gates("window", gate_bias=gate_bias)
+    expected = torch.tensor([cmp_sel, cmp_sel, win], dtype=torch.float64)  # sigmoid(-b), sigmoid(-b), sigmoid(b)
+    torch.testing.assert_close(gates, expected.expand_as(gates), rtol=0, atol=1e-4)
+    entropy = -(gates * gates.log() + (1 - gates) * (1 - gates).log()).mean().item()  # gate_stats' definition
+    assert initial_gate_entropy(NSAConfig(gate_init="window", gate_bias=gate_bias)) == pytest.approx(entropy)
     equal = _init_gates("equal")  # the generic init: every gate near 0.5, token-dependent
     assert (equal - 0.5).abs().max() < 0.05 and equal.std() > 0
+    assert initial_gate_entropy(NSAConfig()) == pytest.approx(math.log(2))
 
 
 def test_window_gate_init_still_learns_per_token_gates():
@@ -40,6 +44,8 @@ def test_window_gate_init_still_learns_per_token_gates():
 def test_gate_init_is_validated_and_does_not_block_resume():
     with pytest.raises(ModelConfigError, match="gate_init"):
         NSAConfig(gate_init="windows").validate()
+    with pytest.raises(ModelConfigError, match="gate_bias"):
+        NSAConfig(gate_bias=0.0).validate()
     saved = {"config": {"model": {"attention": "nsa"}, "nsa": {"l": 16, "gate_init": "equal"}}}
     check_architecture(saved, {"attention": "nsa", "nsa": {"l": 16, "gate_init": "window"}}, "ckpt")  # no raise
     legacy = {"config": {"model": {"attention": "nsa"}, "nsa": {"l": 16}}}  # saved before the key existed
