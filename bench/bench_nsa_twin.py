@@ -20,11 +20,11 @@ from train.compare_report import SHARES
 
 REPO = Path(__file__).resolve().parents[1]
 ABLATIONS: dict[str, list[str]] = {
-    "baseline": [],
+    "baseline": ["--nsa.gate_init=equal"],  # the default until 2026-11-24 (now window; docs/NSA.md)
     "gate_window": ["--nsa.gate_init=window"],
-    "w256": ["--nsa.w=256"],
-    "n16": ["--nsa.n_sel=16"],
-    "no_aux_decay": ["--nsa.aux_decay=false"],
+    "w256": ["--nsa.gate_init=equal", "--nsa.w=256"],
+    "n16": ["--nsa.gate_init=equal", "--nsa.n_sel=16"],
+    "no_aux_decay": ["--nsa.gate_init=equal", "--nsa.aux_decay=false"],
     "gate_window_w256": ["--nsa.gate_init=window", "--nsa.w=256"],
     # the window init with b = 4: cmp and sel start at 0.018, the window at 0.982
     "gate_window_b4": ["--nsa.gate_init=window", "--nsa.gate_bias=4"],
@@ -34,10 +34,10 @@ ABLATIONS: dict[str, list[str]] = {
     "gate_window_w1024": ["--nsa.gate_init=window", "--nsa.w=1024"],
     # 4x the token budget (the schedule stretched to 1200 steps)
     "gate_window_4x": ["--nsa.gate_init=window", "--train.steps=1200"],
-    "baseline_4x": ["--train.steps=1200"],
+    "baseline_4x": ["--nsa.gate_init=equal", "--train.steps=1200"],
     # a second seed: the spread between seeds is the yardstick for a gap
     "gate_window_seed8": ["--nsa.gate_init=window", "--train.seed=8"],
-    "baseline_seed8": ["--train.seed=8"],
+    "baseline_seed8": ["--nsa.gate_init=equal", "--train.seed=8"],
 }
 
 

@@ -97,8 +97,8 @@ def test_the_same_command_resumes_and_reuses_and_another_config_is_refused(compa
 
 def test_dense_from_reuses_the_twin_and_handoff_carries_the_report(compared, tmp_path):
     out, data, _ = compared
-    ablation = tmp_path / "gate_window"
-    compare("--out", str(ablation), data, *TINY, "--nsa.gate_init=window", "--eval_max_tokens", "3000",
+    ablation = tmp_path / "gate_equal"
+    compare("--out", str(ablation), data, *TINY, "--nsa.gate_init=equal", "--eval_max_tokens", "3000",
             "--dense_from", str(out))
     report = json.loads((ablation / "report.json").read_text())
     assert not (ablation / "dense").exists() and report["arms"]["dense"]["out_dir"] == str(out / "dense")

@@ -196,7 +196,8 @@ def test_the_entropy_alert_keeps_its_fraction_of_the_gate_inits_starting_entropy
     assert window.gate_entropy_threshold == pytest.approx(0.5 * 0.365 / math.log(2), abs=1e-3)
     assert window.observe(gate_row(1, window_start)) == [] and window.observe(gate_row(2, drifted)) == []
     assert [a["alert"] for a in window.observe(gate_row(3, dropped))] == ["gate_entropy_low"]
-    equal = Alerts(tiny_config(tmp_path, "--runtime.gate_entropy_alert=0.5"))
+    equal = Alerts(tiny_config(tmp_path, "--runtime.gate_entropy_alert=0.5", "--model.attention=nsa",
+                               "--nsa.gate_init=equal"))
     assert equal.gate_entropy_threshold == 0.5
     assert [a["alert"] for a in equal.observe(gate_row(1, window_start))] == ["gate_entropy_low"]
 
@@ -209,7 +210,8 @@ def test_an_nsa_run_alerts_console_heartbeat_tensorboard_and_wandb(tmp_path, mon
                                                    finish=lambda: None)
     monkeypatch.setitem(sys.modules, "wandb", wandb)
     out = tmp_path / "run"
-    cfg = tiny_config(out, *NSA, "--train.steps=4", "--runtime.gate_entropy_alert=1.0", "--runtime.wandb=true")
+    cfg = tiny_config(out, *NSA, "--train.steps=4", "--runtime.gate_entropy_alert=1.0", "--nsa.gate_init=equal",
+                      "--runtime.wandb=true")
     from train.runner import run_training
 
     assert run_training(cfg) == 0
