@@ -28,6 +28,7 @@ ABLATIONS: dict[str, list[str]] = {
     "gate_window_w256": ["--nsa.gate_init=window", "--nsa.w=256"],
     # the window init with b = 4: cmp and sel start at 0.018, the window at 0.982
     "gate_window_b4": ["--nsa.gate_init=window", "--nsa.gate_bias=4"],
+    "gate_window_b4_seed8": ["--nsa.gate_init=window", "--nsa.gate_bias=4", "--train.seed=8"],
     # 3x the learning rate on the gate MLP and phi (their own schedule, same shape)
     "gate_window_aux_lr3": ["--nsa.gate_init=window", "--nsa.aux_lr_scale=3"],
     # the dense limit in training: the window branch sees every earlier key (w >= seq_len)
