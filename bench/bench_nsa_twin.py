@@ -36,6 +36,7 @@ ABLATIONS: dict[str, list[str]] = {
     # 4x the token budget (the schedule stretched to 1200 steps)
     "gate_window_4x": ["--nsa.gate_init=window", "--train.steps=1200"],
     "baseline_4x": ["--nsa.gate_init=equal", "--train.steps=1200"],
+    "gate_window_b4_4x": ["--nsa.gate_init=window", "--nsa.gate_bias=4", "--train.steps=1200"],
     # a second seed: the spread between seeds is the yardstick for a gap
     "gate_window_seed8": ["--nsa.gate_init=window", "--train.seed=8"],
     "baseline_seed8": ["--nsa.gate_init=equal", "--train.seed=8"],
