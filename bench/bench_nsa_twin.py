@@ -29,6 +29,9 @@ ABLATIONS: dict[str, list[str]] = {
     # the window init with b = 4: cmp and sel start at 0.018, the window at 0.982
     "gate_window_b4": ["--nsa.gate_init=window", "--nsa.gate_bias=4"],
     "gate_window_b4_seed8": ["--nsa.gate_init=window", "--nsa.gate_bias=4", "--train.seed=8"],
+    # sliding-window attention alone inside the same model: cmp and sel start at sigmoid(-12) = 6e-6 and their
+    # gates barely train (gate MLP and phi at 1e-6 x lr): what NSA at b = 4 owes to its far-reaching branches
+    "window_only": ["--nsa.gate_init=window", "--nsa.gate_bias=12", "--nsa.aux_lr_scale=1e-6"],
     # 3x the learning rate on the gate MLP and phi (their own schedule, same shape)
     "gate_window_aux_lr3": ["--nsa.gate_init=window", "--nsa.aux_lr_scale=3"],
     # the dense limit in training: the window branch sees every earlier key (w >= seq_len)
