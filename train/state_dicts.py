@@ -66,8 +66,13 @@ def load_states(model: nn.Module, optimizer: torch.optim.Optimizer, model_sd: di
     if is_fsdp(model):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
+        # DCP matches the moments by name but gives each group the saved hyper-parameters of its first
+        # parameter's old group; the current config's (nsa.aux_lr_scale, weight decay) go back on after
+        current = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
                        options=StateDictOptions(full_state_dict=True))
+        for group, hyper in zip(optimizer.param_groups, current):
+            group.update(hyper)
         return
     model.load_state_dict(model_sd)
     optimizer.load_state_dict(_fqn_to_index(optim_sd, optimizer, _group_param_names(model, optimizer)))

@@ -98,12 +98,18 @@ def _aux_names(model) -> set[str]:  # the gate MLP's and phi's parameters, every
     return {n for n, _ in model.named_parameters() if ".gate_mlp." in n or ".compress_" in n}
 
 
-def _one_adamw_step(nsa_overrides: dict, seed: int = 0):
+def _one_adamw_step(nsa_overrides: dict, seed: int = 0, fsdp: bool = False):
     from train.config import TrainConfig
     from train.optim import build_optimizer, set_lr
 
     torch.manual_seed(seed)
     model = Transformer(small_cfg(nsa_overrides, n_layers=2, vocab_size=64))
+    if fsdp:  # FSDP2 as train/distributed.py wraps it (one rank: the load path is DCP's all the same)
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
     opt = build_optimizer(model, TrainConfig(weight_decay=0.1), "cpu")
     set_lr(opt, 1e-3)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -127,19 +133,36 @@ def test_aux_lr_scale_moves_only_the_gate_and_phi_parameters_faster():
     assert sorted(g["lr"] for g in opt.param_groups) == pytest.approx([1e-3, 1e-3, 3e-3, 3e-3])
 
 
+@pytest.fixture
+def one_rank_group():
+    """A one-process gloo group: FSDP2 (and DCP's state-dict helpers) on CPU inside the test process."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    yield
+    dist.destroy_process_group()
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t  # FSDP2 keeps moments as DTensors
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["plain", "fsdp2"])
 @pytest.mark.parametrize("change", [{"aux_lr_scale": 3.0}, {"aux_decay": False}])
-def test_a_checkpoints_optimizer_state_loads_under_other_aux_settings(change):
+def test_a_checkpoints_optimizer_state_loads_under_other_aux_settings(change, fsdp, request):
     from train.state_dicts import gather_states, load_states
 
-    model, opt, _ = _one_adamw_step({})
+    if fsdp:
+        request.getfixturevalue("one_rank_group")
+    model, opt, _ = _one_adamw_step({}, fsdp=fsdp)
     model_sd, optim_sd = gather_states(model, opt, is_main=True)
-    new_model, new_opt, _ = _one_adamw_step(change, seed=1)
+    new_model, new_opt, _ = _one_adamw_step(change, seed=1, fsdp=fsdp)
     load_states(new_model, new_opt, model_sd, optim_sd)
     names = {id(p): n for n, p in new_model.named_parameters()}
     old = {n: opt.state[p] for n, p in model.named_parameters()}
     for n, p in new_model.named_parameters():  # every parameter's moments come back, under its new group
-        torch.testing.assert_close(new_opt.state[p]["exp_avg"], old[n]["exp_avg"], rtol=0, atol=0)
-        torch.testing.assert_close(new_opt.state[p]["exp_avg_sq"], old[n]["exp_avg_sq"], rtol=0, atol=0)
+        for moment in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(_full(new_opt.state[p][moment]), _full(old[n][moment]), rtol=0, atol=0)
     group_of = {names[id(p)]: g for g in new_opt.param_groups for p in g["params"]}
     gate_w = "blocks.0.attn.gate_mlp.0.weight"
     if "aux_lr_scale" in change:
