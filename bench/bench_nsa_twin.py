@@ -21,11 +21,12 @@ from train.compare_report import SHARES
 REPO = Path(__file__).resolve().parents[1]
 ABLATIONS: dict[str, list[str]] = {
     "baseline": ["--nsa.gate_init=equal"],  # the default until 2026-11-24 (now window; docs/NSA.md)
-    "gate_window": ["--nsa.gate_init=window"],
+    # gate_bias pinned: the default was 2 until b = 4 was measured at 4x (docs/NSA.md), 4 since
+    "gate_window": ["--nsa.gate_init=window", "--nsa.gate_bias=2"],
     "w256": ["--nsa.gate_init=equal", "--nsa.w=256"],
     "n16": ["--nsa.gate_init=equal", "--nsa.n_sel=16"],
     "no_aux_decay": ["--nsa.gate_init=equal", "--nsa.aux_decay=false"],
-    "gate_window_w256": ["--nsa.gate_init=window", "--nsa.w=256"],
+    "gate_window_w256": ["--nsa.gate_init=window", "--nsa.gate_bias=2", "--nsa.w=256"],
     # the window init with b = 4: cmp and sel start at 0.018, the window at 0.982
     "gate_window_b4": ["--nsa.gate_init=window", "--nsa.gate_bias=4"],
     "gate_window_b4_seed8": ["--nsa.gate_init=window", "--nsa.gate_bias=4", "--train.seed=8"],
@@ -33,15 +34,15 @@ ABLATIONS: dict[str, list[str]] = {
     # gates barely train (gate MLP and phi at 1e-6 x lr): what NSA at b = 4 owes to its far-reaching branches
     "window_only": ["--nsa.gate_init=window", "--nsa.gate_bias=12", "--nsa.aux_lr_scale=1e-6"],
     # 3x the learning rate on the gate MLP and phi (their own schedule, same shape)
-    "gate_window_aux_lr3": ["--nsa.gate_init=window", "--nsa.aux_lr_scale=3"],
+    "gate_window_aux_lr3": ["--nsa.gate_init=window", "--nsa.gate_bias=2", "--nsa.aux_lr_scale=3"],
     # the dense limit in training: the window branch sees every earlier key (w >= seq_len)
-    "gate_window_w1024": ["--nsa.gate_init=window", "--nsa.w=1024"],
+    "gate_window_w1024": ["--nsa.gate_init=window", "--nsa.gate_bias=2", "--nsa.w=1024"],
     # 4x the token budget (the schedule stretched to 1200 steps)
-    "gate_window_4x": ["--nsa.gate_init=window", "--train.steps=1200"],
+    "gate_window_4x": ["--nsa.gate_init=window", "--nsa.gate_bias=2", "--train.steps=1200"],
     "baseline_4x": ["--nsa.gate_init=equal", "--train.steps=1200"],
     "gate_window_b4_4x": ["--nsa.gate_init=window", "--nsa.gate_bias=4", "--train.steps=1200"],
     # a second seed: the spread between seeds is the yardstick for a gap
-    "gate_window_seed8": ["--nsa.gate_init=window", "--train.seed=8"],
+    "gate_window_seed8": ["--nsa.gate_init=window", "--nsa.gate_bias=2", "--train.seed=8"],
     "baseline_seed8": ["--nsa.gate_init=equal", "--train.seed=8"],
 }
 

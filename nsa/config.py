@@ -37,8 +37,8 @@ class NSAConfig:
     kernel: str = "auto"  # fused CUDA paths: auto (Triton selection + FlexAttention branches on CUDA, torch elsewhere) | triton | torch
     aux_decay: bool = True  # weight decay (train.weight_decay) on the matrices of the gate MLP and of phi; false: none
     aux_lr_scale: float = 1.0  # learning-rate multiplier (on train.lr's schedule) for the gate MLP and phi parameters
-    gate_init: str = "window"  # branch gates at step 0: window (cmp, sel ~0.12, win ~0.88 at gate_bias 2) | equal (all ~0.5, the generic init); docs/NSA.md
-    gate_bias: float = 2.0  # gate_init=window: pre-sigmoid biases -b, -b, +b for cmp, sel, win (2: 0.12 / 0.88; 4: 0.018 / 0.982)
+    gate_init: str = "window"  # branch gates at step 0: window (cmp, sel ~0.018, win ~0.982 at gate_bias 4) | equal (all ~0.5, the generic init); docs/NSA.md
+    gate_bias: float = 4.0  # gate_init=window: pre-sigmoid biases -b, -b, +b for cmp, sel, win (2: 0.12 / 0.88; 4: 0.018 / 0.982)
 
     def validate(self) -> None:
         for name in ("l", "d", "l_sel", "n_sel", "w", "q_chunk", "sel_chunk", "sel_tile", "win_block"):

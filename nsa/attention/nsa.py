@@ -37,7 +37,7 @@ def window_gate_biases(cfg: NSAConfig) -> tuple[float, float, float]:
 
 def initial_gate_entropy(cfg: NSAConfig) -> float:
     """Mean binary entropy (nats) of the gates at step 0 (gate_stats' gate_entropy_mean): ln 2 for equal
-    gates (all ~0.5); for the window init H(sigmoid(b)), 0.365 at b = 2 (H is symmetric: 0.12 and 0.88 alike)."""
+    gates (all ~0.5); for the window init H(sigmoid(b)), 0.090 at b = 4 (0.365 at b = 2; H is symmetric: 0.12 and 0.88 alike)."""
     if cfg.gate_init == "equal":
         return math.log(2.0)
     g = 1.0 / (1.0 + math.exp(-cfg.gate_bias))
@@ -71,8 +71,8 @@ class NativeSparseAttention(nn.Module):
 
     def reset_extra_parameters(self) -> None:
         """Called by Transformer.reset_parameters after its generic init: phi position encodings, and the
-        gates' output layer for nsa.gate_init=window (weights 0, biases -b / -b / +b per head, b = nsa.gate_bias: at b = 2 every token
-        starts at sigmoid = 0.12 / 0.12 / 0.88 for cmp / sel / win, local context first)."""
+        gates' output layer for nsa.gate_init=window (weights 0, biases -b / -b / +b per head, b = nsa.gate_bias: at b = 4 every token
+        starts at sigmoid = 0.018 / 0.018 / 0.982 for cmp / sel / win, local context first)."""
         self.compress_k.reset_extra_parameters()
         self.compress_v.reset_extra_parameters()
         if self.cfg.gate_init == "window":

@@ -186,13 +186,13 @@ def test_gate_alerts_fire_on_crossing_and_again_after_recovery(tmp_path):
 
 
 def test_the_entropy_alert_keeps_its_fraction_of_the_gate_inits_starting_entropy(tmp_path):
-    """0.5 nats is 72% of ln 2 (gates starting equal); the window init starts at 0.365 nats, so its
+    """0.5 nats is 72% of ln 2 (gates starting equal); the window init at b = 2 starts at 0.365 nats, so its
     threshold is 72% of that: its own step 0 is healthy, a drop to 0.2 nats is not."""
     window_start = torch.tensor([0.12, 0.12, 0.88]).expand(2, 8, 4, 3)  # [B, T, H, 3] (cmp, sel, win)
     dropped = torch.tensor([0.03, 0.03, 0.97]).expand(2, 8, 4, 3)  # entropy ~0.13 nats
     drifted = torch.tensor([0.08, 0.08, 0.92]).expand(2, 8, 4, 3)  # ~0.28 nats: above 0.72 x 0.365
     window = Alerts(tiny_config(tmp_path, "--runtime.gate_entropy_alert=0.5", "--model.attention=nsa",
-                                    "--nsa.gate_init=window"))
+                                    "--nsa.gate_init=window", "--nsa.gate_bias=2"))
     assert window.gate_entropy_threshold == pytest.approx(0.5 * 0.365 / math.log(2), abs=1e-3)
     assert window.observe(gate_row(1, window_start)) == [] and window.observe(gate_row(2, drifted)) == []
     assert [a["alert"] for a in window.observe(gate_row(3, dropped))] == ["gate_entropy_low"]
