@@ -17,11 +17,16 @@ def _group_param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> li
     return [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
 
 
+def _hyper_parameters(group: dict) -> dict:
+    """A param group's settings (lr, weight_decay, lr_scale, ...): everything but its parameters."""
+    return {k: v for k, v in group.items() if k != "params"}
+
+
 def _index_to_fqn(state: dict, group_names: list[list[str]]) -> dict:
     flat = [n for g in group_names for n in g]
     groups = []
     for g, names in zip(state["param_groups"], group_names):
-        groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": names})
+        groups.append({**_hyper_parameters(g), "params": names})
     return {"state": {flat[i]: s for i, s in state["state"].items()}, "param_groups": groups}
 
 
@@ -34,7 +39,7 @@ def _fqn_to_index(state: dict, optimizer: torch.optim.Optimizer, group_names: li
     if sorted(saved) != sorted(index):
         missing = sorted(set(index) - set(saved))[:3]
         raise CheckpointError(f"optimizer state does not cover the model's parameters (e.g. {missing})")
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[n] for n in names]}
+    groups = [{**_hyper_parameters(g), "params": [index[n] for n in names]}
               for g, names in zip(optimizer.param_groups, group_names)]
     return {"state": {index[n]: s for n, s in state["state"].items()}, "param_groups": groups}
 
@@ -68,7 +73,7 @@ def load_states(model: nn.Module, optimizer: torch.optim.Optimizer, model_sd: di
 
         # DCP matches the moments by name but gives each group the saved hyper-parameters of its first
         # parameter's old group; the current config's (nsa.aux_lr_scale, weight decay) go back on after
-        current = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        current = [_hyper_parameters(g) for g in optimizer.param_groups]
         set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
                        options=StateDictOptions(full_state_dict=True))
         for group, hyper in zip(optimizer.param_groups, current):
