@@ -40,8 +40,8 @@ def child(name: str) -> None:
     import torch
 
     from nsa.model import Transformer
-    from train.config import load_config
-    from train.memory import estimate_memory
+    from train.core.config import load_config
+    from train.planning.memory import estimate_memory
 
     torch.set_num_threads(2)
     cfg = load_config(None, [*MODELS[name], "--runtime.device=cpu", "--runtime.precision=fp32", "--model.loss_chunk=4096"])

@@ -3,7 +3,7 @@
     python bench/bench_branches.py --device cuda --dtype bf16 --S 8192 16384 32768 65536
     python bench/bench_branches.py --device cpu --S 1024 2048        # forward only (no flex backward on CPU)
 
-The layer runs FlexAttention for these branches on CUDA (nsa/attention/flex.py); this measures whether
+The layer runs FlexAttention for these branches on CUDA (nsa/attention/impl/flex.py); this measures whether
 that is the faster choice. M7C-125M head layout (12 query heads, 2 KV heads, head dim 64), batch 1, paper
 defaults l=32, d=16, w=512. Prints one JSON line per (S, branch, backend) and a summary line last.
 """
@@ -16,9 +16,9 @@ import torch
 
 
 from bench_nsa import time_ms  # the sibling benchmark (bench/ is this script's sys.path[0])
-from nsa.attention import flex
-from nsa.attention.compression import compressed_attention, num_compressed
-from nsa.attention.window import sliding_window_attention
+from nsa.attention.impl import flex
+from nsa.attention.impl.compression import num_compressed
+from nsa.attention.ops import compressed_attention, window_attention
 
 L, D, W, Q_CHUNK, WIN_BLOCK = 32, 16, 512, 256, 128
 
@@ -28,7 +28,7 @@ def branch_fns(q, ck, cv, k, v):
     return {
         ("compressed", "sdpa"): lambda: compressed_attention(q, ck, cv, 0, L, D, Q_CHUNK),
         ("compressed", "flex"): lambda: flex.flex_compressed_attention(q, ck, cv, 0, L, D),
-        ("window", "sdpa"): lambda: sliding_window_attention(q, k, v, 0, 0, W, WIN_BLOCK),
+        ("window", "sdpa"): lambda: window_attention(q, k, v, 0, 0, W, WIN_BLOCK),
         ("window", "flex"): lambda: flex.flex_window_attention(q, k, v, 0, 0, W),
     }
 

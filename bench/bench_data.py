@@ -22,7 +22,7 @@ import numpy as np
 
 from train.data import DataConfig, build_data
 from train.data.meta import FORMAT, FORMAT_VERSION
-from train.data.prepare import prepare
+from train.data.preparation import prepare
 from train.data.sources import open_documents
 from train.data.tokenizers import load_tokenizer
 

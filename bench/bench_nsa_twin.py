@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from train.compare_report import SHARES
+from train.analysis.compare_report import SHARES
 
 REPO = Path(__file__).resolve().parents[1]
 ABLATIONS: dict[str, list[str]] = {

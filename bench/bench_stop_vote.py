@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 def child(calls: int) -> None:
     import torch.distributed as dist
 
-    from train.stop import StopVote
+    from train.trainer.stop import StopVote
 
     dist.init_process_group("gloo")
     vote = StopVote(dist.group.WORLD, enabled=True)

@@ -23,9 +23,9 @@ import numpy as np
 import torch
 
 from nsa.model import Transformer
-from train.config import load_config
-from train.data.prepare import prepare
-from train.runner import run_training
+from train.core.config import load_config
+from train.data.preparation import prepare
+from train.trainer.runner import run_training
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -115,7 +115,7 @@ def branches(args) -> dict:
         return {"ok": False, "exit": code, "output": out[-1500:]}
     res = last_json(out)
     ratios = {k: v for k, v in res["summary"].items() if "_over_flex_" in k}
-    verdict = "keep FlexAttention (nsa/attention/flex.py use_flex)" if res["summary"]["flex_faster_everywhere"] \
+    verdict = "keep FlexAttention (nsa/attention/impl/flex.py use_flex)" if res["summary"]["flex_faster_everywhere"] \
         else "SDPA is faster somewhere: revisit use_flex"
     return {"ok": True, "results": res["results"], "sdpa_over_flex": ratios,
             "goal": f"compressed/window branches, SDPA time / Flex time (>1: Flex faster): {verdict}"}

@@ -283,7 +283,7 @@ def mlp_flops(widths: Sequence[int]) -> int:
 def default_phi_widths(cfg: ModelConfig) -> tuple[int, ...]:
     """Shape of the compression MLP φ: one block of l keys (l·head_dim inputs) -> one key.
 
-    Matches BlockCompressor in nsa/attention/compression.py: φ(X) = mean_j X_j + W2 gelu(W1 flatten(X + E)),
+    Matches BlockCompressor in nsa/attention/compressor.py: φ(X) = mean_j X_j + W2 gelu(W1 flatten(X + E)),
     W1: l·hd -> hd, W2: hd -> hd, applied per compressed token per KV head, once for K and once for V.
     The mean, the position-encoding add and gelu are elementwise and not counted.
     """
@@ -343,7 +343,7 @@ def nsa_attention_flops(
     These are model FLOPs: each branch is charged the keys it may see. Work the implementation does
     beyond that is not credited (docs/MFU.md): the masked tails of query chunks and selection tiles,
     and the block-importance scores, which the paper takes from the compressed branch's softmax but
-    nsa/attention/compression.py recomputes (forward only, QKᵀ against all nb compressed tokens).
+    nsa/attention/impl/compression.py recomputes (forward only, QKᵀ against all nb compressed tokens).
     Not counted either: softmax, the overlap sum of Eq. 9, top-n, gathers, the gated sum (elementwise).
     """
     D, H, H_kv, hd, S = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, seq_len

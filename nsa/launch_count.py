@@ -52,8 +52,8 @@ def count_forward_backward(module: torch.nn.Module, x: torch.Tensor, *args) -> L
 def attention_layer_launches(cfg, T: int, batch: int = 1) -> LaunchCounter:
     """One attention layer of `cfg` (a ModelConfig; dense or NSA), built on the meta device, forward and
     backward at sequence length T with RoPE."""
-    from nsa.attention import build_attention
     from nsa.layers import RotaryEmbedding
+    from nsa.model import build_attention
 
     with torch.device("meta"):
         layer = build_attention(cfg)

@@ -12,11 +12,22 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from nsa.attention import build_attention
 from nsa.config import ModelConfig
 from nsa.layers import MLP, RotaryEmbedding, make_norm
 from nsa.loss import linear_cross_entropy
 from nsa.profiling import nvtx_range
+
+
+def build_attention(cfg: ModelConfig) -> nn.Module:
+    """The attention module of a Block: NativeSparseAttention (attention: nsa) or DenseAttention. Every one
+    takes (x [B, T, dim], rope, cache=None) and returns [B, T, dim]."""
+    if cfg.attention == "nsa":
+        from nsa.attention.nsa import NativeSparseAttention
+
+        return NativeSparseAttention(cfg)
+    from nsa.attention.dense import DenseAttention
+
+    return DenseAttention(cfg)
 
 
 class Block(nn.Module):

@@ -28,11 +28,14 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
-from triton.runtime.interpreter import InterpretedFunction
-from triton.runtime.jit import JITFunction
+from train.core.env import disable_triton_interpreter
 
-from train.env import disable_triton_interpreter
+if __name__ == "__main__":  # before triton is imported: with the switch on, its own library functions are
+    disable_triton_interpreter()  # built as interpreted functions and no kernel using them compiles for a GPU
+
+import torch  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
 
 
 def _sibling(name: str):
@@ -84,7 +87,7 @@ class Shape:
 
 def shipped_shapes() -> dict[Shape, list[str]]:
     """Shape -> the configs/*.yaml (model.attention: nsa) training with it, read with the trainer's loader."""
-    from train.config import load_config
+    from train.core.config import load_config
 
     shapes: dict[Shape, list[str]] = {}
     for path in sorted(CONFIGS.glob("*.yaml")):
@@ -124,7 +127,7 @@ def exercise_selection(shape: Shape, dtype: torch.dtype) -> None:
     module's kv_tile / block_rows defaults), on both forward/dQ paths (query-centric and block-centric,
     forced with the module's SELECTION_PATH; by default G < 16 takes the block-centric one), so every
     kernel is compiled at every shape."""
-    from nsa.attention import triton_selection as ts
+    from nsa.attention.kernels import selected_attention as ts
 
     T = shape.T
     q = _meta(1, shape.H_kv, shape.G, T, shape.hd, dtype=dtype)  # [B, H_kv, G, Tq, hd]
@@ -143,7 +146,7 @@ def exercise_selection(shape: Shape, dtype: torch.dtype) -> None:
 
 def exercise_select_topk(shape: Shape, dtype: torch.dtype) -> None:
     """Fused block selection, called as nsa/attention/ops.py calls it."""
-    from nsa.attention.compression import num_compressed
+    from nsa.attention.impl.compression import num_compressed
     from nsa.attention.kernels.select_topk import fused_select_blocks
 
     T = shape.T
@@ -156,8 +159,8 @@ def exercise_select_topk(shape: Shape, dtype: torch.dtype) -> None:
 # (not landed yet) is skipped with a notice; tests/tools/test_compile_kernels.py checks that every
 # module of nsa/ with @triton.jit is listed here.
 KERNEL_MODULES = (
-    ("nsa.attention.triton_selection", exercise_selection),
-    ("nsa.attention.kernels.block_centric", exercise_selection),  # launched by triton_selection's wrappers
+    ("nsa.attention.kernels.selected_attention", exercise_selection),
+    ("nsa.attention.kernels.block_centric", exercise_selection),  # launched by selected_attention's wrappers
     ("nsa.attention.kernels.select_topk", exercise_select_topk),
 )
 
@@ -353,7 +356,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--markdown", type=Path, help="also write the table as markdown here")
     ap.add_argument("--json", type=Path, help="also write every row as JSON here")
     args = ap.parse_args(argv)
-    disable_triton_interpreter()  # before the kernel modules are imported: JITFunctions, not interpreted
     targets = [int(t) for t in args.targets.split(",")]
     unknown = sorted(set(targets) - set(TARGETS))
     if unknown:

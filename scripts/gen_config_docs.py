@@ -4,7 +4,7 @@
 """
 from __future__ import annotations
 
-from train.config_docs import markdown
+from train.core.config_docs import markdown
 
 if __name__ == "__main__":
     print(markdown(), end="")

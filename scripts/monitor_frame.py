@@ -28,11 +28,13 @@ import sys
 import time
 from pathlib import Path
 
-from train.artifacts import (ANOMALY, CONFIG_YAML, CRASHED, GATE_STATS, HALT, HEARTBEAT_GLOB, RUN_INFO,
-                             SELECTION_STATS, STACKDUMP_GLOB, TRAIN_CSV, VAL_CSV, checkpoint_files, heartbeat_name, nsa_statistics,
-                             read_csv, read_heartbeat, read_kv, read_metrics)
-from train.env import number, text
-from train.run_status import run_status
+from train.core.artifacts import (
+    ANOMALY, CONFIG_YAML, CRASHED, GATE_STATS, HALT, HEARTBEAT_GLOB, RUN_INFO, SELECTION_STATS, STACKDUMP_GLOB,
+    TRAIN_CSV, VAL_CSV, checkpoint_files, heartbeat_name, nsa_statistics, read_csv, read_heartbeat, read_kv,
+    read_metrics,
+)
+from train.core.env import number, text
+from train.observe.run_status import run_status
 
 
 def resolve(target: Path, repo: Path | None = None) -> tuple[Path | None, Path]:

@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 
 
-from train.checkpoint import model_from_checkpoint
+from train.checkpoint.io import model_from_checkpoint
 from train.data.tokenizers import load_tokenizer
-from train.errors import UserError
+from train.core.errors import UserError
 
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
           "A river runs to the sea, and the sea does not fill. ")

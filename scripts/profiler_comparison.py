@@ -20,10 +20,10 @@ import tempfile
 from pathlib import Path
 
 
-from train.artifacts import TRAIN_CSV, read_csv
-from train.config import load_config
-from train.env import launch_ranks
-from train.runner import run_training
+from train.core.artifacts import TRAIN_CSV, read_csv
+from train.core.config import load_config
+from train.core.env import launch_ranks
+from train.trainer.runner import run_training
 
 
 def interval_totals(rows: list[dict], warmup: int) -> dict:

@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from train.env import default_config
+from train.core.env import default_config
 
 
 FLAG_TO_CONFIG = {
@@ -63,8 +63,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from train.console import survive_closed_console
-    from train.stop import install_early_handlers
+    from train.core.console import survive_closed_console
+    from train.trainer.stop import install_early_handlers
 
     install_early_handlers()  # a SIGTERM during start-up becomes a stop request (train/stop.py)
     survive_closed_console()  # a vanished console reader must not stop the run before its checkpoint

@@ -33,7 +33,7 @@ def _deterministic_torch():
 def kjv_bin(tmp_path_factory, corpus_path) -> Path:
     """The corpus as a prepared bin: dataset (byte tokenizer, vocab 257), paragraphs as documents,
     5% held out by hash into val.bin. Built once per session through the product's own prepare."""
-    from train.data.prepare import prepare
+    from train.data.preparation import prepare
 
     out = tmp_path_factory.mktemp("kjv_bin") / "kjv_byte"
     prepare(f"text:{corpus_path}", "byte", out, val_fraction=0.05, workers=1, text_sample_by="paragraph")

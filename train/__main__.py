@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import sys
 
-from train.errors import UserError
+from train.core.errors import UserError
 
 USAGE = "usage: python -m train CONFIG.yaml [--section.key=value | --alias=value ...]"
 
@@ -18,15 +18,15 @@ def main(argv: list[str] | None = None) -> int:
         if not argv:
             print(USAGE, file=sys.stderr)
             return 2
-        from train.config_docs import text
+        from train.core.config_docs import text
 
         print(f"{USAGE}\n\nEvery config key (YAML section.key), its default and meaning (docs/CONFIG.md):\n{text()}")
         return 0
     config_path, overrides = (argv[0], argv[1:]) if not argv[0].startswith("--") else (None, argv)
     try:
-        from train.config import load_config
-        from train.env import env_overrides
-        from train.runner import run_training
+        from train.core.config import load_config
+        from train.core.env import env_overrides
+        from train.trainer.runner import run_training
 
         from_env, notes = env_overrides()
         for note in notes:
@@ -55,8 +55,8 @@ def exit_process(code: int) -> None:
 
 def cli() -> None:
     """The process entry point (`python -m train`, the `nsa-train` console script)."""
-    from train.console import survive_closed_console
-    from train.stop import install_early_handlers
+    from train.core.console import survive_closed_console
+    from train.trainer.stop import install_early_handlers
 
     install_early_handlers()  # a SIGTERM during start-up becomes a stop request (train/stop.py)
     survive_closed_console()  # a vanished console reader must not stop the run before its checkpoint

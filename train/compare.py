@@ -19,25 +19,11 @@ reuses an earlier comparison's dense arm when it is this config's twin (checked 
 from __future__ import annotations
 
 import argparse
-import copy
-import json
-import subprocess
 import sys
-import threading
 from pathlib import Path
 
-import yaml
-
-from train.artifacts import read_metrics
-from train.compare_report import build_report, write_report
-from train.config import dump_config, load_config
-from train.env import one_gpu_environment
-from train.errors import ConfigError, UserError
-from train.evaluate import default_name, evaluate, parse_args as eval_args
-
-ARMS = ("nsa", "dense")
-RESUMABLE_KEYS = {"train.steps"}  # may differ from DIR's configs on a relaunch (both arms train on)
-EVAL_SPLIT = "val"
+from train.core.errors import UserError
+from train.workflows.compare import ArmFailed, compare_twins
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -58,165 +44,14 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, rest
 
 
-def arm_configs(config: Path, overrides: list[str], out: Path) -> dict[str, dict]:
-    """{'nsa': the config with overrides, 'dense': its twin} as YAML documents, out_dirs under `out`."""
-    cfg = load_config(config, overrides)
-    if cfg.model.attention != "nsa":
-        raise ConfigError(f"{config}: model.attention is {cfg.model.attention!r}; train.compare takes an NSA config "
-                          "and derives the dense twin from it")
-    if cfg.data.source_kind != "bin":
-        raise ConfigError(f"{config}: data.source={cfg.data.source!r}; train.compare scores both arms on the whole "
-                          "validation split of a prepared directory: --data.source=bin:DIR "
-                          "(python -m train.data.prepare --source text:FILE --out DIR)")
-    twin = copy.deepcopy(cfg)
-    twin.model.attention = "dense"  # dump_config leaves out the nsa section of a dense model
-    arms = {"nsa": yaml.safe_load(dump_config(cfg)), "dense": yaml.safe_load(dump_config(twin))}
-    for arm, doc in arms.items():
-        doc["train"]["out_dir"] = str(out / arm)
-    return arms
-
-
-def _flat(doc: dict, prefix: str = "") -> dict[str, object]:
-    out = {}
-    for key, value in doc.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
-def _first_difference(path: Path, doc: dict, ignored: set[str]) -> tuple[str, object, object] | None:
-    """The first key whose value differs between the YAML at `path` and `doc` (None: the same)."""
-    try:  # through the loader, so that a key added since (at its default) is no difference
-        before = _flat(yaml.safe_load(dump_config(load_config(path))))
-    except UserError:
-        before = _flat(yaml.safe_load(path.read_text(encoding="utf-8")) or {})
-    now = _flat(doc)
-    changed = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k) and k not in ignored)
-    return (changed[0], before.get(changed[0]), now.get(changed[0])) if changed else None
-
-
-def reuse_dense(arms: dict[str, dict], dense_from: Path) -> Path:
-    """The dense out_dir of an earlier comparison, if its config is this twin's (out_dir aside) and it finished."""
-    path = dense_from / "dense.yaml"
-    if not path.is_file():
-        raise UserError(f"--dense_from {dense_from}: no dense.yaml there (a train.compare directory holds one)")
-    diff = _first_difference(path, arms["dense"], {"train.out_dir"})
-    if diff:
-        raise ConfigError(f"--dense_from {dense_from}: its dense arm is not this config's twin ({diff[0]}: "
-                          f"{diff[1]!r} there, {diff[2]!r} here)")
-    out_dir = Path(yaml.safe_load(path.read_text(encoding="utf-8"))["train"]["out_dir"])  # itself reused, maybe
-    status = read_metrics(out_dir).get("status")
-    if status != "finished":
-        raise UserError(f"--dense_from {dense_from}: its dense arm ({out_dir}) is {status or 'not started'}, not "
-                        f"finished; finish that comparison first")
-    arms["dense"]["train"]["out_dir"] = str(out_dir)
-    return out_dir
-
-
-def write_arm_configs(out: Path, arms: dict[str, dict]) -> dict[str, Path]:
-    """DIR/<arm>.yaml; a DIR holding other configs is refused (except RESUMABLE_KEYS)."""
-    paths = {arm: out / f"{arm}.yaml" for arm in ARMS}
-    for arm, path in paths.items():
-        diff = _first_difference(path, arms[arm], RESUMABLE_KEYS) if path.exists() else None
-        if diff:
-            raise ConfigError(f"{out} compares another config ({diff[0]}: {diff[1]!r} there, {diff[2]!r} now); "
-                              f"use another --out")
-    out.mkdir(parents=True, exist_ok=True)
-    for arm, path in paths.items():
-        tmp = path.with_suffix(".yaml.partial")
-        tmp.write_text(yaml.safe_dump(arms[arm], sort_keys=False), encoding="utf-8")
-        tmp.replace(path)
-    return paths
-
-
-def _pump(proc: subprocess.Popen, log: Path, prefix: str) -> None:
-    with open(log, "a", encoding="utf-8") as f:
-        for line in proc.stdout:
-            f.write(line)
-            f.flush()
-            print(f"{prefix}{line}", end="", flush=True)
-
-
-def train_arms(paths: dict[str, Path], out: Path, out_dirs: dict[str, Path], side_by_side: bool,
-               arms: tuple[str, ...] = ARMS) -> None:
-    """python -m train on each arm's YAML (a finished arm returns at once); raises on a failing arm."""
-    logs = out / "logs"
-    logs.mkdir(exist_ok=True)
-    groups = [list(arms)] if side_by_side else [[arm] for arm in arms]
-    for group in groups:
-        procs = {}
-        for gpu, arm in enumerate(group):
-            env = one_gpu_environment(gpu) if side_by_side else None
-            print(f"compare: training the {arm} arm -> {out_dirs[arm]} (log {logs / arm}.log)", flush=True)
-            proc = subprocess.Popen([sys.executable, "-m", "train", str(paths[arm])], stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True, env=env)
-            pump = threading.Thread(target=_pump, args=(proc, logs / f"{arm}.log", f"[{arm}] "), daemon=True)
-            pump.start()
-            procs[arm] = (proc, pump)
-        for arm, (proc, pump) in procs.items():
-            code = proc.wait()
-            pump.join()
-            if code != 0:
-                raise ArmFailed(arm, code, logs / f"{arm}.log")
-            status = read_metrics(out_dirs[arm]).get("status")
-            if status != "finished":
-                raise ArmFailed(arm, 1, logs / f"{arm}.log", f"ended {status!r}, not finished")
-
-
-class ArmFailed(Exception):
-    def __init__(self, arm: str, code: int, log: Path, why: str | None = None):
-        super().__init__(f"the {arm} arm {why or f'exited {code}'} (see {log}); the same command resumes it")
-        self.exit_code = code if code > 0 else 1
-
-
-def evaluate_arm(out_dir: Path, data_spec: str, max_tokens: int | None) -> dict:
-    """train.evaluate on the arm's newest checkpoint, whole validation split; an earlier result for the
-    same step and token limit is reused."""
-    step = read_metrics(out_dir).get("step")
-    done = out_dir / f"eval_{default_name(data_spec, EVAL_SPLIT, step)}.json"
-    if done.exists():
-        try:
-            prior = json.loads(done.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            prior = {}
-        if prior.get("step") == step and prior.get("max_tokens") == max_tokens:
-            print(f"compare: reusing {done}", flush=True)
-            return prior
-    print(f"compare: scoring {out_dir.name} on the whole {EVAL_SPLIT} split of {data_spec}", flush=True)
-    argv = [str(out_dir), "--data", data_spec, "--split", EVAL_SPLIT]
-    return evaluate(eval_args(argv + (["--max_tokens", str(max_tokens)] if max_tokens else [])))
-
-
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
-        if args.side_by_side:
-            import torch
-
-            if torch.cuda.device_count() < 2:
-                raise UserError(f"--side_by_side needs 2 GPUs, {torch.cuda.device_count()} visible; "
-                                "leave it out to train the arms one after the other")
-        if args.eval_max_tokens is not None and args.eval_max_tokens < 2:
-            raise UserError(f"--eval_max_tokens must be >= 2, got {args.eval_max_tokens}")
-        arms = arm_configs(args.config, overrides, args.out)
-        out_dirs = {arm: args.out / arm for arm in ARMS}
-        if args.dense_from is not None:
-            out_dirs["dense"] = reuse_dense(arms, args.dense_from)
-        paths = write_arm_configs(args.out, arms)
-        to_train = ARMS if args.dense_from is None else ("nsa",)
-        train_arms(paths, args.out, out_dirs, args.side_by_side and len(to_train) == 2, to_train)
-        data_spec = arms["nsa"]["data"]["source"]
-        scores = {arm: evaluate_arm(out_dirs[arm], data_spec, args.eval_max_tokens) for arm in ARMS}
-    except UserError as exc:
+        report, files = compare_twins(args.config, overrides, args.out, side_by_side=args.side_by_side,
+                                      dense_from=args.dense_from, eval_max_tokens=args.eval_max_tokens)
+    except (UserError, ArmFailed) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
-    except ArmFailed as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    report = build_report(args.out, out_dirs, scores)
-    files = write_report(args.out, report)
     print(f"compare: {report['verdict']}")
     print(f"compare: report in {', '.join(str(f) for f in files)}")
     return 0

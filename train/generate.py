@@ -27,11 +27,11 @@ from pathlib import Path
 import torch
 
 from nsa.generate import Generation, GenerationError, check_arguments, generate, seeded_generators
-from train.checkpoint import load_checkpoint, model_from_checkpoint, resolve_checkpoint
+from train.checkpoint.io import load_checkpoint, model_from_checkpoint, resolve_checkpoint
+from train.core.distributed import autocast_context, resolve_precision
+from train.core.errors import ConfigError, UserError
 from train.data.tokenizers import load_tokenizer
-from train.distributed import autocast_context, resolve_precision
-from train.errors import ConfigError, UserError
-from train.text_stream import TextStream, continuation_text
+from train.generation.text_stream import TextStream, continuation_text
 
 
 class _Parser(argparse.ArgumentParser):

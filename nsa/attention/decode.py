@@ -13,7 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from nsa.attention.selection import selection_block_scores
+from nsa.attention.impl.selection import selection_block_scores
 from nsa.config import NSAConfig
 
 

@@ -1,5 +1,8 @@
 """Gate-health statistics for NSA layers, kept on device (no host sync) for the trainer to log.
 
+Pure tensor functions: a layer computes them from its gates and selected blocks on every forward while
+recording is on; nsa/gate_health.py switches recording on and aggregates over a model's layers.
+
 Definitions (docs/NSA.md, "Gate health"):
   gate_entropy_mean/min  binary entropy (nats) of each sigmoid gate g: -g ln g - (1-g) ln(1-g), in
                          [0, ln 2]; mean and min over (token, head, branch)
@@ -14,7 +17,6 @@ Definitions (docs/NSA.md, "Gate health"):
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
 
 BRANCHES = ("cmp", "sel", "win")
 _EPS = 1e-12
@@ -61,34 +63,3 @@ def selection_statistics(counts: torch.Tensor) -> dict[str, torch.Tensor]:
         "sel_distance_mean": distance / valid.clamp_min(1),
         "sel_free_distance_mean": free_distance / free.clamp_min(1),
     }
-
-
-def _nsa_layers(model: nn.Module):
-    from nsa.attention.nsa import NativeSparseAttention
-
-    return [m for m in model.modules() if isinstance(m, NativeSparseAttention)]
-
-
-def set_gate_stats(model: nn.Module, enabled: bool) -> int:
-    """Turn stats recording on/off in every NSA layer; returns how many layers were switched."""
-    layers = _nsa_layers(model)
-    for layer in layers:
-        layer.stats_enabled = enabled
-        if not enabled:
-            layer.last_stats = None
-    return len(layers)
-
-
-def gate_health(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Aggregate the last recorded stats over all NSA layers: min of `*_min`, mean of the rest.
-
-    Returns 0-dim device tensors; empty when no layer has recorded stats (stats_enabled False).
-    """
-    per_layer = [layer.last_stats for layer in _nsa_layers(model) if layer.last_stats]
-    if not per_layer:
-        return {}
-    out = {}
-    for key in per_layer[0]:
-        values = torch.stack([stats[key] for stats in per_layer])
-        out[key] = values.amin() if key.endswith("_min") else values.mean()
-    return out

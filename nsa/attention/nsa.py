@@ -18,16 +18,14 @@ import torch
 import torch.nn as nn
 
 from nsa.attention import ops
-from nsa.attention.compression import BlockCompressor, compress, num_compressed
+from nsa.attention.compressor import BlockCompressor
 from nsa.attention.decode import decode_branches
-from nsa.attention.gate_stats import gate_statistics, selection_counts, selection_statistics
+from nsa.attention.gate_stats import BRANCHES, gate_statistics, selection_counts, selection_statistics
+from nsa.attention.impl.compression import compress, num_compressed
 from nsa.attention.nsa_cache import NSACache
 from nsa.config import ModelConfig, NSAConfig
 from nsa.layers import apply_rotary
 from nsa.profiling import nvtx_range
-
-
-BRANCHES = ("cmp", "sel", "win")
 
 
 def window_gate_biases(cfg: NSAConfig) -> tuple[float, float, float]:
@@ -185,7 +183,8 @@ class NativeSparseAttention(nn.Module):
             with nvtx_range("nsa.select"):
                 block_idx = ops.select_blocks(qg, ck, t0, c.l, c.d, c.l_sel, c.n_sel, c.q_chunk, c.kernel)
             with nvtx_range("nsa.selected"):
-                o_sel = ops.selected_attention(qg, sel_k, sel_v, block_idx, t0, c.l_sel, c.sel_tile, c.sel_chunk, c.kernel)
+                o_sel = ops.selected_attention(qg, sel_k, sel_v, block_idx, t0, c.l_sel, c.sel_tile, kernel=c.kernel,
+                                               chunk=c.sel_chunk)
                 o_sel = o_sel.view(B, self.n_heads, T, self.head_dim)
             with nvtx_range("nsa.window"):
                 o_win = ops.window_attention(q, win_k, win_v, t0, t_end - win_k.shape[2], c.w, c.win_block, c.kernel)

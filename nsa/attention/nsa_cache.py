@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from nsa.attention.compression import num_compressed
+from nsa.attention.impl.compression import num_compressed
 from nsa.attention.kv_buffer import GrowingBuffer, RingBuffer
 from nsa.config import NSAConfig
 

@@ -1,4 +1,5 @@
 """NSA's stages as torch.library custom ops: the layer calls the same four functions on every device.
+The only module that registers custom ops and chooses a kernel (`resolve_kernel`).
 
     select_blocks(q, ck)                   -> block_idx          nsa::select_blocks (no autograd)
     compressed_attention(q, ck, cv)        -> o                  nsa::compressed_attention (+ _backward)
@@ -9,12 +10,14 @@ Each op is one node for the dispatcher, for torch.compile (no graph break: every
 implementation that only computes shapes) and for the meta device, so what is counted on a CPU (ops per
 layer, graph breaks, recompiles) is the structure a GPU runs: a constant number of launches per layer,
 whatever the sequence length. Implementations, chosen per call by NSAConfig.kernel
-(`selection.resolve_kernel`: "auto" = Triton on CUDA tensors, torch elsewhere):
-  torch:  the chunked paths of compression.py, selection.py, window.py and block_select.py; forward ops
-          return (o, log-sum-exp) and the backward ops recompute scores from them (flash-attention style);
+(`resolve_kernel`: "auto" = Triton on CUDA tensors, torch elsewhere):
+  torch:  the chunked paths of impl/compression.py, impl/selection.py, impl/window.py and
+          impl/block_select.py; forward ops return (o, log-sum-exp) and the backward ops recompute scores
+          from them (flash-attention style);
   triton: selection and selected attention run Triton kernels (kernels/select_topk.py,
-          triton_selection.py); on CPU tensors only in Triton's interpreter (the tests);
-  CUDA compressed / window branches: FlexAttention (flex.py). flex_attention is itself a higher-order
+          kernels/selected_attention.py), imported only when chosen; on CPU tensors only in Triton's
+          interpreter (the tests);
+  CUDA compressed / window branches: FlexAttention (impl/flex.py). flex_attention is itself a higher-order
           op that torch.compile traces with its own autograd; it is called directly rather than inside a
           custom op, whose kernel runs below autograd, where FlexAttention's backward cannot be reached.
 """
@@ -23,9 +26,34 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from nsa.attention import block_select, compression, selection, window
-from nsa.attention.flex import flex_compressed_attention, flex_window_attention, use_flex
-from nsa.attention.selection import resolve_kernel
+from nsa.attention.impl import block_select, compression, selection, window
+from nsa.attention.impl.flex import flex_compressed_attention, flex_window_attention, use_flex
+
+KERNELS = ("auto", "triton", "torch")
+
+
+def resolve_kernel(kernel: str, device: torch.device) -> str:
+    """NSAConfig.kernel -> "triton" or "torch" for tensors on `device`, decided at call time.
+
+    auto: Triton on CUDA tensors when triton imports, else the torch path. triton: CUDA tensors, or CPU
+    tensors when the Triton interpreter is on (TRITON_INTERPRET=1 before triton is imported).
+    """
+    if kernel == "torch" or (kernel == "auto" and device.type != "cuda"):
+        return "torch"
+    if kernel not in KERNELS:
+        raise ValueError(f"nsa.kernel={kernel!r}; valid: {', '.join(KERNELS)}")
+    try:  # imports triton (only here: the package works without it)
+        from nsa.attention.kernels import selected_attention as triton_selection
+    except ImportError as exc:
+        if kernel == "auto":
+            return "torch"
+        raise RuntimeError(f"nsa.kernel='triton' needs the triton package, which failed to import ({exc})") from None
+    if device.type != "cuda" and not triton_selection.interpreter_active():
+        raise RuntimeError(
+            f"nsa.kernel='triton' on a {device.type} tensor needs Triton's interpreter (TRITON_INTERPRET=1 before the "
+            "kernels are imported); use kernel='auto' or 'torch' there"
+        )
+    return "triton"
 
 
 def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -57,7 +85,7 @@ def select_blocks(
     q: Tensor,  # [B, H_kv, G, Tq, hd] queries (RoPE applied) at positions q_start ..
     ck: Tensor,  # [B, H_kv, N_c, hd] compressed keys (RoPE applied)
     q_start: int, l: int, d: int, l_sel: int, n: int, q_chunk: int, kernel: str,
-) -> Tensor:  # [B, H_kv, Tq, n] int64, ascending, -1 = none (selection.select_blocks' contract)
+) -> Tensor:  # [B, H_kv, Tq, n] int64, ascending, -1 = none (impl.selection.select_blocks' contract)
     return _select_blocks(q.detach(), ck.detach(), q_start, l, d, l_sel, n, q_chunk, kernel)
 
 
@@ -66,7 +94,7 @@ def select_blocks(
 def _selected(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, q_start: int, l_sel: int, tile: int,
               chunk: int, kernel: str) -> tuple[Tensor, Tensor]:
     if _triton(kernel, q):
-        from nsa.attention.triton_selection import selected_attention_fwd
+        from nsa.attention.kernels.selected_attention import selected_attention_fwd
 
         return selected_attention_fwd(q, k, v, block_idx, q_start, l_sel)
     return selection.selected_attention_fwd(q, k, v, block_idx, q_start, l_sel, tile, chunk)
@@ -81,7 +109,7 @@ def _(q, k, v, block_idx, q_start, l_sel, tile, chunk, kernel):
 def _selected_bwd(d_o: Tensor, q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, o: Tensor, lse: Tensor,
                   q_start: int, l_sel: int, tile: int, chunk: int, kernel: str) -> tuple[Tensor, Tensor, Tensor]:
     if _triton(kernel, q):
-        from nsa.attention.triton_selection import selected_attention_bwd
+        from nsa.attention.kernels.selected_attention import selected_attention_bwd
 
         return selected_attention_bwd(q, k, v, block_idx, o, lse, d_o, q_start, l_sel)
     return selection.selected_attention_bwd(d_o, q, k, v, block_idx, o, lse, q_start, l_sel, tile, chunk)
@@ -112,9 +140,15 @@ def selected_attention(
     q: Tensor,  # [B, H_kv, G, Tq, hd] queries at positions q_start ..
     k: Tensor,  # [B, H_kv, Tk, hd] selection keys at positions 0 .. Tk-1 (Tk >= q_start + Tq)
     v: Tensor,  # [B, H_kv, Tk, hd]
-    block_idx: Tensor,  # [B, H_kv, Tq, n], -1 = none
-    q_start: int, l_sel: int, tile: int, chunk: int, kernel: str,
+    block_idx: Tensor,  # [B, H_kv, Tq, n] from select_blocks (forced blocks included), -1 = none
+    q_start: int,
+    l_sel: int,
+    tile: int,
+    kernel: str = "torch",  # NSAConfig.kernel: auto | triton | torch (see resolve_kernel)
+    chunk: int = 1 << 30,  # queries per chunk of the torch path (NSAConfig.sel_chunk)
 ) -> Tensor:  # [B, H_kv, G, Tq, hd]
+    """Attention of each query over the keys of its selected blocks, keys after the query masked.
+    Differentiable: the custom op nsa::selected_attention."""
     if not q.dtype == k.dtype == v.dtype:  # autocast may mix them
         dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
@@ -161,9 +195,11 @@ _compressed.register_autograd(_compressed_backward, setup_context=_compressed_se
 def compressed_attention(
     q: Tensor,  # [B, H, Tq, hd] queries at positions q_start .. (RoPE applied)
     ck: Tensor,  # [B, H_kv, N_c, hd] compressed keys (RoPE applied)
-    cv: Tensor,  # [B, H_kv, N_c, hd]
-    q_start: int, l: int, d: int, chunk: int, kernel: str,
-) -> Tensor:  # [B, H, Tq, hd]; rows that see no compressed token are zero
+    cv: Tensor,  # [B, H_kv, N_c, hd] compressed values
+    q_start: int, l: int, d: int, chunk: int,
+    kernel: str = "torch",  # NSAConfig.kernel
+) -> Tensor:  # [B, H, Tq, hd]; rows that see no compressed token are exactly zero
+    """The compression branch, differentiable: the custom op nsa::compressed_attention, or FlexAttention on CUDA."""
     if use_flex(kernel, q):
         return flex_compressed_attention(q, ck, cv, q_start, l, d)
     return _compressed(q, ck, cv, q_start, l, d, chunk)[0]
@@ -211,8 +247,10 @@ def window_attention(
     q: Tensor,  # [B, H, Tq, hd] queries at positions q_start ..
     k: Tensor,  # [B, H_kv, Tk, hd] keys at positions k_start .. k_start+Tk-1
     v: Tensor,  # [B, H_kv, Tk, hd]
-    q_start: int, k_start: int, w: int, chunk: int, kernel: str,
+    q_start: int, k_start: int, w: int, chunk: int,
+    kernel: str = "torch",  # NSAConfig.kernel
 ) -> Tensor:  # [B, H, Tq, hd]
+    """The sliding-window branch, differentiable: the custom op nsa::window_attention, or FlexAttention on CUDA."""
     if use_flex(kernel, q):
         return flex_window_attention(q, k, v, q_start, k_start, w)
     return _window(q, k, v, q_start, k_start, w, chunk)[0]
@@ -225,7 +263,7 @@ def kernel_fit_problem(cfg, dtype: torch.dtype, shared_memory_limit: int) -> str
     CUDA, before any kernel launches."""
     if cfg.attention != "nsa" or cfg.nsa.kernel == "torch":
         return None
-    from nsa.attention.triton_selection import shared_memory_estimate
+    from nsa.attention.kernels.selected_attention import shared_memory_estimate
 
     need = shared_memory_estimate(cfg.head_dim, cfg.nsa.l_sel, cfg.n_groups, dtype)
     if need <= shared_memory_limit:

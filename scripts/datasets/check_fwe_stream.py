@@ -15,7 +15,7 @@ import time
 
 
 from train.data import DataConfig, build_data, load_tokenizer, padded_vocab
-from train.errors import UserError
+from train.core.errors import UserError
 
 
 def main(argv: list[str] | None = None) -> int:

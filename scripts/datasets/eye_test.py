@@ -15,7 +15,7 @@ import numpy as np
 
 from train.data.meta import SPLITS, read_meta, split_tokens
 from train.data.tokenizers import load_tokenizer
-from train.errors import UserError
+from train.core.errors import UserError
 
 
 def main(argv: list[str] | None = None) -> int:

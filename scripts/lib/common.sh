@@ -168,7 +168,7 @@ launcher_for() {
 }
 
 # ---- config facts -----------------------------------------------------------------------------
-# config_facts [--params] CONFIG [OVERRIDES...]: loads the effective config (train.config.load_config)
+# config_facts [--params] CONFIG [OVERRIDES...]: loads the effective config (train.core.config.load_config)
 # and sets CFG_<KEY> shell variables: CFG_OUT_DIR CFG_STEPS CFG_SAVE_EVERY CFG_KEEP_LAST CFG_KEEP_ALL
 # CFG_PRECISION CFG_RESUME CFG_SOURCE CFG_ATTENTION, and with --params CFG_PARAMS (model built on
 # the meta device: no memory, no GPU). A bad config exits 2 with the trainer's one-line message.
@@ -181,9 +181,9 @@ config_facts() {
   local out rc=0
   out=$(NSA_WANT_PARAMS=$want_params "$PY" - "$@" 2>&1 <<'PY'
 import os, sys
-from train.errors import UserError
+from train.core.errors import UserError
 try:
-    from train.config import load_config
+    from train.core.config import load_config
     cfg = load_config(sys.argv[1], sys.argv[2:])
 except UserError as exc:
     print(f"error: {exc}")
@@ -223,7 +223,7 @@ PY
 }
 
 # newest_checkpoint DIR -> path of the newest checkpoint that validates, or nothing (the trainer's
-# own rule, asked from train/run_dir.py: a truncated newest file is skipped, as resume=auto does)
+# own rule, asked from train/checkpoint/run_dir.py: a truncated newest file is skipped, as resume=auto does)
 newest_checkpoint() {
   [ -d "$1" ] || return 0
   "${PY:-$(any_python)}" -m train.run_dir newest-valid "$1" 2>/dev/null || true

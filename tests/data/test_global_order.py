@@ -12,7 +12,7 @@ from train.data.memmap import MemmapStream
 from train.data.meta import FORMAT, FORMAT_VERSION
 from train.data.stream import StreamBatches
 from train.data.synthetic import SyntheticStream
-from train.errors import DataError
+from train.core.errors import DataError
 
 T, N_TRAIN, N_VAL, VAL_BASE, VOCAB = 16, 20000, 3000, 50000, 100_032
 

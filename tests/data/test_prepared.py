@@ -10,11 +10,11 @@ import torch
 from tests.data.conftest import write_texts
 from train.data import DataConfig, build_data
 from train.data.meta import dtype_for_vocab, load_plain_pickle, read_meta
-from train.data.prepare import prepare
+from train.data.preparation import prepare
 from train.data.sources import is_held_out
 from train.data.verify import main as verify_main
-from train.data.verify import verify
-from train.errors import DataError
+from train.data.verification import verify
+from train.core.errors import DataError
 
 
 @pytest.fixture(scope="module")

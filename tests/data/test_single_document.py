@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from train.data.prepare import prepare
-from train.data.prepare_sharded import prepare_sharded
+from train.data.preparation import prepare
+from train.data.sharded_preparation import prepare_sharded
 
 REPO = Path(__file__).resolve().parents[2]
 

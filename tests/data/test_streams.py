@@ -7,7 +7,7 @@ import torch
 from tests.data.conftest import heading, write_jsonl, write_parquet, write_texts
 from train.data import DataConfig, build_data
 from train.data.sources import ReaderPlan, is_held_out, iter_documents, open_documents
-from train.errors import DataError
+from train.core.errors import DataError
 
 V = 50304
 

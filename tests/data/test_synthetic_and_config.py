@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from train.data import DataConfig, build_data
-from train.errors import DataError
+from train.core.errors import DataError
 
 
 def _synthetic(**kw):

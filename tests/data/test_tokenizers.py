@@ -7,7 +7,7 @@ from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 from tests.conftest import SHARED
 from train.data import DataConfig, build_data, load_tokenizer, padded_vocab
 from train.data.tokenizers import GPT2_FILES_SHA256, gpt2_bpe_files
-from train.errors import DataError
+from train.core.errors import DataError
 
 
 def test_gpt2_ids_are_gpt2s(gpt2):

@@ -1,5 +1,5 @@
 """NSA test set-up. Without CUDA the Triton selection kernels run in Triton's interpreter: the switch is
-read when a kernel is defined (nsa.attention.triton_selection's import), so it is set here, before any
+read when a kernel is defined (nsa.attention.kernels' modules' import), so it is set here, before any
 NSA test module is imported."""
 from __future__ import annotations
 

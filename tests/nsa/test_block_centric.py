@@ -1,5 +1,5 @@
 """Block-centric selected attention (nsa/attention/kernels/block_centric.py, chosen for G < 16 by
-nsa/attention/triton_selection.py): forward out/lse and dq/dk/dv equal the query-centric kernels and the
+nsa/attention/kernels/selected_attention.py): forward out/lse and dq/dk/dv equal the query-centric kernels and the
 float64 dense reference; bit-identical reruns; the by-slot inverted index; the tile configs.
 
 Triton's interpreter without CUDA (tests/nsa/conftest.py); sizes stay small (T <= 64).

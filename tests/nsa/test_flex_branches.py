@@ -1,4 +1,4 @@
-"""FlexAttention compressed and window branches (nsa/attention/flex.py) against explicit-mask references.
+"""FlexAttention compressed and window branches (nsa/attention/impl/flex.py) against explicit-mask references.
 
 On CPU FlexAttention runs unfused and forward-only: these tests check (1) the block masks derived from
 each branch's geometry against torch's brute-force `create_block_mask` (the fused CUDA kernels trust
@@ -17,9 +17,9 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 from torch.nn.attention.flex_attention import create_block_mask
 
-from nsa.attention import flex
-from nsa.attention.compression import compressed_attention, num_compressed
-from nsa.attention.window import sliding_window_attention
+from nsa.attention.impl import flex
+from nsa.attention.impl.compression import num_compressed
+from nsa.attention.ops import compressed_attention, window_attention as sliding_window_attention
 
 # (Tq, q_start, l, d, w, H_kv, G): ragged lengths, chunk offsets, GQA groups of 1, 2, 4 and 6
 GEOMETRIES = [

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nsa.attention.block_select import select_by_score
-from nsa.attention.compression import compression_group_probs, num_compressed
-from nsa.attention.selection import selection_block_scores
+from nsa.attention.impl.block_select import select_by_score
+from nsa.attention.impl.compression import compression_group_probs, num_compressed
+from nsa.attention.impl.selection import selection_block_scores
 
 try:
     from nsa.attention.kernels import select_topk

@@ -12,7 +12,7 @@ from nsa.attention.nsa import initial_gate_entropy
 from nsa.config import ModelConfigError, NSAConfig
 from nsa.model import Transformer
 from tests.nsa._nsa_helpers import HEAD_DIM, HEADS, KV_HEADS, make_input, make_layer, rope_for, small_cfg
-from train.checkpoint import check_architecture
+from train.checkpoint.io import check_architecture
 
 
 def _init_gates(gate_init: str, T: int = 33, **nsa) -> torch.Tensor:  # [B, T, H, 3] of a fresh model's layer 0
@@ -80,8 +80,8 @@ def test_gates_forced_to_the_window_with_w_at_least_T_is_dense_causal_attention(
 
 @pytest.mark.parametrize("aux_decay", [True, False])
 def test_aux_decay_moves_the_gate_and_phi_matrices_out_of_weight_decay(aux_decay):
-    from train.config import TrainConfig
-    from train.optim import build_optimizer
+    from train.core.config import TrainConfig
+    from train.trainer.optim import build_optimizer
 
     model = Transformer(small_cfg({"aux_decay": aux_decay}, n_layers=2, vocab_size=64))
     names = {id(p): n for n, p in model.named_parameters()}
@@ -99,8 +99,8 @@ def _aux_names(model) -> set[str]:  # the gate MLP's and phi's parameters, every
 
 
 def _one_adamw_step(nsa_overrides: dict, seed: int = 0, fsdp: bool = False):
-    from train.config import TrainConfig
-    from train.optim import build_optimizer, set_lr
+    from train.core.config import TrainConfig
+    from train.trainer.optim import build_optimizer, set_lr
 
     torch.manual_seed(seed)
     model = Transformer(small_cfg(nsa_overrides, n_layers=2, vocab_size=64))
@@ -152,7 +152,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("fsdp", [False, True], ids=["plain", "fsdp2"])
 @pytest.mark.parametrize("change", [{"aux_lr_scale": 3.0}, {"aux_decay": False}])
 def test_a_checkpoints_optimizer_state_loads_under_other_aux_settings(change, fsdp, request):
-    from train.state_dicts import gather_states, load_states
+    from train.checkpoint.state_dicts import gather_states, load_states
 
     if fsdp:
         request.getfixturevalue("one_rank_group")

@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from nsa.attention.compression import compress, num_compressed
-from nsa.attention.selection import select_blocks, selection_block_scores
+from nsa.attention.impl.compression import compress, num_compressed
+from nsa.attention.impl.selection import select_blocks, selection_block_scores
 from tests.nsa._nsa_helpers import D, DEVICE, L, L_SEL, make_input, make_layer, rope_for, sorted_blocks
 
 

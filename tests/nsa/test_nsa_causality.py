@@ -82,7 +82,7 @@ def test_window_branch_is_causal_with_forced_gates():
 def test_selection_importance_ignores_invisible_compressed_tokens():
     """p_cmp of query p is bit-identical when compressed tokens it cannot see change (catches a softmax
     over all compressed tokens, which leaks the future into selection but not into the outputs)."""
-    from nsa.attention.compression import compression_group_probs, visible_compressed
+    from nsa.attention.impl.compression import compression_group_probs, visible_compressed
 
     g = torch.Generator().manual_seed(0)
     T, n_c = 64, (64 - L) // D + 1

@@ -9,8 +9,8 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 from nsa.attention import ops
-from nsa.attention.gate_stats import set_gate_stats
 from nsa.config import ModelConfig, NSAConfig
+from nsa.gate_health import set_gate_stats
 from nsa.model import Transformer
 
 NSA_SMALL = NSAConfig(l=8, d=4, l_sel=16, n_sel=4, w=16, q_chunk=32, sel_chunk=64, sel_tile=8, win_block=16, gate_hidden=16)

@@ -6,8 +6,9 @@ import math
 import pytest
 import torch
 
-from nsa.attention.gate_stats import gate_health, gate_statistics, set_gate_stats
+from nsa.attention.gate_stats import gate_statistics
 from nsa.config import ModelConfigError, NSAConfig
+from nsa.gate_health import gate_health, set_gate_stats
 from nsa.model import Transformer
 from tests.nsa._nsa_helpers import DEVICE, make_input, make_layer, rope_for, small_cfg
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import nsa.attention.selection as selection
+import nsa.attention.impl.partial as partial
+import nsa.attention.impl.selection as selection
 from nsa.attention.reference import reference_forward
 from tests.nsa._nsa_helpers import DEVICE, T_VALUES, make_input, make_layer, rope_for, sorted_blocks
 
@@ -16,7 +17,7 @@ def backend(request, monkeypatch):
     """Both selected-attention backends: PyTorch's CPU flash kernels and the portable matmul one."""
     if request.param == "flash" and DEVICE.type != "cpu":
         pytest.skip("the flash-kernel backend is CPU only")
-    monkeypatch.setattr(selection, "use_flash_kernels", request.param == "flash")
+    monkeypatch.setattr(partial, "use_flash_kernels", request.param == "flash")
     return request.param
 
 

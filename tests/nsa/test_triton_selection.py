@@ -1,9 +1,9 @@
-"""Triton selected-attention kernels (nsa/attention/triton_selection.py) against float64 references.
+"""Triton selected-attention kernels (nsa/attention/kernels/selected_attention.py) against float64 references.
 
 Without CUDA the kernels run in Triton's interpreter (tests/nsa/conftest.py sets TRITON_INTERPRET=1
-before anything imports triton_selection). The interpreter is slow: sizes stay small (T <= 64).
+before anything imports the kernels). The interpreter is slow: sizes stay small (T <= 64).
 References: an explicit dense-mask float64 attention built from the block indices, the portable torch
-path (nsa/attention/selection.py), and the per-token layer reference (nsa/attention/reference.py).
+path (nsa/attention/impl/selection.py), and the per-token layer reference (nsa/attention/reference.py).
 """
 from __future__ import annotations
 
@@ -13,21 +13,22 @@ import sys
 import pytest
 import torch
 
-import nsa.attention
+import nsa.attention.kernels
+from nsa.attention.impl.selection import select_blocks
+from nsa.attention.ops import resolve_kernel, selected_attention
 from nsa.attention.reference import reference_forward
-from nsa.attention.selection import resolve_kernel, select_blocks, selected_attention
 from nsa.config import ModelConfigError, NSAConfig
 from tests.nsa import _nsa_helpers as helpers
 from tests.nsa._nsa_helpers import sorted_blocks
 
 try:
-    from nsa.attention import triton_selection as ts
+    from nsa.attention.kernels import selected_attention as ts
 except ImportError as exc:  # triton not installed (CUDA torch brings it; CPU machines: bootstrap installs it)
     pytest.skip(f"triton is not importable ({exc}); the Triton selection kernels are untested here", allow_module_level=True)
 # compiled kernels on a CUDA machine (whatever NSA_TEST_DEVICE says), the interpreter elsewhere
 DEV = torch.device("cuda") if torch.cuda.is_available() else helpers.DEVICE
 if DEV.type == "cpu" and not ts.interpreter_active():
-    pytest.skip("Triton's interpreter is off (TRITON_INTERPRET=1 must be set before triton_selection is imported)",
+    pytest.skip("Triton's interpreter is off (TRITON_INTERPRET=1 must be set before the kernels are imported)",
                 allow_module_level=True)
 
 ATOL, RTOL = 2e-5, 1e-4  # fp32 against float64
@@ -225,8 +226,8 @@ def test_kernel_switch(monkeypatch):
     monkeypatch.setattr(ts, "interpreter_active", lambda: False)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         resolve_kernel("triton", cpu)
-    monkeypatch.setitem(sys.modules, "nsa.attention.triton_selection", None)  # as if triton were missing
-    monkeypatch.delattr(nsa.attention, "triton_selection")
+    monkeypatch.setitem(sys.modules, "nsa.attention.kernels.selected_attention", None)  # as if triton were missing
+    monkeypatch.delattr(nsa.attention.kernels, "selected_attention")
     with pytest.raises(RuntimeError, match="needs the triton package"):
         resolve_kernel("triton", cuda)
     assert resolve_kernel("auto", cuda) == "torch"

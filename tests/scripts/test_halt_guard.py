@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 from tests.scripts.helpers import A100_80, REPO, kv_file, only_run_dir, run_script
-from train.safety import stale_halt_message
+from train.trainer.safety import stale_halt_message
 
 
 def check_halt_cli(out) -> subprocess.CompletedProcess:

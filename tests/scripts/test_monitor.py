@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from train.artifacts import (GATE_STATS, SELECTION_STATS, TRAIN_FIELDS, heartbeat_name, nsa_statistics,
-                             read_heartbeat)
+from train.core.artifacts import (
+    GATE_STATS, SELECTION_STATS, TRAIN_FIELDS, heartbeat_name, nsa_statistics, read_heartbeat,
+)
 from tests.scripts.helpers import A100_80, REPO, run_script
 
 spec = importlib.util.spec_from_file_location("monitor_frame", REPO / "scripts" / "monitor_frame.py")

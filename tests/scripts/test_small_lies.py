@@ -10,7 +10,7 @@ import torch
 
 from nsa.model import Transformer
 from tests.scripts.helpers import REPO
-from train.config import load_config
+from train.core.config import load_config
 
 
 def test_bootstrap_refuses_the_python_pyproject_refuses(tmp_path):

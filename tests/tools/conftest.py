@@ -15,7 +15,7 @@ def bin_args(data_dir: Path) -> list[str]:
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory, kjv_bin) -> Path:
     """8 CPU steps on the KJV bin, evaluated and checkpointed at steps 4 and 8; returns the out_dir."""
-    from train.runner import run_training
+    from train.trainer.runner import run_training
 
     out = tmp_path_factory.mktemp("tiny_run") / "out"
     cfg = tiny_config(out, "--train.eval_every=4", "--train.save_every=4", *bin_args(kjv_bin))

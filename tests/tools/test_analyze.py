@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from train.analyze import analyze, find_run_json, main, summarize
+from train.analysis.analyze import analyze, find_run_json, summarize
+from train.analyze import main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

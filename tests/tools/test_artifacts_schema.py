@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from nsa.attention.gate_stats import gate_statistics, selection_statistics
-from train import artifacts
+from train.core import artifacts
 
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "ARTIFACTS.md").read_text()
 

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from tests.conftest import REPO
-from train.artifacts import read_csv, read_heartbeat
+from train.core.artifacts import read_csv, read_heartbeat
 
 TINY = ["--model.dim=32", "--model.n_layers=1", "--model.n_heads=2", "--model.n_kv_heads=1", "--model.head_dim=16",
         "--model.ffn_dim=64", "--train.steps=4", "--train.seq_len=64", "--train.batch_size=2", "--train.log_every=1",

@@ -6,7 +6,7 @@ import dataclasses
 import importlib.util
 from pathlib import Path
 
-from train.config import load_config
+from train.core.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("gpu_acceptance", REPO / "bench" / "gpu_acceptance.py")

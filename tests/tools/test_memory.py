@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from nsa.flops import param_count
-from train.config import load_config
-from train.memory import GPU_MIB, estimate_memory, fit_advice, gpu_name, verdict
+from train.core.config import load_config
+from train.planning.memory import GPU_MIB, estimate_memory, fit_advice, gpu_name, verdict
 from train.plan import main as plan_main
-from train.preflight import FAIL, OK, run_preflight
+from train.workflows.preflight import FAIL, OK, run_preflight
 
 REPO = Path(__file__).resolve().parents[2]
 QWEN_B200 = REPO / "configs" / "full_qwen3_1.8b_b200_optimal.yaml"
@@ -122,8 +122,8 @@ import json, sys
 from pathlib import Path
 import torch
 from nsa.model import Transformer
-from train.config import load_config
-from train.memory import estimate_memory
+from train.core.config import load_config
+from train.planning.memory import estimate_memory
 def kib(f):
     return next(int(l.split()[1]) for l in Path("/proc/self/status").read_text().splitlines() if l.startswith(f + ":"))
 torch.set_num_threads(1)

@@ -8,9 +8,10 @@ import pytest
 
 from nsa.flops import flops_per_token
 from tests.tools.test_presets import CONFIGS
-from train.config import load_config
-from train.errors import ConfigError
-from train.plan import main, make_plan
+from train.core.config import load_config
+from train.core.errors import ConfigError
+from train.plan import main
+from train.planning.plan import make_plan
 
 B200 = CONFIGS / "full_qwen3_1.8b_b200_optimal.yaml"
 

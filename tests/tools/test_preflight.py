@@ -11,9 +11,10 @@ import pytest
 
 from tests.tools.conftest import bin_args
 from tests.train.helpers import tiny_config
-from train import checkpoint as ckpt_io
-from train.preflight import FAIL, OK, WARN, checkpoint_bytes, checkpoints_on_disk, main, run_preflight
-from train.safety import stale_halt_message
+from train.checkpoint import io as ckpt_io
+from train.workflows.preflight import FAIL, OK, WARN, checkpoint_bytes, checkpoints_on_disk, run_preflight
+from train.preflight import main
+from train.trainer.safety import stale_halt_message
 
 GOOD_ENV = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 PLENTY = lambda path: 10**15  # noqa: E731 - free-space stub

@@ -6,10 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from train.data.prepare import prepare
-from train.data.prepare_sharded import main, prepare_sharded, shard_ranges
-from train.data.verify import verify
-from train.errors import DataError
+from train.data.preparation import prepare
+from train.data.prepare_sharded import main
+from train.data.sharded_preparation import prepare_sharded, shard_ranges
+from train.data.verification import verify
+from train.core.errors import DataError
 
 N_FILES, PARAGRAPHS = 5, 400
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from train.config import load_config
+from train.core.config import load_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 QWEN3 = "full_qwen3_1.8b_optimal.yaml"

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from tests.train.helpers import TINY_MODEL
-from train.config import load_config
-from train.preflight import FAIL, OK, run_preflight
-from train.start_checks import BatchSplit, fit_global_batch, start_checks
+from train.core.config import load_config
+from train.workflows.preflight import FAIL, OK, run_preflight
+from train.trainer.start_checks import BatchSplit, fit_global_batch, start_checks
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = TINY_MODEL + ["--train.seq_len=32", "--train.log_every=1", "--runtime.device=cpu",

@@ -8,8 +8,8 @@ import types
 import pytest
 
 from tests.train.helpers import tiny_config
-from train.errors import ConfigError
-from train.wandb_log import RUN_ID_FILE, WandbLogger
+from train.core.errors import ConfigError
+from train.observe.wandb_log import RUN_ID_FILE, WandbLogger
 
 
 class FakeRun:
@@ -88,7 +88,7 @@ def test_failing_init_is_a_one_line_config_error(cfg, tmp_path, monkeypatch):
 
 
 def test_trainer_logs_to_wandb_on_rank0(tmp_path, monkeypatch):
-    from train.runner import run_training
+    from train.trainer.runner import run_training
 
     wandb = fake_wandb()
     monkeypatch.setitem(sys.modules, "wandb", wandb)

@@ -5,7 +5,7 @@ import csv
 import json
 from pathlib import Path
 
-from train.config import RunConfig, load_config
+from train.core.config import RunConfig, load_config
 
 TINY_MODEL = ["--model.vocab_size=320", "--model.dim=32", "--model.n_layers=2", "--model.n_heads=4",
               "--model.n_kv_heads=2", "--model.ffn_dim=64", "--model.max_seq_len=64"]

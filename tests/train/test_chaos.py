@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from train import checkpoint as ckpt_io
+from train.checkpoint import io as ckpt_io
 
 from .helpers import read_csv
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from train.config import load_config, parse_overrides
-from train.errors import ConfigError
+from train.core.config import load_config, parse_overrides
+from train.core.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -191,7 +191,7 @@ def test_config_reference_is_current():
 
 
 def test_effective_config_round_trips(tmp_path):
-    from train.config import dump_config
+    from train.core.config import dump_config
 
     for name in ("full_gpt2_1.36b.yaml", "full_qwen3_1.8b_optimal.yaml", "m7c_125m_80g.yaml"):
         cfg = load_config(REPO / "configs" / name, ["--train.steps=7"])
@@ -215,7 +215,7 @@ def test_help_lists_every_config_key_with_default_and_meaning():
     import subprocess
     import sys
 
-    from train.config import SECTIONS
+    from train.core.config import SECTIONS
 
     out = subprocess.run([sys.executable, "-m", "train", "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0
@@ -230,7 +230,7 @@ def test_help_lists_every_config_key_with_default_and_meaning():
 def test_settings_without_effect_are_errors(tmp_path):
     """model.attn_backend on an NSA model and stream-loader keys on a bin: source change nothing: errors
     naming the key; the dumped effective config of such runs leaves them out and loads again."""
-    from train.config import dump_config
+    from train.core.config import dump_config
 
     with pytest.raises(ConfigError, match="model.attn_backend has no effect with model.attention='nsa'"):
         load_config(None, ["--model.attention=nsa", "--model.attn_backend=sdpa"])

@@ -13,14 +13,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from train.checkpoint import model_from_checkpoint
-from train.data.prepare import prepare
+from train.checkpoint.io import model_from_checkpoint
+from train.data.preparation import prepare
 from train.data.sources import is_held_out
-import train.evaluate
-from train.eval_batch import TARGET_TOKENS, choose_batch_size, forward_bytes
+import train.evaluation.evaluate
+from train.evaluation.eval_batch import TARGET_TOKENS, choose_batch_size, forward_bytes
 from train.evaluate import main
-from train.runner import run_training
-from train.scoring import count_windows, plan_windows
+from train.trainer.runner import run_training
+from train.evaluation.scoring import count_windows, plan_windows
 
 from .helpers import tiny_config
 
@@ -275,7 +275,7 @@ def test_progress_lines_carry_an_eta_and_do_not_spam(run_dir, text_source, capsy
     code, _, err = evaluate(capsys, run_dir, "--data", text_source, "--seq_len", SEQ_LEN, "--batch_size", 1,
                             "--name", "quiet")
     assert code == 0 and err.count("\n") == 1  # a fast run: the one line saying what runs, no per-batch lines
-    monkeypatch.setattr(train.evaluate, "PROGRESS_EVERY_S", 0.0)  # a line at every chance (each batch)
+    monkeypatch.setattr(train.evaluation.evaluate, "PROGRESS_EVERY_S", 0.0)  # a line at every chance (each batch)
     code, result, err = evaluate(capsys, run_dir, "--data", text_source, "--seq_len", SEQ_LEN, "--batch_size", 8,
                                  "--name", "progress")
     assert code == 0

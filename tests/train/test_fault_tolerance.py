@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from train import checkpoint as ckpt_io
-from train.artifacts import checkpoint_files, checkpoint_name
-from train.errors import CheckpointError, UserError
-from train.runner import run_training
+from train.checkpoint import io as ckpt_io
+from train.core.artifacts import checkpoint_files, checkpoint_name
+from train.core.errors import CheckpointError, UserError
+from train.trainer.runner import run_training
 
 from .helpers import read_csv, tiny_config
 

@@ -16,11 +16,11 @@ from nsa.config import ModelConfig, NSAConfig
 from nsa.generate import GenerationError, generate, seeded_generators
 from nsa.model import Transformer
 from train import generate as cli
-from train.checkpoint import model_from_checkpoint
+from train.checkpoint.io import model_from_checkpoint
 from train.data.tokenizers import load_tokenizer
-from train.errors import ConfigError
-from train.runner import run_training
-from train.text_stream import TextStream, continuation_text
+from train.core.errors import ConfigError
+from train.trainer.runner import run_training
+from train.generation.text_stream import TextStream, continuation_text
 
 from .helpers import read_jsonl, tiny_config
 

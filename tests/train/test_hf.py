@@ -17,15 +17,15 @@ from safetensors.torch import load_file
 from nsa.config import ModelConfig, NSAConfig
 from nsa.model import Transformer
 from tests.train.helpers import TINY_MODEL, read_csv, tiny_config
-from train.checkpoint import FORMAT_VERSION, atomic_save, model_from_checkpoint, rng_state
-from train.config import RunConfig
-from train.data.config import DataConfig
-from train.errors import CheckpointError, ConfigError, ConversionError
-from train.export_hf import export
+from train.checkpoint.io import FORMAT_VERSION, atomic_save, model_from_checkpoint, rng_state
+from train.core.config import RunConfig
+from train.core.data_config import DataConfig
+from train.core.errors import CheckpointError, ConfigError, ConversionError
+from train.hf.export import export
 from train.export_hf import main as export_main
-from train.hf_convert import family, from_hf_config, to_hf_config
-from train.import_hf import import_checkpoint, init_state_dict, read_model_dir
-from train.runner import run_training
+from train.hf.convert import family, from_hf_config, to_hf_config
+from train.hf.importer import import_checkpoint, init_state_dict, read_model_dir
+from train.trainer.runner import run_training
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = tiny_config(Path("unused")).model  # vocab 320, dim 32, 2 layers, 4 heads, 2 KV heads, ffn 64: LLaMA style

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from train.data.tokenizers import load_tokenizer
-from train.runner import run_training
+from train.trainer.runner import run_training
 
 from .helpers import tiny_config
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from nsa import profiling
-from train.alerts import Alerts
-from train.env import env_overrides
-from train.runner import run_training
+from train.observe.alerts import Alerts
+from train.core.env import env_overrides
+from train.trainer.runner import run_training
 
 from .helpers import read_csv, read_jsonl, tiny_config
 

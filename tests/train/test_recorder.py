@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from nsa.attention.gate_stats import gate_statistics
-from train.alerts import Alerts
-from train.clock import TrainingClock
-from train.hooks import Hook, Hooks
-from train.sinks import ConsoleSink, CsvSink, HeartbeatSink, Recorder, scalars
-from train.artifacts import TRAIN_FIELDS, read_csv, read_heartbeat
+from train.observe.alerts import Alerts
+from train.trainer.clock import TrainingClock
+from train.trainer.hooks import Hook, Hooks
+from train.observe.sinks import ConsoleSink, CsvSink, HeartbeatSink, Recorder, scalars
+from train.core.artifacts import TRAIN_FIELDS, read_csv, read_heartbeat
 
 from .helpers import read_jsonl, tiny_config
 
@@ -138,9 +138,9 @@ def test_clock_with_real_sleeps():
 def test_eval_sampling_and_checkpoint_time_is_not_training_time(tmp_path, monkeypatch):
     """Each of evaluation, sampling and saving sleeps 0.3 s at step 2: were it counted, the interval of
     steps 3-4 would take >= 0.45 s per step; a tiny CPU step takes milliseconds."""
-    from train.build_run import Run
-    from train.loop import Loop
-    from train.sampling import TrainingSampler
+    from train.trainer.build_run import Run
+    from train.trainer.loop import Loop
+    from train.generation.sampling import TrainingSampler
 
     def slow(method):
         def wrapped(*args, **kwargs):
@@ -153,7 +153,7 @@ def test_eval_sampling_and_checkpoint_time_is_not_training_time(tmp_path, monkey
     out = tmp_path / "run"
     cfg = tiny_config(out, "--train.steps=4", "--train.eval_every=2", "--train.save_every=2", "--train.sample_every=2",
                       "--data.tokenizer=byte", "--train.sample_tokens=2", "--train.eval_steps=1")
-    from train.runner import run_training
+    from train.trainer.runner import run_training
 
     assert run_training(cfg) == 0
     rows = read_csv(out / "training.csv")
@@ -212,7 +212,7 @@ def test_an_nsa_run_alerts_console_heartbeat_tensorboard_and_wandb(tmp_path, mon
     out = tmp_path / "run"
     cfg = tiny_config(out, *NSA, "--train.steps=4", "--runtime.gate_entropy_alert=1.0", "--nsa.gate_init=equal",
                       "--runtime.wandb=true")
-    from train.runner import run_training
+    from train.trainer.runner import run_training
 
     assert run_training(cfg) == 0
     beats = read_jsonl(out / "heartbeat_rank0.jsonl")

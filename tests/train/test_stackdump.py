@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from train.safety import StopFlags, Watchdog, stackdump_path
+from train.trainer.safety import StopFlags, Watchdog, stackdump_path
 
 from .helpers import TINY_MODEL
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from train import checkpoint as ckpt_io
-from train.artifacts import checkpoint_name
+from train.checkpoint import io as ckpt_io
+from train.core.artifacts import checkpoint_name
 
 from .helpers import read_jsonl
 

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from train import checkpoint as ckpt_io
-from train.artifacts import checkpoint_files
-from train.errors import CheckpointError, ConfigError, DataError
-from train.optim import lr_at
-from train.runner import EXIT_ANOMALY, run_training
+from train.checkpoint import io as ckpt_io
+from train.core.artifacts import checkpoint_files
+from train.core.errors import CheckpointError, ConfigError, DataError
+from train.trainer.optim import lr_at
+from train.trainer.runner import EXIT_ANOMALY, run_training
 
 from .helpers import read_csv, read_jsonl, tiny_config
 
@@ -81,7 +81,7 @@ def test_exact_resume_is_bit_identical(tmp_path, accum):
 
 
 def test_lr_schedule_counts_optimizer_steps():
-    from train.config import TrainConfig
+    from train.core.config import TrainConfig
 
     cfg = TrainConfig(steps=100, warmup_steps=10, lr=1.0, min_lr_ratio=0.1, accumulate_grad_batches=8)
     assert lr_at(0, cfg) == pytest.approx(0.1)
@@ -93,7 +93,7 @@ def test_lr_schedule_counts_optimizer_steps():
 
 def test_weight_decay_only_on_matrices(tmp_path):
     from nsa.model import Transformer
-    from train.optim import build_optimizer
+    from train.trainer.optim import build_optimizer
 
     cfg = tiny_config(tmp_path / "x", "--model.bias=true", "--model.norm=layernorm")
     opt = build_optimizer(Transformer(cfg.model), cfg.train, "cpu")
@@ -350,7 +350,7 @@ def test_partial_log_intervals_are_marked_in_training_csv(tmp_path):
     """A stop between log intervals writes a row over fewer steps, and so does the first interval after the
     resume: interval_steps says how many steps each row averages, so a plot can tell them from full rows.
     A training.csv of an older version (without the column) gets the new header, its rows kept."""
-    from train.runner import run_training
+    from train.trainer.runner import run_training
 
     out = tmp_path / "run"
     args = ("--train.steps=15", "--train.log_every=5")

@@ -6,8 +6,8 @@
     val = bundle.val_batches(n)               # the same n held-out batches on every call
 See docs/DATA.md.
 """
+from train.core.data_config import DataConfig
 from train.data.build import BatchStream, DataBundle, build_data
-from train.data.config import DataConfig
 from train.data.tokenizers import Tokenizer, load_tokenizer, padded_vocab
 
 __all__ = ["BatchStream", "DataBundle", "DataConfig", "Tokenizer", "build_data", "load_tokenizer", "padded_vocab"]

@@ -14,13 +14,13 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from train.data.config import DataConfig
+from train.core.data_config import DataConfig
+from train.core.errors import DataError
 from train.data.memmap import MemmapStream
 from train.data.meta import dtype_for_vocab, read_meta, split_tokens
 from train.data.state import TRAIN_STREAM, VAL_STREAM, stream_resume_refusal  # noqa: F401 (re-exported)
 from train.data.synthetic import SyntheticStream
 from train.data.tensors import windows_to_xy
-from train.errors import DataError
 
 log = logging.getLogger("train.data")
 

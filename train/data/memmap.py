@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from train.core.errors import DataError
 from train.data.state import TRAIN_STREAM, GlobalBatchOrder
-from train.errors import DataError
 
 
 class MemmapStream(GlobalBatchOrder):

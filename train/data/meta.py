@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from train.errors import DataError
+from train.core.errors import DataError
 
 FORMAT = "nsa-tokens"
 FORMAT_VERSION = 1

@@ -18,7 +18,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Iterator
 
-from train.errors import DataError
+from train.core.errors import DataError
 
 FINEWEB_EDU = "HuggingFaceFW/fineweb-edu"
 FINEWEB_EDU_DEFAULT_SUBSET = "sample-10BT"

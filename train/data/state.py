@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from train.errors import DataError
+from train.core.errors import DataError
 
 # stream ids: the same generator/sampler with another id gives disjoint draws (validation)
 TRAIN_STREAM, VAL_STREAM = 0, 1

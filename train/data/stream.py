@@ -18,13 +18,13 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from train.core.errors import DataError
 from train.data.meta import dtype_for_vocab
 from train.data.packing import WindowPacker
 from train.data.sources import Position, ReaderPlan, StreamUnavailable, is_held_out, iter_documents
 from train.data.state import expect_state
 from train.data.tensors import windows_to_xy
 from train.data.tokenizers import load_tokenizer
-from train.errors import DataError
 
 START = {"epoch": 0, "shard": 0, "doc": 0, "offset": 0}
 

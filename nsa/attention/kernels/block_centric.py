@@ -1,7 +1,7 @@
 """Block-centric selected attention for small GQA groups: forward and dQ (Flash Sparse Attention's loop
 order, arXiv 2508.18224). Kernels only: pure functions of tensors and constexprs; the host wrappers that
 build the index, allocate the state and choose between these and the query-centric kernels live in
-nsa/attention/triton_selection.py (its docstring has the contract and the memory bounds).
+nsa/attention/kernels/selected_attention.py (its docstring has the contract and the memory bounds).
 
 Index (`inverted_index(..., by_slot=True)`): the (query, slot) entries of one selection slot s, sorted by
 (batch * H_kv + KV head, block, query position) and cut into tiles of at most Q_TILE queries; slot s's

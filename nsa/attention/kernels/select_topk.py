@@ -1,6 +1,6 @@
 """NSA top-n block selection as one Triton kernel: scores -> softmax -> group sum -> Eq. 9 -> top-n.
 
-Same result as the torch path `nsa.attention.block_select.select_by_score`, i.e.
+Same result as the torch path `nsa.attention.impl.block_select.select_by_score`, i.e.
 select_blocks(selection_block_scores(compression_group_probs(q, ck))) for every query, ties included.
 No [T, N_c] (or [T, N_blocks]) tensor exists at any time, by construction: probabilities and block
 scores live in registers one chunk at a time, and the only tensor written is block_idx [B, H_kv, Tq, n].
@@ -53,7 +53,8 @@ import math
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
+
+from nsa.attention.kernels.interpreter import interpreter_active
 
 BLOCK_ROWS = 64  # (head, query) rows per program: BT = BLOCK_ROWS // GP queries (1 .. MAX_BLOCK_QUERIES)
 MAX_BLOCK_QUERIES = 16
@@ -187,11 +188,6 @@ def _select_topk_kernel(
     q_idx = q0 + offs_t
     tl.store(OUT + (bh * Tq + q_idx[:, None].to(tl.int64)) * N + slots[None, :], out,
              mask=(q_idx < Tq)[:, None] & (slots < N)[None, :])
-
-
-def interpreter_active() -> bool:
-    """True when the kernel was built for Triton's interpreter (TRITON_INTERPRET=1 at import)."""
-    return isinstance(_select_topk_kernel, InterpretedFunction)
 
 
 def kernel_constexprs(dtype: torch.dtype, G: int, hd: int, l: int, d: int, l_sel: int, n: int) -> dict:

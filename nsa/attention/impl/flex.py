@@ -1,0 +1,177 @@
+"""The compressed and sliding-window branches through FlexAttention (CUDA; nsa.kernel auto | triton).
+
+Same semantics as the portable path (impl/compression.py, impl/window.py: ops.compressed_attention and
+ops.window_attention with nsa.kernel=torch), written as mask_mods:
+  compressed: query at position p sees compressed token i iff i*d + l - 1 <= p (rows that see nothing
+              give a zero output, as FlexAttention returns for fully masked rows);
+  window:     query at position p sees key position s iff p - w < s <= p.
+The block masks are derived from that geometry, not by evaluating the mask over [Tq x Tk]: for each
+128 x 128 tile the bounds of its query and key positions say "no key visible" (skipped), "every key
+visible" (a full tile: no mask_mod call) or "the boundary crosses it" (mask_mod applied). That is
+O(Tq/128 * Tk/128) integer work per call, so under torch.compile it costs nothing next to attention;
+in eager mode masks are cached per geometry.
+
+One compile per shape family, not per chunk offset. In eager mode the calls go through one
+`torch.compile(flex_attention, dynamic=False)` wrapper, and what Dynamo guards on decides when it compiles
+again. For the BlockMask's mask_mod it guards on the function's `__code__` (ID_MATCH), not on the function
+object, and on each closure cell: a tensor cell by TENSOR_MATCH (dtype, device, shape, stride: never its
+value), an int cell by EQUALS_MATCH (its value). So:
+  - the offsets q_start, k_start change with every chunk of a chunked prefill: they are captured as 0-dim
+    int64 tensors on the query's device (new data, not new code; the fused kernel reads them as inputs);
+  - l, d, w stay Python ints: they are per-model constants, so their value guards hold across calls (one
+    compile per (l, d, w), i.e. per model config) and the kernel gets them folded in as constants;
+  - the mask_mods are built by module-level factories (`_compressed_mask_mod`, `_window_mask_mod`), one code
+    object each, so a fresh closure per geometry (or per call, under compile) reuses the compiled graph.
+The block-mask tensors are guarded by metadata only, their seq_lengths by value (= the shapes). What still
+compiles again is a new shape (dynamic=False): (B, H, Tq, Tk, hd, dtype) and the tile counts that follow.
+Note that in a chunked prefill the compressed branch's key count N_c grows with every chunk, so that branch
+meets a new shape per chunk; the window branch's keys (w - 1 + Tq after the first chunk) keep one shape.
+
+FlexAttention has no CPU backward in PyTorch 2.13, so the layer uses these only on CUDA
+(`use_flex`); tests check the forward on CPU and the backward on CUDA (tests/nsa/test_nsa_gpu.py).
+Eager calls on CPU run FlexAttention unfused unless "cpu" is added to `COMPILE_DEVICES` (the tests do,
+with `COMPILE_BACKEND = "aot_eager"`, to count Dynamo compiles: the guards are the same for every backend).
+"""
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from nsa.profiling import audit
+
+BLOCK = 128  # FlexAttention's tile (queries x keys)
+_MASK_CACHE: OrderedDict[tuple, BlockMask] = OrderedDict()
+_MASK_CACHE_SIZE = 64  # geometries kept in eager mode (chunked prefill meets one per chunk offset)
+# Eager calls on these device types go through torch.compile(flex_attention); others run it unfused. Tests add
+# "cpu" (with a cheap backend) to check that chunk offsets do not recompile.
+COMPILE_DEVICES: frozenset[str] = frozenset({"cuda"})
+COMPILE_BACKEND = "inductor"
+_compiled_flex: dict[str, Callable] = {}  # backend -> compiled wrapper
+
+
+def use_flex(kernel: str, q: torch.Tensor) -> bool:
+    """The compressed and window branches run through FlexAttention for CUDA tensors unless nsa.kernel is
+    torch; float64 (the tests' oracle dtype, which the fused kernels do not take) stays on the SDPA path."""
+    return kernel != "torch" and q.device.type == "cuda" and q.dtype != torch.float64
+
+
+def _run_flex(site: str, q, k, v, block_mask: BlockMask) -> torch.Tensor:
+    """flex_attention fused by torch.compile: inside a compiled model directly, in eager mode through one
+    compiled wrapper (dynamic=False: one kernel per shape; offsets live in the mask_mod's captured tensors, so
+    a new chunk offset reuses it). Devices outside COMPILE_DEVICES (CPU forward tests) run the unfused path."""
+    gqa = q.shape[1] != k.shape[1]
+    audit(site, "flex_attention", q, k)
+    if torch.compiler.is_compiling():
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+    if q.device.type not in COMPILE_DEVICES:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+            return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+    if COMPILE_BACKEND not in _compiled_flex:
+        _compiled_flex[COMPILE_BACKEND] = torch.compile(flex_attention, dynamic=False, backend=COMPILE_BACKEND)
+    return _compiled_flex[COMPILE_BACKEND](q, k, v, block_mask=block_mask, enable_gqa=gqa)
+
+
+def _compressed_mask_mod(q_start: torch.Tensor, l: int, d: int):
+    """Query qi (position q_start + qi) sees compressed token ki iff ki*d + l - 1 <= q_start + qi. q_start is
+    a 0-dim tensor (data to the compiled kernel); l, d are per-model ints (constants in it)."""
+
+    def mask_mod(batch, head, qi, ki):
+        return ki * d + (l - 1) <= qi + q_start
+
+    return mask_mod
+
+
+def _window_mask_mod(q_start: torch.Tensor, k_start: torch.Tensor, w: int):
+    """Query at p = q_start + qi sees key at s = k_start + ki iff p - w < s <= p (offsets: 0-dim tensors)."""
+
+    def mask_mod(batch, head, qi, ki):
+        s, p = ki + k_start, qi + q_start
+        return (s <= p) & (s > p - w)
+
+    return mask_mod
+
+
+def _offset(x: int, device) -> torch.Tensor:
+    return torch.full((), x, dtype=torch.int64, device=device)  # a fill, not a host-to-device copy
+
+
+def _tile_bounds(n: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """First and last index of each 128-tile of a length-n axis, and whether the tile is whole."""
+    lo = torch.arange(0, n, BLOCK, device=device)
+    hi = torch.clamp(lo + BLOCK, max=n) - 1
+    return lo, hi, (hi - lo + 1) == BLOCK
+
+
+def _compact(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[nq, nk] bool -> FlexAttention's (num_blocks [1, 1, nq], indices [1, 1, nq, nk]): per query tile, the
+    count of True columns and their indices first, ascending."""
+    order = torch.sort((~tiles).to(torch.int8), dim=-1, stable=True).indices
+    return tiles.sum(-1).to(torch.int32)[None, None], order.to(torch.int32)[None, None]
+
+
+def _block_mask(kind: str, Tq: int, Tk: int, q_start: int, k_start: int, a: int, b: int, device) -> BlockMask:
+    """kind "cmp": a = l, b = d (token i covers [i*d, i*d + l)); kind "win": a = w (b unused). The tiles come
+    from the int geometry; the mask_mod reads the offsets from 0-dim tensors (see the module docstring), so the
+    eager cache below only saves the tile arithmetic: it is not what keeps the compiled wrapper from
+    recompiling."""
+    key = (kind, Tq, Tk, q_start, k_start, a, b, str(device))
+    caching = not torch.compiler.is_compiling()
+    if caching and key in _MASK_CACHE:
+        _MASK_CACHE.move_to_end(key)
+        return _MASK_CACHE[key]
+    q_lo, q_hi, q_whole = _tile_bounds(Tq, device)  # [nq] query rows
+    k_lo, k_hi, k_whole = _tile_bounds(Tk, device)  # [nk] key rows
+    q_lo, q_hi = (q_lo + q_start)[:, None], (q_hi + q_start)[:, None]  # absolute positions, [nq, 1]
+    if kind == "cmp":
+        l, d = a, b
+        end_lo, end_hi = k_lo * d + l - 1, k_hi * d + l - 1  # last position covered by a tile's first / last token
+        mask_mod = _compressed_mask_mod(_offset(q_start, device), l, d)
+        some, every = end_lo <= q_hi, end_hi <= q_lo  # [nq, nk]
+    elif kind == "win":
+        w = a
+        s_lo, s_hi = k_lo + k_start, k_hi + k_start
+        mask_mod = _window_mask_mod(_offset(q_start, device), _offset(k_start, device), w)
+        some = (s_lo <= q_hi) & (s_hi > q_lo - w)
+        every = (s_hi <= q_lo) & (s_lo > q_hi - w)
+    else:
+        raise ValueError(f"unknown branch {kind!r}")
+    every = every & q_whole[:, None] & k_whole[None, :]  # ragged edge tiles always take the mask_mod
+    mask = BlockMask.from_kv_blocks(
+        *_compact(some & ~every), *_compact(every), BLOCK_SIZE=BLOCK, mask_mod=mask_mod, seq_lengths=(Tq, Tk)
+    )
+    if caching:
+        _MASK_CACHE[key] = mask
+        while len(_MASK_CACHE) > _MASK_CACHE_SIZE:
+            _MASK_CACHE.popitem(last=False)
+    return mask
+
+
+def flex_compressed_attention(
+    q: torch.Tensor,  # [B, H, Tq, hd] queries at positions q_start .. (RoPE applied)
+    ck: torch.Tensor,  # [B, H_kv, N_c, hd] compressed keys (RoPE applied)
+    cv: torch.Tensor,  # [B, H_kv, N_c, hd]
+    q_start: int,
+    l: int,
+    d: int,
+) -> torch.Tensor:  # [B, H, Tq, hd]; rows that see no compressed token are zero
+    if ck.shape[2] == 0:
+        return torch.zeros_like(q)
+    mask = _block_mask("cmp", q.shape[2], ck.shape[2], q_start, 0, l, d, q.device)
+    return _run_flex("nsa.compressed", q, ck, cv, mask)
+
+
+def flex_window_attention(
+    q: torch.Tensor,  # [B, H, Tq, hd] queries at positions q_start ..
+    k: torch.Tensor,  # [B, H_kv, Tk, hd] keys at positions k_start .. k_start+Tk-1
+    v: torch.Tensor,  # [B, H_kv, Tk, hd]
+    q_start: int,
+    k_start: int,
+    w: int,
+) -> torch.Tensor:  # [B, H, Tq, hd]
+    mask = _block_mask("win", q.shape[2], k.shape[2], q_start, k_start, w, 0, q.device)
+    return _run_flex("nsa.window", q, k, v, mask)

@@ -1,0 +1,594 @@
+"""NSA selected attention as Triton kernels (paper §3.4 design), forward and backward.
+
+Same contract as `nsa.attention.ops.selected_attention`: queries q [B, H_kv, G, Tq, hd] at
+positions q_start .., keys/values k, v [B, H_kv, Tk, hd] at positions 0 .. Tk-1, block_idx
+[B, H_kv, Tq, n] (selected blocks of l' keys, -1 = empty slot; a GQA group shares them). Query p reads
+the keys of its blocks at positions <= p (the current block is partially visible); a block index must
+not repeat within a row (select_blocks guarantees it; a repeat would count its keys twice).
+
+Kernels (grid, tiling). Forward and dQ take one of two paths (`use_block_centric`): query-centric
+for G >= 16 (BLOCK_CENTRIC_BELOW), block-centric below, where a query-centric program would pad the
+group to 16 MMA rows (M7C, G = 6: 62.5% of the rows compute zeros, and M = 16 keeps sm_90 on mma.sync).
+SELECTION_PATH ("auto" | "block" | "query", read at call time) forces either.
+  query-centric forward `_fwd_kernel`, grid (Tq, B*H_kv): one program loads the G query heads of one
+           position as a [GP, DP] tile (GP = G padded to a power of two >= 16, DP = hd padded to a power
+           of two >= 16; padded rows/columns are masked loads of 0 and are never stored), then walks the
+           n selected blocks, loading each block's keys/values once for the whole group as [BS, DP]
+           tiles (BS = l' padded likewise), masking keys after p, and keeps an online softmax
+           (running max, denominator, numerator). Writes O and the log-sum-exp LSE [B, H_kv, G, Tq].
+  query-centric dQ `_dq_kernel`, grid (Tq, B*H_kv): like the forward; recomputes P = exp(S - LSE) per
+           block and accumulates dQ in registers.
+  block-centric forward / dQ (Flash Sparse Attention's loop order, arXiv 2508.18224;
+           nsa/attention/kernels/block_centric.py): a by-slot inverted index (`inverted_index(...,
+           by_slot=True)`: the (query, slot s) entries sorted by (s, batch * H_kv + head, block, query),
+           tiles of at most Q_TILE queries, a fixed number of tiles per slot), then n launches, one per
+           slot in order, grid (tiles per slot,). A program loads its block's K/V once and walks the
+           (query, head) rows that picked the block, BM at a time (no group padding). A query has one
+           block per slot, so within a launch every (query, head) row belongs to at most one program:
+           the per-row state in global memory is read, updated and written back without atomics, in
+           slot order (deterministic). `block_fwd_kernel` is an online softmax across launches: per row
+           running max M and denominator DEN (fp32 [B, H_kv, G, Tq]), the output kept normalized in
+           fp32 [B, H_kv, G, Tq, hd] (O itself for fp32/fp64 inputs) and LSE = M + log(DEN). No pass
+           recomputes S for the log-sum-exp, and no per-(query, slot) partial output exists.
+           `block_dq_kernel` adds slot s's term scale * dS_s K_s to an fp32 dQ [B, H_kv, G, Tq, hd].
+           Launches per call: n (+ torch ops for the index), whatever Tq. No host sync.
+           Memory at M7C 64k (B = 1, T = 65536, H_kv = 2, G = 6, hd = 64, n = 16, l' = 64): fp32 output
+           / dQ accumulator 192 MiB (bf16 inputs; fp32 inputs use O / dQ), M + DEN 6 MiB, index
+           ~80 MiB transient (int64 sort keys and order over B*H_kv*T*n = 2M entries, int32 queries
+           8 MiB, 3 x 64K tile ints). Per-(query, slot) partial outputs would be [.., T, n, G, hd] fp32
+           = 3 GiB. Cost instead: each slot reads and writes the row state (fp32, 2 * 4 * G * hd B per
+           (query, KV head) per slot: 6.4 GB per forward at M7C 64k, as much as writing and reading
+           those partials once), and K/V are read once per (slot, block, tile) instead of once per
+           (query, block) as in the query-centric path (n * l' * hd * 2 * 2 B = 256 KiB per (query, KV
+           head) in bf16).
+  backward delta = rowsum(dO * O) (torch), the dQ path above, then
+           `_dkv_kernel`, grid (tiles, BS // BK): block-centric over the block-major inverted index
+           ("which queries selected block j", built with torch sort + counts, no host sync). The
+           queries of each (batch, KV head, block) are cut into tiles of at most `kv_tile` queries; a
+           program loads BK keys of its block (all BS, or BS split for fp32 / large head dims) and their
+           values once, walks its queries in row tiles of BM (query, head) pairs (no group padding),
+           recomputes P and dS and accumulates dK, dV in registers, then writes one partial per tile;
+           `_dkv_reduce_kernel`, grid (B*H_kv*blocks,), sums a block's partials in a fixed order.
+           Deterministic (no atomics); the tiles bound the serial work of a program even for block 0,
+           which every query selects. Partials at M7C 64k: 6,144 tiles x 2 x 64 x 64 fp32 = 192 MiB.
+Tile sizes, warps and pipeline stages per kernel, dtype and head dim: `tile_config` (pure; its
+`shared_bytes` is an upper bound of the shared memory, so a config can be refused before any GPU sees
+it: `shared_memory_estimate`).
+Accumulation is fp32 (fp64 for fp64 inputs). Dots on fp32/fp64 inputs use IEEE precision (no TF32) so
+fp32 results match a float64 reference to fp32 tolerance.
+
+Triton is imported when this module is imported; nsa.attention.ops imports it only when the Triton
+kernel is chosen, so the package works without triton. On CPU tensors the kernels run only in
+Triton's interpreter (TRITON_INTERPRET=1 set before this module is imported); the interpreter has no
+bf16 matmul, so there bf16/fp16 operands are upcast to fp32 right before each dot (after the same
+roundings a GPU run makes).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from nsa.attention.kernels.block_centric import block_dq_kernel, block_fwd_kernel
+from nsa.attention.kernels.interpreter import interpreter_active
+
+KV_TILE = 512  # queries per dK/dV program (bounds its serial work; partial dK/dV memory ~ 1 / KV_TILE)
+BLOCK_ROWS = None  # (query, head) rows per step in the dK/dV program; None: tile_config's (per dtype, head dim)
+Q_TILE = 64  # queries per block-centric forward / dQ program
+SELECTION_PATH = "auto"  # forward + dQ kernels: "auto" (block-centric iff G < BLOCK_CENTRIC_BELOW), "block", "query"
+BLOCK_CENTRIC_BELOW = 16  # G at which a padded group stops wasting MMA rows (GP = G)
+
+
+@triton.jit
+def _fwd_kernel(
+    Q, K, V, IDX, O, LSE,
+    sqb, sqh, sqg, sqt, sqd,
+    skb, skh, skt, skd,
+    svb, svh, svt, svd,
+    sob, soh, sog, sot, sod,
+    Tq, Tk, q_start, scale,
+    H_KV: tl.constexpr, G: tl.constexpr, N_SEL: tl.constexpr, L_SEL: tl.constexpr, HD: tl.constexpr,
+    GP: tl.constexpr, BS: tl.constexpr, DP: tl.constexpr,
+    ACC: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // H_KV
+    h = bh % H_KV
+    pos_q = q_start + t
+    offs_g = tl.arange(0, GP)
+    offs_s = tl.arange(0, BS)
+    offs_d = tl.arange(0, DP)
+    g_ok = offs_g < G
+    d_ok = offs_d < HD
+    q = tl.load(Q + b * sqb + h * sqh + offs_g[:, None] * sqg + t * sqt + offs_d[None, :] * sqd,
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # [GP, DP]
+    if UPCAST:  # the interpreter has no bf16/fp16 matmul
+        q = q.to(tl.float32)
+    # running max starts finite so a fully masked block gives alpha = 1 and P = exp(-inf) = 0 exactly;
+    # masked scores are -inf (never a finite sentinel)
+    m = tl.full([GP], -1.0e30, dtype=ACC)
+    den = tl.zeros([GP], dtype=ACC)
+    acc = tl.zeros([GP, DP], dtype=ACC)
+    s_ok = offs_s < L_SEL
+    k_tile = K + b * skb + h * skh + offs_s[:, None] * skt + offs_d[None, :] * skd  # block 0's [BS, DP] pointers
+    v_tile = V + b * svb + h * svh + offs_s[:, None] * svt + offs_d[None, :] * svd
+    idx_row = IDX + (bh * Tq + t) * N_SEL
+    for s in range(N_SEL):
+        j = tl.load(idx_row + s).to(tl.int64)
+        if j >= 0:  # -1 = empty slot
+            first = j * L_SEL  # position of the block's first key
+            k_ok = s_ok & (offs_s <= pos_q - first)  # keys after p masked (the current block)
+            kd_ok = k_ok[:, None] & d_ok[None, :]
+            kb = tl.load(k_tile + first * skt, mask=kd_ok, other=0.0)  # [BS, DP]
+            vb = tl.load(v_tile + first * svt, mask=kd_ok, other=0.0)
+            if UPCAST:
+                kb = kb.to(tl.float32)
+                vb = vb.to(tl.float32)
+            sc = tl.dot(q, tl.trans(kb), input_precision=PREC, out_dtype=ACC) * scale  # [GP, BS]
+            sc = tl.where(k_ok[None, :], sc, float("-inf"))
+            m_new = tl.maximum(m, tl.max(sc, axis=1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(sc - m_new[:, None])
+            den = den * alpha + tl.sum(p, axis=1)
+            pv = p.to(Q.dtype.element_ty).to(vb.dtype)  # P rounded to the input dtype, as flash attention
+            acc = acc * alpha[:, None] + tl.dot(pv, vb, input_precision=PREC, out_dtype=ACC)
+            m = m_new
+    has = den > 0  # every real row has >= 1 key (the current block); guard anyway: empty row -> 0
+    out = acc / tl.where(has, den, 1.0)[:, None]
+    lse = tl.where(has, m + tl.log(tl.where(has, den, 1.0)), float("-inf"))
+    tl.store(O + b * sob + h * soh + offs_g[:, None] * sog + t * sot + offs_d[None, :] * sod,
+             out.to(O.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+    tl.store(LSE + (bh * G + offs_g) * Tq + t, lse, mask=g_ok)
+
+
+@triton.jit
+def _dq_kernel(
+    Q, K, V, IDX, DO, LSE, DELTA, DQ,
+    sqb, sqh, sqg, sqt, sqd,
+    skb, skh, skt, skd,
+    svb, svh, svt, svd,
+    sdb, sdh, sdg, sdt, sdd,
+    sxb, sxh, sxg, sxt, sxd,
+    Tq, Tk, q_start, scale,
+    H_KV: tl.constexpr, G: tl.constexpr, N_SEL: tl.constexpr, L_SEL: tl.constexpr, HD: tl.constexpr,
+    GP: tl.constexpr, BS: tl.constexpr, DP: tl.constexpr,
+    ACC: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // H_KV
+    h = bh % H_KV
+    pos_q = q_start + t
+    offs_g = tl.arange(0, GP)
+    offs_s = tl.arange(0, BS)
+    offs_d = tl.arange(0, DP)
+    g_ok = offs_g < G
+    d_ok = offs_d < HD
+    gd_ok = g_ok[:, None] & d_ok[None, :]
+    q = tl.load(Q + b * sqb + h * sqh + offs_g[:, None] * sqg + t * sqt + offs_d[None, :] * sqd, mask=gd_ok, other=0.0)
+    do = tl.load(DO + b * sdb + h * sdh + offs_g[:, None] * sdg + t * sdt + offs_d[None, :] * sdd, mask=gd_ok, other=0.0)
+    lse = tl.load(LSE + (bh * G + offs_g) * Tq + t, mask=g_ok, other=0.0)  # padded rows: dO = 0 -> dS = 0
+    delta = tl.load(DELTA + (bh * G + offs_g) * Tq + t, mask=g_ok, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    dq = tl.zeros([GP, DP], dtype=ACC)
+    s_ok = offs_s < L_SEL
+    k_tile = K + b * skb + h * skh + offs_s[:, None] * skt + offs_d[None, :] * skd
+    v_tile = V + b * svb + h * svh + offs_s[:, None] * svt + offs_d[None, :] * svd
+    idx_row = IDX + (bh * Tq + t) * N_SEL
+    for s in range(N_SEL):
+        j = tl.load(idx_row + s).to(tl.int64)
+        if j >= 0:
+            first = j * L_SEL  # position of the block's first key
+            k_ok = s_ok & (offs_s <= pos_q - first)
+            kd_ok = k_ok[:, None] & d_ok[None, :]
+            kb = tl.load(k_tile + first * skt, mask=kd_ok, other=0.0)  # [BS, DP]
+            vb = tl.load(v_tile + first * svt, mask=kd_ok, other=0.0)
+            if UPCAST:
+                kb = kb.to(tl.float32)
+                vb = vb.to(tl.float32)
+            sc = tl.dot(q, tl.trans(kb), input_precision=PREC, out_dtype=ACC) * scale
+            p = tl.where(k_ok[None, :], tl.exp(sc - lse[:, None]), 0.0)  # [GP, BS], recomputed from LSE
+            dp = tl.dot(do, tl.trans(vb), input_precision=PREC, out_dtype=ACC)
+            ds = p * (dp - delta[:, None])
+            dq += tl.dot(ds.to(Q.dtype.element_ty).to(kb.dtype), kb, input_precision=PREC, out_dtype=ACC)
+    dq = dq * scale
+    tl.store(DQ + b * sxb + h * sxh + offs_g[:, None] * sxg + t * sxt + offs_d[None, :] * sxd,
+             dq.to(DQ.dtype.element_ty), mask=gd_ok)
+
+
+@triton.jit
+def _dkv_kernel(
+    Q, K, V, DO, LSE, DELTA, QUERIES, TILE_SEG, TILE_START, TILE_COUNT, DKP, DVP,
+    sqb, sqh, sqg, sqt, sqd,
+    skb, skh, skt, skd,
+    svb, svh, svt, svd,
+    sdb, sdh, sdg, sdt, sdd,
+    Tq, Tk, q_start, scale, n_blocks,
+    H_KV: tl.constexpr, G: tl.constexpr, L_SEL: tl.constexpr, HD: tl.constexpr,
+    BM: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, DP: tl.constexpr,
+    ACC: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+):
+    tile = tl.program_id(0).to(tl.int64)
+    seg = tl.load(TILE_SEG + tile).to(tl.int64)  # (batch * H_kv + head) * n_blocks + block
+    start = tl.load(TILE_START + tile).to(tl.int64)  # first entry of this tile in QUERIES
+    count = tl.load(TILE_COUNT + tile).to(tl.int64)  # queries in this tile (0 for spare tiles)
+    bh = seg // n_blocks
+    j = seg % n_blocks
+    b = bh // H_KV
+    h = bh % H_KV
+    offs_m = tl.arange(0, BM)
+    offs_s = tl.program_id(1) * BK + tl.arange(0, BK)  # this program's BK keys of the block (BK <= BS)
+    offs_d = tl.arange(0, DP)
+    d_ok = offs_d < HD
+    pos_k = j * L_SEL + offs_s
+    k_ok = (offs_s < L_SEL) & (pos_k < Tk)
+    kd_ok = k_ok[:, None] & d_ok[None, :]
+    kb = tl.load(K + b * skb + h * skh + pos_k[:, None] * skt + offs_d[None, :] * skd, mask=kd_ok, other=0.0)
+    vb = tl.load(V + b * svb + h * svh + pos_k[:, None] * svt + offs_d[None, :] * svd, mask=kd_ok, other=0.0)
+    if UPCAST:
+        kb = kb.to(tl.float32)
+        vb = vb.to(tl.float32)
+    dk = tl.zeros([BK, DP], dtype=ACC)
+    dv = tl.zeros([BK, DP], dtype=ACC)
+    for r0 in range(0, count * G, BM):  # rows are (query, head) pairs: no padding of the group
+        r = r0 + offs_m
+        r_ok = r < count * G
+        qi = r // G
+        g = r % G
+        t = tl.load(QUERIES + start + qi, mask=r_ok, other=0).to(tl.int64)
+        rd_ok = r_ok[:, None] & d_ok[None, :]
+        q = tl.load(Q + b * sqb + h * sqh + g[:, None] * sqg + t[:, None] * sqt + offs_d[None, :] * sqd, mask=rd_ok, other=0.0)
+        do = tl.load(DO + b * sdb + h * sdh + g[:, None] * sdg + t[:, None] * sdt + offs_d[None, :] * sdd, mask=rd_ok, other=0.0)
+        lse = tl.load(LSE + (bh * G + g) * Tq + t, mask=r_ok, other=0.0)
+        delta = tl.load(DELTA + (bh * G + g) * Tq + t, mask=r_ok, other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+            do = do.to(tl.float32)
+        vis = r_ok[:, None] & k_ok[None, :] & (pos_k[None, :] <= (q_start + t)[:, None])  # [BM, BK]
+        sc = tl.dot(q, tl.trans(kb), input_precision=PREC, out_dtype=ACC) * scale
+        p = tl.where(vis, tl.exp(sc - lse[:, None]), 0.0)
+        dv += tl.dot(tl.trans(p.to(Q.dtype.element_ty).to(do.dtype)), do, input_precision=PREC, out_dtype=ACC)
+        dp = tl.dot(do, tl.trans(vb), input_precision=PREC, out_dtype=ACC)
+        ds = p * (dp - delta[:, None])
+        dk += tl.dot(tl.trans(ds.to(Q.dtype.element_ty).to(q.dtype)), q, input_precision=PREC, out_dtype=ACC)
+    out = tile * L_SEL * HD + offs_s[:, None] * HD + offs_d[None, :]
+    sd_ok = (offs_s < L_SEL)[:, None] & d_ok[None, :]
+    tl.store(DKP + out, dk * scale, mask=sd_ok)
+    tl.store(DVP + out, dv, mask=sd_ok)
+
+
+@triton.jit
+def _dkv_reduce_kernel(
+    DKP, DVP, SEG_TILE_FIRST, SEG_TILES, DK, DV, Tk, n_blocks,
+    L_SEL: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr, DP: tl.constexpr, ACC: tl.constexpr,
+):
+    """One program per (batch, KV head, block): sum its tiles' partials in tile order (deterministic)."""
+    seg = tl.program_id(0).to(tl.int64)
+    bh = seg // n_blocks
+    j = seg % n_blocks
+    first = tl.load(SEG_TILE_FIRST + seg).to(tl.int64)
+    n = tl.load(SEG_TILES + seg).to(tl.int64)
+    offs_s = tl.arange(0, BS)
+    offs_d = tl.arange(0, DP)
+    sd_ok = (offs_s < L_SEL)[:, None] & (offs_d < HD)[None, :]
+    part = offs_s[:, None] * HD + offs_d[None, :]
+    dk = tl.zeros([BS, DP], dtype=ACC)
+    dv = tl.zeros([BS, DP], dtype=ACC)
+    for i in range(first, first + n):
+        dk += tl.load(DKP + i * L_SEL * HD + part, mask=sd_ok, other=0.0)
+        dv += tl.load(DVP + i * L_SEL * HD + part, mask=sd_ok, other=0.0)
+    pos_k = j * L_SEL + offs_s
+    ok = sd_ok & (pos_k < Tk)[:, None]
+    dst = (bh * Tk + pos_k[:, None]) * HD + offs_d[None, :]
+    tl.store(DK + dst, dk.to(DK.dtype.element_ty), mask=ok)
+    tl.store(DV + dst, dv.to(DV.dtype.element_ty), mask=ok)
+
+
+# ---------------------------------------------------------------- tile configs
+@dataclass(frozen=True)
+class TileConfig:
+    """How one kernel is tiled at a (head dim, l', G, dtype): compile-time sizes and launch options."""
+
+    rows: int  # MMA rows per step: GP, the group padded (query-centric), or BM (query, head) rows (block-centric)
+    keys: int  # keys per program: BK of a block's BS (dK/dV: programs split a block's keys), else BS
+    BS: int  # keys per block tile: l' padded to a power of two >= 16
+    DP: int  # head dim padded to a power of two >= 16
+    num_warps: int
+    num_stages: int
+    shared_bytes: int  # estimated shared memory per program on sm_80 / sm_90 (bytes; >= Triton 3.9's own)
+
+
+KERNELS = ("fwd", "dq", "dkv", "dkv_reduce", "block_fwd", "block_dq")
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
+
+
+def _pow2(x: int, least: int = 16) -> int:
+    return max(least, triton.next_power_of_2(x))
+
+
+def tile_config(kernel: str, hd: int, l_sel: int, G: int, dtype: torch.dtype | str) -> TileConfig:
+    """The tiling the host wrappers launch `kernel` (one of KERNELS) with. Pure (no device, no compile):
+    another module can call it at config time and refuse a shape whose `shared_bytes` exceeds a target's
+    shared memory per block (A100 166,912 B, H100 232,448 B); `shared_memory_estimate` does that for all
+    the kernels one call launches. dtype: a torch dtype or "bf16" / "fp16" / "fp32" / "fp64".
+
+    Chosen from ahead-of-time compiles for sm_80 and sm_90 (Triton 3.9; scripts/compile_kernels.py):
+    16-bit inputs: 64-row tiles (wgmma on sm_90) up to DP 128; at DP 256 (head dim 192) 32 rows and
+    dK/dV programs of 32 keys (mma.sync; 64 rows spill). fp32/fp64 dots are IEEE FMA loops whose
+    operands live in registers: the smallest row tile (16), 8 warps (query-centric: 8 at DP 128, 16 at
+    DP 256), dK/dV programs of 32 keys from DP 128 on. No spills at head dims 64/128 in fp32 (bf16:
+    the block-centric forward at head dim 128 on sm_90 spills <= 20 B), and every kernel fits an A100's
+    shared memory at head dim 192. Pipeline stages: Triton's default 3 for the query-centric kernels,
+    1 for the row-loop kernels (stages 2-3 cost shared memory and registers; speed unmeasured)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"tile_config: unknown kernel {kernel!r}; one of {KERNELS}")
+    dtype = _DTYPES.get(dtype, dtype)
+    bits = torch.finfo(dtype).bits
+    wide = bits > 16  # fp32 / fp64: IEEE dots without tensor cores
+    BS, DP = _pow2(l_sel), _pow2(hd)
+    keys, stages = BS, 1
+    if kernel == "dkv_reduce":  # memory-bound sum of [BS, DP] partials in registers
+        return TileConfig(BS, BS, BS, DP, 4 if DP <= 64 else 8 if DP <= 128 else 16, 1, 0)
+    if kernel in ("fwd", "dq"):  # query-centric: rows are the group padded to 16
+        rows, stages = _pow2(G), 3
+        warps = (4 if DP <= 64 else 8 if DP <= 128 else 16) if wide else 4
+    elif kernel in ("block_fwd", "block_dq"):
+        if wide:
+            rows, warps = 16, 8
+        elif DP <= 128:
+            rows, warps = 64, (8 if kernel == "block_fwd" and DP == 128 else 4)
+        else:
+            rows, warps = 32, 8
+    elif wide:  # dkv: K, V and the dK, dV accumulators of BK keys stay resident for the whole tile
+        rows, warps, keys = 16, 8, (BS if DP <= 64 else min(BS, 32))
+    else:
+        rows, warps, keys = (64, 4 if DP <= 64 else 8, BS) if DP <= 128 else (32, 8, min(BS, 32))
+    return TileConfig(rows, keys, BS, DP, warps, stages, _shared_estimate(kernel, rows, keys, DP, bits))
+
+
+def _shared_estimate(kernel: str, rows: int, keys: int, DP: int, bits: int) -> int:
+    """Upper bound of the shared memory Triton 3.9 allocates (checked against the AOT table): the K and V
+    tiles, the row operands staged for the dots (Q; Q and dO), P as an operand where it is live beside
+    them, and for 16-bit inputs a [rows, DP] fp32 layout-conversion buffer (sm_90 MMA accumulators)."""
+    elt = bits // 8
+    row_operands, scores = {"fwd": (1, 1), "dq": (2, 0), "dkv": (2, 1), "block_fwd": (1, 1), "block_dq": (2, 0)}[kernel]
+    est = (2 * keys * DP + row_operands * rows * DP + scores * rows * keys) * elt
+    return est + (rows * DP * 4 if bits <= 16 else 0)
+
+
+def launched_kernels(G: int) -> tuple[str, ...]:
+    """The kernels selected_attention_fwd / _bwd launch for groups of G query heads (with SELECTION_PATH)."""
+    first = ("block_fwd", "block_dq") if use_block_centric(G) else ("fwd", "dq")
+    return (*first, "dkv", "dkv_reduce")
+
+
+def shared_memory_estimate(hd: int, l_sel: int, G: int, dtype: torch.dtype | str) -> int:
+    """The most shared memory (bytes) any kernel of the selection forward + backward needs at this shape:
+    refuse a configuration where this exceeds the target's per-block limit."""
+    return max(tile_config(k, hd, l_sel, G, dtype).shared_bytes for k in launched_kernels(G))
+
+
+def use_block_centric(G: int) -> bool:
+    """Forward and dQ path: block-centric for groups below 16 (SELECTION_PATH = "auto"), or forced."""
+    if SELECTION_PATH not in ("auto", "block", "query"):
+        raise ValueError(f"SELECTION_PATH = {SELECTION_PATH!r}; one of auto, block, query")
+    return SELECTION_PATH == "block" or (SELECTION_PATH == "auto" and G < BLOCK_CENTRIC_BELOW)
+
+
+# ---------------------------------------------------------------- host side
+def _meta(q: torch.Tensor, G: int, hd: int, l_sel: int) -> dict:
+    """Compile-time constants shared by the kernels: tile sizes, accumulator dtype, dot precision."""
+    f64 = q.dtype == torch.float64
+    return dict(
+        G=G, L_SEL=l_sel, HD=hd, BS=_pow2(l_sel), DP=_pow2(hd),
+        ACC=tl.float64 if f64 else tl.float32,
+        UPCAST=interpreter_active() and q.dtype in (torch.bfloat16, torch.float16),
+        PREC="ieee" if q.dtype in (torch.float32, torch.float64) or interpreter_active() else "tf32",
+    )
+
+
+def _launch(kernel: str, hd: int, l_sel: int, G: int, dtype: torch.dtype, rows: int | None = None) -> dict:
+    """Launch options and the row tile of a kernel (rows overrides the config's, e.g. BLOCK_ROWS)."""
+    cfg = tile_config(kernel, hd, l_sel, G, dtype)
+    out = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if kernel in ("dkv", "block_fwd", "block_dq"):
+        out["BM"] = _pow2(rows) if rows else cfg.rows
+    if kernel == "dkv":
+        out["BK"] = cfg.keys
+    return out
+
+
+def _check(q, k, v, block_idx, q_start: int):
+    B, H_kv, G, Tq, hd = q.shape
+    if k.shape[:2] != (B, H_kv) or k.shape[3] != hd or v.shape != k.shape:
+        raise ValueError(f"selected attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match")
+    if k.shape[2] < q_start + Tq:
+        raise ValueError(f"selected attention: {k.shape[2]} keys, but queries reach position {q_start + Tq - 1}")
+    if block_idx.shape[:3] != (B, H_kv, Tq):
+        raise ValueError(f"selected attention: block_idx {tuple(block_idx.shape)} does not match q {tuple(q.shape)}")
+    if q.device.type == "cpu" and not interpreter_active():
+        raise RuntimeError("the Triton selection kernels need a CUDA tensor, or TRITON_INTERPRET=1 set before triton is imported")
+
+
+def _slot_index(idx: torch.Tensor, Tk: int, l_sel: int, q_tile: int):
+    """The by-slot inverted index of the block-centric kernels: (queries, tile_seg, tile_start,
+    tile_count, n_blocks, tiles per slot)."""
+    B, H_kv, Tq, n = idx.shape
+    n_blocks = -(-Tk // l_sel)
+    queries, tile_seg, tile_start, tile_count, _, _ = inverted_index(idx.view(B * H_kv, Tq, n), n_blocks, q_tile, by_slot=True)
+    return queries, tile_seg, tile_start, tile_count, n_blocks, tile_seg.shape[0] // n
+
+
+def selected_attention_fwd(q, k, v, block_idx, q_start: int, l_sel: int, q_tile: int | None = None):
+    """q [B, H_kv, G, Tq, hd], k/v [B, H_kv, Tk, hd], block_idx [B, H_kv, Tq, n] (-1 = none).
+
+    Returns o [B, H_kv, G, Tq, hd] (q's dtype, contiguous) and lse [B, H_kv, G, Tq] (fp32; fp64 for fp64).
+    q_tile: queries per block-centric program (default Q_TILE, read at call time).
+    """
+    _check(q, k, v, block_idx, q_start)
+    B, H_kv, G, Tq, hd = q.shape
+    Tk, n = k.shape[2], block_idx.shape[-1]
+    idx = block_idx.to(torch.int32).contiguous()
+    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    o = torch.empty(B, H_kv, G, Tq, hd, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, H_kv, G, Tq, dtype=acc_dtype, device=q.device)
+    if Tq == 0:
+        return o, lse
+    meta = _meta(q, G, hd, l_sel)
+    scale = 1.0 / math.sqrt(hd)
+    if not use_block_centric(G):
+        _fwd_kernel[(Tq, B * H_kv)](
+            q, k, v, idx, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+            Tq, Tk, q_start, scale, H_KV=H_kv, N_SEL=n, GP=_pow2(G), **meta, **_launch("fwd", hd, l_sel, G, q.dtype),
+        )
+        return o, lse
+    queries, tile_seg, tile_start, tile_count, n_blocks, n_tiles = _slot_index(idx, Tk, l_sel, q_tile or Q_TILE)
+    o_acc = (o if o.dtype == acc_dtype else torch.empty(o.shape, dtype=acc_dtype, device=o.device)).zero_()
+    m = torch.full(lse.shape, -1.0e30, dtype=acc_dtype, device=q.device)
+    den = torch.zeros_like(lse)
+    lse.fill_(float("-inf"))
+    launch = _launch("block_fwd", hd, l_sel, G, q.dtype)
+    for slot in range(n):  # n launches in slot order: each updates a row at most once (deterministic)
+        block_fwd_kernel[(n_tiles,)](
+            q, k, v, queries, tile_seg, tile_start, tile_count, o_acc, m, den, lse,
+            *q.stride(), *k.stride(), *v.stride(), Tq, Tk, q_start, scale, n_blocks, slot, n_tiles,
+            H_KV=H_kv, **meta, **launch,
+        )
+    return o_acc.to(q.dtype), lse
+
+
+@torch.no_grad()
+def inverted_index(block_idx: torch.Tensor, n_blocks: int, kv_tile: int, by_slot: bool = False):
+    """Which queries selected each block, cut into tiles of at most kv_tile queries. Torch ops only,
+    static sizes (no host sync).
+
+    block_idx [BH, Tq, n] (-1 = none). Segments s = bh * n_blocks + block (S = BH * n_blocks of them);
+    by_slot: one set of segments per selection slot (the entries of slot 0 first, then slot 1, ...).
+    Returns
+      queries [BH*Tq*n] int32: query positions (0-based in the chunk) sorted by (slot if by_slot),
+        segment, position;
+      tile_seg, tile_start, tile_count [P * n_tiles] (P = n if by_slot else 1; part p's tiles are
+        p * n_tiles .. (p + 1) * n_tiles - 1): a tile's segment within its part (spare tiles: a valid
+        segment with count 0), its first entry in `queries`, its number of queries;
+      seg_tile_first, seg_tiles [P * S]: each segment's tiles are seg_tile_first .. + seg_tiles.
+    With C = BH*Tq*min(n, n_blocks) entries per part (BH*Tq by slot), n_tiles = C // kv_tile + min(S, C)
+    bounds sum_s ceil(count_s / kv_tile) over a part's segments.
+    """
+    BH, Tq, n = block_idx.shape
+    dev = block_idx.device
+    S = BH * n_blocks
+    P = n if by_slot else 1
+    seg = block_idx.long() + (torch.arange(BH, device=dev) * n_blocks).view(BH, 1, 1)
+    if by_slot:
+        seg = seg + (torch.arange(n, device=dev) * S).view(1, 1, n)
+    seg = torch.where(block_idx >= 0, seg, P * S).flatten()  # empty slots -> spare segment P*S (sorted last)
+    _, order = torch.sort(seg, stable=True)
+    queries = ((order // n) % Tq).to(torch.int32)
+    counts = torch.zeros(P * S + 1, dtype=torch.long, device=dev).index_add_(0, seg, torch.ones_like(seg))[:P * S]
+    seg_first = torch.cumsum(counts, 0) - counts
+    seg_tiles = (counts + kv_tile - 1) // kv_tile
+    per_part = BH * Tq * (1 if by_slot else min(n, n_blocks))
+    n_tiles = per_part // kv_tile + min(S, per_part)
+    tiles = seg_tiles.view(P, S)
+    used = tiles.sum(1, keepdim=True)  # [P, 1]
+    local_first = torch.cumsum(tiles, 1) - tiles  # [P, S]: first tile of a segment within its part
+    zero = counts.new_zeros(P, 1)
+    ext = torch.arange(P * (S + 1), device=dev)  # (part, segment or the part's spare column S)
+    tile_ext = torch.repeat_interleave(ext, torch.cat((tiles, n_tiles - used), 1).flatten(), output_size=P * n_tiles)
+    rank = torch.arange(P * n_tiles, device=dev) % n_tiles - torch.cat((local_first, used), 1).flatten()[tile_ext]
+    tile_start = torch.cat((seg_first.view(P, S), zero), 1).flatten()[tile_ext] + rank * kv_tile
+    tile_count = (torch.cat((counts.view(P, S), zero), 1).flatten()[tile_ext] - rank * kv_tile).clamp(0, kv_tile)
+    tile_seg = (tile_ext % (S + 1)).clamp_max(S - 1)
+    seg_tile_first = (local_first + torch.arange(P, device=dev).view(P, 1) * n_tiles).flatten()
+    return queries, tile_seg, tile_start, tile_count, seg_tile_first, seg_tiles
+
+
+def selected_attention_bwd(q, k, v, block_idx, o, lse, d_o, q_start: int, l_sel: int,
+                           kv_tile: int | None = None, block_rows: int | None = None, q_tile: int | None = None):
+    """Gradients (dq, dk, dv) of selected attention, shaped like q, k, v, in their dtypes.
+    kv_tile / block_rows / q_tile default to the module's KV_TILE / BLOCK_ROWS / Q_TILE (read at call
+    time; BLOCK_ROWS None: the dK/dV kernel's tile_config rows)."""
+    kv_tile, block_rows, q_tile = kv_tile or KV_TILE, block_rows or BLOCK_ROWS, q_tile or Q_TILE
+    B, H_kv, G, Tq, hd = q.shape
+    Tk, n = k.shape[2], block_idx.shape[-1]
+    acc_dtype = lse.dtype
+    idx = block_idx.to(torch.int32).contiguous()
+    delta = (d_o.to(acc_dtype) * o.to(acc_dtype)).sum(-1).contiguous()  # [B, H_kv, G, Tq]
+    meta = _meta(q, G, hd, l_sel)
+    scale = 1.0 / math.sqrt(hd)
+    dk = torch.empty(B, H_kv, Tk, hd, dtype=k.dtype, device=k.device)
+    dv = torch.empty(B, H_kv, Tk, hd, dtype=v.dtype, device=v.device)
+    if Tq == 0:
+        return torch.zeros_like(q), dk.zero_(), dv.zero_()
+    common = (*q.stride(), *k.stride(), *v.stride(), *d_o.stride())
+    if use_block_centric(G):
+        queries, tile_seg, tile_start, tile_count, n_blocks_q, n_tiles_q = _slot_index(idx, Tk, l_sel, q_tile)
+        dq_acc = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
+        launch = _launch("block_dq", hd, l_sel, G, q.dtype)
+        for slot in range(n):  # slot order: dQ sums its n terms in a fixed order (deterministic)
+            block_dq_kernel[(n_tiles_q,)](
+                q, k, v, d_o, lse, delta, queries, tile_seg, tile_start, tile_count, dq_acc, *common,
+                Tq, Tk, q_start, scale, n_blocks_q, slot, n_tiles_q, H_KV=H_kv, **meta, **launch,
+            )
+        dq = dq_acc.to(q.dtype)
+    else:
+        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        _dq_kernel[(Tq, B * H_kv)](
+            q, k, v, idx, d_o, lse, delta, dq, *common, *dq.stride(),
+            Tq, Tk, q_start, scale, H_KV=H_kv, N_SEL=n, GP=_pow2(G), **meta, **_launch("dq", hd, l_sel, G, q.dtype),
+        )
+    n_blocks = -(-Tk // l_sel)
+    queries, tile_seg, tile_start, tile_count, seg_tile_first, seg_tiles = inverted_index(
+        idx.view(B * H_kv, Tq, n), n_blocks, kv_tile
+    )
+    n_tiles = tile_seg.shape[0]
+    dkp = torch.empty(n_tiles, l_sel, hd, dtype=acc_dtype, device=q.device)
+    dvp = torch.empty(n_tiles, l_sel, hd, dtype=acc_dtype, device=q.device)
+    dkv = _launch("dkv", hd, l_sel, G, q.dtype, block_rows)
+    _dkv_kernel[(n_tiles, meta["BS"] // dkv["BK"])](
+        q, k, v, d_o, lse, delta, queries, tile_seg, tile_start, tile_count, dkp, dvp, *common,
+        Tq, Tk, q_start, scale, n_blocks, H_KV=H_kv, **meta, **dkv,
+    )
+    _dkv_reduce_kernel[(B * H_kv * n_blocks,)](
+        dkp, dvp, seg_tile_first, seg_tiles, dk, dv, Tk, n_blocks,
+        L_SEL=l_sel, HD=hd, BS=meta["BS"], DP=meta["DP"], ACC=meta["ACC"], **_launch("dkv_reduce", hd, l_sel, G, q.dtype),
+    )
+    return dq, dk, dv
+
+
+class TritonSelectedAttention(torch.autograd.Function):
+    """Saves q, k, v, the int32 block indices, O and LSE; backward recomputes P from them."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, block_idx, q_start: int, l_sel: int, kv_tile: int | None):
+        o, lse = selected_attention_fwd(q, k, v, block_idx, q_start, l_sel)
+        ctx.save_for_backward(q, k, v, block_idx.to(torch.int32), o, lse)
+        ctx.q_start, ctx.l_sel, ctx.kv_tile = q_start, l_sel, kv_tile
+        return o
+
+    @staticmethod
+    def backward(ctx, d_o):
+        q, k, v, idx, o, lse = ctx.saved_tensors
+        dq, dk, dv = selected_attention_bwd(q, k, v, idx, o, lse, d_o, ctx.q_start, ctx.l_sel, ctx.kv_tile)
+        return dq, dk, dv, None, None, None, None
+
+
+def triton_selected_attention(
+    q: torch.Tensor,  # [B, H_kv, G, Tq, hd] queries at positions q_start ..
+    k: torch.Tensor,  # [B, H_kv, Tk, hd] selection keys at positions 0 .. Tk-1 (Tk >= q_start + Tq)
+    v: torch.Tensor,  # [B, H_kv, Tk, hd]
+    block_idx: torch.Tensor,  # [B, H_kv, Tq, n] from select_blocks, -1 = none
+    q_start: int,
+    l_sel: int,
+    tile: int | None = None,  # unused (the torch path's tile size); same signature as selected_attention
+    kv_tile: int | None = None,  # queries per dK/dV program; None: KV_TILE
+) -> torch.Tensor:  # [B, H_kv, G, Tq, hd]
+    """Drop-in for nsa.attention.ops.selected_attention, differentiable in q, k, v."""
+    dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)  # autocast may mix them
+    return TritonSelectedAttention.apply(q.to(dtype), k.to(dtype), v.to(dtype), block_idx, q_start, l_sel, kv_tile)

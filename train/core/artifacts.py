@@ -1,0 +1,138 @@
+"""What a run writes, by name: the one place for its file names, patterns, columns, record kinds and keys,
+and the readers every tool uses (trainer, monitor, handoff, post-run, analyze, the bash runbooks).
+
+Standard library only: the monitor and the bash helpers run it without torch. docs/ARTIFACTS.md
+describes each name below; tests/tools/test_artifacts_schema.py keeps the two in step, and
+`python -m train.artifacts ...` answers the bash runbooks.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import re
+from pathlib import Path
+
+# ---- the trainer's out_dir ------------------------------------------------------------------------
+CONFIG_YAML = "config.yaml"  # the effective config (loads again with python -m train)
+TRAIN_CSV = "training.csv"  # one row per log interval
+VAL_CSV = "val.csv"  # one row per evaluation
+SUPERSEDED = ".superseded"  # suffix: CSV rows logged after the step a resume restarted from
+METRICS_JSON = "metrics.json"  # the run's status, rewritten at start, each log interval and end
+RUN_SUMMARY_GLOB = "run_*.json"  # run_YYYYMMDD_HHMMSS.json: config, hardware, per-interval metrics, summary
+RUN_SUMMARY_NAME = "run_{stamp}.json"  # stamp: time.strftime("%Y%m%d_%H%M%S") of the run's start
+HEARTBEAT_NAME = "heartbeat_rank{rank}.jsonl"  # one JSON record per line, every rank
+HEARTBEAT_GLOB = "heartbeat_rank*.jsonl"
+TB_DIR = "tb"  # TensorBoard events (rank 0)
+SAMPLES_JSONL = "samples.jsonl"  # train.sample_every: generated samples
+EVAL_JSON_GLOB = "eval_*.json"  # eval_step{N}.json (train.eval_only), eval_<name>.json (python -m train.evaluate)
+POSTRUN_JSON = "postrun.json"
+CHECKPOINT_NAME = "checkpoint_step{step}.pt"
+CHECKPOINT_RE = re.compile(r"^checkpoint_step(\d+)\.pt$")
+LATEST = "latest.pt"  # symlink to the newest valid checkpoint
+HALT = ".HALT"  # an operator's graceful-stop request
+ANOMALY = ".anomaly_type"  # written when the run halts on an anomaly (exit 3)
+LOCK = ".lock"  # flock of the one trainer that owns the out_dir
+STACKDUMP_NAME = "stackdump_rank{rank}_{pid}{suffix}.txt"  # suffix "" (SIGUSR1) or "_watchdog"
+STACKDUMP_GLOB = "stackdump_*.txt"
+SUPERSEDED_DIR, CORRUPT_DIR, ATTEMPTS_DIR = "superseded", "corrupt", "attempts"  # moved aside, never deleted
+
+TRAIN_FIELDS = ["step", "loss", "lr", "toks_per_s", "grad_norm", "dt_step_s", "dt_fetch_s", "tokens_seen",
+                "skipped_steps", "mfu", "tflops", "toks_per_s_per_gpu", "mem_alloc_mib", "mem_reserved_mib",
+                "interval_steps"]  # steps averaged in the row: < train.log_every marks a partial interval (a stop, a resume)
+VAL_FIELDS = ["step", "val_loss", "ppl"]
+
+# heartbeat record kinds (field "kind"); every record also has ts, time, rank, step
+HEARTBEAT_KINDS = ("start", "train", "eval", "eval_only", "checkpoint", "alert", "anomaly", "end", "watchdog",
+                   "stackdump", "profile", "sdpa_audit")
+# NSA statistics a 'train' record carries (nsa/attention/gate_stats.py computes them under these names)
+GATE_STATS = ("gate_entropy_mean", "gate_entropy_min", "gate_max_mean", "gate_collapse_frac", "gate_saturated_frac",
+              "gate_share_cmp", "gate_share_sel", "gate_share_win")
+SELECTION_STATS = ("sel_free_frac", "sel_distance_mean", "sel_free_distance_mean")
+
+METRICS_FIELDS = ("status", "step", "steps", "tokens_seen", "last_loss", "last_toks_per_s", "best_val_loss",
+                  "last_val_loss", "skipped_steps", "params", "params_non_embedding", "flops", "device", "world_size",
+                  "precision", "torch", "python", "git_sha", "started", "updated", "checkpoints", "data", "stop_reason")
+CRASH_FIELDS = ("exit_code", "crashed_at_step")  # added when a launcher records a crash (train/run_status.py)
+CRASHED = "crashed"  # the trainer died without a word (a signal, the OOM killer); train/run_status.py says so
+ENDED_STATUSES = ("finished", "stopped", "anomaly", CRASHED)
+STATUSES = ("running",) + ENDED_STATUSES
+
+# ---- the runbooks' run dir (ARTIFACTS_DIR/train_runs/<name>_<timestamp>/) ---------------------------
+RUN_INFO = "run.info"  # 'key: value' lines; a resumed launch appends
+RUN_DIR_FILES = ("run.info", "launch_info.txt", "smoke.log", "train.log", "preflight.log", "causality.log")
+
+
+def checkpoint_name(step: int) -> str:
+    return CHECKPOINT_NAME.format(step=step)
+
+
+def heartbeat_name(rank: int) -> str:
+    return HEARTBEAT_NAME.format(rank=rank)
+
+
+def checkpoint_files(out_dir: Path) -> list[tuple[int, Path]]:
+    """Files named like checkpoints in out_dir, oldest first (validity is train/checkpoint.py's business)."""
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        return []
+    return sorted((int(m.group(1)), p) for p in out_dir.iterdir() if (m := CHECKPOINT_RE.match(p.name)))
+
+
+# ---- readers ----------------------------------------------------------------------------------------
+def read_kv(path: Path) -> dict[str, str]:
+    """run.info / launch_info.txt 'key: value' lines -> dict; '#' lines skipped; a repeated key keeps its last value."""
+    out: dict[str, str] = {}
+    path = Path(path)
+    if not path.is_file():
+        return out
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        if not line.startswith("#") and ": " in line:
+            key, value = line.split(": ", 1)
+            out[key.strip()] = value.strip()
+    return out
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    """training.csv / val.csv rows (as text); rows without a numeric step (a torn last line) are skipped."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    with open(path, newline="", encoding="utf-8") as f:
+        return [r for r in csv.DictReader(f) if (r.get("step") or "").isdigit()]
+
+
+def read_heartbeat(path: Path) -> list[dict]:
+    """Records of one heartbeat file; a torn or foreign line is skipped."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
+def read_metrics(out_dir: Path) -> dict:
+    try:
+        data = json.loads((Path(out_dir) / METRICS_JSON).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def nsa_statistics(record: dict) -> dict[str, float]:
+    """The gate and selection statistics a heartbeat 'train' record carries, by their names above."""
+    out = {}
+    for key in GATE_STATS + SELECTION_STATS:
+        value = record.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = float(value)
+    return out
+
+
+# ---- for the bash runbooks ------------------------------------------------------------------------

@@ -1,0 +1,87 @@
+"""DataConfig: the `data:` section of a run config (YAML / `--data.key=value`).
+
+Fields are simple types only: the trainer's loader coerces CLI strings by annotation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from train.core.errors import DataError
+
+SOURCE_KINDS = ("synthetic", "bin", "fineweb_edu", "text", "jsonl", "parquet", "hf")
+TEXT_SAMPLE_BY = ("document", "paragraph", "line")
+
+
+@dataclass
+class DataConfig:
+    # where documents come from: synthetic | bin:DIR | fineweb_edu | text:GLOB | jsonl:GLOB | parquet:GLOB | hf:NAME
+    source: str = "synthetic"
+    # gpt2 | byte | hf:<local dir or cached hub name>
+    tokenizer: str = "gpt2"
+    # Hugging Face dataset config name (fineweb_edu: defaults to sample-10BT)
+    subset: str | None = None
+    # Hugging Face split read for training (stream sources)
+    split: str = "train"
+    # column holding the document text (jsonl / parquet / hf)
+    text_field: str = "text"
+    # text:GLOB documents: a whole file (document), blank-line separated paragraphs, or lines
+    text_sample_by: str = "document"
+    # stream sources: share of documents held out for validation, chosen by a hash of their text
+    val_fraction: float = 0.005
+    # optional separate validation source (same syntax as `source`); when set, nothing is hashed out
+    val_source: str | None = None
+    # salt of the held-out hash; changing it changes which documents are held out
+    split_seed: int = 0
+    # DataLoader worker processes per rank for stream sources (0 = tokenize in the training process)
+    num_workers: int = 0
+    # pin batches when the trainer asks for it (build_data(pin=True)) and CUDA is present
+    pin_memory: bool = True
+    # keep DataLoader workers alive between iterations
+    persistent_workers: bool = True
+    # batches each worker prepares ahead
+    prefetch_factor: int = 2
+    # documents tokenized together in one encode_batch call
+    tokenize_batch_docs: int = 64
+    # on an unreachable / stalled stream, warn and train on synthetic data instead of failing
+    synthetic_on_fail: bool = False
+    # seconds allowed for the first training batch of a stream source
+    first_batch_timeout_s: float = 120.0
+
+    @property
+    def source_kind(self) -> str:
+        return self.source.split(":", 1)[0]
+
+    def validate(self) -> None:
+        _check_source("data.source", self.source)
+        if self.val_source is not None:
+            _check_source("data.val_source", self.val_source)
+            if self.val_source.split(":", 1)[0] in ("synthetic", "bin"):
+                raise DataError(f"data.val_source must be a stream source (text:/jsonl:/parquet:/hf:/fineweb_edu), got {self.val_source!r}")
+        tok = self.tokenizer
+        if not (tok in ("gpt2", "byte") or (tok.startswith("hf:") and len(tok) > 3)):
+            raise DataError(f"data.tokenizer must be gpt2, byte or hf:<dir>, got {tok!r}")
+        if self.text_sample_by not in TEXT_SAMPLE_BY:
+            raise DataError(f"data.text_sample_by must be one of {', '.join(TEXT_SAMPLE_BY)}, got {self.text_sample_by!r}")
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise DataError(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
+        if self.num_workers < 0:
+            raise DataError(f"data.num_workers must be >= 0, got {self.num_workers}")
+        if self.prefetch_factor < 1:
+            raise DataError(f"data.prefetch_factor must be >= 1, got {self.prefetch_factor}")
+        if self.tokenize_batch_docs < 1:
+            raise DataError(f"data.tokenize_batch_docs must be >= 1, got {self.tokenize_batch_docs}")
+        if not self.first_batch_timeout_s > 0:
+            raise DataError(f"data.first_batch_timeout_s must be > 0, got {self.first_batch_timeout_s}")
+        if not self.text_field:
+            raise DataError("data.text_field must not be empty")
+
+
+def _check_source(key: str, source: str) -> None:
+    kind, _, arg = source.partition(":")
+    if kind not in SOURCE_KINDS:
+        raise DataError(f"{key}={source!r}: unknown source kind {kind!r} (expected one of: synthetic, bin:DIR, fineweb_edu, text:GLOB, jsonl:GLOB, parquet:GLOB, hf:NAME)")
+    needs_arg = kind in ("bin", "text", "jsonl", "parquet", "hf")
+    if needs_arg and not arg:
+        raise DataError(f"{key}={source!r}: {kind} needs an argument, e.g. {kind}:{'DIR' if kind == 'bin' else 'NAME' if kind == 'hf' else 'data/*.' + kind}")
+    if not needs_arg and arg:
+        raise DataError(f"{key}={source!r}: {kind} takes no argument")

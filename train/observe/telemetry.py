@@ -1,0 +1,144 @@
+"""File writers of the run artefacts: CSV (training.csv, val.csv), JSON lines (heartbeat_rank{R}.jsonl),
+TensorBoard events (tb/), atomic JSON (metrics.json, run_*.json, eval results).
+
+Which row goes to which file is train/sinks.py's business; schemas are documented in docs/ARTIFACTS.md.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import threading
+import time
+from pathlib import Path
+
+from train.core.artifacts import SUPERSEDED
+
+
+def _fmt(v):
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return v
+
+
+class CsvLog:
+    """Append-only CSV with a header. On resume, rows logged after the checkpoint step are moved to
+    `<name>.superseded` (kept, not lost) so the live file has each step once."""
+
+    def __init__(self, path: Path, fields: list[str], resume_step: int | None):
+        self.path, self.fields = path, fields
+        if resume_step is not None and path.exists():
+            self._truncate_after(resume_step)
+        if path.exists() and path.stat().st_size and self._header() != fields:  # written by an older version
+            self._rewrite(self._rows())
+        new = not path.exists() or path.stat().st_size == 0
+        self._f = open(path, "a", newline="")
+        self._w = csv.DictWriter(self._f, fieldnames=fields, extrasaction="ignore")
+        if new:
+            self._w.writeheader()
+            self._f.flush()
+
+    def _header(self) -> list[str]:
+        with open(self.path, newline="") as f:
+            return next(csv.reader(f), [])
+
+    def _rows(self) -> list[dict]:
+        with open(self.path, newline="") as f:
+            return list(csv.DictReader(f))
+
+    def _truncate_after(self, step: int) -> None:
+        rows = self._rows()
+        keep = [r for r in rows if r.get("step", "").isdigit() and int(r["step"]) <= step]
+        later = [r for r in rows if r not in keep]
+        if not later:
+            return
+        with open(self.path.with_name(self.path.name + SUPERSEDED), "a", newline="") as f:
+            csv.DictWriter(f, fieldnames=self.fields, extrasaction="ignore").writerows(later)
+        self._rewrite(keep)
+
+    def _rewrite(self, keep: list[dict]) -> None:
+        """The file again with this log's header and `keep` (a column it lacked stays empty), atomically."""
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        with open(tmp, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=self.fields, extrasaction="ignore")
+            w.writeheader()
+            w.writerows(keep)
+        os.replace(tmp, self.path)
+
+    def write(self, row: dict) -> None:
+        self._w.writerow({k: _fmt(v) for k, v in row.items()})
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class Heartbeat:
+    """One JSON object per line: ts (unix s), time (ISO), rank, step, kind, plus kind-specific fields."""
+
+    def __init__(self, path: Path, rank: int):
+        self.rank = rank
+        self._f = open(path, "a")
+        self._lock = threading.Lock()  # the watchdog thread emits too
+
+    def emit(self, kind: str, step: int, **fields) -> None:
+        now = time.time()
+        record = {"ts": round(now, 3), "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(now)),
+                  "rank": self.rank, "step": step, "kind": kind}
+        record.update({k: _json_safe(v) for k, v in fields.items()})
+        with self._lock:
+            self._f.write(json.dumps(record) + "\n")
+            self._f.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            self._f.close()
+
+
+def _json_safe(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)  # "nan" / "inf": strict JSON has no NaN
+    return v
+
+
+class TensorBoard:
+    """Scalars (and sample text) under tb/ (rank 0). A missing tensorboard package disables it with a warning line."""
+
+    def __init__(self, log_dir: Path | None):
+        self._w = None
+        if log_dir is None:
+            return
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            print("[telemetry] tensorboard not installed: tb/ disabled", flush=True)
+            return
+        self._w = SummaryWriter(log_dir=str(log_dir))
+
+    def scalars(self, step: int, values: dict[str, float | None]) -> None:
+        if self._w is None:
+            return
+        for name, v in values.items():
+            if v is not None and isinstance(v, (int, float)) and math.isfinite(v):
+                self._w.add_scalar(name, v, step)
+        self._w.flush()
+
+    def text(self, step: int, tag: str, text: str) -> None:
+        """Markdown text under `tag` (alerts, generated samples)."""
+        if self._w is None:
+            return
+        self._w.add_text(tag, text, step)
+        self._w.flush()
+
+    def close(self) -> None:
+        if self._w is not None:
+            self._w.close()
+
+
+def write_json_atomic(path: Path, obj: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=str))
+    os.replace(tmp, path)

@@ -1,0 +1,231 @@
+"""Builds a run: claims the out_dir, builds model, optimizer and data, restores a checkpoint to resume from;
+`Run.save()` writes the next one. What is logged and when is the runner's business (train/runner.py)."""
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+from nsa.model import Transformer
+from nsa.profiling import set_nvtx, set_sdpa_audit
+from train.checkpoint import io as ckpt_io
+from train.checkpoint.run_dir import OutDirBusy, OutDirLock, apply_start, drop_if_only_lock, plan_start
+from train.checkpoint.state_dicts import gather_states, load_states
+from train.checkpoint.train_state import TrainState
+from train.core.artifacts import CONFIG_YAML
+from train.core.config import RunConfig, dump_config
+from train.core.distributed import (
+    DistInfo,
+    barrier,
+    broadcast_from_main,
+    gather_objects,
+    init_distributed,
+    resolve_precision,
+    wrap_model,
+)
+from train.core.errors import CheckpointError, ConfigError, UserError
+from train.data import build_data
+from train.hf.importer import init_state_dict
+from train.observe.efficiency import Efficiency
+from train.trainer.optim import build_optimizer
+from train.trainer.safety import stale_halt_message
+from train.trainer.start_checks import BATCH_KEYS, resume_checks
+
+
+def claim_out_dir(cfg: RunConfig, info: DistInfo) -> tuple[Path, OutDirLock | None, Path | None]:
+    """Rank 0 creates out_dir, takes its lock, refuses a stale .HALT and decides what to resume
+    (sorting old files aside, train/run_dir.py); every rank gets the same answer or the same error."""
+    out = Path(cfg.train.out_dir)
+    lock, answer, error = None, None, None
+    if info.is_main:
+        try:
+            _check_writable(out)
+            lock = OutDirLock(out)
+            lock.acquire()
+            if not cfg.train.eval_only and (halt := stale_halt_message(out)):
+                raise ConfigError(halt)
+            plan = plan_start(out, cfg.train.resume, eval_only=cfg.train.eval_only)
+            apply_start(out, plan, eval_only=cfg.train.eval_only)
+            for note in plan.notes:
+                print(note, file=sys.stderr, flush=True)
+            answer = ("ok", str(plan.resume) if plan.resume else None)
+        except UserError as exc:
+            error, answer = exc, ("error", type(exc).__name__, str(exc))
+    answer = broadcast_from_main(answer, info)
+    if answer[0] == "error":
+        if lock is not None:
+            lock.release()
+        raise error if error is not None else _USER_ERRORS.get(answer[1], UserError)(answer[2])
+    return out, lock, Path(answer[1]) if answer[1] else None
+
+
+_USER_ERRORS = {cls.__name__: cls for cls in (ConfigError, CheckpointError, OutDirBusy, UserError)}
+
+
+def _check_writable(out: Path) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write_probe{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"out_dir {out} is not writable: {exc.strerror or exc}") from None
+
+
+class Run:
+    """What one training process holds: cfg, info (rank, device), out_dir and its lock, state (TrainState),
+    raw_model (the Transformer), model (what trains: DDP / FSDP / compiled), optimizer, data (DataBundle),
+    efficiency (FLOPs report, MFU), resume_path / resumed, lineage, started (unix time)."""
+
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        self.info: DistInfo = init_distributed(cfg.runtime)
+        self.is_main = self.info.is_main
+        if cfg.runtime.threads and self.info.device.type == "cpu":
+            torch.set_num_threads(cfg.runtime.threads)
+        existed = Path(cfg.train.out_dir).exists()
+        self.out_dir, self.lock, self.resume_path = claim_out_dir(cfg, self.info)
+        try:
+            self._build(cfg)
+        except BaseException:
+            if self.lock is not None:  # a failed start leaves the out_dir free at once, in-process too
+                self.lock.release()
+                if not existed:  # and a directory it created for nothing goes again
+                    drop_if_only_lock(self.out_dir)
+            raise
+
+    def _build(self, cfg: RunConfig) -> None:
+        self.amp_dtype = resolve_precision(cfg.runtime.precision, self.info.device)
+        set_nvtx(cfg.runtime.nvtx)
+        set_sdpa_audit(cfg.runtime.sdpa_audit)
+        self.state = TrainState()
+        self.started = time.time()
+
+        torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
+        self.raw_model = Transformer(cfg.model).to(self.info.device)
+        self._check_kernels_fit()
+        if cfg.train.init_from:
+            self._init_weights(cfg.train.init_from)
+        self.raw_model.checkpoint_every = cfg.runtime.gradient_checkpointing
+        self._note_single_process_options()
+        fsdp = cfg.runtime.fsdp and self.info.enabled
+        if fsdp:  # shard before the optimizer sees the parameters
+            wrap_model(self.raw_model, self.info, cfg.runtime, self.amp_dtype)
+        self.optimizer = build_optimizer(self.raw_model, cfg.train, self.info.device.type,
+                                         zero1=cfg.runtime.zero1 and self.info.enabled)
+        # memory-mapped: tensors are read from the file while copied in, never held twice
+        ckpt = ckpt_io.load_checkpoint(self.resume_path) if self.resume_path else None
+        self.resumed = ckpt is not None
+        if self.resumed:  # the launch's start checks (train/start_checks.py); may re-split the global batch
+            for note in resume_checks(cfg, ckpt, self.resume_path, self.info.world_size):
+                if self.is_main:
+                    print(note, flush=True)
+        self.lineage = (ckpt or {}).get("lineage") or uuid.uuid4().hex
+        if self.resumed:
+            self._restore_weights(ckpt)
+        torch.manual_seed(cfg.train.seed + 1000 * self.info.rank)  # dropout streams differ per rank
+        self.data = build_data(
+            cfg.data, seq_len=cfg.train.seq_len, batch_size=cfg.train.batch_size, vocab_size=cfg.model.vocab_size,
+            seed=cfg.train.seed, rank=self.info.rank, world_size=self.info.world_size,
+            accumulate=cfg.train.accumulate_grad_batches, pin=self.info.device.type == "cuda",
+        )
+        if self.resumed:
+            self._restore_progress(ckpt)
+        del ckpt  # the mapping of the file is dropped; the state lives in the model now
+        model = self.raw_model if fsdp else wrap_model(self.raw_model, self.info, cfg.runtime, self.amp_dtype)
+        self.model = self._compile(model)
+        self.efficiency = Efficiency(cfg.model, cfg.train.seq_len, self.info.device, self.amp_dtype,
+                                     self.info.world_size)
+        if self.is_main and not cfg.train.eval_only:
+            (self.out_dir / CONFIG_YAML).write_text(dump_config(cfg))
+
+    def _compile(self, model):
+        rt = self.cfg.runtime
+        if not rt.compile:
+            return model
+        if rt.cuda_graphs and self.info.device.type != "cuda":
+            print("note: runtime.cuda_graphs needs CUDA; compiling without CUDA graphs", flush=True)
+        mode = "reduce-overhead" if rt.cuda_graphs and self.info.device.type == "cuda" else None
+        return torch.compile(model, mode=mode)
+
+    def _init_weights(self, spec: str) -> None:
+        """train.init_from: a fresh start loads these weights (the same file on every rank); a resume ignores it."""
+        if self.resume_path is not None:
+            if self.is_main:
+                print(f"note: train.init_from={spec} ignored: resuming from {self.resume_path}", flush=True)
+            return
+        self.raw_model.load_state_dict(init_state_dict(spec, self.cfg.model))
+        if self.is_main:
+            print(f"init: weights from {spec}", flush=True)
+
+    def _check_kernels_fit(self) -> None:
+        """Refuse, before any launch, NSA kernels that cannot fit this GPU's shared memory."""
+        if self.info.device.type != "cuda":
+            return
+        from nsa.attention.ops import kernel_fit_problem
+
+        limit = torch.cuda.get_device_properties(self.info.device).shared_memory_per_block_optin
+        problem = kernel_fit_problem(self.cfg.model, self.amp_dtype or torch.float32, limit)
+        if problem:
+            raise ConfigError(problem)
+
+    def _note_single_process_options(self) -> None:
+        rt = self.cfg.runtime
+        if not self.info.enabled and self.is_main and (rt.zero1 or rt.fsdp or rt.ddp_compress != "none"):
+            print("note: zero1 / fsdp / ddp_compress apply to multi-process runs; this run has one process",
+                  flush=True)
+
+    # ---- resume ------------------------------------------------------------------------------
+    def _restore_weights(self, ck: dict) -> None:
+        try:
+            load_states(self.raw_model, self.optimizer, ck["model"], ck["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as exc:
+            raise CheckpointError(f"checkpoint {self.resume_path} does not fit the model: {str(exc).splitlines()[0]}") from None
+
+    def _restore_progress(self, ck: dict) -> None:
+        self.state.step = int(ck["step"])
+        self.state.tokens_seen = int(ck.get("tokens_seen", 0))
+        self.state.best_val_loss = float(ck.get("best_val_loss", math.inf))
+        self.state.skipped_steps = int(ck.get("skipped_steps", 0))
+        data_states = ck.get("data") or []
+        if data_states and not self.cfg.train.eval_only:  # evaluation reads held-out data only
+            if getattr(self.data.train, "any_world_size", False):  # a function of the global step: any world size
+                state = data_states[0]
+                if any(key in self.cfg.overrides for key in BATCH_KEYS):
+                    state = {**state, "global_batch": self.data.train.global_batch}  # a new global batch, by choice
+                self.data.train.load_state_dict(state)
+            else:  # same world size and workers: resume_checks refused any other
+                self.data.train.load_state_dict(data_states[self.info.rank])
+        rng = ck["rng"]
+        ranks_rng = ck.get("rng_per_rank")
+        ckpt_io.set_rng_state(ranks_rng[self.info.rank] if ranks_rng and len(ranks_rng) > self.info.rank else rng)
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    def save(self) -> Path | None:
+        """Collective: every rank's data position and RNG state, rank 0 writes the file (its path; None elsewhere)."""
+        data_states = gather_objects(self.data.train.state_dict(), self.info)
+        rng_states = gather_objects(ckpt_io.rng_state(), self.info)
+        model_state, optim_state = gather_states(self.raw_model, self.optimizer, self.is_main)
+        path = None
+        if self.is_main:
+            state = {
+                "model": model_state, "optimizer": optim_state,
+                "tokens_seen": self.state.tokens_seen, "best_val_loss": self.state.best_val_loss,
+                "skipped_steps": self.state.skipped_steps, "data": data_states, "rng_per_rank": rng_states,
+                "config": self.cfg.to_dict(), "world_size": self.info.world_size, "lineage": self.lineage,
+            }
+            protect = (self.resume_path,) if self.resume_path else ()
+            path = ckpt_io.save_checkpoint(self.out_dir, self.state.step, state, self.cfg.train.keep_last,
+                                           self.cfg.train.keep_all_checkpoints, protect=protect)
+        barrier(self.info)
+        return path
+
+    def close(self) -> None:
+        self.data.close()
+        if self.lock is not None:
+            self.lock.release()

@@ -1,0 +1,156 @@
+"""The training loop: fetch, forward, backward, clip, step; one row per log interval, one per evaluation.
+
+Host syncs on CUDA: none per step. Loss, gradient norm and skipped-step counts stay on the device
+and are read once per log interval (one `.tolist()`, plus one for NSA gate statistics); a non-finite
+step is skipped on-device by the fused optimizer's `found_inf` input.
+
+The loop returns plain rows and writes nothing: the runner (train/runner.py) hands them to the sinks
+(train/sinks.py). A `log()` row is a training.csv row, plus the NSA gate and selection statistics
+(`gate_*`, `sel_*`, nsa/attention/gate_stats.py) for NSA models.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.nn as nn
+
+from nsa.gate_health import gate_health, set_gate_stats
+from nsa.profiling import nvtx_range
+from train.checkpoint.train_state import TrainState
+from train.core.config import TrainConfig
+from train.core.distributed import DistInfo, all_reduce_mean, autocast_context, no_sync
+from train.observe.efficiency import Efficiency
+from train.trainer.clock import TrainingClock
+from train.trainer.optim import lr_at, set_lr, step_unless_nonfinite
+
+
+class GateStats:
+    """The loop's stats callback for NSA models: gate health of a log interval's last step."""
+
+    def __init__(self, raw_model: nn.Module):
+        self.model = raw_model
+
+    def record(self, enabled: bool) -> None:
+        set_gate_stats(self.model, enabled)
+
+    def read(self) -> dict[str, float]:
+        """The recorded statistics (one host sync), then recording off."""
+        stats = gate_health(self.model)  # name -> 0-dim device tensor, aggregated over layers
+        self.record(False)
+        if not stats:
+            return {}
+        values = torch.stack([v.float() for v in stats.values()]).tolist()  # [n_stats]
+        return dict(zip(stats, values))
+
+
+class Loop:
+    def __init__(self, *, model: nn.Module, raw_model: nn.Module, optimizer: torch.optim.Optimizer, data,
+                 state: TrainState, cfg: TrainConfig, info: DistInfo, amp_dtype: torch.dtype, clock: TrainingClock,
+                 efficiency: Efficiency, gate_stats: GateStats | None = None):
+        """model: what trains (DDP / FSDP / compiled wrapper); raw_model: the Transformer itself (clipping,
+        evaluation); data: train/data/build.py's DataBundle; gate_stats: NSA models only."""
+        self.model, self.raw_model, self.opt = model, raw_model, optimizer
+        self.data, self.state, self.cfg = data, state, cfg
+        self.info, self.device, self.amp_dtype = info, info.device, amp_dtype
+        self.clock, self.efficiency, self.gate_stats = clock, efficiency, gate_stats
+        self.params = [p for p in raw_model.parameters() if p.requires_grad]
+        self.tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.accumulate_grad_batches * info.world_size
+        self.scaler = torch.amp.GradScaler("cuda") if amp_dtype == torch.float16 else None
+        self._reset_interval()
+
+    # ---- one optimizer step -------------------------------------------------------------
+    def _reset_interval(self) -> None:
+        zero = lambda: torch.zeros((), device=self.device)  # noqa: E731
+        self.i_loss, self.i_ok, self.i_skipped, self.i_norm = zero(), zero(), zero(), zero()  # 0-dim, on device
+        self.i_fetch_s, self.i_steps = 0.0, 0
+
+    def step(self, collect_stats: bool) -> None:
+        """One optimizer step over train.accumulate_grad_batches micro-batches. collect_stats: record NSA
+        gate statistics on the last micro-batch (the step that ends a log interval)."""
+        cfg = self.cfg
+        set_lr(self.opt, lr_at(self.state.step, cfg))
+        loss_sum = torch.zeros((), device=self.device)
+        n_micro = cfg.accumulate_grad_batches
+        for micro in range(n_micro):
+            t0 = time.perf_counter()
+            with nvtx_range("fetch"):
+                x, y = self.data.train.next_batch()  # [B, T] int64 each; y = x shifted by one token
+                x = x.to(self.device, non_blocking=True)
+                y = y.to(self.device, non_blocking=True)
+            self.i_fetch_s += time.perf_counter() - t0
+            last = micro == n_micro - 1
+            if collect_stats and last and self.gate_stats is not None:
+                self.gate_stats.record(True)
+            with no_sync(self.model, skip_sync=not last):
+                with autocast_context(self.device, self.amp_dtype), nvtx_range("forward"):
+                    loss = self.model(x, y)  # 0-dim mean cross-entropy (nsa/model.py)
+                scaled = loss / n_micro
+                with nvtx_range("backward"):
+                    (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+            loss_sum += loss.detach()
+        with nvtx_range("optimizer"):
+            self._optimizer_step(loss_sum, n_micro)
+
+    def _optimizer_step(self, loss_sum: torch.Tensor, n_micro: int) -> None:
+        if self.scaler:
+            self.scaler.unscale_(self.opt)
+        max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf
+        norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)  # 0-dim
+        if hasattr(norm, "full_tensor"):  # FSDP2: a replicated DTensor
+            norm = norm.full_tensor()
+        # the norm is global (gradients are already reduced), so every rank takes the same decision
+        found_inf = (~torch.isfinite(norm)).float()
+        if self.scaler:
+            self.scaler.step(self.opt)
+            self.scaler.update()
+        else:
+            step_unless_nonfinite(self.opt, found_inf)
+        self.opt.zero_grad(set_to_none=True)
+        ok = 1.0 - found_inf
+        self.i_loss += torch.nan_to_num(loss_sum / n_micro * ok, nan=0.0, posinf=0.0, neginf=0.0)
+        self.i_norm += torch.nan_to_num(norm * ok, nan=0.0, posinf=0.0, neginf=0.0)
+        self.i_ok += ok
+        self.i_skipped += found_inf
+        self.i_steps += 1
+        self.state.step += 1
+        self.state.tokens_seen += self.tokens_per_step
+
+    # ---- once per log interval: the only host sync ----------------------------------------
+    def log(self) -> dict:
+        """The interval's row: training.csv columns (docs/ARTIFACTS.md), then gate statistics (NSA)."""
+        state = self.state
+        totals = torch.stack([self.i_loss, self.i_ok, self.i_skipped, self.i_norm])  # [4]
+        loss_sum = all_reduce_mean(totals[:1], self.info)  # the global mean loss, not rank 0's
+        loss_sum, ok, skipped, norm_sum = torch.cat([loss_sum, totals[1:]]).tolist()
+        gate = self.gate_stats.read() if self.gate_stats is not None else {}
+        elapsed = self.clock.lap()  # training seconds of this interval (train/clock.py)
+        state.skipped_steps += int(skipped)
+        toks_per_s = self.i_steps * self.tokens_per_step / elapsed
+        row = {
+            "step": state.step, "loss": loss_sum / ok if ok else float("nan"), "lr": lr_at(state.step - 1, self.cfg),
+            "toks_per_s": toks_per_s, "grad_norm": norm_sum / ok if ok else float("nan"),
+            "dt_step_s": elapsed / self.i_steps, "dt_fetch_s": self.i_fetch_s / self.i_steps,
+            "tokens_seen": state.tokens_seen, "skipped_steps": state.skipped_steps,
+            **self.efficiency.columns(toks_per_s), "interval_steps": self.i_steps, **gate,
+        }
+        self._reset_interval()
+        return row
+
+    # ---- evaluation -------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Mean loss over train.eval_steps held-out batches (all ranks): the val.csv row {val_loss, ppl}."""
+        model = self.raw_model  # DDP's wrapper adds nothing to a no-grad forward; FSDP2 shards in place
+        model.eval()
+        total = torch.zeros((), device=self.device)
+        batches = self.data.val_batches(self.cfg.eval_steps)  # [(x [B, T], y [B, T])], the same every time
+        for x, y in batches:
+            with autocast_context(self.device, self.amp_dtype):
+                total += model(x.to(self.device), y.to(self.device)).float()
+        model.train()
+        val = all_reduce_mean(total / max(1, len(batches)), self.info).item()
+        self.state.last_val_loss = val
+        self.state.best_val_loss = min(self.state.best_val_loss, val)
+        return {"val_loss": val, "ppl": math.exp(min(val, 50.0))}

@@ -1,0 +1,166 @@
+"""Drives a training run: one batch goes build_data (train/build_run.py) -> Loop.step (train/loop.py) ->
+Transformer (nsa/model.py); at each log interval Loop.log() returns the row and the recorder hands it to
+the sinks (train/sinks.py: training.csv, heartbeat, TensorBoard, W&B, console, metrics.json). Evaluation,
+sampling and checkpoints are off the training clock (train/clock.py); gc, profiler, watchdog, SDPA audit
+and alerts are hooks at fixed points of the step (train/hooks.py).
+
+Exit codes: 0 finished or stopped gracefully (HALT / SIGTERM / SIGINT / stop_after),
+3 halted on repeated non-finite losses (.anomaly_type written, last good checkpoint intact).
+"""
+from __future__ import annotations
+
+import time
+
+from train.core.artifacts import ANOMALY
+from train.core.config import RunConfig
+from train.core.distributed import shutdown_distributed
+from train.core.errors import CheckpointError
+from train.generation.sampling import TrainingSampler
+from train.observe.sinks import Recorder, open_sinks
+from train.observe.summary import RunSummary
+from train.observe.telemetry import write_json_atomic
+from train.trainer.build_run import Run
+from train.trainer.clock import TrainingClock
+from train.trainer.hooks import training_hooks
+from train.trainer.loop import GateStats, Loop
+from train.trainer.safety import StopFlags
+from train.trainer.stop import StopVote, early_signal
+
+EXIT_ANOMALY = 3
+
+
+def run_training(cfg: RunConfig) -> int:
+    try:
+        run = Run(cfg)
+    except BaseException:
+        shutdown_distributed(clean_exit=False)
+        raise
+    clean, recorder = False, None
+    try:
+        recorder = open_recorder(run)
+        code = _eval_only(run, recorder) if cfg.train.eval_only else _train(run, recorder)
+        clean = True
+        return code
+    finally:
+        try:
+            if recorder is not None:
+                recorder.close()
+        finally:
+            run.close()
+            shutdown_distributed(clean_exit=clean)
+
+
+def open_recorder(run: Run) -> Recorder:
+    """This rank's sinks (train/sinks.py); rank 0 of a training run first keeps metrics.json / run_*.json."""
+    summary = []
+    if run.is_main and not run.cfg.train.eval_only:
+        summary = [RunSummary(run.out_dir, run.cfg, run.state, info=run.info, amp_dtype=run.amp_dtype,
+                              efficiency=run.efficiency, started=run.started, data_description=run.data.describe(),
+                              params=(run.raw_model.num_params(), run.raw_model.num_params(False)))]
+    return Recorder(summary + open_sinks(run.cfg, run.out_dir, rank=run.info.rank,
+                                         resume_step=run.state.step if run.resumed else None))
+
+
+def build_loop(run: Run, clock: TrainingClock) -> Loop:
+    """The loop gets what it uses, and nothing else of the run."""
+    nsa = run.cfg.model.attention == "nsa"
+    return Loop(model=run.model, raw_model=run.raw_model, optimizer=run.optimizer, data=run.data, state=run.state,
+                cfg=run.cfg.train, info=run.info, amp_dtype=run.amp_dtype, clock=clock, efficiency=run.efficiency,
+                gate_stats=GateStats(run.raw_model) if nsa else None)
+
+
+def _eval_only(run: Run, recorder: Recorder) -> int:
+    if not run.resumed:
+        raise CheckpointError(f"eval_only needs a checkpoint; none found in {run.out_dir}")
+    step = run.state.step
+    val = build_loop(run, TrainingClock()).evaluate()
+    if run.is_main:
+        write_json_atomic(run.out_dir / f"eval_step{step}.json",
+                          {"checkpoint": str(run.resume_path), "step": step, **val})
+    recorder.log(step, {"kind": "eval_only", "val_loss": val["val_loss"], "checkpoint": str(run.resume_path)})
+    return 0
+
+
+def _train(run: Run, recorder: Recorder) -> int:
+    cfg, state = run.cfg.train, run.state
+    sampler = TrainingSampler.for_run(run)  # None unless train.sample_every > 0
+    clock = TrainingClock()
+    loop = build_loop(run, clock)
+    flags = StopFlags(run.out_dir, rank=run.info.rank,
+                      on_stackdump=lambda path: recorder.log(state.step, {"kind": "stackdump", "path": str(path)}))
+    vote = StopVote(run.info.control_group, enabled=run.info.enabled)
+    hooks = training_hooks(run.cfg, run.out_dir, run.info.rank, recorder)
+    start_step = state.step
+    try:
+        hooks.open(start_step)
+        recorder.log(state.step, {"kind": "start", "resumed_from": str(run.resume_path) if run.resume_path else None,
+                                  "world_size": run.info.world_size, "device": str(run.info.device)})
+        if run.is_main:
+            print(f"run: {run.raw_model.num_params():,} params | {loop.tokens_per_step:,} tokens/step | "
+                  f"device {run.info.device} | {str(run.amp_dtype).replace('torch.', '')} | "
+                  f"{'resumed at step ' + str(state.step) if run.resumed else 'fresh start'}", flush=True)
+        if cfg.eval_at_start and state.step == 0 and cfg.eval_every:
+            with clock.off_the_clock():
+                recorder.log(state.step, {"kind": "eval", **loop.evaluate()})
+        while state.step < cfg.steps:
+            next_step = state.step + 1
+            log_now = next_step % cfg.log_every == 0 or next_step == cfg.steps
+            hooks.before_step(next_step)
+            loop.step(collect_stats=log_now)
+            hooks.after_step(state.step)
+            local = flags.reason if flags.should_stop() else early_signal()
+            if local is None and cfg.stop_after and state.step - start_step >= cfg.stop_after:
+                local = "stop_after"
+            reason = vote.decide(local)  # collective: every rank stops after the same step
+            if log_now or reason is not None:
+                row = loop.log()  # the interval's host sync
+                with clock.off_the_clock():
+                    recorder.log(state.step, {"kind": "train", **row})
+                if state.skipped_steps > cfg.nonfinite_skip_limit:
+                    return _halt_anomaly(run, recorder)
+                hooks.after_log(state.step, row)
+            if cfg.eval_every and state.step % cfg.eval_every == 0:
+                with clock.off_the_clock():  # evaluation is not training time, nor are sampling and checkpoints
+                    recorder.log(state.step, {"kind": "eval", **loop.evaluate()})
+            if sampler is not None and sampler.due(state.step):
+                with clock.off_the_clock():
+                    if samples := sampler.sample(state.step):  # rank 0 only; no collective
+                        recorder.log(state.step, {"kind": "sample", "samples": samples})
+            periodic = cfg.save_every and state.step % cfg.save_every == 0 and state.step < cfg.steps
+            if periodic and (cfg.always_save_checkpoint or _val_improved(run)):
+                with clock.off_the_clock():
+                    _save(run, recorder)
+            if reason is not None:
+                state.stop_reason = f"stop_after={cfg.stop_after}" if reason == "stop_after" else reason
+                break
+        _save(run, recorder)  # .HALT stays in place: the operator removes it before resuming (documented)
+        recorder.log(state.step, {"kind": "end", "reason": state.stop_reason or "finished"})
+    finally:
+        try:
+            hooks.close(state.step)
+        finally:
+            flags.restore()
+    return 0
+
+
+def _save(run: Run, recorder: Recorder) -> None:
+    """A checkpoint (collective), then its row: rank 0's summary sink rewrites metrics.json and run_*.json."""
+    t0 = time.perf_counter()
+    path = run.save()
+    recorder.log(run.state.step, {"kind": "checkpoint", "path": str(path) if path else None,
+                                  "dt_save_s": time.perf_counter() - t0})
+
+
+def _val_improved(run: Run) -> bool:
+    last = run.state.last_val_loss
+    return last is None or last <= run.state.best_val_loss
+
+
+def _halt_anomaly(run: Run, recorder: Recorder) -> int:
+    """Too many non-finite steps: flag and stop without writing a checkpoint (the last good one stays)."""
+    msg = f"nonfinite_loss: {run.state.skipped_steps} skipped steps > limit {run.cfg.train.nonfinite_skip_limit}"
+    if run.is_main:
+        (run.out_dir / ANOMALY).write_text(msg + "\n")
+    run.state.stop_reason = "anomaly"
+    recorder.log(run.state.step, {"kind": "anomaly", "anomaly_type": "nonfinite_loss", "message": msg})
+    return EXIT_ANOMALY
