@@ -4,13 +4,18 @@ CONFIG ?= configs/train_showcase.yaml
 RUN ?=
 OUT ?=
 
-.PHONY: setup test smoke smoke-nsa train monitor tb bench handoff preflight compare clean
+.PHONY: setup test test-reverse smoke smoke-nsa train monitor tb bench handoff preflight compare clean
 
 setup:
 	bash scripts/prime_bootstrap.sh
 
 test:  # two workers (pytest-xdist), one test file each at a time: the subprocess tests of a file stay in order
 	$(PY) -m pytest -q -n 2 --dist loadfile
+
+# the suite's test files in reverse order in one process: every file runs after the ones it used to precede
+# (order independence: no test may depend on what an earlier file left in the process)
+test-reverse:
+	$(PY) -m pytest -q -p no:randomly -p no:xdist $$(find tests -name 'test_*.py' | sort -r)
 
 STAMP := $(shell date +%Y%m%d_%H%M%S)
 

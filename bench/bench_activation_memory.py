@@ -1,4 +1,4 @@
-"""Calibration of train/memory.py's activation and loss model against measured peaks on CPU.
+"""Calibration of train/planning/memory.py's activation and loss model against measured peaks on CPU.
 
     python bench/bench_activation_memory.py
 

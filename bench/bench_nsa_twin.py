@@ -6,7 +6,7 @@
 Each ablation is a name and config overrides. Ablations that differ only in nsa.* keys share one dense
 twin: an ablation reuses (--dense_from) the dense arm of the first finished one under --root with the same
 non-nsa overrides, and trains its own twin when there is none. Every number comes from the comparisons'
-report.json (train/compare_report.py); --collect only reads the directories already there. Prints a markdown table (docs/NSA.md) and one JSON line.
+report.json (train/analysis/compare_report.py); --collect only reads the directories already there. Prints a markdown table (docs/NSA.md) and one JSON line.
 """
 from __future__ import annotations
 

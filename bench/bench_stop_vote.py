@@ -1,4 +1,4 @@
-"""Cost of the per-step stop vote (train/stop.py) against a smoke step, 2 gloo ranks on CPU.
+"""Cost of the per-step stop vote (train/trainer/stop.py) against a smoke step, 2 gloo ranks on CPU.
 
     python bench/bench_stop_vote.py [--calls 2000]
 

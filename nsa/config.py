@@ -1,6 +1,6 @@
 """Model configuration: plain dataclasses, validated on construction.
 
-The model library owns these; the trainer fills them from YAML (train/config.py).
+The model library owns these; the trainer fills them from YAML (train/core/config.py).
 Every field here is read by the model builder (tests/nsa/test_dense_model.py changes each ModelConfig field
 and sees the model change; the NSA fields have their own tests under tests/nsa/).
 """

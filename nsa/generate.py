@@ -127,7 +127,7 @@ def generate(
     """Continue prompt_ids by up to max_new_tokens tokens in num_samples rows (see the module doc).
 
     After a row samples eos_id it keeps emitting eos_id (on_token sees it) until every row has.
-    no_grad rather than inference_mode: this also runs inside training (train/sampling.py), where
+    no_grad rather than inference_mode: this also runs inside training (train/generation/sampling.py), where
     tensors the model keeps across calls (FlexAttention block masks) must stay usable by autograd."""
     B, T = num_samples, len(prompt_ids)
     check_arguments(model.cfg.max_seq_len, T, max_new_tokens, temperature, top_k, top_p, B, prefill_chunk)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """One monitor frame for a training run: progress, ETA, loss, throughput, validation, GPUs,
 heartbeats, NSA gate and selection statistics, checkpoints, flags and alerts. Standard library and
-this checkout only (train/artifacts.py names and reads every file; no torch); scripts/monitor_run.sh
+this checkout only (train/core/artifacts.py names and reads every file; no torch); scripts/monitor_run.sh
 calls it in a loop.
 
     python3 scripts/monitor_frame.py RUN_OR_OUT_DIR [--window 20] [--stale-s 300]
@@ -9,12 +9,12 @@ calls it in a loop.
 RUN_OR_OUT_DIR is a run directory (artifacts/train_runs/m7c_*, holding run.info, which names the
 out_dir) or a trainer out_dir (training.csv, heartbeat_rank*.jsonl, metrics.json; docs/ARTIFACTS.md).
 
-Alerts. The trainer decides and records its own (train/alerts.py: loss below the floor early, loss
+Alerts. The trainer decides and records its own (train/observe/alerts.py: loss below the floor early, loss
 spikes, throughput drops, gate collapse and low gate entropy, with the run's thresholds); the monitor
 shows them from the heartbeat and recomputes none of them. It adds only what a trainer cannot say
 about itself (WINDOW and STALE_S also come from the environment):
   trainer     'alert' records the trainer wrote to the heartbeat in the current session
-  crashed     the trainer is gone while metrics.json still says running (train/run_status.py)
+  crashed     the trainer is gone while metrics.json still says running (train/observe/run_status.py)
   stale       no heartbeat line for STALE_S (300) seconds while the run is not finished
   nan         a non-finite loss, newly skipped steps, or an anomaly halt
   watchdog    the trainer's watchdog fired (no step for runtime.watchdog_s) in the current session
@@ -277,7 +277,7 @@ def build_frame(target: Path, *, window: int = 20, stale_s: float = 300.0, nvidi
     else:
         lines.append("heartbeat   none yet")
 
-    # NSA gate and selection statistics: every one the trainer wrote (train/artifacts.py names them)
+    # NSA gate and selection statistics: every one the trainer wrote (train/core/artifacts.py names them)
     nsa_rec = next((r for r in reversed(train_recs or rank0) if r.get("kind") == "train" and nsa_statistics(r)), None)
     if nsa_rec is not None:
         stats = nsa_statistics(nsa_rec)

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Live monitor of a training run: progress and ETA, loss, tokens/s, val loss, GPU memory and
 # utilisation, heartbeat age, NSA gate health, latest checkpoint, HALT / anomaly flags and alerts.
-# The analysis lives in scripts/monitor_frame.py (standard library + train/artifacts.py); this loop only redraws.
+# The analysis lives in scripts/monitor_frame.py (standard library + train/core/artifacts.py); this loop only redraws.
 #
 #   bash scripts/monitor_run.sh [--once] [--interval N] [--window N] [RUN_OR_OUT_DIR]
 #
 # RUN_OR_OUT_DIR: a run dir (artifacts/train_runs/m7c_*, whose run.info names the out_dir) or a
 # trainer out_dir; default: the run under artifacts/train_runs that trained most recently (python -m train.runs).
 # Environment: INTERVAL (10 s), WINDOW (20 rows), STALE_S (300), NVIDIA_SMI, ARTIFACTS_DIR. Alerts are the
-# trainer's own (train/alerts.py, from the heartbeat) plus stale / NaN / watchdog; none is recomputed here.
+# trainer's own (train/observe/alerts.py, from the heartbeat) plus stale / NaN / watchdog; none is recomputed here.
 # Read-only: it never touches the run. Ctrl-C leaves.
 set -euo pipefail
 
@@ -42,10 +42,10 @@ done
 [[ "$INTERVAL" =~ ^[0-9]+([.][0-9]+)?$ ]] || die "--interval must be a number of seconds, got '$INTERVAL'" 2
 
 PYBIN=$(any_python)
-# monitor_frame.py and train/runs.py need only the standard library and this checkout (a python3 without
+# monitor_frame.py and train/observe/runs.py need only the standard library and this checkout (a python3 without
 # the .venv works too)
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-if [ -z "$TARGET" ]; then  # the run that is training (a failed launch beside it does not win): train/runs.py
+if [ -z "$TARGET" ]; then  # the run that is training (a failed launch beside it does not win): train/observe/runs.py
   TARGET=$("$PYBIN" -m train.runs newest "${ARTIFACTS_DIR:-artifacts}" 2>/dev/null) \
     || die "no run given and none under ${ARTIFACTS_DIR:-artifacts}/train_runs; usage: bash scripts/monitor_run.sh RUN_OR_OUT_DIR" 2
 fi

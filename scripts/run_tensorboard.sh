@@ -20,7 +20,7 @@ HOST=${HOST:-localhost}
 [[ "$PORT" =~ ^[0-9]+$ ]] || die "PORT=$PORT must be a port number" 2
 if [ "$#" -ge 1 ]; then
   LOGDIR=$1
-else  # the run the runners launched most recently that trained (train/runs.py); else the runbook's out_dir
+else  # the run the runners launched most recently that trained (train/observe/runs.py); else the runbook's out_dir
   LOGDIR=$("$(any_python)" -m train.runs newest "${ARTIFACTS_DIR:-artifacts}" 2>/dev/null) || LOGDIR=artifacts/m7c_125m/tb
 fi
 

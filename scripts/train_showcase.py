@@ -66,7 +66,7 @@ if __name__ == "__main__":
     from train.core.console import survive_closed_console
     from train.trainer.stop import install_early_handlers
 
-    install_early_handlers()  # a SIGTERM during start-up becomes a stop request (train/stop.py)
+    install_early_handlers()  # a SIGTERM during start-up becomes a stop request (train/trainer/stop.py)
     survive_closed_console()  # a vanished console reader must not stop the run before its checkpoint
     from train.__main__ import exit_process
 

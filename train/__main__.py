@@ -1,6 +1,6 @@
 """python -m train CONFIG.yaml [--section.key=value ...]   (also under torchrun)
 
-Bad input is reported as one line on stderr with exit code 2; see train/runner.py for the others.
+Bad input is reported as one line on stderr with exit code 2; see train/trainer/runner.py for the others.
 """
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def cli() -> None:
     from train.core.console import survive_closed_console
     from train.trainer.stop import install_early_handlers
 
-    install_early_handlers()  # a SIGTERM during start-up becomes a stop request (train/stop.py)
+    install_early_handlers()  # a SIGTERM during start-up becomes a stop request (train/trainer/stop.py)
     survive_closed_console()  # a vanished console reader must not stop the run before its checkpoint
     exit_process(main())
 

@@ -8,7 +8,7 @@ The dense twin is the same config with model.attention: dense and no nsa section
   nsa.yaml, dense.yaml      the two effective configs (each loads again with python -m train)
   nsa/, dense/              ordinary out_dirs: resume, .HALT, the monitor and the handoff work as for any run
   logs/<arm>.log            each arm's console output, appended by every launch
-  report.json, report.md, report.png    train/compare_report.py: curves, whole-split scores, verdict
+  report.json, report.md, report.png    train/analysis/compare_report.py: curves, whole-split scores, verdict
 The arms train one after the other (each on one process: CPU, or the first visible GPU), or with
 --side_by_side one per GPU at the same time. Then train.evaluate scores both on the whole validation
 split of the prepared directory (a bin: source: the split the trainer never trained on). The same

@@ -12,7 +12,7 @@ FLOPs per token are nsa.flops v3 (component_summation_v2025, training = 3 x forw
 needs a global tokens/s: measured (--toks-per-s, e.g. from python -m train.analyze) or implied by
 an assumed MFU on a known GPU: tokens/s = MFU x peak x gpus / FLOPs per token.
 Without --tokens the target is the config's own steps. --gpu NAME adds the peak memory per rank
-(train/memory.py) and whether it fits that GPU, with the knob that fixes it when it does not.
+(train/planning/memory.py) and whether it fits that GPU, with the knob that fixes it when it does not.
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """The checks a training launch makes before its first step, as the functions the trainer itself calls
-(train/build_run.py), so that the preflight checklist (train/preflight.py) and the bash runners refuse
+(train/trainer/build_run.py), so that the preflight checklist (train/workflows/preflight.py) and the bash runners refuse
 exactly what the launch refuses, in the launch's own words:
 
-- out_dir: a stale `.HALT`, a live owner of `.lock`, what `train.resume` resumes (train/run_dir.py);
+- out_dir: a stale `.HALT`, a live owner of `.lock`, what `train.resume` resumes (train/checkpoint/run_dir.py);
 - resume: the checkpoint's architecture, train.steps against its step, its tokenizer, and its global batch
   on this world size (`fit_global_batch`: the rule in docs/DISTRIBUTED.md);
 - data: the source's files, metadata, tokenizer and vocabulary (train/data/build.py's own checks).

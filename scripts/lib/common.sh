@@ -229,7 +229,7 @@ newest_checkpoint() {
   "${PY:-$(any_python)}" -m train.run_dir newest-valid "$1" 2>/dev/null || true
 }
 
-count_checkpoints() {  # files named like checkpoints (the name pattern lives in train/artifacts.py)
+count_checkpoints() {  # files named like checkpoints (the name pattern lives in train/core/artifacts.py)
   "${PY:-$(any_python)}" -m train.artifacts count-checkpoints "$1" 2>/dev/null || echo 0
 }
 
@@ -266,7 +266,7 @@ run_start_checks() {
 }
 
 # check_halt OUT_DIR: a leftover .HALT would stop the new run after one step. The message is the
-# trainer's own (train/safety.py stale_halt_message); halt_problem prints it, or nothing.
+# trainer's own (train/trainer/safety.py stale_halt_message); halt_problem prints it, or nothing.
 halt_problem() {
   local msg
   if ! msg=$("${PY:-$(any_python)}" -m train.safety check-halt "$1" 2>&1); then
@@ -346,7 +346,7 @@ log_to() {
 
 # run_logged_training RUN_DIR OUT_DIR RUN_INFO: run "${TRAIN_CMD[@]}" with its output appended to
 # RUN_DIR/train.log, then record this launch's final_step, final_status and last_checkpoint in RUN_INFO
-# (statuses: train/run_status.py). A trainer that died without a word (kill -9, OOM) is recorded as
+# (statuses: train/observe/run_status.py). A trainer that died without a word (kill -9, OOM) is recorded as
 # crashed, in metrics.json too; one that never wrote metrics.json in this launch "failed before training".
 # Sets TRAIN_RC to the trainer's exit code, 3 when the run halted on an anomaly.
 run_logged_training() {
@@ -384,7 +384,7 @@ run_logged_training() {
   info "$run_info" last_checkpoint "$(newest_checkpoint "$out_dir")"
 }
 
-# metrics_field OUT_DIR KEY -> a top-level value of metrics.json (empty when absent; train/artifacts.py reads it)
+# metrics_field OUT_DIR KEY -> a top-level value of metrics.json (empty when absent; train/core/artifacts.py reads it)
 metrics_field() {
   "${PY:-$(any_python)}" -m train.artifacts metrics-field "$1" "$2" 2>/dev/null || true
 }

@@ -1,6 +1,6 @@
 # shellcheck shell=bash
 # the source guides' environment knobs as trainer config overrides, for the launch commands and the run
-# records. The table itself lives in ONE place, the trainer's train/env.py (`python -m train.env`
+# records. The table itself lives in ONE place, the trainer's train/core/env.py (`python -m train.env`
 # prints what the environment implies; the trainer applies the same table when it starts):
 #
 #   NSA_DDP_COMPRESS=none|bf16|fp16   -> --runtime.ddp_compress=VALUE   (DDP gradient compression)

@@ -156,7 +156,7 @@ def test_dkv_programs_split_a_blocks_keys(monkeypatch):
 
 
 def test_kernel_fit_refuses_what_a_gpu_cannot_hold():
-    """The start-of-run check (train/build_run.py on CUDA) in one line, from the tile configs."""
+    """The start-of-run check (train/trainer/build_run.py on CUDA) in one line, from the tile configs."""
     from nsa.attention.ops import kernel_fit_problem
     from nsa.config import ModelConfig, NSAConfig
 

@@ -104,7 +104,7 @@ def _one_adamw_step(nsa_overrides: dict, seed: int = 0, fsdp: bool = False):
 
     torch.manual_seed(seed)
     model = Transformer(small_cfg(nsa_overrides, n_layers=2, vocab_size=64))
-    if fsdp:  # FSDP2 as train/distributed.py wraps it (one rank: the load path is DCP's all the same)
+    if fsdp:  # FSDP2 as train/core/distributed.py wraps it (one rank: the load path is DCP's all the same)
         from torch.distributed.fsdp import fully_shard
 
         for block in model.blocks:

@@ -29,7 +29,7 @@ def wait_for_rows(proc: subprocess.Popen, out: Path, n: int, log: Path) -> None:
 
 
 def kill9_the_trainer(out: Path) -> int:
-    pid = json.loads((out / ".lock").read_text())["pid"]  # the owner the trainer recorded (train/run_dir.py)
+    pid = json.loads((out / ".lock").read_text())["pid"]  # the owner the trainer recorded (train/checkpoint/run_dir.py)
     os.kill(pid, signal.SIGKILL)
     return pid
 

@@ -1,4 +1,4 @@
-"""A leftover OUT_DIR/.HALT: one message (train/safety.py), printed by `python -m train.safety check-halt`
+"""A leftover OUT_DIR/.HALT: one message (train/trainer/safety.py), printed by `python -m train.safety check-halt`
 and used by the runners' guards (scripts/lib/common.sh check_halt, scripts/lib/production.sh)."""
 from __future__ import annotations
 

@@ -106,7 +106,7 @@ def test_bad_knob_values_fail_with_one_line(script_env, var, value):
 
 
 def test_env_overrides_come_from_the_trainers_table(script_env):
-    """scripts/lib/env_overrides.sh prints, one per line, what train/env.py (the one table) maps the
+    """scripts/lib/env_overrides.sh prints, one per line, what train/core/env.py (the one table) maps the
     environment to; nothing when no NSA_* knob is set."""
     def overrides(**env):
         cmd = "set -euo pipefail; PY=.venv/bin/python; source scripts/lib/env_overrides.sh; nsa_env_overrides"

@@ -23,7 +23,7 @@ spec.loader.exec_module(monitor_frame)
 
 FIELDS = TRAIN_FIELDS
 NOW = 1_800_000_000.0
-# the trainer's own key names (nsa/attention/gate_stats.py; train/artifacts.py lists them)
+# the trainer's own key names (nsa/attention/gate_stats.py; train/core/artifacts.py lists them)
 HEALTHY_GATES = {"gate_entropy_mean": 0.62, "gate_entropy_min": 0.2, "gate_collapse_frac": 0.0,
                  "gate_share_cmp": 0.3, "gate_share_sel": 0.35, "gate_share_win": 0.35,
                  "sel_free_frac": 0.7, "sel_distance_mean": 5.5}
@@ -95,7 +95,7 @@ def trainer_alert(out: Path, **record) -> None:
 ])
 def test_alerts_are_the_trainers_not_recomputed(tmp_path, rows, record, expect):
     """A throughput dip, an early low loss or collapsed gates in the files raise nothing by themselves: the
-    monitor shows the trainer's alert records (train/alerts.py decides, with the run's thresholds)."""
+    monitor shows the trainer's alert records (train/observe/alerts.py decides, with the run's thresholds)."""
     out = make_out(tmp_path, **rows)
     assert frame(out)[1] == []
     trainer_alert(out, **record)

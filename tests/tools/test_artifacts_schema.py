@@ -1,4 +1,4 @@
-"""docs/ARTIFACTS.md names everything train/artifacts.py defines (file names and patterns, CSV columns,
+"""docs/ARTIFACTS.md names everything train/core/artifacts.py defines (file names and patterns, CSV columns,
 heartbeat kinds, NSA statistic keys, metrics.json fields, statuses, run-dir files), and the trainer
 writes exactly the columns, kinds and statistics the module lists."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""train/memory.py: the peak-memory estimate behind `python -m train.plan --gpu` and the pre-flight."""
+"""train/planning/memory.py: the peak-memory estimate behind `python -m train.plan --gpu` and the pre-flight."""
 from __future__ import annotations
 
 import json

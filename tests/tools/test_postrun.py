@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from train import postrun
+from train.workflows import postrun as postrun_lib
 
 
 @pytest.fixture
@@ -73,5 +74,5 @@ def test_run_config_of_a_learned_position_model_reloads(tmp_path):
 
     cfg = tiny_config(tmp_path / "out", "--model.pos_emb=learned")
     (tmp_path / "config.yaml").write_text(dump_config(cfg))
-    loaded = postrun.load_run_config(tmp_path, ["--train.eval_only=true"])
+    loaded = postrun_lib.load_run_config(tmp_path, ["--train.eval_only=true"])
     assert loaded.model == cfg.model and loaded.train.eval_only

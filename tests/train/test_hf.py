@@ -1,4 +1,4 @@
-"""Hugging Face export / import (train/hf_convert.py, train/export_hf.py, train/import_hf.py) and
+"""Hugging Face export / import (train/hf/convert.py, train/hf/export.py, train/hf/importer.py) and
 train.init_from: transformers computes what our model computes, round trips are bitwise, refusals
 are one line. Tiny models on CPU; transformers models are built from configs only (no network)."""
 from __future__ import annotations

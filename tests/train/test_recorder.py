@@ -1,5 +1,5 @@
-"""One recorder for metrics: the sink fan-out (train/sinks.py), hooks and their order (train/hooks.py), the
-training clock (train/clock.py) and the trainer's own NSA gate alerts (train/alerts.py)."""
+"""One recorder for metrics: the sink fan-out (train/observe/sinks.py), hooks and their order (train/trainer/hooks.py), the
+training clock (train/trainer/clock.py) and the trainer's own NSA gate alerts (train/observe/alerts.py)."""
 from __future__ import annotations
 
 import math

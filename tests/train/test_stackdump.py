@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 STUCK_CHILD = """
 import ctypes, sys, threading
 from pathlib import Path
-from train.safety import StopFlags, Watchdog
+from train.trainer.safety import StopFlags, Watchdog
 
 out, mode = Path(sys.argv[1]), sys.argv[2]
 out.mkdir()

@@ -54,7 +54,7 @@ class OutDirLock:
 
     def check_free(self) -> None:
         """OutDirBusy, as acquire() would raise it, when a live process holds the lock; creates nothing
-        (preflight and the runners' start checks: train/start_checks.py)."""
+        (preflight and the runners' start checks: train/trainer/start_checks.py)."""
         try:
             fd = os.open(self.path, os.O_RDONLY)
         except FileNotFoundError:

@@ -52,8 +52,8 @@ SELECTION_STATS = ("sel_free_frac", "sel_distance_mean", "sel_free_distance_mean
 METRICS_FIELDS = ("status", "step", "steps", "tokens_seen", "last_loss", "last_toks_per_s", "best_val_loss",
                   "last_val_loss", "skipped_steps", "params", "params_non_embedding", "flops", "device", "world_size",
                   "precision", "torch", "python", "git_sha", "started", "updated", "checkpoints", "data", "stop_reason")
-CRASH_FIELDS = ("exit_code", "crashed_at_step")  # added when a launcher records a crash (train/run_status.py)
-CRASHED = "crashed"  # the trainer died without a word (a signal, the OOM killer); train/run_status.py says so
+CRASH_FIELDS = ("exit_code", "crashed_at_step")  # added when a launcher records a crash (train/observe/run_status.py)
+CRASHED = "crashed"  # the trainer died without a word (a signal, the OOM killer); train/observe/run_status.py says so
 ENDED_STATUSES = ("finished", "stopped", "anomaly", CRASHED)
 STATUSES = ("running",) + ENDED_STATUSES
 
@@ -71,7 +71,7 @@ def heartbeat_name(rank: int) -> str:
 
 
 def checkpoint_files(out_dir: Path) -> list[tuple[int, Path]]:
-    """Files named like checkpoints in out_dir, oldest first (validity is train/checkpoint.py's business)."""
+    """Files named like checkpoints in out_dir, oldest first (validity is train/checkpoint/io.py's business)."""
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
         return []

@@ -20,4 +20,4 @@ class CheckpointError(UserError):
 
 
 class ConversionError(UserError):
-    """A model that cannot be exported to, or imported from, the Hugging Face format (train/hf_convert.py)."""
+    """A model that cannot be exported to, or imported from, the Hugging Face format (train/hf/convert.py)."""

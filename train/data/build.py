@@ -116,7 +116,7 @@ def _synthetic(*, seq_len, batch_size, vocab_size, seed, rank, world_size, accum
 
 def check_data_source(cfg: DataConfig, *, vocab_size: int) -> str:
     """The checks build_data makes before it reads a batch (files, metadata, tokenizer, vocabulary), reading
-    nothing else: the launch's start checks (train/start_checks.py). One line describing the source."""
+    nothing else: the launch's start checks (train/trainer/start_checks.py). One line describing the source."""
     cfg.validate()
     kind = cfg.source_kind
     if kind == "synthetic":

@@ -1,6 +1,6 @@
 """Tokenize a source once into train.bin / val.bin / meta.json (see docs/DATA.md).
 
-    python -m train.data.prepare --source text:corpus/*.txt --tokenizer gpt2 --out data/NAME \
+    python -m train.data.prepare --source text:corpus/*.txt --tokenizer gpt2 --out data/NAME \\
         [--val-fraction 0.005] [--split-seed 0] [--workers N] [--max-docs N] [--overwrite]
 
 Documents are read once through the same sources as training (sources.iter_documents),

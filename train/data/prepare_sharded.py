@@ -1,8 +1,8 @@
 """Prepare a very large corpus in resumable shards, then join them into one prepared directory.
 
-    python -m train.data.prepare_sharded --source jsonl:corpus/*.jsonl --tokenizer hf:tokenizers/qwen3 \
-        --out data/NAME --shards N [--workers W] [--max-shards K] [--keep-shards] [--overwrite] \
-        [--val-fraction 0.005] [--split-seed 0] [--subset S] [--split train] [--text-field text] \
+    python -m train.data.prepare_sharded --source jsonl:corpus/*.jsonl --tokenizer hf:tokenizers/qwen3 \\
+        --out data/NAME --shards N [--workers W] [--max-shards K] [--keep-shards] [--overwrite] \\
+        [--val-fraction 0.005] [--split-seed 0] [--subset S] [--split train] [--text-field text] \\
         [--text-sample-by document|paragraph|line]
 
 Shards are split by source file: shard i owns the contiguous data files [i*F/N, (i+1)*F/N) of the

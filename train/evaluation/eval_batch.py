@@ -7,9 +7,9 @@ TARGET_TOKENS is where throughput stops growing with the batch (a few thousand t
 matrix kernels busy; a GPU wants tens of thousands); more only costs memory and makes progress lines
 rarer. A scoring forward (no gradients) holds one block's activations at a time, the residual stream
 and the loss path's logits: one chunk of model.loss_chunk rows (all rows with loss_chunk=0). The
-per-token activation bytes are train/memory.py's; attention scores are counted as if materialised
+per-token activation bytes are train/planning/memory.py's; attention scores are counted as if materialised
 (T x T per head), which overstates fused kernels and so errs small. The result does not depend on the
-batch: every window is scored once whatever the batch (train/scoring.py).
+batch: every window is scored once whatever the batch (train/evaluation/scoring.py).
 """
 from __future__ import annotations
 

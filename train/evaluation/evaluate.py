@@ -7,7 +7,7 @@ non-overlapping windows by default, a sliding window with `stride` for RoPE mode
 train/evaluation/eval_data.py; the batch, unless the request names it, from the model and the free memory
 (train/evaluation/eval_batch.py): the result does not depend on it. Progress with an ETA goes to stderr
 every PROGRESS_EVERY_S. The result is written to eval_<name>.json beside the checkpoint (a file of another
-checkpoint, or not written by this tool, is never replaced). The command line: train/evaluate.py.
+checkpoint, or not written by this tool, is never replaced). The command line: train/evaluation/evaluate.py.
 """
 from __future__ import annotations
 

@@ -5,12 +5,12 @@ train.sample_prompts by train.sample_tokens tokens, greedily (temperature 0: det
 samples of successive steps differ only by what the model learned, and no RNG stream of the run is
 touched), stopping a sample at the tokenizer's EOS. The raw model runs in eval mode under the run's
 autocast, with its own decode caches (nsa/generate.py); train mode is restored afterwards. The runner
-takes the time spent out of the interval's tokens/s, as for evaluation (train/clock.py).
+takes the time spent out of the interval's tokens/s, as for evaluation (train/trainer/clock.py).
 
     out_dir/samples.jsonl: one row per prompt and sampling step: {"step", "prompt", "text", "tokens"}
                            (text: the continuation only; tokens: its new ids)
 
-`sample()` returns those rows; the runner records them as one 'sample' row (train/sinks.py): TensorBoard
+`sample()` returns those rows; the runner records them as one 'sample' row (train/observe/sinks.py): TensorBoard
 text `samples/<i>` per prompt (prompt + continuation) and one console line with the first sample.
 
 Prompts: 'a|b' (empty pieces dropped), or @FILE with one prompt per line (blank lines skipped); an
@@ -91,7 +91,7 @@ class TrainingSampler:
 
     def sample(self, step: int) -> list[dict]:
         """Rank 0: generate for every prompt and return the rows (the recorder's SamplesSink appends them to
-        samples.jsonl, train/sinks.py). Others: []."""
+        samples.jsonl, train/observe/sinks.py). Others: []."""
         run = self.run
         if not run.is_main:
             return []

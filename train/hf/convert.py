@@ -1,6 +1,6 @@
 """Our Transformer <-> Hugging Face `transformers` models: configs and state dicts, both ways.
 
-Pure functions, no file I/O (train/export_hf.py and train/import_hf.py read and write files).
+Pure functions, no file I/O (train/hf/export.py and train/hf/importer.py read and write files).
 
     family  our ModelConfig                                       transformers class
     gpt2    learned positions + layernorm + gelu (tanh), MHA       GPT2LMHeadModel

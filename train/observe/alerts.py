@@ -2,8 +2,8 @@
 floor (data-leak suspicion), loss spikes, sustained throughput drops (which ask for a profiler trace), and for
 NSA models gate collapse and low gate entropy (the row's gate statistics, nsa/attention/gate_stats.py).
 
-An alert is a record {"alert": name, <values>, "message": ...}; the runner's hook (train/hooks.py) sends it to
-every sink as an 'alert' row: heartbeat, console, TensorBoard, W&B (train/sinks.py). A gate alert fires when
+An alert is a record {"alert": name, <values>, "message": ...}; the runner's hook (train/trainer/hooks.py) sends it to
+every sink as an 'alert' row: heartbeat, console, TensorBoard, W&B (train/observe/sinks.py). A gate alert fires when
 its statistic crosses the threshold and again only after the statistic has been back on the healthy side."""
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ handoff): running | finished | stopped | anomaly | crashed.
 
 metrics.json holds the trainer's own word, but a trainer killed by a signal (kill -9, the OOM killer, a lost
 node) cannot write 'crashed'; its last word stays 'running'. So a 'running' status is believed only while the
-process that owns the out_dir lives: `.lock` names the owner (host, pid; train/run_dir.py) and the kernel
+process that owns the out_dir lives: `.lock` names the owner (host, pid; train/checkpoint/run_dir.py) and the kernel
 frees the lock at any exit. When the owner is gone the run crashed, at the last step any file recorded, with
 the exit code the launcher saw (run.info `exit_code`) when there was a launcher.
 

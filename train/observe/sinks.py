@@ -2,8 +2,8 @@
 
 A row is a dict: `kind` says what it is, the other keys are its fields (a `step` key, as in a training
 row, repeats the step argument and is not written as a field). Kinds: the heartbeat kinds of
-train/artifacts.py (start, train, eval, alert, checkpoint, end, anomaly, watchdog, ...) and `sample`
-(generated text, train/sampling.py).
+train/core/artifacts.py (start, train, eval, alert, checkpoint, end, anomaly, watchdog, ...) and `sample`
+(generated text, train/generation/sampling.py).
 
     recorder = Recorder(sinks)
     recorder.log(step, {"kind": "eval", "val_loss": 3.2, "ppl": 24.5})
@@ -12,7 +12,7 @@ Every sink gets every row and decides what it writes for its kind:
 
 | sink | writes |
 |---|---|
-| RunSummary (train/summary.py) | metrics.json at start / checkpoint / end / anomaly, run_*.json at checkpoint / end |
+| RunSummary (train/observe/summary.py) | metrics.json at start / checkpoint / end / anomaly, run_*.json at checkpoint / end |
 | CsvSink | training.csv (train rows), val.csv (eval rows) |
 | SamplesSink | samples.jsonl (sample rows; train.sample_every) |
 | TensorBoardSink | scalars (`scalars()`: train/*, gates/*, val/*, alerts/<name>); text alerts/<name>, samples/<i> |
@@ -97,7 +97,7 @@ class Recorder:
 
 
 class CsvSink:
-    """The rows of one kind as one CSV file (rows after a resumed checkpoint's step moved aside: train/telemetry.py)."""
+    """The rows of one kind as one CSV file (rows after a resumed checkpoint's step moved aside: train/observe/telemetry.py)."""
 
     def __init__(self, path: Path, columns: list[str], kind: str, resume_step: int | None):
         self.kind = kind
@@ -193,7 +193,7 @@ class WandbSink:
 
 
 class ConsoleSink:
-    """One line per row of a kind that has a line (stdout; train/console.py survives a vanished reader)."""
+    """One line per row of a kind that has a line (stdout; train/core/console.py survives a vanished reader)."""
 
     def __init__(self, out_dir: Path):
         self.out_dir = out_dir

@@ -1,11 +1,11 @@
-"""The run's status and summary files, as a sink (train/sinks.py) on rank 0 of a training run:
+"""The run's status and summary files, as a sink (train/observe/sinks.py) on rank 0 of a training run:
 
     metrics.json        rewritten atomically at start, at each checkpoint, at the end and on an anomaly
     run_YYYYMMDD_HHMMSS.json  (seeds 001/002) config, hardware, per-interval metrics, evaluations, summary;
                         rewritten at each checkpoint and at the end
 
 It keeps this process's train and eval rows (a resumed run's summary covers its own invocation) and
-reads the live TrainState for the counters. Fields: docs/ARTIFACTS.md (METRICS_FIELDS in train/artifacts.py).
+reads the live TrainState for the counters. Fields: docs/ARTIFACTS.md (METRICS_FIELDS in train/core/artifacts.py).
 """
 from __future__ import annotations
 

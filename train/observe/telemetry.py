@@ -1,7 +1,7 @@
 """File writers of the run artefacts: CSV (training.csv, val.csv), JSON lines (heartbeat_rank{R}.jsonl),
 TensorBoard events (tb/), atomic JSON (metrics.json, run_*.json, eval results).
 
-Which row goes to which file is train/sinks.py's business; schemas are documented in docs/ARTIFACTS.md.
+Which row goes to which file is train/observe/sinks.py's business; schemas are documented in docs/ARTIFACTS.md.
 """
 from __future__ import annotations
 

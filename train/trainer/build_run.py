@@ -1,5 +1,5 @@
 """Builds a run: claims the out_dir, builds model, optimizer and data, restores a checkpoint to resume from;
-`Run.save()` writes the next one. What is logged and when is the runner's business (train/runner.py)."""
+`Run.save()` writes the next one. What is logged and when is the runner's business (train/trainer/runner.py)."""
 from __future__ import annotations
 
 import math
@@ -39,7 +39,7 @@ from train.trainer.start_checks import BATCH_KEYS, resume_checks
 
 def claim_out_dir(cfg: RunConfig, info: DistInfo) -> tuple[Path, OutDirLock | None, Path | None]:
     """Rank 0 creates out_dir, takes its lock, refuses a stale .HALT and decides what to resume
-    (sorting old files aside, train/run_dir.py); every rank gets the same answer or the same error."""
+    (sorting old files aside, train/checkpoint/run_dir.py); every rank gets the same answer or the same error."""
     out = Path(cfg.train.out_dir)
     lock, answer, error = None, None, None
     if info.is_main:
@@ -121,7 +121,7 @@ class Run:
         # memory-mapped: tensors are read from the file while copied in, never held twice
         ckpt = ckpt_io.load_checkpoint(self.resume_path) if self.resume_path else None
         self.resumed = ckpt is not None
-        if self.resumed:  # the launch's start checks (train/start_checks.py); may re-split the global batch
+        if self.resumed:  # the launch's start checks (train/trainer/start_checks.py); may re-split the global batch
             for note in resume_checks(cfg, ckpt, self.resume_path, self.info.world_size):
                 if self.is_main:
                     print(note, flush=True)

@@ -1,9 +1,9 @@
 """What counts as training time: the one place that decides it.
 
 Training time of a log interval = wall time since the previous interval ended, minus the time spent
-off the clock. The runner (train/runner.py) puts off the clock everything between two steps that is
+off the clock. The runner (train/trainer/runner.py) puts off the clock everything between two steps that is
 not training: evaluation, sampling, checkpoints, and writing a row to the sinks. The loop
-(train/loop.py) asks `lap()` once per log interval, right after its host sync, so on CUDA the
+(train/trainer/loop.py) asks `lap()` once per log interval, right after its host sync, so on CUDA the
 interval's queued device work is inside the wall time it measures; toks_per_s and dt_step_s come from
 that number.
 

@@ -1,4 +1,4 @@
-"""Hooks around the optimizer step: small pieces the runner (train/runner.py) calls at fixed points.
+"""Hooks around the optimizer step: small pieces the runner (train/trainer/runner.py) calls at fixed points.
 
 At each point the hooks run in this order (`training_hooks` builds the list):
 
@@ -15,8 +15,8 @@ At each point the hooks run in this order (`training_hooks` builds the list):
                           written), gc (enable); only hooks that were opened
 
 `step` is the number of optimizer steps completed; before_step's is the step about to run. Hooks write
-through the recorder (train/sinks.py): 'profile', 'watchdog' (from the watchdog thread), 'sdpa_audit'
-and 'alert' rows. The stop decision (train/safety.py StopFlags, train/stop.py) is the runner's own.
+through the recorder (train/observe/sinks.py): 'profile', 'watchdog' (from the watchdog thread), 'sdpa_audit'
+and 'alert' rows. The stop decision (train/trainer/safety.py StopFlags, train/trainer/stop.py) is the runner's own.
 """
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ class GcHook(Hook):
 
 
 class ProfilerHook(Hook):
-    """torch.profiler windows (train/profiler.py): scheduled (rank 0) and on demand (a throughput drop)."""
+    """torch.profiler windows (train/observe/profiler.py): scheduled (rank 0) and on demand (a throughput drop)."""
 
     def __init__(self, out_dir: Path, spec: str, recorder: Recorder):
         self.profiler = StepProfiler(out_dir, spec, on_written=lambda step, tag, paths: recorder.log(
@@ -85,7 +85,7 @@ class ProfilerHook(Hook):
 
 
 class WatchdogHook(Hook):
-    """Stack dumps when no step completes for runtime.watchdog_s (train/safety.py)."""
+    """Stack dumps when no step completes for runtime.watchdog_s (train/trainer/safety.py)."""
 
     def __init__(self, out_dir: Path, timeout_s: float, rank: int, recorder: Recorder):
         self.out_dir, self.timeout_s, self.rank, self.recorder = out_dir, timeout_s, rank, recorder
@@ -119,7 +119,7 @@ class SdpaAuditHook(Hook):
 
 
 class AlertHook(Hook):
-    """train/alerts.py on each log row; its records become 'alert' rows."""
+    """train/observe/alerts.py on each log row; its records become 'alert' rows."""
 
     def __init__(self, alerts: Alerts, recorder: Recorder, profiler: ProfilerHook):
         self.alerts, self.recorder, self.profiler = alerts, recorder, profiler

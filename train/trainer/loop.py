@@ -4,8 +4,8 @@ Host syncs on CUDA: none per step. Loss, gradient norm and skipped-step counts s
 and are read once per log interval (one `.tolist()`, plus one for NSA gate statistics); a non-finite
 step is skipped on-device by the fused optimizer's `found_inf` input.
 
-The loop returns plain rows and writes nothing: the runner (train/runner.py) hands them to the sinks
-(train/sinks.py). A `log()` row is a training.csv row, plus the NSA gate and selection statistics
+The loop returns plain rows and writes nothing: the runner (train/trainer/runner.py) hands them to the sinks
+(train/observe/sinks.py). A `log()` row is a training.csv row, plus the NSA gate and selection statistics
 (`gate_*`, `sel_*`, nsa/attention/gate_stats.py) for NSA models.
 """
 from __future__ import annotations
@@ -125,7 +125,7 @@ class Loop:
         loss_sum = all_reduce_mean(totals[:1], self.info)  # the global mean loss, not rank 0's
         loss_sum, ok, skipped, norm_sum = torch.cat([loss_sum, totals[1:]]).tolist()
         gate = self.gate_stats.read() if self.gate_stats is not None else {}
-        elapsed = self.clock.lap()  # training seconds of this interval (train/clock.py)
+        elapsed = self.clock.lap()  # training seconds of this interval (train/trainer/clock.py)
         state.skipped_steps += int(skipped)
         toks_per_s = self.i_steps * self.tokens_per_step / elapsed
         row = {

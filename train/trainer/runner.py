@@ -1,8 +1,8 @@
-"""Drives a training run: one batch goes build_data (train/build_run.py) -> Loop.step (train/loop.py) ->
+"""Drives a training run: one batch goes build_data (train/trainer/build_run.py) -> Loop.step (train/trainer/loop.py) ->
 Transformer (nsa/model.py); at each log interval Loop.log() returns the row and the recorder hands it to
-the sinks (train/sinks.py: training.csv, heartbeat, TensorBoard, W&B, console, metrics.json). Evaluation,
-sampling and checkpoints are off the training clock (train/clock.py); gc, profiler, watchdog, SDPA audit
-and alerts are hooks at fixed points of the step (train/hooks.py).
+the sinks (train/observe/sinks.py: training.csv, heartbeat, TensorBoard, W&B, console, metrics.json). Evaluation,
+sampling and checkpoints are off the training clock (train/trainer/clock.py); gc, profiler, watchdog, SDPA audit
+and alerts are hooks at fixed points of the step (train/trainer/hooks.py).
 
 Exit codes: 0 finished or stopped gracefully (HALT / SIGTERM / SIGINT / stop_after),
 3 halted on repeated non-finite losses (.anomaly_type written, last good checkpoint intact).
@@ -51,7 +51,7 @@ def run_training(cfg: RunConfig) -> int:
 
 
 def open_recorder(run: Run) -> Recorder:
-    """This rank's sinks (train/sinks.py); rank 0 of a training run first keeps metrics.json / run_*.json."""
+    """This rank's sinks (train/observe/sinks.py); rank 0 of a training run first keeps metrics.json / run_*.json."""
     summary = []
     if run.is_main and not run.cfg.train.eval_only:
         summary = [RunSummary(run.out_dir, run.cfg, run.state, info=run.info, amp_dtype=run.amp_dtype,

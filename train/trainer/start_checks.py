@@ -1,8 +1,8 @@
 """The checks a training launch makes before its first step, as the functions the trainer itself calls
-(train/build_run.py), so that the preflight checklist (train/preflight.py) and the bash runners refuse
+(train/trainer/build_run.py), so that the preflight checklist (train/workflows/preflight.py) and the bash runners refuse
 exactly what the launch refuses, in the launch's own words:
 
-- out_dir: a stale `.HALT`, a live owner of `.lock`, what `train.resume` resumes (train/run_dir.py);
+- out_dir: a stale `.HALT`, a live owner of `.lock`, what `train.resume` resumes (train/checkpoint/run_dir.py);
 - resume: the checkpoint's architecture, train.steps against its step, its tokenizer, and its global batch
   on this world size (`fit_global_batch`: the rule in docs/DISTRIBUTED.md);
 - data: the source's files, metadata, tokenizer and vocabulary (train/data/build.py's own checks).
@@ -84,7 +84,7 @@ def resume_checks(cfg: RunConfig, ckpt: dict, path: Path, world_size: int) -> li
     """Everything that must hold to continue `ckpt` (loaded from path) with cfg on world_size ranks. Sets
     cfg.train's batch keys to the split that keeps the global batch (fit_global_batch); returns the notes to
     print. CheckpointError / ConfigError (one line) when the launch must not happen."""
-    if ckpt.get("imported_from"):  # written by train/import_hf.py
+    if ckpt.get("imported_from"):  # written by train/hf/importer.py
         raise CheckpointError(f"checkpoint {path} holds imported weights only (no optimizer or data state) and cannot "
                               f"be resumed; start from it with train.init_from={path}")
     model = cfg.to_dict()

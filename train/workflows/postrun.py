@@ -1,7 +1,7 @@
 """Post-run (the best-practices guide §4): validate the final checkpoint in eval-only mode, then archive the run.
 
     out_dir = resolve_out_dir(run); record = write_record(out_dir, validate_checkpoint(out_dir), skip_steps)
-    tarball, how = archive(out_dir, dest)          # the command line: train/postrun.py
+    tarball, how = archive(out_dir, dest)          # the command line: train/workflows/postrun.py
 
 1. Validation: the newest checkpoint is evaluated with the run's own config.yaml and
    --train.eval_only=true (W&B off); the trainer writes OUT_DIR/eval_step{N}.json.

@@ -248,7 +248,7 @@ def _loader(cfg: RunConfig, add) -> None:
 # ---- model / optimizer -----------------------------------------------------------------------
 
 def _gpu_memory(cfg: RunConfig, add, gpus: int, gpu_bytes: int | None) -> None:
-    """Peak memory per rank (train/memory.py) against the detected GPU; FAIL with the knob that fixes it."""
+    """Peak memory per rank (train/planning/memory.py) against the detected GPU; FAIL with the knob that fixes it."""
     from train.planning.memory import estimate_memory, verdict
 
     if gpu_bytes is None:
@@ -323,7 +323,7 @@ def _disk(cfg: RunConfig, add, free_bytes: Callable[[Path], int]) -> None:
 
 
 def _out_dir(cfg: RunConfig, add, gpus: int) -> None:
-    """The launch's own start checks (train/start_checks.py, the functions the trainer calls): stale .HALT,
+    """The launch's own start checks (train/trainer/start_checks.py, the functions the trainer calls): stale .HALT,
     a live owner, the resume plan (not carried out), and what resuming on `gpus` ranks needs."""
     from train.checkpoint import io as ckpt_io
     from train.data.build import check_data_source
