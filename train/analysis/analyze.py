@@ -1,15 +1,6 @@
 """Summarise a run from its run_YYYYMMDD_HHMMSS.json and plot it (the quick-start guide's analysis snippet, as a tool).
 
-    python -m train.analyze RUN [--target-tokens 82e9] [--skip-steps 50] [--json] [--no-plots]
-
-RUN is a trainer out_dir (its newest run_*.json is read) or the path of a run_*.json. Prints the
-average and peak MFU after warm-up, tokens/s, memory, time per iteration and, with
---target-tokens, the iterations and wall time for that many tokens at the measured rate. Writes
-RUN/analysis/summary.json and PNG plots (loss.png with val loss, throughput.png, mfu.png when the
-run measured MFU) with matplotlib's Agg backend.
-
-Warm-up: log intervals ending at step <= --skip-steps (default 50, as the quick-start guide) are left out of
-the averages. A run shorter than that drops only its first interval (it includes start-up).
+The command line, usage and details: train/analyze.py (its docstring).
 """
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
 """One out_dir, one owner, one lineage: who may write it, what a start resumes from, where old files go.
 
-Nothing a run wrote is deleted here. A start under the exclusive lock sorts the directory first:
-- newer checkpoints than the one resumed (and checkpoints of another lineage) -> `superseded/`
-- checkpoints that fail validation under `resume=auto` -> `corrupt/`
-- an earlier attempt's logs when no valid checkpoint is left (a crash before the first save)
-  -> `attempts/<timestamp>/`, then training starts fresh
-Partial writes (`.checkpoint_step*.pt.tmp<pid>`) are deleted: they never were checkpoints, and
-under the lock no writer can still own them. `plan_start` decides and reads only (preflight shows its
-plan); `apply_start` moves.
+The command line, usage and details: train/run_dir.py (its docstring).
 """
 from __future__ import annotations
 

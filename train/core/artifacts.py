@@ -1,9 +1,7 @@
 """What a run writes, by name: the one place for its file names, patterns, columns, record kinds and keys,
 and the readers every tool uses (trainer, monitor, handoff, post-run, analyze, the bash runbooks).
 
-Standard library only: the monitor and the bash helpers run it without torch. docs/ARTIFACTS.md
-describes each name below; tests/tools/test_artifacts_schema.py keeps the two in step, and
-`python -m train.artifacts ...` answers the bash runbooks.
+The command line, usage and details: train/artifacts.py (its docstring).
 """
 from __future__ import annotations
 

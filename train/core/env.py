@@ -1,14 +1,6 @@
 """The one place where the Python side reads environment variables (standard library only).
 
-- Config knobs: the source guides' runbooks set them in the environment (NSA_DDP_COMPRESS=bf16,
-  NSA_NVTX=1, ...); they map onto config keys here, and command-line overrides come after and win.
-  Knobs that named optional code paths of the earlier system are accepted and reported as unnecessary.
-- Launch facts: torchrun's WORLD_SIZE / RANK / LOCAL_RANK (`launch_ranks`); CUDA_VISIBLE_DEVICES for a
-  child that gets one GPU (`one_gpu_environment`, train.compare --side_by_side).
-- Tool settings: ARTIFACTS_DIR (`artifacts_dir`), CONFIG (`default_config`), the monitor's thresholds
-  and NVIDIA_SMI (`number`, `text`).
-`environment()` hands a copy of the whole environment to the pre-flight, which inspects it.
-tests/tools/test_package.py checks that no other module of train/, nsa/, scripts/ or bench/ reads it.
+The command line, usage and details: train/env.py (its docstring).
 """
 from __future__ import annotations
 

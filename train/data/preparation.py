@@ -1,14 +1,6 @@
 """Tokenize a source once into train.bin / val.bin / meta.json (see docs/DATA.md).
 
-    python -m train.data.prepare --source text:corpus/*.txt --tokenizer gpt2 --out data/NAME \\
-        [--val-fraction 0.005] [--split-seed 0] [--workers N] [--max-docs N] [--overwrite]
-
-Documents are read once through the same sources as training (sources.iter_documents),
-tokenized in chunks by a process pool (results kept in order, at most 2 chunks per worker in
-flight), each followed by EOS, and appended to train.bin or val.bin by a keyed hash of the
-document (the same rule the streaming loader uses). Files stream to disk with running sha256,
-so memory stays bounded by the chunks in flight. meta.json is written last: a directory
-without it was not finished.
+The command line, usage and details: train/data/prepare.py (its docstring).
 """
 from __future__ import annotations
 

@@ -1,21 +1,6 @@
 """Prepare a very large corpus in resumable shards, then join them into one prepared directory.
 
-    python -m train.data.prepare_sharded --source jsonl:corpus/*.jsonl --tokenizer hf:tokenizers/qwen3 \\
-        --out data/NAME --shards N [--workers W] [--max-shards K] [--keep-shards] [--overwrite] \\
-        [--val-fraction 0.005] [--split-seed 0] [--subset S] [--split train] [--text-field text] \\
-        [--text-sample-by document|paragraph|line]
-
-Shards are split by source file: shard i owns the contiguous data files [i*F/N, (i+1)*F/N) of the
-F files of the source (one per file for local globs; the dataset's data files for hf:NAME). Each
-shard is tokenized by one worker process with prepare's own writer, chunking, EOS and held-out
-rule into DIR/shards/shard_{i}.{train,val}.bin, then finished with DIR/shards/shard_{i}.done.json
-(tokens, documents, bytes, sha256, max id per split). A rerun skips every shard whose marker and
-files are intact, so an interrupted job resumes where it stopped (--max-shards K stops after K
-shards on purpose). When all shards are done they are joined in order (each shard's sha256
-re-checked on the way) into DIR/train.bin and DIR/val.bin: the same documents in the same order as
-a one-shot `python -m train.data.prepare`, so the files and meta.json are the same, and
-DIR/manifest.json lists the shards. The shard .bin files are deleted after the join unless
---keep-shards. meta.json is written last.
+The command line, usage and details: train/data/prepare_sharded.py (its docstring).
 """
 from __future__ import annotations
 

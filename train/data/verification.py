@@ -1,11 +1,6 @@
 """Check a prepared token directory against its metadata.
 
-    python -m train.data.verify data/NAME [--vocab-size V]
-
-Checks every split: the file exists, its size matches the token count, its sha256 matches,
-the dtype fits the vocabulary, and the largest id is below the tokenizer's vocabulary (and
-below --vocab-size, the model's, when given) and equals meta.json's max_token_id.
-Prints `ok ...` and exits 0, or prints one line per problem and exits 1.
+The command line, usage and details: train/data/verify.py (its docstring).
 """
 from __future__ import annotations
 

@@ -1,14 +1,6 @@
 """python -m train.export_hf CKPT_OR_RUN_DIR OUT_DIR [--dtype fp32|bf16] [--overwrite]
 
-One of our checkpoints (or a run directory: its newest valid checkpoint) -> a Hugging Face model
-directory: model.safetensors, config.json, generation_config.json, the run's tokenizer files and a
-model card (README.md). An NSA model has no transformers class: it exports model.safetensors with
-our tensor names, nsa_config.json (our config) and README.md, and no config.json. docs/HF.md.
-
-Safe by construction: every check runs before anything is written; the files are written into a
-temporary directory beside OUT_DIR and renamed into place at the end, so a failed export leaves
-nothing behind. A non-empty OUT_DIR is replaced only with --overwrite, and only if it holds a
-previous export. Bad input: one `error:` line on stderr, exit 2.
+The command line, usage and details: train/export_hf.py (its docstring).
 """
 from __future__ import annotations
 

@@ -1,14 +1,6 @@
 """python -m train.import_hf HF_DIR OUT_CKPT
 
-A Hugging Face model directory (GPT-2 / LLaMA / Qwen3: config.json + model.safetensors, or sharded
-safetensors) or one of our NSA exports (nsa_config.json + model.safetensors) -> one of our checkpoints.
-
-The checkpoint holds weights only: step 0, an empty optimizer state, no data state, and
-`imported_from`. Inference tools (model_from_checkpoint) and `train.init_from=OUT_CKPT` read it;
-`train.resume` refuses it (there is no training state to continue). OUT_CKPT is never overwritten.
-
-`init_state_dict` serves `train.init_from` (hf:DIR or one of our checkpoints): the source's
-architecture must equal the run's, shapes must match exactly. docs/HF.md.
+The command line, usage and details: train/import_hf.py (its docstring).
 """
 from __future__ import annotations
 

@@ -1,19 +1,7 @@
 """What state a run is in, said the same way everywhere an operator looks (monitor, run.info, metrics.json,
 handoff): running | finished | stopped | anomaly | crashed.
 
-metrics.json holds the trainer's own word, but a trainer killed by a signal (kill -9, the OOM killer, a lost
-node) cannot write 'crashed'; its last word stays 'running'. So a 'running' status is believed only while the
-process that owns the out_dir lives: `.lock` names the owner (host, pid; train/checkpoint/run_dir.py) and the kernel
-frees the lock at any exit. When the owner is gone the run crashed, at the last step any file recorded, with
-the exit code the launcher saw (run.info `exit_code`) when there was a launcher.
-
-The bash runners call `python -m train.run_status mark-crashed OUT_DIR EXIT_CODE` after a failed trainer, so
-metrics.json says it too (status 'crashed', exit_code, crashed_at_step). Standard library only: the
-monitor runs it without torch.
-
-    python -m train.run_status describe OUT_DIR [--run-info RUN_DIR/run.info]   -> one line
-    python -m train.run_status mark-crashed OUT_DIR EXIT_CODE                     -> the line it recorded
-    python -m train.run_status step OUT_DIR                                       -> the last step recorded
+The command line, usage and details: train/run_status.py (its docstring).
 """
 from __future__ import annotations
 

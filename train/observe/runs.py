@@ -1,14 +1,6 @@
 """The run directories the bash runners write: ARTIFACTS_DIR/train_runs/<name>_<timestamp>/run.info.
 
-A run dir records one launch (run.info names its trainer `out_dir`); several launches may share an
-out_dir (resume), and a launch that failed before training leaves a run dir whose out_dir holds no
-metrics yet. Tools that default to "the current run" (the monitor, TensorBoard) ask `newest_run`:
-
-    python -m train.runs newest ARTIFACTS_DIR [--prefix m7c_] [--out-dir]
-
-The newest run that has started training wins (by the age of its out_dir's metrics.json / training.csv,
-i.e. the run that is training now); only when no run has started does the newest run dir by name.
-Standard library only (the monitor runs it without torch).
+The command line, usage and details: train/runs.py (its docstring).
 """
 from __future__ import annotations
 

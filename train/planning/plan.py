@@ -1,18 +1,6 @@
 """Plan a run: tokens per iteration, iterations for a token target, FLOPs per token, wall time.
 
-    python -m train.plan CONFIG [--section.key=value ...] [--tokens 82e9] [--gpus 8] [--gpu H100-80GB]
-        [--toks-per-s 300000 | --mfu 0.40 --peak-device "NVIDIA B200"] [--hours 50] [--json]
-
-The arithmetic of the B200 MFU guide, from the config instead of by hand:
-    tokens/iteration = batch_size x accumulate_grad_batches x gpus x seq_len
-    iterations       = ceil(tokens / tokens per iteration)     (enough to reach the target)
-The seed's "≈" figures are the same quotient rounded to nearest; `iterations_rounded` reports
-that number too (82e9 / 4,194,304 = 19,550.32: ceil 19,551, seed ≈ 19,550).
-FLOPs per token are nsa.flops v3 (component_summation_v2025, training = 3 x forward). Wall time
-needs a global tokens/s: measured (--toks-per-s, e.g. from python -m train.analyze) or implied by
-an assumed MFU on a known GPU: tokens/s = MFU x peak x gpus / FLOPs per token.
-Without --tokens the target is the config's own steps. --gpu NAME adds the peak memory per rank
-(train/planning/memory.py) and whether it fits that GPU, with the knob that fixes it when it does not.
+The command line, usage and details: train/plan.py (its docstring).
 """
 from __future__ import annotations
 

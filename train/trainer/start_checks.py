@@ -2,15 +2,7 @@
 (train/trainer/build_run.py), so that the preflight checklist (train/workflows/preflight.py) and the bash runners refuse
 exactly what the launch refuses, in the launch's own words:
 
-- out_dir: a stale `.HALT`, a live owner of `.lock`, what `train.resume` resumes (train/checkpoint/run_dir.py);
-- resume: the checkpoint's architecture, train.steps against its step, its tokenizer, and its global batch
-  on this world size (`fit_global_batch`: the rule in docs/DISTRIBUTED.md);
-- data: the source's files, metadata, tokenizer and vocabulary (train/data/build.py's own checks).
-
-    python -m train.start_checks CONFIG [--section.key=value ...] [--world-size N]
-
-prints what the launch will do, one line each, and exits 0; or prints the launch's one-line refusal and
-exits 2. It reads only: nothing in the out_dir is moved or written.
+The command line, usage and details: train/start_checks.py (its docstring).
 """
 from __future__ import annotations
 

@@ -1,20 +1,6 @@
 """Twin comparison: an NSA config against its dense twin, same data, seed and token budget.
 
-    python -m train.compare CONFIG.yaml [--section.key=value ...] --out DIR [--side_by_side]
-        [--eval_max_tokens N]
-    make compare CONFIG=configs/m7c_125m_80g.yaml OUT=artifacts/twin_m7c COMPARE_ARGS="--data.source=bin:data/DIR"
-
-The dense twin is the same config with model.attention: dense and no nsa section. DIR holds
-  nsa.yaml, dense.yaml      the two effective configs (each loads again with python -m train)
-  nsa/, dense/              ordinary out_dirs: resume, .HALT, the monitor and the handoff work as for any run
-  logs/<arm>.log            each arm's console output, appended by every launch
-  report.json, report.md, report.png    train/analysis/compare_report.py: curves, whole-split scores, verdict
-The arms train one after the other (each on one process: CPU, or the first visible GPU), or with
---side_by_side one per GPU at the same time. Then train.evaluate scores both on the whole validation
-split of the prepared directory (a bin: source: the split the trainer never trained on). The same
-command again resumes whichever arm is unfinished, reuses finished evaluations and rewrites the report;
-a DIR made from another config is refused. For ablations of nsa.* settings, --dense_from EARLIER_DIR
-reuses an earlier comparison's dense arm when it is this config's twin (checked key by key). Exit: 0, 2 bad input, else the failing arm's exit code.
+The command line, usage and details: train/compare.py (its docstring).
 """
 from __future__ import annotations
 

@@ -1,21 +1,7 @@
 """Pack a training run for a person to look at: one tarball with the run record, logs, CSVs,
 metrics, effective config, heartbeats, a checkpoint manifest (names, sizes, sha256) and PNG plots.
 
-    tarball, manifest = build(RUN_OR_OUT_DIR, DEST, weights="none" | "latest" | "all")
-
-RUN_OR_OUT_DIR: a run dir (artifacts/train_runs/m7c_*, run.info names the out_dir) or a trainer
-out_dir; default: the newest run dir under artifacts/train_runs. Output:
-artifacts/handoff/<run>_<timestamp>.tar.gz, holding <run>_<timestamp>/ with
-  MANIFEST.txt      every file of the tarball: size, sha256, path; then the checkpoint manifest
-  run/              run.info, launch_info.txt, smoke.log, train.log, preflight.log, causality.log
-  segments/<run>/   the same files of every launch that wrote to this out_dir (a resumed run), oldest first
-  out/              config.yaml, training.csv, val.csv, metrics.json, heartbeat_rank*.jsonl, flags,
-                    stack dumps, eval results (top-level files of the out_dir; no tb/, no weights)
-  checkpoints.json  the checkpoint manifest (name, step, bytes, sha256)
-  plots/            loss.png (train + val), throughput.png, lr.png, gates.png (NSA runs)
-  compare/          report.json / .md / .png when the out_dir is an arm of python -m train.compare
-  weights/          only with --with-weights (newest checkpoint) or --all-weights
-Weights are large (params x 12 bytes); the manifest lets a receiver check copies made separately.
+The command line, usage and details: scripts/handoff.py (its docstring).
 """
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
 """Pre-flight checklist (the best-practices guide §1) as code: run it before every long run.
 
-    python -m train.preflight CONFIG [--section.key=value ...] [--gpus N] [--no-checksums]
-    make preflight CONFIG=configs/full_qwen3_1.8b_b200_50h.yaml PREFLIGHT_ARGS="--gpus 8"
-
-Prints a checklist (✓ passed, ✗ failed) grouped as in the best-practices guide, then the warnings (⚠) and the
-eye-test snippets. Exit 0 when nothing failed, 1 when a check failed, 2 for a config error.
-`run_preflight(cfg, gpus=..., free_bytes=...)` is the same check for tests and launch scripts.
-What each check covers, and what stays manual, is in docs/PRODUCTION.md.
+The command line, usage and details: train/preflight.py (its docstring).
 """
 from __future__ import annotations
 
