@@ -12,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from nsa.attention.documents import Documents
 from nsa.config import ModelConfig
 from nsa.layers import MLP, RotaryEmbedding, make_norm
 from nsa.loss import linear_cross_entropy
@@ -20,7 +21,7 @@ from nsa.profiling import nvtx_range
 
 def build_attention(cfg: ModelConfig) -> nn.Module:
     """The attention module of a Block: NativeSparseAttention (attention: nsa) or DenseAttention. Every one
-    takes (x [B, T, dim], rope, cache=None) and returns [B, T, dim]."""
+    takes (x [B, T, dim], rope, cache=None, documents=None) and returns [B, T, dim]."""
     if cfg.attention == "nsa":
         from nsa.attention.nsa import NativeSparseAttention
 
@@ -38,9 +39,10 @@ class Block(nn.Module):
         self.mlp_norm = make_norm(cfg)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, rope=None, cache=None) -> torch.Tensor:  # [B, T, dim] -> same
+    def forward(self, x: torch.Tensor, rope=None, cache=None, documents: Documents | None = None) -> torch.Tensor:
+        # [B, T, dim] -> same
         with nvtx_range("attention"):
-            x = x + self.attn(self.attn_norm(x), rope, cache)
+            x = x + self.attn(self.attn_norm(x), rope, cache, documents=documents)
         with nvtx_range("mlp"):
             return x + self.mlp(self.mlp_norm(x))
 
@@ -60,6 +62,9 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.tok_emb.weight
         # activation checkpointing: every k-th block (k=1: all blocks; 0: none). Set by the trainer.
         self.checkpoint_every = 0
+        # document masking (data.document_mask): the EOS id that opens a document, or None (one text per
+        # window). Set by whoever runs the model on packed data (trainer, evaluation); see `documents_of`.
+        self.document_eos_id: int | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -97,24 +102,27 @@ class Transformer(nn.Module):
         targets: torch.Tensor | None = None,  # [B, T] int64 next-token ids
         start_pos: int = 0,  # absolute position of idx[:, 0] (decode / chunked prefill)
         caches: list | None = None,
+        documents: Documents | None = None,  # packed documents of idx; default: documents_of(idx)
     ) -> torch.Tensor:
         """Mean cross-entropy if targets are given (-100: ignored), else logits [B, T, V] (float32)."""
         B, T = idx.shape
         if start_pos + T > self.cfg.max_seq_len and self.pos_emb is not None:
             raise ValueError(f"sequence end {start_pos + T} exceeds max_seq_len={self.cfg.max_seq_len}")
+        if documents is None and caches is None and start_pos == 0:
+            documents = self.documents_of(idx)
         x = self.tok_emb(idx)  # [B, T, dim]
         positions = torch.arange(start_pos, start_pos + T, device=idx.device)
-        if self.pos_emb is not None:
-            x = x + self.pos_emb(positions)
-        rope = self.rope(positions) if self.rope is not None else None
+        if self.pos_emb is not None:  # learned positions restart in every document
+            x = x + self.pos_emb(positions if documents is None else documents.positions)
+        rope = self.rope(positions) if self.rope is not None else None  # window positions (RoPE is relative)
         x = self.drop(x)
         for i, blk in enumerate(self.blocks):
             cache = caches[i] if caches is not None else None
             k = self.checkpoint_every
             if k and self.training and cache is None and i % k == 0 and torch.is_grad_enabled():
-                x = checkpoint(blk, x, rope, None, use_reentrant=False)
+                x = checkpoint(blk, x, rope, None, documents, use_reentrant=False)
             else:
-                x = blk(x, rope, cache)
+                x = blk(x, rope, cache, documents)
         x = self.norm(x)  # [B, T, dim]
         if targets is None:
             return self.lm_head(x).float()  # [B, T, V]
@@ -123,6 +131,12 @@ class Transformer(nn.Module):
             return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
         # chunked: fp32 logits for loss_chunk rows at a time, never for all B*T (nsa/loss.py)
         return linear_cross_entropy(x.reshape(B * T, -1), self.lm_head.weight, targets.reshape(-1), self.cfg.loss_chunk)
+
+
+    def documents_of(self, idx: torch.Tensor) -> Documents | None:
+        """The documents of a batch of packed windows idx [B, T] under this model's rule: EOS opens a
+        document when document_eos_id is set (nsa/attention/documents.py), else None (one text per window)."""
+        return None if self.document_eos_id is None else Documents.from_tokens(idx, self.document_eos_id)
 
 
 def _dense_cache():

@@ -43,11 +43,13 @@ def gate_statistics(gates: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def selection_counts(block_idx: torch.Tensor, q_start: int, l_sel: int) -> torch.Tensor:
+def selection_counts(block_idx: torch.Tensor, q_start: int, l_sel: int, q_pos: torch.Tensor | None = None) -> torch.Tensor:
     """block_idx [B, H_kv, Tq, n] (-1 = none) -> [4] float32 sums: valid picks, free picks,
-    distance over valid picks, distance over free picks (distance = current block - j)."""
-    q_pos = torch.arange(q_start, q_start + block_idx.shape[2], device=block_idx.device)
-    current = (q_pos // l_sel)[:, None]  # [Tq, 1]
+    distance over valid picks, distance over free picks (distance = current block - j). q_pos [B, Tq]:
+    each query's position in its document (packed documents; blocks are then document-relative)."""
+    if q_pos is None:
+        q_pos = torch.arange(q_start, q_start + block_idx.shape[2], device=block_idx.device)
+    current = (q_pos // l_sel)[..., None, :, None] if q_pos.dim() == 2 else (q_pos // l_sel)[:, None]  # [B, 1, Tq, 1] or [Tq, 1]
     valid = block_idx >= 0
     forced = (block_idx == 0) | (block_idx == current) | (block_idx == current - 1)
     free = valid & ~forced

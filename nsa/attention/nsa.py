@@ -20,6 +20,7 @@ import torch.nn as nn
 from nsa.attention import ops
 from nsa.attention.compressor import BlockCompressor
 from nsa.attention.decode import decode_branches
+from nsa.attention.documents import Documents, gather_blocks
 from nsa.attention.gate_stats import BRANCHES, gate_statistics, selection_counts, selection_statistics
 from nsa.attention.impl.compression import compress, num_compressed
 from nsa.attention.nsa_cache import NSACache
@@ -135,7 +136,10 @@ class NativeSparseAttention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,  # cos, sin [T, hd/2] for x's positions
         cache: NSACache | None = None,  # appends x's tokens when given
         return_indices: bool = False,  # also return the selected blocks [B, H_kv, T, n] (-1 = none)
+        documents: Documents | None = None,  # packed documents of x (training / prefill from 0, no cache)
     ):
+        if documents is not None:
+            return self._forward_documents(x, rope, documents, return_indices)
         c = self.cfg
         B, T, _ = x.shape
         q, br = self.project(x, rope)
@@ -190,10 +194,45 @@ class NativeSparseAttention(nn.Module):
                 o_win = ops.window_attention(q, win_k, win_v, t0, t_end - win_k.shape[2], c.w, c.win_block, c.kernel)
             sel_counts = selection_counts(block_idx, t0, c.l_sel) if self.stats_enabled else None
 
+        return self._combine(x, o_cmp, o_sel, o_win, block_idx, sel_counts, return_indices)
+
+    def _combine(self, x, o_cmp, o_sel, o_win, block_idx, sel_counts, return_indices: bool):
+        """Gate the branch outputs (each [B, H, T, hd]) and project: -> y [B, T, dim] (and block_idx)."""
+        B, T, _ = x.shape
         g = self.gates(x)  # [B, T, H, 3]
-        gt = g.transpose(1, 2).unsqueeze(-1).to(q.dtype)  # [B, H, T, 3, 1]
+        gt = g.transpose(1, 2).unsqueeze(-1).to(o_cmp.dtype)  # [B, H, T, 3, 1]
         y = gt[..., 0, :] * o_cmp + gt[..., 1, :] * o_sel + gt[..., 2, :] * o_win  # [B, H, T, hd]
         y = self.dropout(self.proj(y.transpose(1, 2).reshape(B, T, -1)))
         if self.stats_enabled:
             self.last_stats = {**gate_statistics(g), **selection_statistics(sel_counts)}
         return (y, block_idx) if return_indices else y
+
+    def _forward_documents(self, x, rope, documents: Documents, return_indices: bool):
+        """Training / prefill of packed documents: every branch reads only the query's own document,
+        counted from its first token (nsa/attention/documents.py), so a packed window computes what each
+        document computes alone. Compressed tokens are formed per document (CompressedLayout's slots)."""
+        c = self.cfg
+        B, T, _ = x.shape
+        q, br = self.project(x, rope)
+        layout = documents.compressed(c.l, c.d)  # computed once per batch, shared by the layers
+        frame = layout.frame  # [3, B, T]
+        raw_k, raw_v = br["cmp"]
+        ck = self.compress_k(gather_blocks(raw_k, layout.block_start, c.l))  # [B, H_kv, T // d, hd]
+        cv = self.compress_v(gather_blocks(raw_v, layout.block_start, c.l))
+        if rope is not None:  # rotate each compressed key at the last (window) position of its block
+            at = (layout.block_start + (c.l - 1)).clamp_max(T - 1)  # [B, C]
+            ck = apply_rotary(ck, rope[0][at][:, None], rope[1][at][:, None])  # cos, sin [B, 1, C, hd/2]
+        with nvtx_range("nsa.compressed"):
+            o_cmp = ops.compressed_attention(q, ck, cv, 0, c.l, c.d, c.q_chunk, c.kernel, frame=frame)
+        qg = q.view(B, self.n_kv_heads, self.n_groups, T, self.head_dim)  # [B, H_kv, G, T, hd]
+        with nvtx_range("nsa.select"):
+            block_idx = ops.select_blocks(qg, ck, 0, c.l, c.d, c.l_sel, c.n_sel, c.q_chunk, c.kernel, frame=frame)
+        sel_k, sel_v = br["sel"]
+        with nvtx_range("nsa.selected"):
+            o_sel = ops.selected_attention(qg, sel_k, sel_v, block_idx, 0, c.l_sel, c.sel_tile, kernel=c.kernel,
+                                           chunk=c.sel_chunk, frame=frame).view(B, self.n_heads, T, self.head_dim)
+        win_k, win_v = br["win"]
+        with nvtx_range("nsa.window"):
+            o_win = ops.window_attention(q, win_k, win_v, 0, 0, c.w, c.win_block, c.kernel, frame=frame)
+        sel_counts = selection_counts(block_idx, 0, c.l_sel, q_pos=frame[0]) if self.stats_enabled else None
+        return self._combine(x, o_cmp, o_sel, o_win, block_idx, sel_counts, return_indices)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from nsa.attention.impl import block_select, compression, selection, window
+from nsa.attention.impl import block_select, compression, segments, selection, window
 from nsa.attention.impl.flex import flex_compressed_attention, flex_window_attention, use_flex
 
 KERNELS = ("auto", "triton", "torch")
@@ -67,16 +67,18 @@ def _triton(kernel: str, x: Tensor) -> bool:
 # ---------------------------------------------------------------- block selection (no autograd)
 @torch.library.custom_op("nsa::select_blocks", mutates_args=())
 def _select_blocks(q: Tensor, ck: Tensor, q_start: int, l: int, d: int, l_sel: int, n: int, q_chunk: int,
-                   kernel: str) -> Tensor:
+                   kernel: str, frame: Tensor | None) -> Tensor:
     if _triton(kernel, q):
         from nsa.attention.kernels.select_topk import fused_select_blocks
 
-        return fused_select_blocks(q, ck, q_start, l, d, l_sel, n)
+        return fused_select_blocks(q, ck, q_start, l, d, l_sel, n, frame=frame)
+    if frame is not None:
+        return segments.select_blocks(q, ck, l, d, l_sel, n, q_chunk, frame)
     return block_select.select_by_score(q, ck, q_start, l, d, l_sel, n, q_chunk)
 
 
 @_select_blocks.register_fake
-def _(q, ck, q_start, l, d, l_sel, n, q_chunk, kernel):
+def _(q, ck, q_start, l, d, l_sel, n, q_chunk, kernel, frame):
     B, H_kv, _, Tq, _ = q.shape
     return q.new_empty(B, H_kv, Tq, n, dtype=torch.long)
 
@@ -85,38 +87,45 @@ def select_blocks(
     q: Tensor,  # [B, H_kv, G, Tq, hd] queries (RoPE applied) at positions q_start ..
     ck: Tensor,  # [B, H_kv, N_c, hd] compressed keys (RoPE applied)
     q_start: int, l: int, d: int, l_sel: int, n: int, q_chunk: int, kernel: str,
-) -> Tensor:  # [B, H_kv, Tq, n] int64, ascending, -1 = none (impl.selection.select_blocks' contract)
-    return _select_blocks(q.detach(), ck.detach(), q_start, l, d, l_sel, n, q_chunk, kernel)
+    frame: Tensor | None = None,  # [3, B, Tq] documents (nsa/attention/documents.py); then q_start is unused
+) -> Tensor:  # [B, H_kv, Tq, n] int64, ascending, -1 = none (impl.selection.select_blocks' contract);
+    # with a frame the blocks are counted from each query's document start
+    return _select_blocks(q.detach(), ck.detach(), q_start, l, d, l_sel, n, q_chunk, kernel, frame)
 
 
 # ---------------------------------------------------------------- selected attention
 @torch.library.custom_op("nsa::selected_attention", mutates_args=())
 def _selected(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, q_start: int, l_sel: int, tile: int,
-              chunk: int, kernel: str) -> tuple[Tensor, Tensor]:
+              chunk: int, kernel: str, frame: Tensor | None) -> tuple[Tensor, Tensor]:
     if _triton(kernel, q):
         from nsa.attention.kernels.selected_attention import selected_attention_fwd
 
-        return selected_attention_fwd(q, k, v, block_idx, q_start, l_sel)
+        return selected_attention_fwd(q, k, v, block_idx, q_start, l_sel, frame=frame)
+    if frame is not None:
+        return segments.selected_fwd(q, k, v, block_idx, l_sel, tile, chunk, frame)
     return selection.selected_attention_fwd(q, k, v, block_idx, q_start, l_sel, tile, chunk)
 
 
 @_selected.register_fake
-def _(q, k, v, block_idx, q_start, l_sel, tile, chunk, kernel):
+def _(q, k, v, block_idx, q_start, l_sel, tile, chunk, kernel, frame):
     return q.new_empty(q.shape), q.new_empty(q.shape[:4], dtype=_lse_dtype(q.dtype))
 
 
 @torch.library.custom_op("nsa::selected_attention_backward", mutates_args=())
 def _selected_bwd(d_o: Tensor, q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, o: Tensor, lse: Tensor,
-                  q_start: int, l_sel: int, tile: int, chunk: int, kernel: str) -> tuple[Tensor, Tensor, Tensor]:
+                  q_start: int, l_sel: int, tile: int, chunk: int, kernel: str,
+                  frame: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     if _triton(kernel, q):
         from nsa.attention.kernels.selected_attention import selected_attention_bwd
 
-        return selected_attention_bwd(q, k, v, block_idx, o, lse, d_o, q_start, l_sel)
+        return selected_attention_bwd(q, k, v, block_idx, o, lse, d_o, q_start, l_sel, frame=frame)
+    if frame is not None:
+        return segments.selected_bwd(d_o, q, k, v, block_idx, o, lse, l_sel, tile, chunk, frame)
     return selection.selected_attention_bwd(d_o, q, k, v, block_idx, o, lse, q_start, l_sel, tile, chunk)
 
 
 @_selected_bwd.register_fake
-def _(d_o, q, k, v, block_idx, o, lse, q_start, l_sel, tile, chunk, kernel):
+def _(d_o, q, k, v, block_idx, o, lse, q_start, l_sel, tile, chunk, kernel, frame):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -130,7 +139,7 @@ def _selected_setup(ctx, inputs, output):
 def _selected_backward(ctx, d_o, _d_lse):
     q, k, v, block_idx, o, lse = ctx.saved_tensors
     dq, dk, dv = _selected_bwd(d_o.contiguous(), q, k, v, block_idx, o, lse, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 _selected.register_autograd(_selected_backward, setup_context=_selected_setup)
@@ -146,34 +155,40 @@ def selected_attention(
     tile: int,
     kernel: str = "torch",  # NSAConfig.kernel: auto | triton | torch (see resolve_kernel)
     chunk: int = 1 << 30,  # queries per chunk of the torch path (NSAConfig.sel_chunk)
+    frame: Tensor | None = None,  # [3, B, Tq] documents: block j of a query = keys k_base + j*l' ..
 ) -> Tensor:  # [B, H_kv, G, Tq, hd]
     """Attention of each query over the keys of its selected blocks, keys after the query masked.
     Differentiable: the custom op nsa::selected_attention."""
     if not q.dtype == k.dtype == v.dtype:  # autocast may mix them
         dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    return _selected(q, k, v, block_idx, q_start, l_sel, tile, chunk, kernel)[0]
+    return _selected(q, k, v, block_idx, q_start, l_sel, tile, chunk, kernel, frame)[0]
 
 
 # ---------------------------------------------------------------- compressed attention (torch path op)
 @torch.library.custom_op("nsa::compressed_attention", mutates_args=())
-def _compressed(q: Tensor, ck: Tensor, cv: Tensor, q_start: int, l: int, d: int, chunk: int) -> tuple[Tensor, Tensor]:
+def _compressed(q: Tensor, ck: Tensor, cv: Tensor, q_start: int, l: int, d: int, chunk: int,
+                frame: Tensor | None) -> tuple[Tensor, Tensor]:
+    if frame is not None:
+        return segments.compressed_fwd(q, ck, cv, l, d, chunk, frame)
     return compression.compressed_attention_fwd(q, ck, cv, q_start, l, d, chunk)
 
 
 @_compressed.register_fake
-def _(q, ck, cv, q_start, l, d, chunk):
+def _(q, ck, cv, q_start, l, d, chunk, frame):
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=_lse_dtype(q.dtype))
 
 
 @torch.library.custom_op("nsa::compressed_attention_backward", mutates_args=())
 def _compressed_bwd(d_o: Tensor, q: Tensor, ck: Tensor, cv: Tensor, o: Tensor, lse: Tensor, q_start: int, l: int,
-                    d: int, chunk: int) -> tuple[Tensor, Tensor, Tensor]:
+                    d: int, chunk: int, frame: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    if frame is not None:
+        return segments.compressed_bwd(d_o, q, ck, cv, o, lse, l, d, chunk, frame)
     return compression.compressed_attention_bwd(d_o, q, ck, cv, o, lse, q_start, l, d, chunk)
 
 
 @_compressed_bwd.register_fake
-def _(d_o, q, ck, cv, o, lse, q_start, l, d, chunk):
+def _(d_o, q, ck, cv, o, lse, q_start, l, d, chunk, frame):
     return q.new_empty(q.shape), ck.new_empty(ck.shape), cv.new_empty(cv.shape)
 
 
@@ -186,7 +201,7 @@ def _compressed_setup(ctx, inputs, output):
 
 def _compressed_backward(ctx, d_o, _d_lse):
     q, ck, cv, o, lse = ctx.saved_tensors
-    return (*_compressed_bwd(d_o.contiguous(), q, ck, cv, o, lse, *ctx.args), None, None, None, None)
+    return (*_compressed_bwd(d_o.contiguous(), q, ck, cv, o, lse, *ctx.args), None, None, None, None, None)
 
 
 _compressed.register_autograd(_compressed_backward, setup_context=_compressed_setup)
@@ -198,33 +213,39 @@ def compressed_attention(
     cv: Tensor,  # [B, H_kv, N_c, hd] compressed values
     q_start: int, l: int, d: int, chunk: int,
     kernel: str = "torch",  # NSAConfig.kernel
+    frame: Tensor | None = None,  # [3, B, Tq] documents: a query sees only its document's compressed tokens
 ) -> Tensor:  # [B, H, Tq, hd]; rows that see no compressed token are exactly zero
     """The compression branch, differentiable: the custom op nsa::compressed_attention, or FlexAttention on CUDA."""
     if use_flex(kernel, q):
-        return flex_compressed_attention(q, ck, cv, q_start, l, d)
-    return _compressed(q, ck, cv, q_start, l, d, chunk)[0]
+        return flex_compressed_attention(q, ck, cv, q_start, l, d, frame=frame)
+    return _compressed(q, ck, cv, q_start, l, d, chunk, frame)[0]
 
 
 # ---------------------------------------------------------------- sliding window (torch path op)
 @torch.library.custom_op("nsa::window_attention", mutates_args=())
-def _window(q: Tensor, k: Tensor, v: Tensor, q_start: int, k_start: int, w: int, chunk: int) -> tuple[Tensor, Tensor]:
+def _window(q: Tensor, k: Tensor, v: Tensor, q_start: int, k_start: int, w: int, chunk: int,
+            frame: Tensor | None) -> tuple[Tensor, Tensor]:
+    if frame is not None:
+        return segments.window_fwd(q, k, v, w, chunk, frame)
     o, lse = window.sliding_window_fwd(q, k, v, q_start, k_start, w, chunk)
     return o.contiguous(), lse.contiguous()
 
 
 @_window.register_fake
-def _(q, k, v, q_start, k_start, w, chunk):
+def _(q, k, v, q_start, k_start, w, chunk, frame):
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=_lse_dtype(q.dtype))
 
 
 @torch.library.custom_op("nsa::window_attention_backward", mutates_args=())
 def _window_bwd(d_o: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, q_start: int, k_start: int,
-                w: int, chunk: int) -> tuple[Tensor, Tensor, Tensor]:
+                w: int, chunk: int, frame: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    if frame is not None:
+        return segments.window_bwd(d_o, q, k, v, o, lse, w, chunk, frame)
     return window.sliding_window_bwd(d_o, q, k, v, o, lse, q_start, k_start, w, chunk)
 
 
 @_window_bwd.register_fake
-def _(d_o, q, k, v, o, lse, q_start, k_start, w, chunk):
+def _(d_o, q, k, v, o, lse, q_start, k_start, w, chunk, frame):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -237,7 +258,7 @@ def _window_setup(ctx, inputs, output):
 
 def _window_backward(ctx, d_o, _d_lse):
     q, k, v, o, lse = ctx.saved_tensors
-    return (*_window_bwd(d_o.contiguous(), q, k, v, o, lse, *ctx.args), None, None, None, None)
+    return (*_window_bwd(d_o.contiguous(), q, k, v, o, lse, *ctx.args), None, None, None, None, None)
 
 
 _window.register_autograd(_window_backward, setup_context=_window_setup)
@@ -249,11 +270,12 @@ def window_attention(
     v: Tensor,  # [B, H_kv, Tk, hd]
     q_start: int, k_start: int, w: int, chunk: int,
     kernel: str = "torch",  # NSAConfig.kernel
+    frame: Tensor | None = None,  # [3, B, Tq] documents (then k_start = 0): the window stops at the document start
 ) -> Tensor:  # [B, H, Tq, hd]
     """The sliding-window branch, differentiable: the custom op nsa::window_attention, or FlexAttention on CUDA."""
     if use_flex(kernel, q):
-        return flex_window_attention(q, k, v, q_start, k_start, w)
-    return _window(q, k, v, q_start, k_start, w, chunk)[0]
+        return flex_window_attention(q, k, v, q_start, k_start, w, frame=frame)
+    return _window(q, k, v, q_start, k_start, w, chunk, frame)[0]
 
 
 def kernel_fit_problem(cfg, dtype: torch.dtype, shared_memory_limit: int) -> str | None:

@@ -3,6 +3,9 @@
 Uses only the module's parameters (never its helper functions) and spells every mask out per query:
 for each batch row b, position p, KV group g and head h it lists the keys that (q_p, h) may read.
 Slow by design (T ~ 100 at most). Differentiable with respect to the module's parameters and x.
+Packed documents (doc_start): every rule is applied in the query's document, counted from its first token
+(compressed blocks, selection blocks and forced blocks, the window's lower end), as docs/NSA.md states;
+RoPE rotates at window positions.
 """
 from __future__ import annotations
 
@@ -53,8 +56,9 @@ def _select(p_group, p, c):
     return sorted(forced | set(rest[: c.n_sel - len(forced)]))
 
 
-def reference_forward(attn, x: torch.Tensor, rope=None):
-    """attn: NativeSparseAttention; x [B, T, dim]; rope (cos, sin) [T, hd/2] for positions 0 .. T-1.
+def reference_forward(attn, x: torch.Tensor, rope=None, doc_start: torch.Tensor | None = None):
+    """attn: NativeSparseAttention; x [B, T, dim]; rope (cos, sin) [T, hd/2] for positions 0 .. T-1;
+    doc_start [B, T] (optional): the window index where each token's document starts.
 
     Returns (out [B, T, dim] float64, selected blocks [B, H_kv, T, n] int64 ascending, -1 padded).
     """
@@ -65,7 +69,7 @@ def reference_forward(attn, x: torch.Tensor, rope=None):
     x = x.double()
     B, T, _ = x.shape
     cos, sin = (rope[0].double(), rope[1].double()) if rope is not None else (None, None)
-    n_cmp = 0 if T < c.l else (T - c.l) // c.d + 1
+    starts = doc_start.tolist() if doc_start is not None else [[0] * T for _ in range(B)]
     rows = []  # out[b][p]: [dim]
     selected = torch.full((B, H_kv, T, c.n_sel), -1, dtype=torch.long)
     for b in range(B):
@@ -90,37 +94,44 @@ def reference_forward(attn, x: torch.Tensor, rope=None):
                     kt = torch.stack([_rotate(kt[g], cos[t], sin[t]) for g in range(H_kv)])
                 K[br].append(kt)
                 V[br].append(kvt[2 * r + 1])
-        # compressed token i of group g: phi over raw positions [i*d, i*d + l), key rotated at i*d + l - 1
-        CK, CV = [], []
-        for i in range(n_cmp):
-            span = range(i * c.d, i * c.d + c.l)
-            ck = torch.stack([_phi(torch.stack([K["cmp"][s][g] for s in span]), params, "compress_k") for g in range(H_kv)])
-            if cos is not None:
-                end = i * c.d + c.l - 1
-                ck = torch.stack([_rotate(ck[g], cos[end], sin[end]) for g in range(H_kv)])
-            CK.append(ck)
-            CV.append(torch.stack([_phi(torch.stack([V["cmp"][s][g] for s in span]), params, "compress_v") for g in range(H_kv)]))
+        # compressed token i of a document starting at s0 and ending before e0: phi over positions
+        # [s0 + i*d, s0 + i*d + l) (inside the document), key rotated at s0 + i*d + l - 1
+        CK, CV = {}, {}  # document start -> list over i
+        for s0 in sorted(set(starts[b])):
+            e0 = s0 + starts[b].count(s0)
+            CK[s0], CV[s0] = [], []
+            for i in range(0 if e0 - s0 < c.l else (e0 - s0 - c.l) // c.d + 1):
+                span = range(s0 + i * c.d, s0 + i * c.d + c.l)
+                ck = torch.stack([_phi(torch.stack([K["cmp"][s][g] for s in span]), params, "compress_k") for g in range(H_kv)])
+                if cos is not None:
+                    end = s0 + i * c.d + c.l - 1
+                    ck = torch.stack([_rotate(ck[g], cos[end], sin[end]) for g in range(H_kv)])
+                CK[s0].append(ck)
+                CV[s0].append(torch.stack([_phi(torch.stack([V["cmp"][s][g] for s in span]), params, "compress_v") for g in range(H_kv)]))
         for p in range(T):
+            s0 = starts[b][p]
+            rel = p - s0  # the query's position in its document
             if attn.forced_gates is not None:
                 gates = torch.tensor(attn.forced_gates, dtype=torch.float64, device=x.device).expand(H, 3)
             else:
                 hidden = F.silu(_linear(x[b, p], params, "gate_mlp.0"))
                 gates = torch.sigmoid(_linear(hidden, params, "gate_mlp.2")).view(H, 3)
-            visible = [i for i in range(n_cmp) if i * c.d + c.l - 1 <= p]
-            window = list(range(max(0, p - c.w + 1), p + 1))
+            visible = [i for i in range(len(CK[s0])) if i * c.d + c.l - 1 <= rel]
+            window = list(range(max(s0, p - c.w + 1), p + 1))
             heads = [None] * H
             for g in range(H_kv):
                 group_heads = range(g * G, (g + 1) * G)
                 o_cmp, p_group = {}, [0.0] * len(visible)
                 for h in group_heads:
                     if visible:
-                        o_cmp[h], probs = _attend(Q[p][h], torch.stack([CK[i][g] for i in visible]), torch.stack([CV[i][g] for i in visible]))
+                        o_cmp[h], probs = _attend(Q[p][h], torch.stack([CK[s0][i][g] for i in visible]),
+                                                  torch.stack([CV[s0][i][g] for i in visible]))
                         p_group = [acc + pr for acc, pr in zip(p_group, probs.tolist())]  # Eq. 10
                     else:
                         o_cmp[h] = torch.zeros(hd, dtype=torch.float64, device=x.device)  # sees no compressed token
-                blocks = _select(p_group, p, c)
+                blocks = _select(p_group, rel, c)  # document-relative block indices
                 selected[b, g, p, : len(blocks)] = torch.tensor(blocks)
-                keys = [s for j in blocks for s in range(j * c.l_sel, (j + 1) * c.l_sel) if s <= p]
+                keys = [s0 + r for j in blocks for r in range(j * c.l_sel, (j + 1) * c.l_sel) if r <= rel]
                 for h in group_heads:
                     o_sel, _ = _attend(Q[p][h], torch.stack([K["sel"][s][g] for s in keys]), torch.stack([V["sel"][s][g] for s in keys]))
                     o_win, _ = _attend(Q[p][h], torch.stack([K["win"][s][g] for s in window]), torch.stack([V["win"][s][g] for s in window]))
