@@ -20,6 +20,13 @@ Context limit: prompt + max_new_tokens must fit the model's max_seq_len, for lea
 size of the position table) and for RoPE models too (the context the model was trained for: RoPE would
 run past it, with no guarantee of quality). GenerationError otherwise.
 
+Documents: a model trained with document masking (model.document_eos_id set; nsa/attention/documents.py)
+sees one document at a time, so generation does too. The prompt's context is its last document (from its
+last EOS on: what the masked model attends to anyway), and a row that samples that EOS without stopping
+on it starts a fresh document: its caches are dropped and the EOS is fed again at position 0, exactly as
+a packed training window continues after an EOS. Rows then run one at a time (each has its own caches:
+they no longer stay the same length), and each step checks its token on the host.
+
 Host syncs: with on_token, one `.tolist()` of the step's [B] tokens per step (streaming needs it);
 without, none per step except the all-rows-finished check every EOS_CHECK_EVERY steps when stopping
 at EOS; plus one at the end of prefill (timing) and one for the result.
@@ -129,10 +136,22 @@ def generate(
     After a row samples eos_id it keeps emitting eos_id (on_token sees it) until every row has.
     no_grad rather than inference_mode: this also runs inside training (train/generation/sampling.py), where
     tensors the model keeps across calls (FlexAttention block masks) must stay usable by autograd."""
-    B, T = num_samples, len(prompt_ids)
-    check_arguments(model.cfg.max_seq_len, T, max_new_tokens, temperature, top_k, top_p, B, prefill_chunk)
+    B = num_samples
+    check_arguments(model.cfg.max_seq_len, len(prompt_ids), max_new_tokens, temperature, top_k, top_p, B, prefill_chunk)
     if generators is not None and len(generators) != B:
         raise GenerationError(f"{len(generators)} generators for {B} samples; give one per sample")
+    doc_eos = getattr(model, "document_eos_id", None)  # EOS opens a document (document masking)
+    crosses = doc_eos is not None and eos_id != doc_eos  # a sampled EOS continues into a new document
+    if doc_eos is not None and doc_eos in prompt_ids:
+        prompt_ids = list(prompt_ids)[len(prompt_ids) - 1 - list(prompt_ids)[::-1].index(doc_eos):]
+    if crosses and B > 1:  # rows restart at different steps: each decodes with its own caches
+        parts = [generate(model, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                          num_samples=1, generators=None if generators is None else [generators[i]], eos_id=eos_id,
+                          prefill_chunk=prefill_chunk, on_token=on_token) for i in range(B)]
+        return Generation(ids=[p.ids[0] for p in parts], prefill_tokens=sum(p.prefill_tokens for p in parts),
+                          prefill_s=sum(p.prefill_s for p in parts), decode_tokens=sum(p.decode_tokens for p in parts),
+                          decode_s=sum(p.decode_s for p in parts))
+    T = len(prompt_ids)
     device = model.lm_head.weight.device
     caches = model.new_caches()
 
@@ -147,10 +166,14 @@ def generate(
     new = torch.empty(B, max_new_tokens, dtype=torch.long, device=device)  # [B, N]
     finished = torch.zeros(B, dtype=torch.bool, device=device)  # [B] rows past their EOS
     steps = 0
+    pos = T  # the document position of the next token fed
     for i in range(max_new_tokens):
-        if i:  # feed the previous token, at position T + i - 1
-            logits = model(new[:, i - 1:i], start_pos=T + i - 1, caches=caches)[:, -1]  # [B, V]
+        if i:  # feed the previous token, at position pos - 1 of its document
+            logits = model(new[:, i - 1:i], start_pos=pos - 1, caches=caches)[:, -1]  # [B, V]
         token = sample_next(logits, temperature, top_k, top_p, generators)  # [B]
+        pos += 1
+        if crosses and int(token[0]) == doc_eos:  # one row (see above): the EOS opens a fresh document
+            caches, pos = model.new_caches(), 1
         if eos_id is not None:
             token = torch.where(finished, eos_id, token)
             finished |= token == eos_id

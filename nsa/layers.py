@@ -30,21 +30,24 @@ class RotaryEmbedding(nn.Module):
         self.scale = scale
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [T] int64 -> (cos, sin), each [T, hd/2] float32.
+        """positions: [T] (or [B, T] per row: packed documents) int64 -> (cos, sin), each [..., T, hd/2] float32.
 
         Angles are formed in float64: at position 65536 float32 would already be off by ~1e-2 rad.
         """
         t = positions.to(torch.float64) / self.scale
-        angles = torch.outer(t, self.inv_freq.to(device=positions.device, dtype=torch.float64))  # [T, hd/2]
+        angles = t[..., None] * self.inv_freq.to(device=positions.device, dtype=torch.float64)  # [..., T, hd/2]
         return angles.cos().float(), angles.sin().float()
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (x[..., :hd/2], x[..., hd/2:]) ("rotate half" layout).
 
-    x: [..., T, hd]; cos, sin: [T, hd/2]. Computed in float32 (float64 for float64 inputs, so the
+    x: [..., T, hd]; cos, sin: [T, hd/2], or [B, T, hd/2] per row for x [B, H, T, hd] (positions that
+    restart in every packed document). Computed in float32 (float64 for float64 inputs, so the
     float64 test oracles stay exact), returned in x's dtype.
     """
+    if cos.dim() == 3 and x.dim() == 4:  # per-row positions: broadcast over heads
+        cos, sin = cos[:, None], sin[:, None]
     compute = torch.promote_types(x.dtype, torch.float32)
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half].to(compute), x[..., half:].to(compute)

@@ -111,10 +111,11 @@ class Transformer(nn.Module):
         if documents is None and caches is None and start_pos == 0:
             documents = self.documents_of(idx)
         x = self.tok_emb(idx)  # [B, T, dim]
-        positions = torch.arange(start_pos, start_pos + T, device=idx.device)
-        if self.pos_emb is not None:  # learned positions restart in every document
-            x = x + self.pos_emb(positions if documents is None else documents.positions)
-        rope = self.rope(positions) if self.rope is not None else None  # window positions (RoPE is relative)
+        # [T]; with documents [B, T]: positions restart at 0 in every document (learned and RoPE alike)
+        positions = torch.arange(start_pos, start_pos + T, device=idx.device) if documents is None else documents.positions
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(positions)
+        rope = self.rope(positions) if self.rope is not None else None  # cos, sin [T or B, T, hd/2]
         x = self.drop(x)
         for i, blk in enumerate(self.blocks):
             cache = caches[i] if caches is not None else None

@@ -6,8 +6,8 @@ So the token before an EOS predicts that EOS within its own document, and the EO
 document, predicts that document's first token from nothing else (EOS doubles as BOS, as our tokenizers
 and the Hugging Face export say). With document masking a query attends only to keys of its own
 document, which then looks exactly as if it had been run alone from position 0:
-  positions:  learned absolute position embeddings restart at 0 in every document; RoPE keeps window
-              positions (it is relative, so attention within a document is the same either way);
+  positions:  restart at 0 in every document, for learned position embeddings and RoPE alike (RoPE
+              tables become per row, [B, T, hd/2]), so a document's numbers are exactly its numbers alone;
   NSA:        compressed blocks [j*d, j*d + l) and selection blocks [j*l', (j+1)*l') are counted from the
               document's first token, forced blocks (block 0, previous, current) are the document's, and
               the window stops at the document's first token.

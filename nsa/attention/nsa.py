@@ -133,7 +133,7 @@ class NativeSparseAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [B, T, dim]
-        rope: tuple[torch.Tensor, torch.Tensor] | None = None,  # cos, sin [T, hd/2] for x's positions
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,  # cos, sin [T or B, T, hd/2] for x's positions
         cache: NSACache | None = None,  # appends x's tokens when given
         return_indices: bool = False,  # also return the selected blocks [B, H_kv, T, n] (-1 = none)
         documents: Documents | None = None,  # packed documents of x (training / prefill from 0, no cache)
@@ -219,9 +219,11 @@ class NativeSparseAttention(nn.Module):
         raw_k, raw_v = br["cmp"]
         ck = self.compress_k(gather_blocks(raw_k, layout.block_start, c.l))  # [B, H_kv, T // d, hd]
         cv = self.compress_v(gather_blocks(raw_v, layout.block_start, c.l))
-        if rope is not None:  # rotate each compressed key at the last (window) position of its block
-            at = (layout.block_start + (c.l - 1)).clamp_max(T - 1)  # [B, C]
-            ck = apply_rotary(ck, rope[0][at][:, None], rope[1][at][:, None])  # cos, sin [B, 1, C, hd/2]
+        if rope is not None:  # rotate each compressed key at the last position of its block
+            at = (layout.block_start + (c.l - 1)).clamp_max(T - 1)  # [B, C] window index
+            cos, sin = (r.expand(B, *r.shape[-2:]) for r in rope)  # [B, T, hd/2]: per-row (document) positions
+            at = at[..., None].expand(-1, -1, cos.shape[-1])
+            ck = apply_rotary(ck, cos.gather(1, at), sin.gather(1, at))  # cos, sin [B, C, hd/2]
         with nvtx_range("nsa.compressed"):
             o_cmp = ops.compressed_attention(q, ck, cv, 0, c.l, c.d, c.q_chunk, c.kernel, frame=frame)
         qg = q.view(B, self.n_kv_heads, self.n_groups, T, self.head_dim)  # [B, H_kv, G, T, hd]

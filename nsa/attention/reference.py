@@ -5,7 +5,7 @@ for each batch row b, position p, KV group g and head h it lists the keys that (
 Slow by design (T ~ 100 at most). Differentiable with respect to the module's parameters and x.
 Packed documents (doc_start): every rule is applied in the query's document, counted from its first token
 (compressed blocks, selection blocks and forced blocks, the window's lower end), as docs/NSA.md states;
-RoPE rotates at window positions.
+positions restart in every document (RoPE rotates at the position within the document).
 """
 from __future__ import annotations
 
@@ -58,7 +58,8 @@ def _select(p_group, p, c):
 
 def reference_forward(attn, x: torch.Tensor, rope=None, doc_start: torch.Tensor | None = None):
     """attn: NativeSparseAttention; x [B, T, dim]; rope (cos, sin) [T, hd/2] for positions 0 .. T-1;
-    doc_start [B, T] (optional): the window index where each token's document starts.
+    doc_start [B, T] (optional): the window index where each token's document starts (token t then sits
+    at position t - doc_start[t], which is where it is rotated).
 
     Returns (out [B, T, dim] float64, selected blocks [B, H_kv, T, n] int64 ascending, -1 padded).
     """
@@ -86,16 +87,17 @@ def reference_forward(attn, x: torch.Tensor, rope=None, doc_start: torch.Tensor 
                     if r % 2 == 0 else kvt[r] for r in range(6)
                 ])
             if cos is not None:
-                qt = torch.stack([_rotate(qt[h], cos[t], sin[t]) for h in range(H)])
+                at = t - starts[b][t]  # position within the document
+                qt = torch.stack([_rotate(qt[h], cos[at], sin[at]) for h in range(H)])
             Q.append(qt)
             for r, br in enumerate(("cmp", "sel", "win")):
                 kt = kvt[2 * r]
                 if cos is not None and br != "cmp":  # compression keys are rotated after phi
-                    kt = torch.stack([_rotate(kt[g], cos[t], sin[t]) for g in range(H_kv)])
+                    kt = torch.stack([_rotate(kt[g], cos[t - starts[b][t]], sin[t - starts[b][t]]) for g in range(H_kv)])
                 K[br].append(kt)
                 V[br].append(kvt[2 * r + 1])
         # compressed token i of a document starting at s0 and ending before e0: phi over positions
-        # [s0 + i*d, s0 + i*d + l) (inside the document), key rotated at s0 + i*d + l - 1
+        # [s0 + i*d, s0 + i*d + l) (inside the document), key rotated at document position i*d + l - 1
         CK, CV = {}, {}  # document start -> list over i
         for s0 in sorted(set(starts[b])):
             e0 = s0 + starts[b].count(s0)
@@ -104,7 +106,7 @@ def reference_forward(attn, x: torch.Tensor, rope=None, doc_start: torch.Tensor 
                 span = range(s0 + i * c.d, s0 + i * c.d + c.l)
                 ck = torch.stack([_phi(torch.stack([K["cmp"][s][g] for s in span]), params, "compress_k") for g in range(H_kv)])
                 if cos is not None:
-                    end = s0 + i * c.d + c.l - 1
+                    end = i * c.d + c.l - 1  # the block's last position within the document
                     ck = torch.stack([_rotate(ck[g], cos[end], sin[end]) for g in range(H_kv)])
                 CK[s0].append(ck)
                 CV[s0].append(torch.stack([_phi(torch.stack([V["cmp"][s][g] for s in span]), params, "compress_v") for g in range(H_kv)]))

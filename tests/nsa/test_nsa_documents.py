@@ -33,13 +33,20 @@ def _pieces(lengths):
         at += n
 
 
-def _alone(layer, x, lengths_per_row, rope_all):
-    """Each document run by itself from position 0 (RoPE at its window positions: RoPE is relative)."""
+def _alone(layer, x, lengths_per_row, rope: bool):
+    """Each document run by itself from position 0."""
     out = []
     for b, lengths in enumerate(lengths_per_row):
-        row = [layer(x[b : b + 1, s : s + n], (rope_all[0][s : s + n], rope_all[1][s : s + n])) for s, n in _pieces(lengths)]
+        row = [layer(x[b : b + 1, s : s + n], rope_for(n) if rope else None) for s, n in _pieces(lengths)]
         out.append(torch.cat(row, dim=1))
     return torch.cat(out)
+
+
+def _doc_rope(docs: Documents):
+    """RoPE at each token's position within its document: cos, sin [B, T, hd/2]."""
+    T = docs.start.shape[1]
+    cos, sin = rope_for(T)
+    return cos[docs.positions], sin[docs.positions]
 
 
 @pytest.mark.parametrize("rope", [True, False], ids=["rope", "no-rope"])
@@ -47,11 +54,9 @@ def test_packed_equals_alone_outputs_and_gradients(rope):
     layer = make_layer(seed=5)
     T = 100
     x = make_input(2, T, seed=6).requires_grad_(True)
-    r = rope_for(T) if rope else None
     docs = Documents(_starts(LAYOUTS))
-    y = layer(x, r, documents=docs)
-    alone = _alone(layer, x, LAYOUTS, r if rope else (torch.ones(T, 1), torch.zeros(T, 1))) if rope else torch.cat([
-        torch.cat([layer(x[b : b + 1, s : s + n]) for s, n in _pieces(lengths)], dim=1) for b, lengths in enumerate(LAYOUTS)])
+    y = layer(x, _doc_rope(docs) if rope else None, documents=docs)
+    alone = _alone(layer, x, LAYOUTS, rope)
     torch.testing.assert_close(y, alone, rtol=0, atol=TOL)
     g = torch.randn_like(y)
     params = [x, *layer.parameters()]
@@ -66,8 +71,9 @@ def test_packed_matches_reference_with_documents():
     T = 100
     x, rope = make_input(2, T, seed=8), rope_for(T)
     start = _starts(LAYOUTS)
+    docs = Documents(start)
     with torch.no_grad():
-        y, idx = layer(x, rope, return_indices=True, documents=Documents(start))
+        y, idx = layer(x, _doc_rope(docs), return_indices=True, documents=docs)
         y_ref, idx_ref = reference_forward(layer, x, rope, doc_start=start)
     torch.testing.assert_close(y, y_ref.to(DEVICE), rtol=0, atol=TOL)
     assert torch.equal(sorted_blocks(idx).cpu(), idx_ref)
@@ -77,8 +83,9 @@ def test_no_leak_across_documents_by_perturbation():
     """Changing every token of the other documents changes nothing for a query, exactly."""
     layer = make_layer(seed=9)
     T = 100
-    x, rope = make_input(2, T, seed=10), rope_for(T)
+    x = make_input(2, T, seed=10)
     docs = Documents(_starts(LAYOUTS))
+    rope = _doc_rope(docs)
     with torch.no_grad():
         y = layer(x, rope, documents=docs)
         for b, lengths in enumerate(LAYOUTS):

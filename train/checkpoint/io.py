@@ -241,6 +241,9 @@ def stored_model_config(run_config: dict, where: str, **model_overrides):
         raise CheckpointError(f"{where}: its model config cannot be built: {exc}") from None
 
 
+DOCUMENT_EOS_KEY = "document_eos_id"  # the EOS that opened documents in training (data.document_mask), or None
+
+
 def model_from_checkpoint(path: Path, device: str = "cpu", **model_overrides):
     """Build the checkpoint's model (from its stored config) and load its weights, for inference
     tools (needle test, long-context demo, generate, evaluate, export). `path`: a checkpoint file or a
@@ -252,4 +255,5 @@ def model_from_checkpoint(path: Path, device: str = "cpu", **model_overrides):
     cfg = ckpt["config"]
     model = Transformer(stored_model_config(cfg, f"checkpoint {path}", **model_overrides))
     model.load_state_dict(ckpt["model"])
+    model.document_eos_id = ckpt.get(DOCUMENT_EOS_KEY)  # evaluate on packed data by the rule it trained with
     return model.to(device).eval(), cfg

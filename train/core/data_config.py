@@ -46,6 +46,9 @@ class DataConfig:
     synthetic_on_fail: bool = False
     # seconds allowed for the first training batch of a stream source
     first_batch_timeout_s: float = 120.0
+    # attend within documents only (EOS opens a document; docs/NSA.md "Documents"): null = on for a new run
+    # whose tokenizer has an EOS, and as the checkpoint was trained when resuming; true / false force it
+    document_mask: bool | None = None
 
     @property
     def source_kind(self) -> str:
@@ -85,3 +88,25 @@ def _check_source(key: str, source: str) -> None:
         raise DataError(f"{key}={source!r}: {kind} needs an argument, e.g. {kind}:{'DIR' if kind == 'bin' else 'NAME' if kind == 'hf' else 'data/*.' + kind}")
     if not needs_arg and arg:
         raise DataError(f"{key}={source!r}: {kind} takes no argument")
+
+
+def resolve_document_mask(configured: bool | None, eos_id: int | None, saved: dict | None) -> tuple[bool, str | None]:
+    """data.document_mask -> (on, a one-line note or None). saved: the resumed checkpoint's `data` config
+    (None for a new run); a checkpoint written before the key existed was trained without masking.
+    DataError when masking is asked for but the data has no EOS to find documents by."""
+    if configured and eos_id is None:
+        raise DataError("data.document_mask=true needs data whose tokenizer has an EOS (this source has none: "
+                        "synthetic tokens?); drop the key or set it to false")
+    if saved is None:
+        return (eos_id is not None) if configured is None else configured, None
+    trained = bool(saved.get("document_mask"))
+    if configured is None:
+        note = None if trained or eos_id is None else (
+            "data.document_mask: resuming without document masking, as the checkpoint was trained "
+            "(--data.document_mask=true turns it on from here)")
+        return trained, note
+    if configured != trained:
+        return configured, (f"data.document_mask={str(configured).lower()}: the checkpoint was trained "
+                            f"{'without' if configured else 'with'} document masking; training continues "
+                            f"{'with' if configured else 'without'} it")
+    return configured, None

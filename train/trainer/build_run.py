@@ -19,6 +19,7 @@ from train.checkpoint.state_dicts import gather_states, load_states
 from train.checkpoint.train_state import TrainState
 from train.core.artifacts import CONFIG_YAML
 from train.core.config import RunConfig, dump_config
+from train.core.data_config import resolve_document_mask
 from train.core.distributed import (
     DistInfo,
     barrier,
@@ -99,6 +100,17 @@ class Run:
                     drop_if_only_lock(self.out_dir)
             raise
 
+    def _set_document_mask(self, ckpt: dict | None) -> None:
+        """data.document_mask -> the model's document rule; the effective value is written back into the
+        config, so checkpoints, run.info and evaluation record what the run trains with."""
+        eos_id = self.data.info.get("eos_id")
+        saved = ckpt["config"].get("data", {}) if ckpt is not None else None
+        on, note = resolve_document_mask(self.cfg.data.document_mask, eos_id, saved)
+        if note and self.is_main:
+            print(note, flush=True)
+        self.cfg.data.document_mask = on
+        self.raw_model.document_eos_id = eos_id if on else None
+
     def _build(self, cfg: RunConfig) -> None:
         self.amp_dtype = resolve_precision(cfg.runtime.precision, self.info.device)
         set_nvtx(cfg.runtime.nvtx)
@@ -134,6 +146,7 @@ class Run:
             seed=cfg.train.seed, rank=self.info.rank, world_size=self.info.world_size,
             accumulate=cfg.train.accumulate_grad_batches, pin=self.info.device.type == "cuda",
         )
+        self._set_document_mask(ckpt)
         if self.resumed:
             self._restore_progress(ckpt)
         del ckpt  # the mapping of the file is dropped; the state lives in the model now
@@ -218,6 +231,7 @@ class Run:
                 "tokens_seen": self.state.tokens_seen, "best_val_loss": self.state.best_val_loss,
                 "skipped_steps": self.state.skipped_steps, "data": data_states, "rng_per_rank": rng_states,
                 "config": self.cfg.to_dict(), "world_size": self.info.world_size, "lineage": self.lineage,
+                ckpt_io.DOCUMENT_EOS_KEY: self.raw_model.document_eos_id,
             }
             protect = (self.resume_path,) if self.resume_path else ()
             path = ckpt_io.save_checkpoint(self.out_dir, self.state.step, state, self.cfg.train.keep_last,

@@ -27,6 +27,20 @@ compiles again is a new shape (dynamic=False): (B, H, Tq, Tk, hd, dtype) and the
 Note that in a chunked prefill the compressed branch's key count N_c grows with every chunk, so that branch
 meets a new shape per chunk; the window branch's keys (w - 1 + Tq after the first chunk) keep one shape.
 
+Packed documents (nsa/attention/documents.py). With a frame [3, B, Tq] (q_pos, k_base, c_base) each query
+reads only its own document, counted from the document's first token:
+  compressed: query (b, t) at document position p = q_pos[b, t] sees compressed token ki iff
+              c_base[b, t] <= ki < c_base[b, t] + num_compressed(p + 1, l, d), i.e. j = ki - c_base >= 0 and
+              j*d + l - 1 <= p (rows that see nothing: zero output, as without a frame);
+  window:     query (b, t) sees key index ki iff the window condition above holds (positions q_start + t,
+              k_start + ki) and ki >= k_base[b, t]: the window stops at the document's first key;
+  dense:      `flex_document_attention` (dense.py's CUDA path): query t sees key s iff start[b, t] <= s <= t.
+The frame's rows are tensors captured by the mask_mod (data, guarded by metadata: a new batch of documents
+does not recompile), and the block masks get a batch dimension (one tile list per row, [B, 1, nq, nk]),
+derived from each query tile's min / max of the frame's bounds (a few reductions over [B, Tq], no host
+sync): a key tile outside every query's range in the tile is skipped, one inside all of them is full.
+Those masks depend on the data, so they are never cached.
+
 FlexAttention has no CPU backward in PyTorch 2.13, so the layer uses these only on CUDA
 (`use_flex`); tests check the forward on CPU and the backward on CUDA (tests/nsa/test_nsa_gpu.py).
 Eager calls on CPU run FlexAttention unfused unless "cpu" is added to `COMPILE_DEVICES` (the tests do,
@@ -108,10 +122,30 @@ def _tile_bounds(n: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 
 
 def _compact(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[nq, nk] bool -> FlexAttention's (num_blocks [1, 1, nq], indices [1, 1, nq, nk]): per query tile, the
-    count of True columns and their indices first, ascending."""
+    """[nq, nk] or [B, nq, nk] bool -> FlexAttention's (num_blocks [1 or B, 1, nq], indices [1 or B, 1, nq, nk]):
+    per query tile, the count of True columns and their indices first, ascending."""
+    tiles = tiles if tiles.dim() == 3 else tiles[None]  # [B', nq, nk]
     order = torch.sort((~tiles).to(torch.int8), dim=-1, stable=True).indices
-    return tiles.sum(-1).to(torch.int32)[None, None], order.to(torch.int32)[None, None]
+    return tiles.sum(-1).to(torch.int32)[:, None], order.to(torch.int32)[:, None]
+
+
+def _tile_min_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [B, n] -> min and max over each 128-tile of the last axis, [B, nt] each (the ragged last tile
+    reads its own values only: indices past n repeat index n - 1)."""
+    B, n = x.shape
+    nt = -(-n // BLOCK)
+    at = torch.arange(nt * BLOCK, device=x.device).clamp_max(n - 1)
+    tiles = x[:, at].view(B, nt, BLOCK)
+    return tiles.amin(-1), tiles.amax(-1)
+
+
+def _blocks(some: torch.Tensor, every: torch.Tensor, q_whole, k_whole, mask_mod, Tq: int, Tk: int) -> BlockMask:
+    """Tile lists [.., nq, nk] (some key visible / every key visible) -> BlockMask; ragged edge tiles always
+    take the mask_mod."""
+    every = every & q_whole[:, None] & k_whole[None, :]
+    return BlockMask.from_kv_blocks(
+        *_compact(some & ~every), *_compact(every), BLOCK_SIZE=BLOCK, mask_mod=mask_mod, seq_lengths=(Tq, Tk)
+    )
 
 
 def _block_mask(kind: str, Tq: int, Tk: int, q_start: int, k_start: int, a: int, b: int, device) -> BlockMask:
@@ -140,10 +174,7 @@ def _block_mask(kind: str, Tq: int, Tk: int, q_start: int, k_start: int, a: int,
         every = (s_hi <= q_lo) & (s_lo > q_hi - w)
     else:
         raise ValueError(f"unknown branch {kind!r}")
-    every = every & q_whole[:, None] & k_whole[None, :]  # ragged edge tiles always take the mask_mod
-    mask = BlockMask.from_kv_blocks(
-        *_compact(some & ~every), *_compact(every), BLOCK_SIZE=BLOCK, mask_mod=mask_mod, seq_lengths=(Tq, Tk)
-    )
+    mask = _blocks(some, every, q_whole, k_whole, mask_mod, Tq, Tk)
     if caching:
         _MASK_CACHE[key] = mask
         while len(_MASK_CACHE) > _MASK_CACHE_SIZE:
