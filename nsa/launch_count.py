@@ -37,7 +37,7 @@ class LaunchCounter(TorchDispatchMode):
         return sum(self.by_op.values())
 
 
-def count_forward_backward(module: torch.nn.Module, x: torch.Tensor, *args) -> LaunchCounter:
+def count_forward_backward(module, x: torch.Tensor, *args) -> LaunchCounter:
     """Ops of module(x, *args) forward and backward (for a given output gradient, made outside the count),
     parameter gradients included."""
     x = x.detach().requires_grad_(True)
@@ -49,14 +49,35 @@ def count_forward_backward(module: torch.nn.Module, x: torch.Tensor, *args) -> L
     return counter
 
 
-def attention_layer_launches(cfg, T: int, batch: int = 1) -> LaunchCounter:
-    """One attention layer of `cfg` (a ModelConfig; dense or NSA), built on the meta device, forward and
-    backward at sequence length T with RoPE."""
+def packed_starts(batch: int, T: int, n_documents: int, seed: int = 0) -> torch.Tensor:
+    """[batch, T] document starts (nsa.attention.documents) of n_documents of uneven lengths per window."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(batch):
+        opens = torch.zeros(T, dtype=torch.bool)
+        opens[torch.randperm(T - 1, generator=g)[: n_documents - 1] + 1] = True
+        opens[0] = True
+        rows.append(torch.where(opens, torch.arange(T), 0).cummax(0).values)
+    return torch.stack(rows)
+
+
+def attention_layer_launches(cfg, T: int, batch: int = 1, documents: int = 0, device: str = "meta") -> LaunchCounter:
+    """One attention layer of `cfg` (a ModelConfig; dense or NSA), forward and backward at sequence length T
+    with RoPE, built on `device` (meta: shapes only). documents > 0: a packed window of that many documents
+    (document masking; on the meta device their count cannot change anything: use device="cpu" to show it)."""
+    from nsa.attention.documents import Documents
     from nsa.layers import RotaryEmbedding
     from nsa.model import build_attention
 
-    with torch.device("meta"):
+    starts = packed_starts(batch, T, documents) if documents else None
+    with torch.device(device):
         layer = build_attention(cfg)
-        rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)(torch.arange(T))
-        x = torch.empty(batch, T, cfg.dim)
-    return count_forward_backward(layer, x, rope)
+        x = torch.randn(batch, T, cfg.dim) if device != "meta" else torch.empty(batch, T, cfg.dim)
+        docs = Documents(starts.to(device)) if starts is not None else None
+        if docs is not None and cfg.attention == "nsa":  # built once per batch for all layers: not the layer's
+            docs.compressed(cfg.nsa.l, cfg.nsa.d)
+        positions = docs.positions if docs is not None else torch.arange(T)
+        rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)(positions)
+    if docs is None:
+        return count_forward_backward(layer, x, rope)
+    return count_forward_backward(lambda x_, rope_: layer(x_, rope_, documents=docs), x, rope)

@@ -30,7 +30,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 
 def document_starts(idx: torch.Tensor, eos_id: int) -> torch.Tensor:
@@ -83,6 +82,9 @@ class CompressedLayout:
     block_start: torch.Tensor  # [B, C] int64, C = T // d
     valid: torch.Tensor  # [B, C] bool
     frame: torch.Tensor  # [3, B, T] int64 (q_pos, k_base, c_base) for queries at window positions 0 .. T-1
+    block_rows: torch.Tensor  # [B, 1, C*l, 1] int64: the raw rows of every slot's block (gather_blocks' index)
+    block_end: torch.Tensor  # [B, C] int64: window index of each slot's last position (where its key is rotated)
+    l: int  # positions per block
 
 
 def compressed_layout(start: torch.Tensor, l: int, d: int) -> CompressedLayout:
@@ -103,7 +105,9 @@ def compressed_layout(start: torch.Tensor, l: int, d: int) -> CompressedLayout:
     j = slot - bases.gather(1, owner)
     block_start = torch.where(valid, first.gather(1, owner) + j * d, 0)
     frame = torch.stack((t - start, start, bases.gather(1, doc)))  # [3, B, T]
-    return CompressedLayout(block_start, valid, frame)
+    rows = (block_start[:, :, None] + torch.arange(l, device=dev)).clamp_max(T - 1)  # [B, C, l]; clamps unused slots only
+    block_end = (block_start + (l - 1)).clamp_max(T - 1)
+    return CompressedLayout(block_start, valid, frame, rows.view(B, 1, C * l, 1), block_end, l)
 
 
 def plain_frame(B: int, Tq: int, q_start: int, device) -> torch.Tensor:
@@ -113,11 +117,9 @@ def plain_frame(B: int, Tq: int, q_start: int, device) -> torch.Tensor:
     return torch.stack((q_pos, zero, zero))
 
 
-def gather_blocks(raw: torch.Tensor, block_start: torch.Tensor, l: int) -> torch.Tensor:
-    """raw [B, H_kv, T, hd], block_start [B, C] -> [B, H_kv, C, l, hd]: the l raw rows from each start
-    (rows past T read as zeros; only unused slots reach them)."""
-    B, H, T, hd = raw.shape
-    C = block_start.shape[1]
-    padded = F.pad(raw, (0, 0, 0, l))  # [B, H, T + l, hd]
-    at = (block_start[:, :, None] + torch.arange(l, device=raw.device)).reshape(B, 1, C * l, 1)
-    return padded.gather(2, at.expand(B, H, C * l, hd)).view(B, H, C, l, hd)
+def gather_blocks(raw: torch.Tensor, layout: CompressedLayout) -> torch.Tensor:
+    """raw [B, H_kv, T, hd] -> [B, H_kv, C, l, hd]: each slot's block of raw rows (one gather)."""
+    B, H, _, hd = raw.shape
+    C = layout.block_start.shape[1]
+    rows = layout.block_rows
+    return raw.gather(2, rows.expand(B, H, rows.shape[2], hd)).view(B, H, C, layout.l, hd)

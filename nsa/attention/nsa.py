@@ -217,12 +217,11 @@ class NativeSparseAttention(nn.Module):
         layout = documents.compressed(c.l, c.d)  # computed once per batch, shared by the layers
         frame = layout.frame  # [3, B, T]
         raw_k, raw_v = br["cmp"]
-        ck = self.compress_k(gather_blocks(raw_k, layout.block_start, c.l))  # [B, H_kv, T // d, hd]
-        cv = self.compress_v(gather_blocks(raw_v, layout.block_start, c.l))
+        ck = self.compress_k(gather_blocks(raw_k, layout))  # [B, H_kv, T // d, hd]
+        cv = self.compress_v(gather_blocks(raw_v, layout))
         if rope is not None:  # rotate each compressed key at the last position of its block
-            at = (layout.block_start + (c.l - 1)).clamp_max(T - 1)  # [B, C] window index
             cos, sin = (r.expand(B, *r.shape[-2:]) for r in rope)  # [B, T, hd/2]: per-row (document) positions
-            at = at[..., None].expand(-1, -1, cos.shape[-1])
+            at = layout.block_end[..., None].expand(-1, -1, cos.shape[-1])  # [B, C, hd/2]
             ck = apply_rotary(ck, cos.gather(1, at), sin.gather(1, at))  # cos, sin [B, C, hd/2]
         with nvtx_range("nsa.compressed"):
             o_cmp = ops.compressed_attention(q, ck, cv, 0, c.l, c.d, c.q_chunk, c.kernel, frame=frame)

@@ -39,3 +39,26 @@ def test_each_nsa_stage_is_one_custom_op(counts):
         "nsa.selected_attention": 1, "nsa.selected_attention_backward": 1,
         "nsa.window_attention": 1, "nsa.window_attention_backward": 1,
     }
+
+
+DOCUMENTS = (1, 8, 64)
+
+
+def test_packed_documents_keep_the_layer_constant_in_length_and_document_count():
+    """Document masking (issue 28): the same ops per layer at every length and for 1, 8 or 64 documents per
+    window, within the budget (the document layout is built once per batch, outside the layers)."""
+    nsa = ModelConfig(**M7C, attention="nsa", nsa=NSA_M7C)
+    totals = {(T, n): attention_layer_launches(nsa, T, documents=n).total for T in (2048, 65536) for n in DOCUMENTS}
+    assert len(set(totals.values())) == 1, totals
+    assert next(iter(totals.values())) <= BUDGET
+
+
+def test_document_count_changes_no_op_count_on_real_values():
+    """On the meta device values cannot matter; on CPU they do (the torch path reads the frame), and the count
+    of dispatched ops still does not move with the number of documents."""
+    small = ModelConfig(dim=64, n_heads=4, n_kv_heads=2, head_dim=16, attention="nsa",
+                        nsa=NSAConfig(l=16, d=8, l_sel=32, n_sel=4, w=64))
+    counts = {n: attention_layer_launches(small, 1024, documents=n, device="cpu") for n in DOCUMENTS}
+    assert len({c.total for c in counts.values()}) == 1, {n: c.total for n, c in counts.items()}
+    ops = {name: k for name, k in counts[64].by_op.items() if name.startswith("nsa.")}
+    assert ops["nsa.selected_attention"] == 1 and ops["nsa.select_blocks"] == 1

@@ -110,6 +110,39 @@ def _window_mask_mod(q_start: torch.Tensor, k_start: torch.Tensor, w: int):
     return mask_mod
 
 
+def _compressed_frame_mask_mod(q_pos: torch.Tensor, c_base: torch.Tensor, l: int, d: int):
+    """With documents: query (b, qi) at document position p = q_pos[b, qi] sees compressed token ki iff
+    j = ki - c_base[b, qi] >= 0 and j*d + l - 1 <= p (the j-th token of its own document, whole in its past).
+    q_pos, c_base [B, Tq] int64 are captured tensors (data to the compiled kernel, guarded by metadata)."""
+
+    def mask_mod(batch, head, qi, ki):
+        j = ki - c_base[batch, qi]
+        return (j >= 0) & (j * d + (l - 1) <= q_pos[batch, qi])
+
+    return mask_mod
+
+
+def _window_frame_mask_mod(q_start: torch.Tensor, k_start: torch.Tensor, w: int, k_base: torch.Tensor):
+    """With documents: the window of _window_mask_mod, cut at the document's first key: also ki >= k_base[b, qi]
+    (k_base [B, Tq] int64, a captured tensor)."""
+
+    def mask_mod(batch, head, qi, ki):
+        s, p = ki + k_start, qi + q_start
+        return (s <= p) & (s > p - w) & (ki >= k_base[batch, qi])
+
+    return mask_mod
+
+
+def _document_mask_mod(start: torch.Tensor):
+    """Dense attention over packed documents: query qi sees key ki iff start[b, qi] <= ki <= qi
+    (start [B, T] int64, Documents.start: a captured tensor)."""
+
+    def mask_mod(batch, head, qi, ki):
+        return (ki <= qi) & (ki >= start[batch, qi])
+
+    return mask_mod
+
+
 def _offset(x: int, device) -> torch.Tensor:
     return torch.full((), x, dtype=torch.int64, device=device)  # a fill, not a host-to-device copy
 
@@ -161,6 +194,18 @@ def _block_mask(kind: str, Tq: int, Tk: int, q_start: int, k_start: int, a: int,
     q_lo, q_hi, q_whole = _tile_bounds(Tq, device)  # [nq] query rows
     k_lo, k_hi, k_whole = _tile_bounds(Tk, device)  # [nk] key rows
     q_lo, q_hi = (q_lo + q_start)[:, None], (q_hi + q_start)[:, None]  # absolute positions, [nq, 1]
+    some, every, mask_mod = _geometry(kind, q_lo, q_hi, k_lo, k_hi, q_start, k_start, a, b, device)
+    mask = _blocks(some, every, q_whole, k_whole, mask_mod, Tq, Tk)
+    if caching:
+        _MASK_CACHE[key] = mask
+        while len(_MASK_CACHE) > _MASK_CACHE_SIZE:
+            _MASK_CACHE.popitem(last=False)
+    return mask
+
+
+def _geometry(kind: str, q_lo, q_hi, k_lo, k_hi, q_start: int, k_start: int, a: int, b: int, device):
+    """The tiles of one document at query positions q_lo .. q_hi ([nq, 1]) and key tiles k_lo .. k_hi ([nk]):
+    (some [nq, nk], every [nq, nk], mask_mod)."""
     if kind == "cmp":
         l, d = a, b
         end_lo, end_hi = k_lo * d + l - 1, k_hi * d + l - 1  # last position covered by a tile's first / last token
@@ -174,12 +219,56 @@ def _block_mask(kind: str, Tq: int, Tk: int, q_start: int, k_start: int, a: int,
         every = (s_hi <= q_lo) & (s_lo > q_hi - w)
     else:
         raise ValueError(f"unknown branch {kind!r}")
-    mask = _blocks(some, every, q_whole, k_whole, mask_mod, Tq, Tk)
-    if caching:
-        _MASK_CACHE[key] = mask
-        while len(_MASK_CACHE) > _MASK_CACHE_SIZE:
-            _MASK_CACHE.popitem(last=False)
-    return mask
+    return some, every, mask_mod
+
+
+def _check_frame(frame: torch.Tensor, q: torch.Tensor) -> None:
+    B, _, Tq, _ = q.shape
+    if frame.shape != (3, B, Tq) or frame.dtype != torch.int64:
+        raise ValueError(f"frame must be int64 [3, {B}, {Tq}] (q_pos, k_base, c_base), got {frame.dtype} {list(frame.shape)}")
+
+
+def _compressed_frame_block_mask(frame: torch.Tensor, Tk: int, l: int, d: int) -> BlockMask:
+    """Per batch row [B, 1, nq, nk]: query (b, t) sees compressed tokens [c_base, end) with
+    end = c_base + num_compressed(q_pos + 1, l, d). A key tile is visible to a query tile when it meets
+    [min c_base, max end) over the tile's queries, and full when it lies inside [max c_base, min end)."""
+    q_pos, c_base = frame[0].contiguous(), frame[2].contiguous()  # [B, Tq]
+    Tq, device = q_pos.shape[1], q_pos.device
+    count = torch.where(q_pos + 1 >= l, (q_pos + 1 - l).div(d, rounding_mode="floor") + 1, 0)  # [B, Tq]
+    c_min, c_max = _tile_min_max(c_base)  # [B, nq]
+    e_min, e_max = _tile_min_max(c_base + count)
+    _, _, q_whole = _tile_bounds(Tq, device)
+    k_lo, k_hi, k_whole = _tile_bounds(Tk, device)  # [nk]
+    some = (k_lo < e_max[..., None]) & (k_hi >= c_min[..., None])  # [B, nq, nk]
+    every = (k_lo >= c_max[..., None]) & (k_hi < e_min[..., None])
+    return _blocks(some, every, q_whole, k_whole, _compressed_frame_mask_mod(q_pos, c_base, l, d), Tq, Tk)
+
+
+def _window_frame_block_mask(frame: torch.Tensor, Tk: int, q_start: int, k_start: int, w: int) -> BlockMask:
+    """Per batch row [B, 1, nq, nk]: the window's tiles, less the key tiles wholly before every query's
+    document (k_hi < min k_base over the query tile); full only if also k_lo >= max k_base."""
+    k_base = frame[1].contiguous()  # [B, Tq]
+    Tq, device = k_base.shape[1], k_base.device
+    q_lo, q_hi, q_whole = _tile_bounds(Tq, device)
+    k_lo, k_hi, k_whole = _tile_bounds(Tk, device)
+    q_lo, q_hi = (q_lo + q_start)[:, None], (q_hi + q_start)[:, None]
+    some, every, _ = _geometry("win", q_lo, q_hi, k_lo, k_hi, q_start, k_start, w, 0, device)  # [nq, nk]
+    b_min, b_max = _tile_min_max(k_base)  # [B, nq]
+    some = some & (k_hi >= b_min[..., None])  # [B, nq, nk]
+    every = every & (k_lo >= b_max[..., None])
+    mask_mod = _window_frame_mask_mod(_offset(q_start, device), _offset(k_start, device), w, k_base)
+    return _blocks(some, every, q_whole, k_whole, mask_mod, Tq, Tk)
+
+
+def _document_block_mask(start: torch.Tensor) -> BlockMask:
+    """Dense block-causal mask per batch row [B, 1, nq, nk]: query tile [q_lo, q_hi] reads key tiles that meet
+    [min start, q_hi] (its queries' documents up to its last query), full ones inside [max start, q_lo]."""
+    T, device = start.shape[1], start.device
+    lo, hi, whole = _tile_bounds(T, device)
+    s_min, s_max = _tile_min_max(start)  # [B, nq]
+    some = (lo[None, :] <= hi[:, None]) & (hi >= s_min[..., None])  # [B, nq, nk]
+    every = (hi[None, :] <= lo[:, None]) & (lo >= s_max[..., None])
+    return _blocks(some, every, whole, whole, _document_mask_mod(start), T, T)
 
 
 def flex_compressed_attention(
@@ -189,9 +278,16 @@ def flex_compressed_attention(
     q_start: int,
     l: int,
     d: int,
+    frame: torch.Tensor | None = None,  # [3, B, Tq] int64 documents (q_pos, k_base, c_base); then q_start is unused
 ) -> torch.Tensor:  # [B, H, Tq, hd]; rows that see no compressed token are zero
+    """Without a frame query q_start + t sees tokens i with i*d + l - 1 <= q_start + t; with one, query (b, t)
+    sees c_base <= ki < c_base + num_compressed(q_pos + 1, l, d) (its own document's tokens; module docstring)."""
+    if frame is not None:
+        _check_frame(frame, q)
     if ck.shape[2] == 0:
         return torch.zeros_like(q)
+    if frame is not None:
+        return _run_flex("nsa.compressed[documents]", q, ck, cv, _compressed_frame_block_mask(frame, ck.shape[2], l, d))
     mask = _block_mask("cmp", q.shape[2], ck.shape[2], q_start, 0, l, d, q.device)
     return _run_flex("nsa.compressed", q, ck, cv, mask)
 
@@ -203,6 +299,26 @@ def flex_window_attention(
     q_start: int,
     k_start: int,
     w: int,
+    frame: torch.Tensor | None = None,  # [3, B, Tq] int64 documents: frame[1] (k_base) is the document's first key
 ) -> torch.Tensor:  # [B, H, Tq, hd]
+    """Query q_start + t sees key k_start + ki iff it lies in (q_start + t - w, q_start + t]; with a frame also
+    ki >= k_base[b, t] (the window stops at the document's first key)."""
+    if frame is not None:
+        _check_frame(frame, q)
+        mask = _window_frame_block_mask(frame, k.shape[2], q_start, k_start, w)
+        return _run_flex("nsa.window[documents]", q, k, v, mask)
     mask = _block_mask("win", q.shape[2], k.shape[2], q_start, k_start, w, 0, q.device)
     return _run_flex("nsa.window", q, k, v, mask)
+
+
+def flex_document_attention(
+    q: torch.Tensor,  # [B, H, T, hd]
+    k: torch.Tensor,  # [B, H_kv, T, hd]
+    v: torch.Tensor,  # [B, H_kv, T, hd]
+    start: torch.Tensor,  # [B, T] int64: each token's document start (Documents.start)
+) -> torch.Tensor:  # [B, H, T, hd]
+    """Dense block-causal attention over packed documents: query t sees key s iff start[b, t] <= s <= t
+    (dense.py's CUDA path). Every query sees itself, so no row is empty."""
+    if start.shape != (q.shape[0], q.shape[2]) or k.shape[2] != q.shape[2]:
+        raise ValueError(f"documents need Tq == Tk and start [B, T]: q {list(q.shape)}, k {list(k.shape)}, start {list(start.shape)}")
+    return _run_flex("dense.causal_attention[documents]", q, k, v, _document_block_mask(start.contiguous()))
