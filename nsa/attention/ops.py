@@ -6,6 +6,10 @@ The only module that registers custom ops and chooses a kernel (`resolve_kernel`
     selected_attention(q, k, v, block_idx) -> o                  nsa::selected_attention (+ _backward)
     window_attention(q, k, v)              -> o                  nsa::window_attention (+ _backward)
 
+Packed documents: every op takes an optional frame [3, B, Tq] (nsa/attention/documents.py: each query's
+position in its document and where its document's keys and compressed tokens start). The Triton kernels and
+FlexAttention read it on the device; the torch path runs each document as if alone (impl/segments.py).
+
 Each op is one node for the dispatcher, for torch.compile (no graph break: every op has a fake
 implementation that only computes shapes) and for the meta device, so what is counted on a CPU (ops per
 layer, graph breaks, recompiles) is the structure a GPU runs: a constant number of launches per layer,
