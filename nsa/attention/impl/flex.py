@@ -225,7 +225,8 @@ def _geometry(kind: str, q_lo, q_hi, k_lo, k_hi, q_start: int, k_start: int, a: 
 def _check_frame(frame: torch.Tensor, q: torch.Tensor) -> None:
     B, _, Tq, _ = q.shape
     if frame.shape != (3, B, Tq) or frame.dtype != torch.int64:
-        raise ValueError(f"frame must be int64 [3, {B}, {Tq}] (q_pos, k_base, c_base), got {frame.dtype} {list(frame.shape)}")
+        raise ValueError(f"frame must be int64 [3, {B}, {Tq}] (q_pos, k_base, c_base), "
+                         f"got {frame.dtype} {list(frame.shape)}")
 
 
 def _compressed_frame_block_mask(frame: torch.Tensor, Tk: int, l: int, d: int) -> BlockMask:
@@ -320,5 +321,6 @@ def flex_document_attention(
     """Dense block-causal attention over packed documents: query t sees key s iff start[b, t] <= s <= t
     (dense.py's CUDA path). Every query sees itself, so no row is empty."""
     if start.shape != (q.shape[0], q.shape[2]) or k.shape[2] != q.shape[2]:
-        raise ValueError(f"documents need Tq == Tk and start [B, T]: q {list(q.shape)}, k {list(k.shape)}, start {list(start.shape)}")
+        raise ValueError(f"documents need Tq == Tk and start [B, T]: q {list(q.shape)}, k {list(k.shape)}, "
+                         f"start {list(start.shape)}")
     return _run_flex("dense.causal_attention[documents]", q, k, v, _document_block_mask(start.contiguous()))
