@@ -9,6 +9,7 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 from nsa.attention import ops
+from nsa.attention.documents import compressed_layout
 from nsa.config import ModelConfig, NSAConfig
 from nsa.gate_health import set_gate_stats
 from nsa.model import Transformer
@@ -87,18 +88,29 @@ def test_custom_ops_pass_opcheck():
     qg = q.detach().view(B, H_kv, G, T, hd).requires_grad_(True)
     idx = ops.select_blocks(qg, ck, 0, l, d, l_sel, n, 16, "torch")
     cases = [
-        (ops._select_blocks, (qg.detach(), ck.detach(), 0, l, d, l_sel, n, 16, "torch")),
-        (ops._compressed, (q, ck, cv, 0, l, d, 16)),
-        (ops._selected, (qg, k, v, idx, 0, l_sel, 4, 24, "torch")),
-        (ops._window, (q, k, v, 0, 0, w, 16)),
+        (ops._select_blocks, (qg.detach(), ck.detach(), 0, l, d, l_sel, n, 16, "torch", None)),
+        (ops._compressed, (q, ck, cv, 0, l, d, 16, None)),
+        (ops._selected, (qg, k, v, idx, 0, l_sel, 4, 24, "torch", None)),
+        (ops._window, (q, k, v, 0, 0, w, 16, None)),
     ]
-    for op, args in cases[1:]:  # each backward op on the forward's outputs
+    # packed documents (lengths 5, 23, 12): the frame argument, compressed tokens in T // d slots
+    start = torch.tensor([[0] * 5 + [5] * 23 + [28] * 12])
+    frame = compressed_layout(start, l, d).frame
+    ck_docs, cv_docs = rnd(B, H_kv, T // d, hd), rnd(B, H_kv, T // d, hd)
+    idx_docs = ops.select_blocks(qg, ck_docs, 0, l, d, l_sel, n, 16, "torch", frame=frame)
+    cases += [
+        (ops._select_blocks, (qg.detach(), ck_docs.detach(), 0, l, d, l_sel, n, 16, "torch", frame)),
+        (ops._compressed, (q, ck_docs, cv_docs, 0, l, d, 16, frame)),
+        (ops._selected, (qg, k, v, idx_docs, 0, l_sel, 4, 24, "torch", frame)),
+        (ops._window, (q, k, v, 0, 0, w, 16, frame)),
+    ]
+    for op, args in [c for c in cases if c[0] is not ops._select_blocks]:  # each backward op on the forward's outputs
         o, lse = (t.detach() for t in op(*args))
         tensors = [t.detach() for t in args[:3]]
         d_o = torch.randn(o.shape, generator=g, dtype=dtype)
         backward = {ops._compressed: ops._compressed_bwd, ops._selected: ops._selected_bwd, ops._window: ops._window_bwd}[op]
         if op is ops._selected:
-            cases.append((backward, (d_o, *tensors, idx, o, lse, *args[4:])))
+            cases.append((backward, (d_o, *tensors, args[3], o, lse, *args[4:])))
         else:
             cases.append((backward, (d_o, *tensors, o, lse, *args[3:])))
     for op, args in cases:
