@@ -17,20 +17,112 @@ import triton
 import triton.language as tl
 
 
+@triton.jit
+def _load_block(K, V, b, h, first, offs_s, offs_d, d_ok, skb, skh, skt, skd, svb, svh, svt, svd, Tk,
+                L_SEL: tl.constexpr, UPCAST: tl.constexpr):
+    """Keys and values first .. first + l' - 1 (index < Tk) as [BS, DP] tiles, and that mask [BS]."""
+    pos_k = first + offs_s
+    k_ok = (offs_s < L_SEL) & (pos_k < Tk)
+    kd_ok = k_ok[:, None] & d_ok[None, :]
+    kb = tl.load(K + b * skb + h * skh + pos_k[:, None] * skt + offs_d[None, :] * skd, mask=kd_ok, other=0.0)
+    vb = tl.load(V + b * svb + h * svh + pos_k[:, None] * svt + offs_d[None, :] * svd, mask=kd_ok, other=0.0)
+    if UPCAST:  # the interpreter has no bf16/fp16 matmul
+        kb = kb.to(tl.float32)
+        vb = vb.to(tl.float32)
+    return kb, vb, k_ok
+
+
+@triton.jit
+def _run_rows(QUERIES, OFFS, FRAME, start, r0, total, cur, j, b, offs_m, sf0, sf1, sf2,
+              G: tl.constexpr, L_SEL: tl.constexpr):
+    """Frame mode: the rows r0 .. r0 + BM - 1 of a tile (entries start + r // G) that belong to the run
+    of block start offset `cur` (a prefix of them: entries are sorted by offset), their query indices
+    and how far into its block each row sees (p - j*l', j the row's document-relative block)."""
+    r = r0 + offs_m
+    r_in = r < total
+    r_ok = r_in & (tl.load(OFFS + start + r // G, mask=r_in, other=-1) == cur)
+    t = tl.load(QUERIES + start + r // G, mask=r_ok, other=0).to(tl.int64)
+    f = FRAME + b * sf1 + t * sf2
+    # positions and offsets in int32 (fewer registers); block start - k_base = the row's j_doc * l'
+    rel = (j * L_SEL + cur).to(tl.int32) - tl.load(f + sf0, mask=r_ok, other=0).to(tl.int32)
+    return r, r_ok, t, tl.load(f, mask=r_ok, other=0).to(tl.int32) - rel
+
+
+@triton.jit
+def _fwd_step(Q, OACC, M, DEN, LSE, b, h, bh, g, t, r_ok, vis, kb, vb, offs_d, d_ok,
+              sqb, sqh, sqg, sqt, sqd, Tq, scale,
+              G: tl.constexpr, HD: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+    """One row step of block_fwd_kernel: the (query t, head g) rows r_ok [BM] against the block's keys
+    kb, vb [BS, DP] (vis [BM, BS]: which keys each row sees) update their state in global memory."""
+    rd_ok = r_ok[:, None] & d_ok[None, :]
+    q = tl.load(Q + b * sqb + h * sqh + g[:, None] * sqg + t[:, None] * sqt + offs_d[None, :] * sqd,
+                mask=rd_ok, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    row = (bh * G + g) * Tq + t  # [B, H_kv, G, Tq] row of the state
+    m_old = tl.load(M + row, mask=r_ok, other=-1.0e30)
+    den_old = tl.load(DEN + row, mask=r_ok, other=0.0)
+    sc = tl.dot(q, tl.trans(kb), input_precision=PREC, out_dtype=ACC) * scale
+    sc = tl.where(vis, sc, float("-inf"))  # masked scores are -inf, never a finite sentinel
+    m_new = tl.maximum(m_old, tl.max(sc, axis=1))  # m_old >= -1e30: finite, so alpha is never NaN
+    alpha = tl.exp(m_old - m_new)
+    p = tl.exp(sc - m_new[:, None])
+    den_new = den_old * alpha + tl.sum(p, axis=1)
+    pv = tl.dot(p.to(Q.dtype.element_ty).to(vb.dtype), vb, input_precision=PREC, out_dtype=ACC)
+    has = den_new > 0
+    den_safe = tl.where(has, den_new, 1.0)
+    o_ptr = OACC + row[:, None] * HD + offs_d[None, :]
+    o_old = tl.load(o_ptr, mask=rd_ok, other=0.0)
+    # rescale exactly 1 when the block adds nothing (all its keys after the query)
+    o_new = o_old * ((den_old * alpha) / den_safe)[:, None] + pv * (1.0 / den_safe)[:, None]
+    tl.store(o_ptr, o_new, mask=rd_ok)
+    tl.store(M + row, m_new, mask=r_ok)
+    tl.store(DEN + row, den_new, mask=r_ok)
+    tl.store(LSE + row, tl.where(has, m_new + tl.log(den_safe), float("-inf")), mask=r_ok)
+
+
+@triton.jit
+def _dq_step(Q, DO, LSE, DELTA, DQACC, b, h, bh, g, t, r_ok, vis, kb, vb, offs_d, d_ok,
+             sqb, sqh, sqg, sqt, sqd, sdb, sdh, sdg, sdt, sdd, Tq, scale,
+             G: tl.constexpr, HD: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+    """One row step of block_dq_kernel: adds the rows' term scale * dS K of this block to DQACC."""
+    rd_ok = r_ok[:, None] & d_ok[None, :]
+    q = tl.load(Q + b * sqb + h * sqh + g[:, None] * sqg + t[:, None] * sqt + offs_d[None, :] * sqd,
+                mask=rd_ok, other=0.0)
+    do = tl.load(DO + b * sdb + h * sdh + g[:, None] * sdg + t[:, None] * sdt + offs_d[None, :] * sdd,
+                 mask=rd_ok, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    row = (bh * G + g) * Tq + t
+    lse = tl.load(LSE + row, mask=r_ok, other=0.0)
+    delta = tl.load(DELTA + row, mask=r_ok, other=0.0)
+    dp = tl.dot(do, tl.trans(vb), input_precision=PREC, out_dtype=ACC) - delta[:, None]
+    sc = tl.dot(q, tl.trans(kb), input_precision=PREC, out_dtype=ACC) * scale
+    ds = tl.where(vis, tl.exp(sc - lse[:, None]), 0.0) * dp  # P recomputed from the final LSE
+    dq = tl.dot(ds.to(Q.dtype.element_ty).to(kb.dtype), kb, input_precision=PREC, out_dtype=ACC)
+    dq_ptr = DQACC + row[:, None] * HD + offs_d[None, :]
+    tl.store(dq_ptr, tl.load(dq_ptr, mask=rd_ok, other=0.0) + dq * scale, mask=rd_ok)
+
+
 @triton.jit(do_not_specialize=["slot"])
 def block_fwd_kernel(
-    Q, K, V, QUERIES, TILE_SEG, TILE_START, TILE_COUNT, OACC, M, DEN, LSE,
+    Q, K, V, QUERIES, OFFS, TILE_SEG, TILE_START, TILE_COUNT, OACC, M, DEN, LSE, FRAME,
     sqb, sqh, sqg, sqt, sqd,
     skb, skh, skt, skd,
     svb, svh, svt, svd,
+    sf0, sf1, sf2,
     Tq, Tk, q_start, scale, n_blocks, slot, n_tiles,
     H_KV: tl.constexpr, G: tl.constexpr, L_SEL: tl.constexpr, HD: tl.constexpr,
     BM: tl.constexpr, BS: tl.constexpr, DP: tl.constexpr,
-    ACC: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    ACC: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, HAS_FRAME: tl.constexpr,
 ):
     """One slot's step of an online softmax kept per (query, head) row in global memory: running max M,
     denominator DEN, the output OACC [B, H_kv, G, Tq, hd] kept normalized (OACC = numerator / DEN), and
-    LSE = M + log(DEN) (-inf while DEN = 0). Initial state: M = -1e30, DEN = 0, OACC = 0, LSE = -inf."""
+    LSE = M + log(DEN) (-inf while DEN = 0). Initial state: M = -1e30, DEN = 0, OACC = 0, LSE = -inf.
+    With a frame (HAS_FRAME) the tile's entries are blocks starting in aligned block J = seg % n_blocks
+    at J*l' + OFFS[entry] (sorted by offset, then query): the program walks the runs of equal offsets
+    (one document's block each, usually one per tile), loading each run's K/V once."""
     tile = slot.to(tl.int64) * n_tiles + tl.program_id(0)
     count = tl.load(TILE_COUNT + tile).to(tl.int64)  # queries in this tile (0: spare, nothing to do)
     if count > 0:
@@ -44,61 +136,52 @@ def block_fwd_kernel(
         offs_s = tl.arange(0, BS)
         offs_d = tl.arange(0, DP)
         d_ok = offs_d < HD
-        pos_k = j * L_SEL + offs_s
-        k_ok = (offs_s < L_SEL) & (pos_k < Tk)
-        kd_ok = k_ok[:, None] & d_ok[None, :]
-        kb = tl.load(K + b * skb + h * skh + pos_k[:, None] * skt + offs_d[None, :] * skd, mask=kd_ok, other=0.0)
-        vb = tl.load(V + b * svb + h * svh + pos_k[:, None] * svt + offs_d[None, :] * svd, mask=kd_ok, other=0.0)
-        if UPCAST:  # the interpreter has no bf16/fp16 matmul
-            kb = kb.to(tl.float32)
-            vb = vb.to(tl.float32)
-        for r0 in range(0, count * G, BM):  # rows are (query, head) pairs
-            r = r0 + offs_m
-            r_ok = r < count * G
-            g = r % G
-            t = tl.load(QUERIES + start + r // G, mask=r_ok, other=0).to(tl.int64)
-            rd_ok = r_ok[:, None] & d_ok[None, :]
-            q = tl.load(Q + b * sqb + h * sqh + g[:, None] * sqg + t[:, None] * sqt + offs_d[None, :] * sqd,
-                        mask=rd_ok, other=0.0)
-            if UPCAST:
-                q = q.to(tl.float32)
-            row = (bh * G + g) * Tq + t  # [B, H_kv, G, Tq] row of the state
-            m_old = tl.load(M + row, mask=r_ok, other=-1.0e30)
-            den_old = tl.load(DEN + row, mask=r_ok, other=0.0)
-            vis = r_ok[:, None] & k_ok[None, :] & (pos_k[None, :] <= (q_start + t)[:, None])  # [BM, BS]
-            sc = tl.dot(q, tl.trans(kb), input_precision=PREC, out_dtype=ACC) * scale
-            sc = tl.where(vis, sc, float("-inf"))  # masked scores are -inf, never a finite sentinel
-            m_new = tl.maximum(m_old, tl.max(sc, axis=1))  # m_old >= -1e30: finite, so alpha is never NaN
-            alpha = tl.exp(m_old - m_new)
-            p = tl.exp(sc - m_new[:, None])
-            den_new = den_old * alpha + tl.sum(p, axis=1)
-            pv = tl.dot(p.to(Q.dtype.element_ty).to(vb.dtype), vb, input_precision=PREC, out_dtype=ACC)
-            has = den_new > 0
-            den_safe = tl.where(has, den_new, 1.0)
-            o_ptr = OACC + row[:, None] * HD + offs_d[None, :]
-            o_old = tl.load(o_ptr, mask=rd_ok, other=0.0)
-            # rescale exactly 1 when the block adds nothing (all its keys after the query)
-            o_new = o_old * ((den_old * alpha) / den_safe)[:, None] + pv * (1.0 / den_safe)[:, None]
-            tl.store(o_ptr, o_new, mask=rd_ok)
-            tl.store(M + row, m_new, mask=r_ok)
-            tl.store(DEN + row, den_new, mask=r_ok)
-            tl.store(LSE + row, tl.where(has, m_new + tl.log(den_safe), float("-inf")), mask=r_ok)
+        if HAS_FRAME:
+            total = count * G
+            cur = tl.load(OFFS + start).to(tl.int64)  # the run's block start - J*l'
+            kb, vb, k_ok = _load_block(K, V, b, h, j * L_SEL + cur, offs_s, offs_d, d_ok,
+                                       skb, skh, skt, skd, svb, svh, svt, svd, Tk, L_SEL, UPCAST)
+            r0 = total * 0
+            while r0 < total:  # a step takes the rows of one run
+                off = tl.load(OFFS + start + r0 // G).to(tl.int64)
+                if off != cur:  # a new run (document): load its block
+                    cur = off
+                    kb, vb, k_ok = _load_block(K, V, b, h, j * L_SEL + cur, offs_s, offs_d, d_ok,
+                                               skb, skh, skt, skd, svb, svh, svt, svd, Tk, L_SEL, UPCAST)
+                r, r_ok, t, reach = _run_rows(QUERIES, OFFS, FRAME, start, r0, total, cur, j, b, offs_m,
+                                              sf0, sf1, sf2, G, L_SEL)
+                vis = r_ok[:, None] & k_ok[None, :] & (offs_s[None, :] <= reach[:, None])  # [BM, BS]
+                _fwd_step(Q, OACC, M, DEN, LSE, b, h, bh, r % G, t, r_ok, vis, kb, vb, offs_d, d_ok,
+                          sqb, sqh, sqg, sqt, sqd, Tq, scale, G, HD, ACC, UPCAST, PREC)
+                r0 += tl.sum(r_ok.to(tl.int64), axis=0)
+        else:
+            pos_k = j * L_SEL + offs_s
+            kb, vb, k_ok = _load_block(K, V, b, h, j * L_SEL, offs_s, offs_d, d_ok,
+                                       skb, skh, skt, skd, svb, svh, svt, svd, Tk, L_SEL, UPCAST)
+            for r0 in range(0, count * G, BM):  # rows are (query, head) pairs
+                r = r0 + offs_m
+                r_ok = r < count * G
+                t = tl.load(QUERIES + start + r // G, mask=r_ok, other=0).to(tl.int64)
+                vis = r_ok[:, None] & k_ok[None, :] & (pos_k[None, :] <= (q_start + t)[:, None])  # [BM, BS]
+                _fwd_step(Q, OACC, M, DEN, LSE, b, h, bh, r % G, t, r_ok, vis, kb, vb, offs_d, d_ok,
+                          sqb, sqh, sqg, sqt, sqd, Tq, scale, G, HD, ACC, UPCAST, PREC)
 
 
 @triton.jit(do_not_specialize=["slot"])
 def block_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, QUERIES, TILE_SEG, TILE_START, TILE_COUNT, DQACC,
+    Q, K, V, DO, LSE, DELTA, QUERIES, OFFS, TILE_SEG, TILE_START, TILE_COUNT, DQACC, FRAME,
     sqb, sqh, sqg, sqt, sqd,
     skb, skh, skt, skd,
     svb, svh, svt, svd,
     sdb, sdh, sdg, sdt, sdd,
+    sf0, sf1, sf2,
     Tq, Tk, q_start, scale, n_blocks, slot, n_tiles,
     H_KV: tl.constexpr, G: tl.constexpr, L_SEL: tl.constexpr, HD: tl.constexpr,
     BM: tl.constexpr, BS: tl.constexpr, DP: tl.constexpr,
-    ACC: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    ACC: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, HAS_FRAME: tl.constexpr,
 ):
     """One slot's term of dQ = scale * sum_s dS_s K_s, dS = P * (dO V^T - delta), P = exp(S - LSE),
-    added to DQACC [B, H_kv, G, Tq, hd] (zeros before slot 0)."""
+    added to DQACC [B, H_kv, G, Tq, hd] (zeros before slot 0). Frames: as block_fwd_kernel."""
     tile = slot.to(tl.int64) * n_tiles + tl.program_id(0)
     count = tl.load(TILE_COUNT + tile).to(tl.int64)
     if count > 0:
@@ -112,34 +195,32 @@ def block_dq_kernel(
         offs_s = tl.arange(0, BS)
         offs_d = tl.arange(0, DP)
         d_ok = offs_d < HD
-        pos_k = j * L_SEL + offs_s
-        k_ok = (offs_s < L_SEL) & (pos_k < Tk)
-        kd_ok = k_ok[:, None] & d_ok[None, :]
-        kb = tl.load(K + b * skb + h * skh + pos_k[:, None] * skt + offs_d[None, :] * skd, mask=kd_ok, other=0.0)
-        vb = tl.load(V + b * svb + h * svh + pos_k[:, None] * svt + offs_d[None, :] * svd, mask=kd_ok, other=0.0)
-        if UPCAST:
-            kb = kb.to(tl.float32)
-            vb = vb.to(tl.float32)
-        for r0 in range(0, count * G, BM):
-            r = r0 + offs_m
-            r_ok = r < count * G
-            g = r % G
-            t = tl.load(QUERIES + start + r // G, mask=r_ok, other=0).to(tl.int64)
-            rd_ok = r_ok[:, None] & d_ok[None, :]
-            q = tl.load(Q + b * sqb + h * sqh + g[:, None] * sqg + t[:, None] * sqt + offs_d[None, :] * sqd,
-                        mask=rd_ok, other=0.0)
-            do = tl.load(DO + b * sdb + h * sdh + g[:, None] * sdg + t[:, None] * sdt + offs_d[None, :] * sdd,
-                         mask=rd_ok, other=0.0)
-            if UPCAST:
-                q = q.to(tl.float32)
-                do = do.to(tl.float32)
-            row = (bh * G + g) * Tq + t
-            lse = tl.load(LSE + row, mask=r_ok, other=0.0)
-            delta = tl.load(DELTA + row, mask=r_ok, other=0.0)
-            vis = r_ok[:, None] & k_ok[None, :] & (pos_k[None, :] <= (q_start + t)[:, None])
-            dp = tl.dot(do, tl.trans(vb), input_precision=PREC, out_dtype=ACC) - delta[:, None]
-            sc = tl.dot(q, tl.trans(kb), input_precision=PREC, out_dtype=ACC) * scale
-            ds = tl.where(vis, tl.exp(sc - lse[:, None]), 0.0) * dp  # P recomputed from the final LSE
-            dq = tl.dot(ds.to(Q.dtype.element_ty).to(kb.dtype), kb, input_precision=PREC, out_dtype=ACC)
-            dq_ptr = DQACC + row[:, None] * HD + offs_d[None, :]
-            tl.store(dq_ptr, tl.load(dq_ptr, mask=rd_ok, other=0.0) + dq * scale, mask=rd_ok)
+        if HAS_FRAME:
+            total = count * G
+            cur = tl.load(OFFS + start).to(tl.int64)
+            kb, vb, k_ok = _load_block(K, V, b, h, j * L_SEL + cur, offs_s, offs_d, d_ok,
+                                       skb, skh, skt, skd, svb, svh, svt, svd, Tk, L_SEL, UPCAST)
+            r0 = total * 0
+            while r0 < total:
+                off = tl.load(OFFS + start + r0 // G).to(tl.int64)
+                if off != cur:
+                    cur = off
+                    kb, vb, k_ok = _load_block(K, V, b, h, j * L_SEL + cur, offs_s, offs_d, d_ok,
+                                               skb, skh, skt, skd, svb, svh, svt, svd, Tk, L_SEL, UPCAST)
+                r, r_ok, t, reach = _run_rows(QUERIES, OFFS, FRAME, start, r0, total, cur, j, b, offs_m,
+                                              sf0, sf1, sf2, G, L_SEL)
+                vis = r_ok[:, None] & k_ok[None, :] & (offs_s[None, :] <= reach[:, None])
+                _dq_step(Q, DO, LSE, DELTA, DQACC, b, h, bh, r % G, t, r_ok, vis, kb, vb, offs_d, d_ok,
+                         sqb, sqh, sqg, sqt, sqd, sdb, sdh, sdg, sdt, sdd, Tq, scale, G, HD, ACC, UPCAST, PREC)
+                r0 += tl.sum(r_ok.to(tl.int64), axis=0)
+        else:
+            pos_k = j * L_SEL + offs_s
+            kb, vb, k_ok = _load_block(K, V, b, h, j * L_SEL, offs_s, offs_d, d_ok,
+                                       skb, skh, skt, skd, svb, svh, svt, svd, Tk, L_SEL, UPCAST)
+            for r0 in range(0, count * G, BM):
+                r = r0 + offs_m
+                r_ok = r < count * G
+                t = tl.load(QUERIES + start + r // G, mask=r_ok, other=0).to(tl.int64)
+                vis = r_ok[:, None] & k_ok[None, :] & (pos_k[None, :] <= (q_start + t)[:, None])
+                _dq_step(Q, DO, LSE, DELTA, DQACC, b, h, bh, r % G, t, r_ok, vis, kb, vb, offs_d, d_ok,
+                         sqb, sqh, sqg, sqt, sqd, sdb, sdh, sdg, sdt, sdd, Tq, scale, G, HD, ACC, UPCAST, PREC)

@@ -61,56 +61,35 @@ MAX_BLOCK_QUERIES = 16
 BLOCKS_PER_CHUNK = 16  # BJ: selection blocks per pass-2 chunk (a power of two)
 
 
-@triton.jit(do_not_specialize=["q_start", "Tq", "N_c"])  # new chunk offsets / lengths: no recompile
-def _select_topk_kernel(
-    Q, CK, OUT,
-    sqb, sqh, sqg, sqt, sqd,
-    skb, skh, skn, skd,
-    q_start, Tq, N_c,
-    H_KV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, DP: tl.constexpr,
-    L: tl.constexpr, D: tl.constexpr, L_SEL: tl.constexpr, N: tl.constexpr, NP: tl.constexpr,
-    BT: tl.constexpr, BJ: tl.constexpr, SHIFT: tl.constexpr, SCALE: tl.constexpr,
+@triton.jit
+def _select_rows(
+    q, ck_tile, skn, d_ok, row_pos, row_in, pos_t, last, N_c, top_v, top_i,
+    GP: tl.constexpr, L: tl.constexpr, D: tl.constexpr, L_SEL: tl.constexpr, N: tl.constexpr,
+    NP: tl.constexpr, BT: tl.constexpr, BJ: tl.constexpr, SHIFT: tl.constexpr, SCALE: tl.constexpr,
     RUP: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
 ):
+    """Passes 1 and 2 for the queries of one document (compressed tokens ck_tile + i * skn, i < N_c):
+    rows row_in [R] at positions row_pos [R], the tile's queries at positions pos_t [BT] (last: the
+    largest position). Merges their blocks into the running top-n (top_v, top_i) [BT, NP]. A row at a
+    negative position sees no token, and a query at position -l' may pick no block (its top-n stays)."""
     M: tl.constexpr = L // D  # units per compressed token
     RU: tl.constexpr = L_SEL // D  # units (= compressed tokens) per selection block
     BN: tl.constexpr = BJ * RUP  # token lanes per chunk (RUP = RU padded to a power of two)
-    R: tl.constexpr = GP * BT  # rows: (head, query) pairs
-    q0 = tl.program_id(0) * BT  # positions and block indices are int32, pointer offsets int64
-    bh = tl.program_id(1).to(tl.int64)
-    b = bh // H_KV
-    h = bh % H_KV
-
-    # rows of the tile: row = g * BT + t
-    offs_r = tl.arange(0, R)
-    row_g = offs_r // BT
-    row_q = q0 + offs_r % BT  # query index in 0 .. Tq-1
-    row_ok = (row_g < G) & (row_q < Tq)
-    row_pos = q_start + row_q  # [R] absolute positions
-    offs_d = tl.arange(0, DP)
-    d_ok = offs_d < HD
-    q_rows = Q + b * sqb + h * sqh + row_g[:, None] * sqg + row_q[:, None].to(tl.int64) * sqt  # [R, 1]
-    q = tl.load(q_rows + offs_d[None, :] * sqd, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [R, DP]
-    if UPCAST:  # the interpreter has no bf16/fp16 matmul
-        q = q.to(tl.float32)
-    ck_tile = CK + b * skb + h * skh + offs_d[None, :] * skd  # [1, DP] pointers of token 0
-
-    last = q_start + tl.minimum(q0 + BT, Tq) - 1  # the tile's last query position
-    n_vis = tl.where(last + 1 >= L, (last + 1 - L) // D + 1, 0)  # tokens it sees
+    n_vis = tl.where(last + 1 >= L, (last + 1 - L) // D + 1, 0)  # tokens the last query sees
     n_vis = tl.minimum(n_vis, N_c)
     offs_n = tl.arange(0, BN)
 
     # ---- pass 1: log-sum-exp per row over the tokens it sees
     # running max starts finite so chunks a row cannot see give exp(-inf - m) = 0 (no -inf - -inf)
-    m_i = tl.full([R], -1.0e30, dtype=ACC)
-    den = tl.zeros([R], dtype=ACC)
+    m_i = tl.full([GP * BT], -1.0e30, dtype=ACC)
+    den = tl.zeros([GP * BT], dtype=ACC)
     for n0 in range(0, n_vis, BN):
         tok = n0 + offs_n  # [BN]
         kt = tl.load(ck_tile + tok[:, None].to(tl.int64) * skn, mask=(tok < n_vis)[:, None] & d_ok[None, :], other=0.0)
         if UPCAST:
             kt = kt.to(tl.float32)
         s = tl.dot(q, tl.trans(kt), input_precision=PREC, out_dtype=ACC) * SCALE  # [R, BN]
-        vis = row_ok[:, None] & (tok < n_vis)[None, :] & (tok[None, :] * D + (L - 1) <= row_pos[:, None])
+        vis = row_in[:, None] & (tok < n_vis)[None, :] & (tok[None, :] * D + (L - 1) <= row_pos[:, None])
         s = tl.where(vis, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         den = den * tl.exp(m_i - m_new) + tl.sum(tl.exp(s - m_new[:, None]), axis=1)
@@ -118,8 +97,7 @@ def _select_topk_kernel(
     lse = tl.where(den > 0, m_i + tl.log(tl.where(den > 0, den, 1.0)), 0.0)  # [R]
 
     # ---- pass 2: block scores per chunk of blocks, merged into a running top-n
-    offs_t = tl.arange(0, BT)
-    current = (q_start + q0 + offs_t) // L_SEL  # [BT] each query's current block
+    current = pos_t // L_SEL  # [BT] each query's current block
     cols = tl.arange(0, BJ)  # [BJ] block column within a chunk
     lane_col = offs_n // RUP  # [BN] token lane -> block column
     lane_off = offs_n % RUP  # [BN] token lane -> token offset in its block (units)
@@ -128,8 +106,6 @@ def _select_topk_kernel(
     # adds |[o, o+M) & [k*RU, (k+1)*RU)| of its probability to block column c + k (k = 0 .. SHIFT)
     w_own = (tl.minimum(offs_o + M, RU) - offs_o).to(ACC)  # [RUP] (k = 0; o < RU)
     slots = tl.arange(0, NP)
-    top_v = tl.full([BT, NP], float("-inf"), dtype=ACC)  # running top-n, best first
-    top_i = tl.zeros([BT, NP], dtype=tl.int32)
     c_last = last // L_SEL
     for j0 in range(0, c_last + 1, BJ - SHIFT):  # blocks j0 .. j0 + BJ - SHIFT - 1 are complete here
         first = j0 - SHIFT  # block of column 0
@@ -139,7 +115,7 @@ def _select_topk_kernel(
         if UPCAST:
             kt = kt.to(tl.float32)
         s = tl.dot(q, tl.trans(kt), input_precision=PREC, out_dtype=ACC) * SCALE  # [R, BN]
-        vis = row_ok[:, None] & tok_ok[None, :] & (tok[None, :] * D + (L - 1) <= row_pos[:, None])
+        vis = row_in[:, None] & tok_ok[None, :] & (tok[None, :] * D + (L - 1) <= row_pos[:, None])
         p = tl.exp(tl.where(vis, s - lse[:, None], float("-inf")))  # [R, BN], 0 where not visible
         p_grp = tl.sum(tl.reshape(p, (GP, BT, BN)), axis=0)  # [BT, BN] Eq. 10
         p_blk = tl.reshape(p_grp, (BT, BJ, RUP))  # [BT, BJ, RUP] tokens by block column
@@ -174,6 +150,74 @@ def _select_topk_kernel(
             keep = slots[None, :] < N
             top_v = tl.where(keep, tl.maximum(v_run, v_new), float("-inf"))
             top_i = tl.where(keep, tl.maximum(i_run, i_new), 0).to(tl.int32)
+    return top_v, top_i
+
+
+@triton.jit(do_not_specialize=["q_start", "Tq", "N_c"])  # new chunk offsets / lengths: no recompile
+def _select_topk_kernel(
+    Q, CK, OUT, FRAME,
+    sqb, sqh, sqg, sqt, sqd,
+    skb, skh, skn, skd,
+    sf0, sf1, sf2,
+    q_start, Tq, N_c,
+    H_KV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, DP: tl.constexpr,
+    L: tl.constexpr, D: tl.constexpr, L_SEL: tl.constexpr, N: tl.constexpr, NP: tl.constexpr,
+    BT: tl.constexpr, BJ: tl.constexpr, SHIFT: tl.constexpr, SCALE: tl.constexpr,
+    RUP: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    HAS_FRAME: tl.constexpr,
+):
+    R: tl.constexpr = GP * BT  # rows: (head, query) pairs
+    q0 = tl.program_id(0) * BT  # positions and block indices are int32, pointer offsets int64
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // H_KV
+    h = bh % H_KV
+
+    # rows of the tile: row = g * BT + t
+    offs_r = tl.arange(0, R)
+    row_g = offs_r // BT
+    row_q = q0 + offs_r % BT  # query index in 0 .. Tq-1
+    row_ok = (row_g < G) & (row_q < Tq)
+    offs_d = tl.arange(0, DP)
+    d_ok = offs_d < HD
+    q_rows = Q + b * sqb + h * sqh + row_g[:, None] * sqg + row_q[:, None].to(tl.int64) * sqt  # [R, 1]
+    q = tl.load(q_rows + offs_d[None, :] * sqd, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [R, DP]
+    if UPCAST:  # the interpreter has no bf16/fp16 matmul
+        q = q.to(tl.float32)
+    ck_tile = CK + b * skb + h * skh + offs_d[None, :] * skd  # [1, DP] pointers of token 0
+
+    offs_t = tl.arange(0, BT)
+    q_idx = q0 + offs_t  # [BT]
+    q_ok = q_idx < Tq
+    slots = tl.arange(0, NP)
+    top_v = tl.full([BT, NP], float("-inf"), dtype=ACC)  # running top-n, best first
+    top_i = tl.zeros([BT, NP], dtype=tl.int32)
+    if HAS_FRAME:
+        # frame [3, B, Tq]: q_pos, k_base, c_base per query. The tile's queries run one document (one
+        # c_base) at a time: the document of the smallest c_base still to do, in its own frame; the
+        # other queries and rows take part at position -l' (they see no token and may pick no block)
+        f_t = FRAME + b * sf1 + q_idx.to(tl.int64) * sf2  # [BT]
+        pos_t = tl.load(f_t, mask=q_ok, other=0).to(tl.int32)  # [BT] positions within the documents
+        cb_t = tl.load(f_t + 2 * sf0, mask=q_ok, other=0).to(tl.int32)  # [BT] first compressed token
+        f_r = FRAME + b * sf1 + row_q.to(tl.int64) * sf2  # [R]
+        todo = q_ok  # [BT] queries whose document has not run yet
+        while tl.max(todo.to(tl.int32), axis=0) > 0:  # once per document in the tile (usually 1 or 2)
+            cb = tl.min(tl.where(todo, cb_t, 2147483647), axis=0)  # the document's c_base
+            in_t = todo & (cb_t == cb)  # [BT]
+            last = tl.max(tl.where(in_t, pos_t, 0), axis=0)
+            in_r = row_ok & (tl.load(f_r + 2 * sf0, mask=row_ok, other=-1).to(tl.int32) == cb)  # [R]
+            row_pos = tl.where(in_r, tl.load(f_r, mask=row_ok, other=0).to(tl.int32), -L_SEL)  # [R]
+            top_v, top_i = _select_rows(
+                q, ck_tile + cb.to(tl.int64) * skn, skn, d_ok, row_pos, row_ok, tl.where(in_t, pos_t, -L_SEL), last, N_c - cb,
+                top_v, top_i, GP, L, D, L_SEL, N, NP, BT, BJ, SHIFT, SCALE, RUP, ACC, UPCAST, PREC,
+            )
+            todo = todo & (cb_t != cb)
+    else:
+        row_pos = q_start + row_q  # [R] absolute positions
+        last = q_start + tl.minimum(q0 + BT, Tq) - 1  # the tile's last query position
+        top_v, top_i = _select_rows(
+            q, ck_tile, skn, d_ok, row_pos, row_ok, q_start + q_idx, last, N_c, top_v, top_i,
+            GP, L, D, L_SEL, N, NP, BT, BJ, SHIFT, SCALE, RUP, ACC, UPCAST, PREC,
+        )
 
     # ---- output: the kept blocks ascending, -1 for empty slots (last)
     NO_BLOCK: tl.constexpr = 2147483647  # sorts after every block index
@@ -185,9 +229,8 @@ def _select_topk_kernel(
     at = position[:, :, None] == slots[None, None, :]  # [BT, NP (a), NP (slot)]
     key = tl.max(tl.where(at, key[:, :, None], -1), axis=1)  # [BT, NP] ascending
     out = tl.where(key == NO_BLOCK, -1, key).to(tl.int64)
-    q_idx = q0 + offs_t
     tl.store(OUT + (bh * Tq + q_idx[:, None].to(tl.int64)) * N + slots[None, :], out,
-             mask=(q_idx < Tq)[:, None] & (slots < N)[None, :])
+             mask=q_ok[:, None] & (slots < N)[None, :])
 
 
 def kernel_constexprs(dtype: torch.dtype, G: int, hd: int, l: int, d: int, l_sel: int, n: int) -> dict:
@@ -228,15 +271,29 @@ def fused_select_blocks(
     d: int,
     l_sel: int,
     n: int,
+    frame: torch.Tensor | None = None,  # [3, B, Tq] int64 (q_pos, k_base, c_base): documents; q_start unused
 ) -> torch.Tensor:  # [B, H_kv, Tq, n] int64 block indices, ascending; -1 pads |I_p| = min(n, p // l' + 1)
     """Top-n selection blocks per query (block 0, the previous and the current block forced; ties -> lower
-    index), equal to block_select.select_by_score. One kernel launch, no host sync."""
+    index), equal to block_select.select_by_score. One kernel launch, no host sync.
+
+    frame (nsa/attention/documents.py): query (b, t) is a query at position p = frame[0, b, t] of a
+    document whose compressed tokens are ck[b, :, c + i], c = frame[2, b, t], i < num_compressed(p + 1)
+    (frame[1], the key base, is not read here). Everything above holds in the document's frame: blocks
+    are counted from the document's first token (current block p // l'), and the returned indices are
+    document-relative. Equal to running each document alone (q_start = its first query's position, ck
+    sliced to its tokens). A program runs the documents of its tile of queries one after another (one
+    c_base at a time), so a tile straddling a boundary costs each document's own passes; the launch count
+    stays one. Without a frame: queries at q_start + t, one document (bit-identical to no frame support).
+    """
     B, H_kv, G, Tq, hd = q.shape
     if ck.dim() != 4 or ck.shape[:2] != (B, H_kv) or ck.shape[3] != hd:
         raise ValueError(f"fused_select_blocks: q {tuple(q.shape)} and ck {tuple(ck.shape)} do not match")
     if d < 1 or l < 1 or l % d or l_sel % d or l_sel < 1 or n < 1 or q_start < 0:
         raise ValueError(f"fused_select_blocks: need d | l, d | l', n >= 1, q_start >= 0 "
                          f"(l={l}, d={d}, l'={l_sel}, n={n}, q_start={q_start})")
+    if frame is not None and (frame.shape != (3, B, Tq) or frame.dtype != torch.long or frame.device != q.device):
+        raise ValueError(f"fused_select_blocks: frame must be int64 [3, {B}, {Tq}] on {q.device}, got "
+                         f"{frame.dtype} {tuple(frame.shape)} on {frame.device}")
     if q.device.type == "cpu" and not interpreter_active():
         raise RuntimeError("fused_select_blocks needs a CUDA tensor, or TRITON_INTERPRET=1 set before triton "
                            "is imported")
@@ -248,8 +305,10 @@ def fused_select_blocks(
         return out
     meta = kernel_constexprs(q.dtype, G, hd, l, d, l_sel, n)
     grid = (triton.cdiv(Tq, meta["BT"]), B * H_kv)
+    f = out if frame is None else frame  # unread without a frame
+    f_strides = (0, 0, 0) if frame is None else frame.stride()
     _select_topk_kernel[grid](
-        q, ck, out, *q.stride(), *ck.stride(), q_start, Tq, ck.shape[2], H_KV=H_kv, **meta,
-        num_stages=num_stages(q.dtype, hd),
+        q, ck, out, f, *q.stride(), *ck.stride(), *f_strides, q_start, Tq, ck.shape[2], H_KV=H_kv, **meta,
+        HAS_FRAME=frame is not None, num_stages=num_stages(q.dtype, hd),
     )
     return out

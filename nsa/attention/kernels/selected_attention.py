@@ -72,7 +72,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa.attention.kernels.block_centric import block_dq_kernel, block_fwd_kernel
+from nsa.attention.kernels.block_centric import _load_block, _run_rows, block_dq_kernel, block_fwd_kernel
 from nsa.attention.kernels.interpreter import interpreter_active
 
 KV_TILE = 512  # queries per dK/dV program (bounds its serial work; partial dK/dV memory ~ 1 / KV_TILE)
@@ -84,21 +84,26 @@ BLOCK_CENTRIC_BELOW = 16  # G at which a padded group stops wasting MMA rows (GP
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, IDX, O, LSE,
+    Q, K, V, IDX, O, LSE, FRAME,
     sqb, sqh, sqg, sqt, sqd,
     skb, skh, skt, skd,
     svb, svh, svt, svd,
     sob, soh, sog, sot, sod,
+    sf0, sf1, sf2,
     Tq, Tk, q_start, scale,
     H_KV: tl.constexpr, G: tl.constexpr, N_SEL: tl.constexpr, L_SEL: tl.constexpr, HD: tl.constexpr,
     GP: tl.constexpr, BS: tl.constexpr, DP: tl.constexpr,
-    ACC: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    ACC: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, HAS_FRAME: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     bh = tl.program_id(1).to(tl.int64)
     b = bh // H_KV
     h = bh % H_KV
-    pos_q = q_start + t
+    if HAS_FRAME:  # frame [3, B, Tq]: the query's position in its document, the document's first key
+        pos_q = tl.load(FRAME + b * sf1 + t * sf2)
+        k_base = tl.load(FRAME + sf0 + b * sf1 + t * sf2)
+    else:
+        pos_q = q_start + t
     offs_g = tl.arange(0, GP)
     offs_s = tl.arange(0, BS)
     offs_d = tl.arange(0, DP)
@@ -120,8 +125,12 @@ def _fwd_kernel(
     for s in range(N_SEL):
         j = tl.load(idx_row + s).to(tl.int64)
         if j >= 0:  # -1 = empty slot
-            first = j * L_SEL  # position of the block's first key
-            k_ok = s_ok & (offs_s <= pos_q - first)  # keys after p masked (the current block)
+            if HAS_FRAME:  # block j of the document: keys k_base + j*l' + r, visible iff j*l' + r <= p
+                first = k_base + j * L_SEL  # index of the block's first key
+                k_ok = s_ok & (offs_s <= pos_q - j * L_SEL) & (first + offs_s < Tk)
+            else:
+                first = j * L_SEL  # position of the block's first key
+                k_ok = s_ok & (offs_s <= pos_q - first)  # keys after p masked (the current block)
             kd_ok = k_ok[:, None] & d_ok[None, :]
             kb = tl.load(k_tile + first * skt, mask=kd_ok, other=0.0)  # [BS, DP]
             vb = tl.load(v_tile + first * svt, mask=kd_ok, other=0.0)
@@ -147,22 +156,27 @@ def _fwd_kernel(
 
 @triton.jit
 def _dq_kernel(
-    Q, K, V, IDX, DO, LSE, DELTA, DQ,
+    Q, K, V, IDX, DO, LSE, DELTA, DQ, FRAME,
     sqb, sqh, sqg, sqt, sqd,
     skb, skh, skt, skd,
     svb, svh, svt, svd,
     sdb, sdh, sdg, sdt, sdd,
     sxb, sxh, sxg, sxt, sxd,
+    sf0, sf1, sf2,
     Tq, Tk, q_start, scale,
     H_KV: tl.constexpr, G: tl.constexpr, N_SEL: tl.constexpr, L_SEL: tl.constexpr, HD: tl.constexpr,
     GP: tl.constexpr, BS: tl.constexpr, DP: tl.constexpr,
-    ACC: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    ACC: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, HAS_FRAME: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     bh = tl.program_id(1).to(tl.int64)
     b = bh // H_KV
     h = bh % H_KV
-    pos_q = q_start + t
+    if HAS_FRAME:  # as _fwd_kernel
+        pos_q = tl.load(FRAME + b * sf1 + t * sf2)
+        k_base = tl.load(FRAME + sf0 + b * sf1 + t * sf2)
+    else:
+        pos_q = q_start + t
     offs_g = tl.arange(0, GP)
     offs_s = tl.arange(0, BS)
     offs_d = tl.arange(0, DP)
@@ -184,8 +198,12 @@ def _dq_kernel(
     for s in range(N_SEL):
         j = tl.load(idx_row + s).to(tl.int64)
         if j >= 0:
-            first = j * L_SEL  # position of the block's first key
-            k_ok = s_ok & (offs_s <= pos_q - first)
+            if HAS_FRAME:
+                first = k_base + j * L_SEL
+                k_ok = s_ok & (offs_s <= pos_q - j * L_SEL) & (first + offs_s < Tk)
+            else:
+                first = j * L_SEL  # position of the block's first key
+                k_ok = s_ok & (offs_s <= pos_q - first)
             kd_ok = k_ok[:, None] & d_ok[None, :]
             kb = tl.load(k_tile + first * skt, mask=kd_ok, other=0.0)  # [BS, DP]
             vb = tl.load(v_tile + first * svt, mask=kd_ok, other=0.0)
@@ -203,17 +221,52 @@ def _dq_kernel(
 
 
 @triton.jit
+def _dkv_step(
+    Q, DO, LSE, DELTA, b, h, bh, g, t, r_ok, vis, kb, vb, dk, dv, offs_d, d_ok,
+    sqb, sqh, sqg, sqt, sqd,
+    sdb, sdh, sdg, sdt, sdd,
+    Tq, scale,
+    G: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+):
+    """One row step of _dkv_kernel: the (query t, head g) rows r_ok [BM] against the keys kb, vb [BK, DP]
+    (vis [BM, BK]: which keys each row sees) add their terms to dk, dv [BK, DP] (dk unscaled)."""
+    rd_ok = r_ok[:, None] & d_ok[None, :]
+    q = tl.load(Q + b * sqb + h * sqh + g[:, None] * sqg + t[:, None] * sqt + offs_d[None, :] * sqd, mask=rd_ok, other=0.0)
+    do = tl.load(DO + b * sdb + h * sdh + g[:, None] * sdg + t[:, None] * sdt + offs_d[None, :] * sdd, mask=rd_ok, other=0.0)
+    lse = tl.load(LSE + (bh * G + g) * Tq + t, mask=r_ok, other=0.0)
+    delta = tl.load(DELTA + (bh * G + g) * Tq + t, mask=r_ok, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    sc = tl.dot(q, tl.trans(kb), input_precision=PREC, out_dtype=ACC) * scale
+    p = tl.where(vis, tl.exp(sc - lse[:, None]), 0.0)
+    dv += tl.dot(tl.trans(p.to(Q.dtype.element_ty).to(do.dtype)), do, input_precision=PREC, out_dtype=ACC)
+    dp = tl.dot(do, tl.trans(vb), input_precision=PREC, out_dtype=ACC)
+    ds = p * (dp - delta[:, None])
+    dk += tl.dot(tl.trans(ds.to(Q.dtype.element_ty).to(q.dtype)), q, input_precision=PREC, out_dtype=ACC)
+    return dk, dv
+
+
+@triton.jit
 def _dkv_kernel(
-    Q, K, V, DO, LSE, DELTA, QUERIES, TILE_SEG, TILE_START, TILE_COUNT, DKP, DVP,
+    Q, K, V, DO, LSE, DELTA, QUERIES, OFFS, TILE_SEG, TILE_START, TILE_COUNT, DKP, DVP, FRAME,
     sqb, sqh, sqg, sqt, sqd,
     skb, skh, skt, skd,
     svb, svh, svt, svd,
     sdb, sdh, sdg, sdt, sdd,
+    sf0, sf1, sf2,
     Tq, Tk, q_start, scale, n_blocks,
     H_KV: tl.constexpr, G: tl.constexpr, L_SEL: tl.constexpr, HD: tl.constexpr,
     BM: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, DP: tl.constexpr,
-    ACC: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    ACC: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, HAS_FRAME: tl.constexpr,
 ):
+    """Without a frame: a tile's queries selected block j = seg % n_blocks (keys j*l' ..); its partial
+    DKP/DVP [tiles, l', hd] is written whole. With a frame (HAS_FRAME): they selected blocks whose first
+    key lies in aligned block J = seg % n_blocks, at J*l' + OFFS[entry] (entries sorted by that offset,
+    then query; a run of equal offsets is one document's block), so the program walks the runs, loading
+    each run's K/V once, and stores each run's dK/dV into the tile's partial [tiles, 2l', hd] (zeros
+    before) at rows offset + r, only the rows some query of the run sees: documents are disjoint, so no
+    row is stored twice (not by another run, nor by the program of another key chunk)."""
     tile = tl.program_id(0).to(tl.int64)
     seg = tl.load(TILE_SEG + tile).to(tl.int64)  # (batch * H_kv + head) * n_blocks + block
     start = tl.load(TILE_START + tile).to(tl.int64)  # first entry of this tile in QUERIES
@@ -226,49 +279,61 @@ def _dkv_kernel(
     offs_s = tl.program_id(1) * BK + tl.arange(0, BK)  # this program's BK keys of the block (BK <= BS)
     offs_d = tl.arange(0, DP)
     d_ok = offs_d < HD
-    pos_k = j * L_SEL + offs_s
-    k_ok = (offs_s < L_SEL) & (pos_k < Tk)
-    kd_ok = k_ok[:, None] & d_ok[None, :]
-    kb = tl.load(K + b * skb + h * skh + pos_k[:, None] * skt + offs_d[None, :] * skd, mask=kd_ok, other=0.0)
-    vb = tl.load(V + b * svb + h * svh + pos_k[:, None] * svt + offs_d[None, :] * svd, mask=kd_ok, other=0.0)
-    if UPCAST:
-        kb = kb.to(tl.float32)
-        vb = vb.to(tl.float32)
-    dk = tl.zeros([BK, DP], dtype=ACC)
-    dv = tl.zeros([BK, DP], dtype=ACC)
-    for r0 in range(0, count * G, BM):  # rows are (query, head) pairs: no padding of the group
-        r = r0 + offs_m
-        r_ok = r < count * G
-        qi = r // G
-        g = r % G
-        t = tl.load(QUERIES + start + qi, mask=r_ok, other=0).to(tl.int64)
-        rd_ok = r_ok[:, None] & d_ok[None, :]
-        q = tl.load(Q + b * sqb + h * sqh + g[:, None] * sqg + t[:, None] * sqt + offs_d[None, :] * sqd, mask=rd_ok, other=0.0)
-        do = tl.load(DO + b * sdb + h * sdh + g[:, None] * sdg + t[:, None] * sdt + offs_d[None, :] * sdd, mask=rd_ok, other=0.0)
-        lse = tl.load(LSE + (bh * G + g) * Tq + t, mask=r_ok, other=0.0)
-        delta = tl.load(DELTA + (bh * G + g) * Tq + t, mask=r_ok, other=0.0)
-        if UPCAST:
-            q = q.to(tl.float32)
-            do = do.to(tl.float32)
-        vis = r_ok[:, None] & k_ok[None, :] & (pos_k[None, :] <= (q_start + t)[:, None])  # [BM, BK]
-        sc = tl.dot(q, tl.trans(kb), input_precision=PREC, out_dtype=ACC) * scale
-        p = tl.where(vis, tl.exp(sc - lse[:, None]), 0.0)
-        dv += tl.dot(tl.trans(p.to(Q.dtype.element_ty).to(do.dtype)), do, input_precision=PREC, out_dtype=ACC)
-        dp = tl.dot(do, tl.trans(vb), input_precision=PREC, out_dtype=ACC)
-        ds = p * (dp - delta[:, None])
-        dk += tl.dot(tl.trans(ds.to(Q.dtype.element_ty).to(q.dtype)), q, input_precision=PREC, out_dtype=ACC)
-    out = tile * L_SEL * HD + offs_s[:, None] * HD + offs_d[None, :]
-    sd_ok = (offs_s < L_SEL)[:, None] & d_ok[None, :]
-    tl.store(DKP + out, dk * scale, mask=sd_ok)
-    tl.store(DVP + out, dv, mask=sd_ok)
+    if HAS_FRAME:
+        total = count * G
+        r0 = total * 0
+        while r0 < total:  # one run (one document's block) per iteration: entries sorted by offset
+            cur = tl.load(OFFS + start + r0 // G).to(tl.int64)  # the run's block start - J*l'
+            kb, vb, k_ok = _load_block(K, V, b, h, j * L_SEL + cur, offs_s, offs_d, d_ok,
+                                       skb, skh, skt, skd, svb, svh, svt, svd, Tk, L_SEL, UPCAST)
+            dk = tl.zeros([BK, DP], dtype=ACC)
+            dv = tl.zeros([BK, DP], dtype=ACC)
+            far = r0 * 0 - 1  # the farthest key (block offset) a row of the run sees
+            in_run = r0 < total
+            while in_run:  # rows are (query, head) pairs; a step takes the run's next rows (a prefix)
+                r, r_ok, t, reach = _run_rows(QUERIES, OFFS, FRAME, start, r0, total, cur, j, b, offs_m,
+                                              sf0, sf1, sf2, G, L_SEL)
+                vis = r_ok[:, None] & k_ok[None, :] & (offs_s[None, :] <= reach[:, None])  # [BM, BK]
+                dk, dv = _dkv_step(Q, DO, LSE, DELTA, b, h, bh, r % G, t, r_ok, vis, kb, vb, dk, dv, offs_d, d_ok,
+                                   sqb, sqh, sqg, sqt, sqd, sdb, sdh, sdg, sdt, sdd, Tq, scale, G, ACC, UPCAST, PREC)
+                far = tl.maximum(far, tl.max(tl.where(r_ok, reach, -1), axis=0))
+                r0 += tl.sum(r_ok.to(tl.int64), axis=0)
+                in_run = (r0 < total) & (tl.load(OFFS + start + r0 // G, mask=r0 < total, other=-1) == cur)
+            # the rows the run's queries see, at window rows cur + r of the tile's [2l', hd] partial
+            rows = tile * (2 * L_SEL * HD) + (cur + offs_s)[:, None] * HD + offs_d[None, :]
+            seen = (k_ok & (offs_s <= far))[:, None] & d_ok[None, :]
+            tl.store(DKP + rows, dk * scale, mask=seen)
+            tl.store(DVP + rows, dv, mask=seen)
+    else:
+        pos_k = j * L_SEL + offs_s
+        kb, vb, k_ok = _load_block(K, V, b, h, j * L_SEL, offs_s, offs_d, d_ok,
+                                   skb, skh, skt, skd, svb, svh, svt, svd, Tk, L_SEL, UPCAST)
+        dk = tl.zeros([BK, DP], dtype=ACC)
+        dv = tl.zeros([BK, DP], dtype=ACC)
+        for r0 in range(0, count * G, BM):  # rows are (query, head) pairs: no padding of the group
+            r = r0 + offs_m
+            r_ok = r < count * G
+            qi = r // G
+            g = r % G
+            t = tl.load(QUERIES + start + qi, mask=r_ok, other=0).to(tl.int64)
+            vis = r_ok[:, None] & k_ok[None, :] & (pos_k[None, :] <= (q_start + t)[:, None])  # [BM, BK]
+            dk, dv = _dkv_step(Q, DO, LSE, DELTA, b, h, bh, g, t, r_ok, vis, kb, vb, dk, dv, offs_d, d_ok,
+                               sqb, sqh, sqg, sqt, sqd, sdb, sdh, sdg, sdt, sdd, Tq, scale, G, ACC, UPCAST, PREC)
+        out = tile * L_SEL * HD + offs_s[:, None] * HD + offs_d[None, :]
+        sd_ok = (offs_s < L_SEL)[:, None] & d_ok[None, :]
+        tl.store(DKP + out, dk * scale, mask=sd_ok)
+        tl.store(DVP + out, dv, mask=sd_ok)
 
 
 @triton.jit
 def _dkv_reduce_kernel(
     DKP, DVP, SEG_TILE_FIRST, SEG_TILES, DK, DV, Tk, n_blocks,
     L_SEL: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr, DP: tl.constexpr, ACC: tl.constexpr,
+    HAS_FRAME: tl.constexpr,
 ):
-    """One program per (batch, KV head, block): sum its tiles' partials in tile order (deterministic)."""
+    """One program per (batch, KV head, block): sum its tiles' partials in tile order (deterministic).
+    With a frame (partials [tiles, 2l', hd] of the blocks starting in aligned block j): rows 0 .. l'-1 of
+    block j's tiles, then rows l' .. 2l'-1 of block j-1's."""
     seg = tl.program_id(0).to(tl.int64)
     bh = seg // n_blocks
     j = seg % n_blocks
@@ -280,9 +345,19 @@ def _dkv_reduce_kernel(
     part = offs_s[:, None] * HD + offs_d[None, :]
     dk = tl.zeros([BS, DP], dtype=ACC)
     dv = tl.zeros([BS, DP], dtype=ACC)
-    for i in range(first, first + n):
-        dk += tl.load(DKP + i * L_SEL * HD + part, mask=sd_ok, other=0.0)
-        dv += tl.load(DVP + i * L_SEL * HD + part, mask=sd_ok, other=0.0)
+    if HAS_FRAME:
+        for i in range(first, first + n):
+            dk += tl.load(DKP + i * 2 * L_SEL * HD + part, mask=sd_ok, other=0.0)
+            dv += tl.load(DVP + i * 2 * L_SEL * HD + part, mask=sd_ok, other=0.0)
+        first_prev = tl.load(SEG_TILE_FIRST + seg - 1, mask=j > 0, other=0).to(tl.int64)
+        n_prev = tl.load(SEG_TILES + seg - 1, mask=j > 0, other=0).to(tl.int64)  # same (batch, head) iff j > 0
+        for i in range(first_prev, first_prev + n_prev):
+            dk += tl.load(DKP + (i * 2 + 1) * L_SEL * HD + part, mask=sd_ok, other=0.0)
+            dv += tl.load(DVP + (i * 2 + 1) * L_SEL * HD + part, mask=sd_ok, other=0.0)
+    else:
+        for i in range(first, first + n):
+            dk += tl.load(DKP + i * L_SEL * HD + part, mask=sd_ok, other=0.0)
+            dv += tl.load(DVP + i * L_SEL * HD + part, mask=sd_ok, other=0.0)
     pos_k = j * L_SEL + offs_s
     ok = sd_ok & (pos_k < Tk)[:, None]
     dst = (bh * Tk + pos_k[:, None]) * HD + offs_d[None, :]
@@ -404,34 +479,67 @@ def _launch(kernel: str, hd: int, l_sel: int, G: int, dtype: torch.dtype, rows: 
     return out
 
 
-def _check(q, k, v, block_idx, q_start: int):
+def _check(q, k, v, block_idx, q_start: int, frame: torch.Tensor | None = None):
     B, H_kv, G, Tq, hd = q.shape
     if k.shape[:2] != (B, H_kv) or k.shape[3] != hd or v.shape != k.shape:
         raise ValueError(f"selected attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match")
-    if k.shape[2] < q_start + Tq:
+    if frame is None and k.shape[2] < q_start + Tq:
         raise ValueError(f"selected attention: {k.shape[2]} keys, but queries reach position {q_start + Tq - 1}")
+    if frame is not None and (frame.shape != (3, B, Tq) or frame.dtype != torch.long or frame.device != q.device):
+        raise ValueError(f"selected attention: frame must be int64 [3, {B}, {Tq}] on {q.device}, got "
+                         f"{frame.dtype} {tuple(frame.shape)} on {frame.device}")
     if block_idx.shape[:3] != (B, H_kv, Tq):
         raise ValueError(f"selected attention: block_idx {tuple(block_idx.shape)} does not match q {tuple(q.shape)}")
     if q.device.type == "cpu" and not interpreter_active():
         raise RuntimeError("the Triton selection kernels need a CUDA tensor, or TRITON_INTERPRET=1 set before triton is imported")
 
 
-def _slot_index(idx: torch.Tensor, Tk: int, l_sel: int, q_tile: int):
-    """The by-slot inverted index of the block-centric kernels: (queries, tile_seg, tile_start,
-    tile_count, n_blocks, tiles per slot)."""
+def _frame_args(frame: torch.Tensor | None, dummy: torch.Tensor) -> tuple:
+    """The kernels' FRAME pointer and its three strides (a dummy pointer, never read, without a frame)."""
+    return (dummy, 0, 0, 0) if frame is None else (frame, *frame.stride())
+
+
+@torch.no_grad()
+def _block_keys(idx: torch.Tensor, l_sel: int, frame: torch.Tensor | None):
+    """idx [B, H_kv, Tq, n] (-1 = none) -> what the inverted indexes are keyed by: without a frame the
+    block itself (and no offsets); with one, block j of query (b, t) starts at key s = k_base + j*l', keyed
+    by its aligned block s // l' (-1 for empty slots) and the offset s % l' [B, H_kv, Tq, n] (int64)."""
+    if frame is None:
+        return idx, None
+    first = frame[1][:, None, :, None] + idx.long() * l_sel  # [B, H_kv, Tq, n] the block's first key
+    return torch.where(idx >= 0, first.div(l_sel, rounding_mode="floor"), -1), torch.where(idx >= 0, first % l_sel, 0)
+
+
+def _slot_index(idx: torch.Tensor, Tk: int, l_sel: int, q_tile: int, frame: torch.Tensor | None = None):
+    """The by-slot inverted index of the block-centric kernels: (queries, offsets, tile_seg, tile_start,
+    tile_count, n_blocks, tiles per slot). Offsets: the entries' block start - aligned block start
+    (frames; without a frame `queries` stands in, unread)."""
     B, H_kv, Tq, n = idx.shape
     n_blocks = -(-Tk // l_sel)
-    queries, tile_seg, tile_start, tile_count, _, _ = inverted_index(idx.view(B * H_kv, Tq, n), n_blocks, q_tile, by_slot=True)
-    return queries, tile_seg, tile_start, tile_count, n_blocks, tile_seg.shape[0] // n
+    home, off = _block_keys(idx, l_sel, frame)
+    out = inverted_index(home.reshape(B * H_kv, Tq, n), n_blocks, q_tile, by_slot=True,
+                         sub=None if off is None else off.view(B * H_kv, Tq, n), n_sub=l_sel)
+    queries, tile_seg, tile_start, tile_count = out[:4]
+    offs = queries if frame is None else out[6]
+    return queries, offs, tile_seg, tile_start, tile_count, n_blocks, tile_seg.shape[0] // n
 
 
-def selected_attention_fwd(q, k, v, block_idx, q_start: int, l_sel: int, q_tile: int | None = None):
+def selected_attention_fwd(q, k, v, block_idx, q_start: int, l_sel: int, q_tile: int | None = None,
+                           frame: torch.Tensor | None = None):
     """q [B, H_kv, G, Tq, hd], k/v [B, H_kv, Tk, hd], block_idx [B, H_kv, Tq, n] (-1 = none).
 
     Returns o [B, H_kv, G, Tq, hd] (q's dtype, contiguous) and lse [B, H_kv, G, Tq] (fp32; fp64 for fp64).
     q_tile: queries per block-centric program (default Q_TILE, read at call time).
+    frame [3, B, Tq] int64 (q_pos, k_base, c_base; nsa/attention/documents.py), q_start then unused:
+    query (b, t) sits at position p = frame[0, b, t] of a document whose first key is k[b, :, k_base]
+    (k_base = frame[1, b, t]); its block j (document-relative, as fused_select_blocks returns them) covers
+    keys k_base + j*l' + r, r < l', visible iff j*l' + r <= p. Documents must be disjoint (a key belongs to
+    one document, as documents.py's frames give) and k_base + p < Tk. Both paths take frames:
+    query-centric programs read their query's frame; the block-centric index keys each (query, block) by
+    the block's real first key k_base + j*l' (aligned block + offset), and a program walks the runs of
+    equal first keys in its tile (one K/V load per run). Same launches as without a frame, no host sync.
     """
-    _check(q, k, v, block_idx, q_start)
+    _check(q, k, v, block_idx, q_start, frame)
     B, H_kv, G, Tq, hd = q.shape
     Tk, n = k.shape[2], block_idx.shape[-1]
     idx = block_idx.to(torch.int32).contiguous()
@@ -442,13 +550,16 @@ def selected_attention_fwd(q, k, v, block_idx, q_start: int, l_sel: int, q_tile:
         return o, lse
     meta = _meta(q, G, hd, l_sel)
     scale = 1.0 / math.sqrt(hd)
+    fr, *f_strides = _frame_args(frame, idx)
+    has_frame = frame is not None
     if not use_block_centric(G):
         _fwd_kernel[(Tq, B * H_kv)](
-            q, k, v, idx, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-            Tq, Tk, q_start, scale, H_KV=H_kv, N_SEL=n, GP=_pow2(G), **meta, **_launch("fwd", hd, l_sel, G, q.dtype),
+            q, k, v, idx, o, lse, fr, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *f_strides,
+            Tq, Tk, q_start, scale, H_KV=H_kv, N_SEL=n, GP=_pow2(G), **meta, HAS_FRAME=has_frame,
+            **_launch("fwd", hd, l_sel, G, q.dtype),
         )
         return o, lse
-    queries, tile_seg, tile_start, tile_count, n_blocks, n_tiles = _slot_index(idx, Tk, l_sel, q_tile or Q_TILE)
+    queries, offs, tile_seg, tile_start, tile_count, n_blocks, n_tiles = _slot_index(idx, Tk, l_sel, q_tile or Q_TILE, frame)
     o_acc = (o if o.dtype == acc_dtype else torch.empty(o.shape, dtype=acc_dtype, device=o.device)).zero_()
     m = torch.full(lse.shape, -1.0e30, dtype=acc_dtype, device=q.device)
     den = torch.zeros_like(lse)
@@ -456,27 +567,31 @@ def selected_attention_fwd(q, k, v, block_idx, q_start: int, l_sel: int, q_tile:
     launch = _launch("block_fwd", hd, l_sel, G, q.dtype)
     for slot in range(n):  # n launches in slot order: each updates a row at most once (deterministic)
         block_fwd_kernel[(n_tiles,)](
-            q, k, v, queries, tile_seg, tile_start, tile_count, o_acc, m, den, lse,
-            *q.stride(), *k.stride(), *v.stride(), Tq, Tk, q_start, scale, n_blocks, slot, n_tiles,
-            H_KV=H_kv, **meta, **launch,
+            q, k, v, queries, offs, tile_seg, tile_start, tile_count, o_acc, m, den, lse, fr,
+            *q.stride(), *k.stride(), *v.stride(), *f_strides, Tq, Tk, q_start, scale, n_blocks, slot, n_tiles,
+            H_KV=H_kv, **meta, HAS_FRAME=has_frame, **launch,
         )
     return o_acc.to(q.dtype), lse
 
 
 @torch.no_grad()
-def inverted_index(block_idx: torch.Tensor, n_blocks: int, kv_tile: int, by_slot: bool = False):
+def inverted_index(block_idx: torch.Tensor, n_blocks: int, kv_tile: int, by_slot: bool = False,
+                   sub: torch.Tensor | None = None, n_sub: int = 1):
     """Which queries selected each block, cut into tiles of at most kv_tile queries. Torch ops only,
     static sizes (no host sync).
 
     block_idx [BH, Tq, n] (-1 = none). Segments s = bh * n_blocks + block (S = BH * n_blocks of them);
     by_slot: one set of segments per selection slot (the entries of slot 0 first, then slot 1, ...).
+    sub [BH, Tq, n] in [0, n_sub) (optional): a second sort key within a segment (frames: the offset of
+    the block's first key in its aligned block), before the query position.
     Returns
       queries [BH*Tq*n] int32: query positions (0-based in the chunk) sorted by (slot if by_slot),
-        segment, position;
+        segment, (sub), position;
       tile_seg, tile_start, tile_count [P * n_tiles] (P = n if by_slot else 1; part p's tiles are
         p * n_tiles .. (p + 1) * n_tiles - 1): a tile's segment within its part (spare tiles: a valid
         segment with count 0), its first entry in `queries`, its number of queries;
-      seg_tile_first, seg_tiles [P * S]: each segment's tiles are seg_tile_first .. + seg_tiles.
+      seg_tile_first, seg_tiles [P * S]: each segment's tiles are seg_tile_first .. + seg_tiles;
+      with sub only: sub_sorted [BH*Tq*n] int32, sub in the order of `queries`.
     With C = BH*Tq*min(n, n_blocks) entries per part (BH*Tq by slot), n_tiles = C // kv_tile + min(S, C)
     bounds sum_s ceil(count_s / kv_tile) over a part's segments.
     """
@@ -488,7 +603,7 @@ def inverted_index(block_idx: torch.Tensor, n_blocks: int, kv_tile: int, by_slot
     if by_slot:
         seg = seg + (torch.arange(n, device=dev) * S).view(1, 1, n)
     seg = torch.where(block_idx >= 0, seg, P * S).flatten()  # empty slots -> spare segment P*S (sorted last)
-    _, order = torch.sort(seg, stable=True)
+    _, order = torch.sort(seg if sub is None else seg * n_sub + sub.flatten(), stable=True)
     queries = ((order // n) % Tq).to(torch.int32)
     counts = torch.zeros(P * S + 1, dtype=torch.long, device=dev).index_add_(0, seg, torch.ones_like(seg))[:P * S]
     seg_first = torch.cumsum(counts, 0) - counts
@@ -506,15 +621,22 @@ def inverted_index(block_idx: torch.Tensor, n_blocks: int, kv_tile: int, by_slot
     tile_count = (torch.cat((counts.view(P, S), zero), 1).flatten()[tile_ext] - rank * kv_tile).clamp(0, kv_tile)
     tile_seg = (tile_ext % (S + 1)).clamp_max(S - 1)
     seg_tile_first = (local_first + torch.arange(P, device=dev).view(P, 1) * n_tiles).flatten()
-    return queries, tile_seg, tile_start, tile_count, seg_tile_first, seg_tiles
+    if sub is None:
+        return queries, tile_seg, tile_start, tile_count, seg_tile_first, seg_tiles
+    return queries, tile_seg, tile_start, tile_count, seg_tile_first, seg_tiles, sub.flatten()[order].to(torch.int32)
 
 
 def selected_attention_bwd(q, k, v, block_idx, o, lse, d_o, q_start: int, l_sel: int,
-                           kv_tile: int | None = None, block_rows: int | None = None, q_tile: int | None = None):
+                           kv_tile: int | None = None, block_rows: int | None = None, q_tile: int | None = None,
+                           frame: torch.Tensor | None = None):
     """Gradients (dq, dk, dv) of selected attention, shaped like q, k, v, in their dtypes.
     kv_tile / block_rows / q_tile default to the module's KV_TILE / BLOCK_ROWS / Q_TILE (read at call
-    time; BLOCK_ROWS None: the dK/dV kernel's tile_config rows)."""
+    time; BLOCK_ROWS None: the dK/dV kernel's tile_config rows). frame: as selected_attention_fwd; the
+    dK/dV index then keys (query, block) pairs by the aligned block of the block's first key (sorted by
+    offset within it), a tile's partial spans two aligned blocks ([tiles, 2l', hd], zeroed first: twice
+    the partials' memory) and the reduction sums aligned block j's rows from the tiles of j and j - 1."""
     kv_tile, block_rows, q_tile = kv_tile or KV_TILE, block_rows or BLOCK_ROWS, q_tile or Q_TILE
+    _check(q, k, v, block_idx, q_start, frame)
     B, H_kv, G, Tq, hd = q.shape
     Tk, n = k.shape[2], block_idx.shape[-1]
     acc_dtype = lse.dtype
@@ -527,56 +649,68 @@ def selected_attention_bwd(q, k, v, block_idx, o, lse, d_o, q_start: int, l_sel:
     if Tq == 0:
         return torch.zeros_like(q), dk.zero_(), dv.zero_()
     common = (*q.stride(), *k.stride(), *v.stride(), *d_o.stride())
+    fr, *f_strides = _frame_args(frame, idx)
+    has_frame = frame is not None
     if use_block_centric(G):
-        queries, tile_seg, tile_start, tile_count, n_blocks_q, n_tiles_q = _slot_index(idx, Tk, l_sel, q_tile)
+        queries, offs, tile_seg, tile_start, tile_count, n_blocks_q, n_tiles_q = _slot_index(idx, Tk, l_sel, q_tile, frame)
         dq_acc = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
         launch = _launch("block_dq", hd, l_sel, G, q.dtype)
         for slot in range(n):  # slot order: dQ sums its n terms in a fixed order (deterministic)
             block_dq_kernel[(n_tiles_q,)](
-                q, k, v, d_o, lse, delta, queries, tile_seg, tile_start, tile_count, dq_acc, *common,
-                Tq, Tk, q_start, scale, n_blocks_q, slot, n_tiles_q, H_KV=H_kv, **meta, **launch,
+                q, k, v, d_o, lse, delta, queries, offs, tile_seg, tile_start, tile_count, dq_acc, fr, *common,
+                *f_strides, Tq, Tk, q_start, scale, n_blocks_q, slot, n_tiles_q, H_KV=H_kv, **meta,
+                HAS_FRAME=has_frame, **launch,
             )
         dq = dq_acc.to(q.dtype)
     else:
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         _dq_kernel[(Tq, B * H_kv)](
-            q, k, v, idx, d_o, lse, delta, dq, *common, *dq.stride(),
-            Tq, Tk, q_start, scale, H_KV=H_kv, N_SEL=n, GP=_pow2(G), **meta, **_launch("dq", hd, l_sel, G, q.dtype),
+            q, k, v, idx, d_o, lse, delta, dq, fr, *common, *dq.stride(), *f_strides,
+            Tq, Tk, q_start, scale, H_KV=H_kv, N_SEL=n, GP=_pow2(G), **meta, HAS_FRAME=has_frame,
+            **_launch("dq", hd, l_sel, G, q.dtype),
         )
     n_blocks = -(-Tk // l_sel)
-    queries, tile_seg, tile_start, tile_count, seg_tile_first, seg_tiles = inverted_index(
-        idx.view(B * H_kv, Tq, n), n_blocks, kv_tile
-    )
+    home, off = _block_keys(idx, l_sel, frame)
+    index = inverted_index(home.reshape(B * H_kv, Tq, n), n_blocks, kv_tile,
+                           sub=None if off is None else off.view(B * H_kv, Tq, n), n_sub=l_sel)
+    queries, tile_seg, tile_start, tile_count, seg_tile_first, seg_tiles = index[:6]
+    offs = queries if frame is None else index[6]
     n_tiles = tile_seg.shape[0]
-    dkp = torch.empty(n_tiles, l_sel, hd, dtype=acc_dtype, device=q.device)
-    dvp = torch.empty(n_tiles, l_sel, hd, dtype=acc_dtype, device=q.device)
+    if frame is None:  # every tile writes its whole partial
+        dkp = torch.empty(n_tiles, l_sel, hd, dtype=acc_dtype, device=q.device)
+        dvp = torch.empty(n_tiles, l_sel, hd, dtype=acc_dtype, device=q.device)
+    else:  # a tile writes the rows its runs see, within two aligned blocks
+        dkp = torch.zeros(n_tiles, 2 * l_sel, hd, dtype=acc_dtype, device=q.device)
+        dvp = torch.zeros(n_tiles, 2 * l_sel, hd, dtype=acc_dtype, device=q.device)
     dkv = _launch("dkv", hd, l_sel, G, q.dtype, block_rows)
     _dkv_kernel[(n_tiles, meta["BS"] // dkv["BK"])](
-        q, k, v, d_o, lse, delta, queries, tile_seg, tile_start, tile_count, dkp, dvp, *common,
-        Tq, Tk, q_start, scale, n_blocks, H_KV=H_kv, **meta, **dkv,
+        q, k, v, d_o, lse, delta, queries, offs, tile_seg, tile_start, tile_count, dkp, dvp, fr, *common, *f_strides,
+        Tq, Tk, q_start, scale, n_blocks, H_KV=H_kv, **meta, HAS_FRAME=has_frame, **dkv,
     )
     _dkv_reduce_kernel[(B * H_kv * n_blocks,)](
         dkp, dvp, seg_tile_first, seg_tiles, dk, dv, Tk, n_blocks,
-        L_SEL=l_sel, HD=hd, BS=meta["BS"], DP=meta["DP"], ACC=meta["ACC"], **_launch("dkv_reduce", hd, l_sel, G, q.dtype),
+        L_SEL=l_sel, HD=hd, BS=meta["BS"], DP=meta["DP"], ACC=meta["ACC"], HAS_FRAME=has_frame,
+        **_launch("dkv_reduce", hd, l_sel, G, q.dtype),
     )
     return dq, dk, dv
 
 
 class TritonSelectedAttention(torch.autograd.Function):
-    """Saves q, k, v, the int32 block indices, O and LSE; backward recomputes P from them."""
+    """Saves q, k, v, the int32 block indices, O and LSE (and the frame); backward recomputes P from them."""
 
     @staticmethod
-    def forward(ctx, q, k, v, block_idx, q_start: int, l_sel: int, kv_tile: int | None):
-        o, lse = selected_attention_fwd(q, k, v, block_idx, q_start, l_sel)
+    def forward(ctx, q, k, v, block_idx, q_start: int, l_sel: int, kv_tile: int | None, frame=None):
+        o, lse = selected_attention_fwd(q, k, v, block_idx, q_start, l_sel, frame=frame)
         ctx.save_for_backward(q, k, v, block_idx.to(torch.int32), o, lse)
-        ctx.q_start, ctx.l_sel, ctx.kv_tile = q_start, l_sel, kv_tile
+        ctx.q_start, ctx.l_sel, ctx.kv_tile, ctx.frame = q_start, l_sel, kv_tile, frame
         return o
 
     @staticmethod
     def backward(ctx, d_o):
         q, k, v, idx, o, lse = ctx.saved_tensors
-        dq, dk, dv = selected_attention_bwd(q, k, v, idx, o, lse, d_o, ctx.q_start, ctx.l_sel, ctx.kv_tile)
-        return dq, dk, dv, None, None, None, None
+        dq, dk, dv = selected_attention_bwd(q, k, v, idx, o, lse, d_o, ctx.q_start, ctx.l_sel, ctx.kv_tile,
+                                            frame=ctx.frame)
+        return dq, dk, dv, None, None, None, None, None
 
 
 def triton_selected_attention(
@@ -588,7 +722,8 @@ def triton_selected_attention(
     l_sel: int,
     tile: int | None = None,  # unused (the torch path's tile size); same signature as selected_attention
     kv_tile: int | None = None,  # queries per dK/dV program; None: KV_TILE
+    frame: torch.Tensor | None = None,  # [3, B, Tq] documents (selected_attention_fwd); q_start then unused
 ) -> torch.Tensor:  # [B, H_kv, G, Tq, hd]
     """Drop-in for nsa.attention.ops.selected_attention, differentiable in q, k, v."""
     dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)  # autocast may mix them
-    return TritonSelectedAttention.apply(q.to(dtype), k.to(dtype), v.to(dtype), block_idx, q_start, l_sel, kv_tile)
+    return TritonSelectedAttention.apply(q.to(dtype), k.to(dtype), v.to(dtype), block_idx, q_start, l_sel, kv_tile, frame)
