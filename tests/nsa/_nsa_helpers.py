@@ -45,3 +45,15 @@ def sorted_blocks(idx: torch.Tensor) -> torch.Tensor:
     big = torch.iinfo(idx.dtype).max
     s = torch.where(idx < 0, big, idx).sort(dim=-1).values
     return torch.where(s == big, -1, s)
+
+
+def starts_of(rows: list[list[int]], eos: int = 0) -> torch.Tensor:
+    """Document lengths per row -> Documents.start [B, T] through the EOS rule (EOS opens a document)."""
+    from nsa.attention.documents import document_starts
+
+    idx = torch.ones(len(rows), sum(rows[0]), dtype=torch.long)
+    for b, lengths in enumerate(rows):
+        assert sum(lengths) == idx.shape[1]
+        for s in torch.tensor(lengths).cumsum(0)[:-1].tolist():
+            idx[b, s] = eos
+    return document_starts(idx, eos)

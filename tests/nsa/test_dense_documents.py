@@ -15,11 +15,18 @@ import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 
-from nsa.attention.dense import DenseAttention, KVCache, causal_attention, document_causal_mask, manual_attention
-from nsa.attention.documents import Documents, document_starts
+from nsa.attention.dense import (
+    DenseAttention,
+    KVCache,
+    causal_attention,
+    document_causal_mask,
+    manual_attention,
+)
+from nsa.attention.documents import Documents
 from nsa.attention.impl.flex import flex_document_attention
 from nsa.config import ModelConfig
 from nsa.layers import RotaryEmbedding
+from tests.nsa._nsa_helpers import starts_of
 
 EOS = 0
 # per row, document lengths: not multiples of 16 / 32 / 64 / 128, a 1-token document, documents that start
@@ -29,16 +36,6 @@ LAYOUTS = {
     "many": [[5, 17, 1, 31, 33, 47, 1, 66, 99], [300]],
 }
 T = 300
-
-
-def starts_of(rows: list[list[int]]) -> torch.Tensor:
-    """Document lengths per row -> Documents.start [B, T] through the EOS rule (EOS opens a document)."""
-    idx = torch.ones(len(rows), sum(rows[0]), dtype=torch.long)
-    for b, lengths in enumerate(rows):
-        assert sum(lengths) == idx.shape[1]
-        for s in torch.tensor(lengths).cumsum(0)[:-1].tolist():
-            idx[b, s] = EOS
-    return document_starts(idx, EOS)
 
 
 def spans(rows):  # (b, first, end) of every document

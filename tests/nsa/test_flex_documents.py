@@ -20,10 +20,11 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 from torch.nn.attention.flex_attention import create_block_mask
 
-from nsa.attention.documents import compressed_layout, document_starts
+from nsa.attention.documents import compressed_layout
 from nsa.attention.impl import flex
 from nsa.attention.impl.compression import compressed_attention_fwd, num_compressed
 from nsa.attention.impl.window import sliding_window_fwd
+from tests.nsa._nsa_helpers import starts_of
 
 EOS = 0
 L, D, W = 32, 16, 64  # compressed block l, stride d, window w
@@ -33,16 +34,6 @@ LAYOUTS = {
     "mixed": [[37, 1, 151, 111], [133, 167]],
     "many": [[5, 17, 1, 31, 33, 47, 1, 66, 99], [299, 1]],
 }
-
-
-def starts_of(rows: list[list[int]]) -> torch.Tensor:
-    """Document lengths per row -> Documents.start [B, T] through the EOS rule (EOS opens a document)."""
-    idx = torch.ones(len(rows), sum(rows[0]), dtype=torch.long)
-    for b, lengths in enumerate(rows):
-        assert sum(lengths) == idx.shape[1]
-        for s in torch.tensor(lengths).cumsum(0)[:-1].tolist():
-            idx[b, s] = EOS
-    return document_starts(idx, EOS)
 
 
 def documents(rows):
