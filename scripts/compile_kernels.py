@@ -125,8 +125,8 @@ def _meta(*size: int, dtype: torch.dtype) -> torch.Tensor:
 def exercise_selection(shape: Shape, dtype: torch.dtype) -> None:
     """selected attention forward then backward, called as nsa/attention/ops.py calls them (q_start 0, the
     module's kv_tile / block_rows defaults), on both forward/dQ paths (query-centric and block-centric,
-    forced with the module's SELECTION_PATH; by default G < 16 takes the block-centric one), so every
-    kernel is compiled at every shape."""
+    forced with the module's SELECTION_PATH; by default G < 16 takes the block-centric one), without and
+    with a document frame (the kernels' HAS_FRAME variants), so every kernel is compiled at every shape."""
     from nsa.attention.kernels import selected_attention as ts
 
     T = shape.T
@@ -136,16 +136,17 @@ def exercise_selection(shape: Shape, dtype: torch.dtype) -> None:
     block_idx = _meta(1, shape.H_kv, T, shape.n, dtype=torch.long)  # [B, H_kv, Tq, n] as select_blocks returns
     default = ts.SELECTION_PATH
     try:
-        for path in ("query", "block"):
-            ts.SELECTION_PATH = path
-            o, lse = ts.selected_attention_fwd(q, k, v, block_idx, 0, shape.l_sel)
-            ts.selected_attention_bwd(q, k, v, block_idx, o, lse, torch.empty_like(o), 0, shape.l_sel)
+        for frame in (None, _meta(3, 1, T, dtype=torch.long)):  # [3, B, Tq] (q_pos, k_base, c_base)
+            for path in ("query", "block"):
+                ts.SELECTION_PATH = path
+                o, lse = ts.selected_attention_fwd(q, k, v, block_idx, 0, shape.l_sel, frame=frame)
+                ts.selected_attention_bwd(q, k, v, block_idx, o, lse, torch.empty_like(o), 0, shape.l_sel, frame=frame)
     finally:
         ts.SELECTION_PATH = default
 
 
 def exercise_select_topk(shape: Shape, dtype: torch.dtype) -> None:
-    """Fused block selection, called as nsa/attention/ops.py calls it."""
+    """Fused block selection, called as nsa/attention/ops.py calls it, without and with a document frame."""
     from nsa.attention.impl.compression import num_compressed
     from nsa.attention.kernels.select_topk import fused_select_blocks
 
@@ -153,6 +154,7 @@ def exercise_select_topk(shape: Shape, dtype: torch.dtype) -> None:
     q = _meta(1, shape.H_kv, shape.G, T, shape.hd, dtype=dtype)  # [B, H_kv, G, Tq, hd]
     ck = _meta(1, shape.H_kv, num_compressed(T, shape.l, shape.d), shape.hd, dtype=dtype)  # [B, H_kv, N_c, hd]
     fused_select_blocks(q, ck, 0, shape.l, shape.d, shape.l_sel, shape.n)
+    fused_select_blocks(q, ck, 0, shape.l, shape.d, shape.l_sel, shape.n, frame=_meta(3, 1, T, dtype=torch.long))
 
 
 # Every module with Triton kernels, and a function running its wrappers once. A module not present
@@ -247,16 +249,18 @@ def compile_row(label: str, launch: Launch, shape: str, dtype: str, capability: 
 
 def label_variants(prefix: str, launches: list[Launch]) -> list[tuple[str, Launch]]:
     """One launch per distinct (kernel, keyword arguments); a kernel launched with two different
-    constexpr sets is listed twice, as name and name#2."""
+    constexpr sets is listed twice, as name and name#2. A kernel's document-frame variant (HAS_FRAME=True)
+    is named name[frame]."""
     seen: dict[str, list[str]] = {}
     out = []
     for launch in launches:
-        variants = seen.setdefault(launch.name, [])
+        name = launch.name + ("[frame]" if launch.kwargs.get("HAS_FRAME") else "")
+        variants = seen.setdefault(name, [])
         key = repr(sorted(launch.kwargs.items()))
         if key not in variants:
             variants.append(key)
             suffix = "" if len(variants) == 1 else f"#{len(variants)}"
-            out.append((f"{prefix}.{launch.name}{suffix}", launch))
+            out.append((f"{prefix}.{name}{suffix}", launch))
     return out
 
 

@@ -10,6 +10,10 @@ tiles are TILE_* [s * n_tiles, (s + 1) * n_tiles) (spare tiles: count 0). One la
 (query, head) pairs, BM at a time (no padding of the group to 16). Every (query, head) row appears in at
 most one program of a launch (a query has one block per slot), so the per-row state in global memory is
 read, updated and written back without atomics, and launches run in slot order: deterministic.
+
+Document frames (HAS_FRAME; selected_attention.py's docstring): a tile's entries are the blocks whose
+first key lies in one aligned block, sorted by that key's offset in it; each run of equal offsets (one
+document's block) is walked with its own K/V load, its rows' visibility read from the frame.
 """
 from __future__ import annotations
 
@@ -33,14 +37,13 @@ def _load_block(K, V, b, h, first, offs_s, offs_d, d_ok, skb, skh, skt, skd, svb
 
 
 @triton.jit
-def _run_rows(QUERIES, OFFS, FRAME, start, r0, total, cur, j, b, offs_m, sf0, sf1, sf2,
+def _run_rows(QUERIES, FRAME, start, r0, r_end, cur, j, b, offs_m, sf0, sf1, sf2,
               G: tl.constexpr, L_SEL: tl.constexpr):
-    """Frame mode: the rows r0 .. r0 + BM - 1 of a tile (entries start + r // G) that belong to the run
-    of block start offset `cur` (a prefix of them: entries are sorted by offset), their query indices
-    and how far into its block each row sees (p - j*l', j the row's document-relative block)."""
+    """Frame mode: the rows r0 .. r0 + BM - 1 (< r_end) of a run of a tile's entries (entry start + r // G,
+    block start J*l' + cur, J = j), their query indices, and how far into the block each row sees
+    (p - j_doc*l', j_doc the row's document-relative block)."""
     r = r0 + offs_m
-    r_in = r < total
-    r_ok = r_in & (tl.load(OFFS + start + r // G, mask=r_in, other=-1) == cur)
+    r_ok = r < r_end
     t = tl.load(QUERIES + start + r // G, mask=r_ok, other=0).to(tl.int64)
     f = FRAME + b * sf1 + t * sf2
     # positions and offsets in int32 (fewer registers); block start - k_base = the row's j_doc * l'
@@ -107,7 +110,7 @@ def _dq_step(Q, DO, LSE, DELTA, DQACC, b, h, bh, g, t, r_ok, vis, kb, vb, offs_d
 
 @triton.jit(do_not_specialize=["slot"])
 def block_fwd_kernel(
-    Q, K, V, QUERIES, OFFS, TILE_SEG, TILE_START, TILE_COUNT, OACC, M, DEN, LSE, FRAME,
+    Q, K, V, QUERIES, OFFS, RUN_END, TILE_SEG, TILE_START, TILE_COUNT, OACC, M, DEN, LSE, FRAME,
     sqb, sqh, sqg, sqt, sqd,
     skb, skh, skt, skd,
     svb, svh, svt, svd,
@@ -122,7 +125,8 @@ def block_fwd_kernel(
     LSE = M + log(DEN) (-inf while DEN = 0). Initial state: M = -1e30, DEN = 0, OACC = 0, LSE = -inf.
     With a frame (HAS_FRAME) the tile's entries are blocks starting in aligned block J = seg % n_blocks
     at J*l' + OFFS[entry] (sorted by offset, then query): the program walks the runs of equal offsets
-    (one document's block each, usually one per tile), loading each run's K/V once."""
+    (one document's block each, usually one per tile; a run ends at RUN_END[its first entry]), loading
+    each run's K/V once."""
     tile = slot.to(tl.int64) * n_tiles + tl.program_id(0)
     count = tl.load(TILE_COUNT + tile).to(tl.int64)  # queries in this tile (0: spare, nothing to do)
     if count > 0:
@@ -137,23 +141,19 @@ def block_fwd_kernel(
         offs_d = tl.arange(0, DP)
         d_ok = offs_d < HD
         if HAS_FRAME:
-            total = count * G
-            cur = tl.load(OFFS + start).to(tl.int64)  # the run's block start - J*l'
-            kb, vb, k_ok = _load_block(K, V, b, h, j * L_SEL + cur, offs_s, offs_d, d_ok,
-                                       skb, skh, skt, skd, svb, svh, svt, svd, Tk, L_SEL, UPCAST)
-            r0 = total * 0
-            while r0 < total:  # a step takes the rows of one run
-                off = tl.load(OFFS + start + r0 // G).to(tl.int64)
-                if off != cur:  # a new run (document): load its block
-                    cur = off
-                    kb, vb, k_ok = _load_block(K, V, b, h, j * L_SEL + cur, offs_s, offs_d, d_ok,
-                                               skb, skh, skt, skd, svb, svh, svt, svd, Tk, L_SEL, UPCAST)
-                r, r_ok, t, reach = _run_rows(QUERIES, OFFS, FRAME, start, r0, total, cur, j, b, offs_m,
-                                              sf0, sf1, sf2, G, L_SEL)
-                vis = r_ok[:, None] & k_ok[None, :] & (offs_s[None, :] <= reach[:, None])  # [BM, BS]
-                _fwd_step(Q, OACC, M, DEN, LSE, b, h, bh, r % G, t, r_ok, vis, kb, vb, offs_d, d_ok,
-                          sqb, sqh, sqg, sqt, sqd, Tq, scale, G, HD, ACC, UPCAST, PREC)
-                r0 += tl.sum(r_ok.to(tl.int64), axis=0)
+            e0 = count * 0
+            while e0 < count:  # one run (one document's block) per iteration: entries sorted by offset
+                cur = tl.load(OFFS + start + e0)  # the run's block start - J*l'
+                e1 = tl.minimum(tl.load(RUN_END + start + e0) - start, count)  # the run's entries: e0 .. e1-1
+                kb, vb, k_ok = _load_block(K, V, b, h, j * L_SEL + cur, offs_s, offs_d, d_ok,
+                                           skb, skh, skt, skd, svb, svh, svt, svd, Tk, L_SEL, UPCAST)
+                for r0 in range(e0 * G, e1 * G, BM):
+                    r, r_ok, t, reach = _run_rows(QUERIES, FRAME, start, r0, e1 * G, cur, j, b, offs_m,
+                                                  sf0, sf1, sf2, G, L_SEL)
+                    vis = r_ok[:, None] & k_ok[None, :] & (offs_s[None, :] <= reach[:, None])  # [BM, BS]
+                    _fwd_step(Q, OACC, M, DEN, LSE, b, h, bh, r % G, t, r_ok, vis, kb, vb, offs_d, d_ok,
+                              sqb, sqh, sqg, sqt, sqd, Tq, scale, G, HD, ACC, UPCAST, PREC)
+                e0 = e1
         else:
             pos_k = j * L_SEL + offs_s
             kb, vb, k_ok = _load_block(K, V, b, h, j * L_SEL, offs_s, offs_d, d_ok,
@@ -169,7 +169,7 @@ def block_fwd_kernel(
 
 @triton.jit(do_not_specialize=["slot"])
 def block_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, QUERIES, OFFS, TILE_SEG, TILE_START, TILE_COUNT, DQACC, FRAME,
+    Q, K, V, DO, LSE, DELTA, QUERIES, OFFS, RUN_END, TILE_SEG, TILE_START, TILE_COUNT, DQACC, FRAME,
     sqb, sqh, sqg, sqt, sqd,
     skb, skh, skt, skd,
     svb, svh, svt, svd,
@@ -196,23 +196,19 @@ def block_dq_kernel(
         offs_d = tl.arange(0, DP)
         d_ok = offs_d < HD
         if HAS_FRAME:
-            total = count * G
-            cur = tl.load(OFFS + start).to(tl.int64)
-            kb, vb, k_ok = _load_block(K, V, b, h, j * L_SEL + cur, offs_s, offs_d, d_ok,
-                                       skb, skh, skt, skd, svb, svh, svt, svd, Tk, L_SEL, UPCAST)
-            r0 = total * 0
-            while r0 < total:
-                off = tl.load(OFFS + start + r0 // G).to(tl.int64)
-                if off != cur:
-                    cur = off
-                    kb, vb, k_ok = _load_block(K, V, b, h, j * L_SEL + cur, offs_s, offs_d, d_ok,
-                                               skb, skh, skt, skd, svb, svh, svt, svd, Tk, L_SEL, UPCAST)
-                r, r_ok, t, reach = _run_rows(QUERIES, OFFS, FRAME, start, r0, total, cur, j, b, offs_m,
-                                              sf0, sf1, sf2, G, L_SEL)
-                vis = r_ok[:, None] & k_ok[None, :] & (offs_s[None, :] <= reach[:, None])
-                _dq_step(Q, DO, LSE, DELTA, DQACC, b, h, bh, r % G, t, r_ok, vis, kb, vb, offs_d, d_ok,
-                         sqb, sqh, sqg, sqt, sqd, sdb, sdh, sdg, sdt, sdd, Tq, scale, G, HD, ACC, UPCAST, PREC)
-                r0 += tl.sum(r_ok.to(tl.int64), axis=0)
+            e0 = count * 0
+            while e0 < count:  # as block_fwd_kernel
+                cur = tl.load(OFFS + start + e0)
+                e1 = tl.minimum(tl.load(RUN_END + start + e0) - start, count)
+                kb, vb, k_ok = _load_block(K, V, b, h, j * L_SEL + cur, offs_s, offs_d, d_ok,
+                                           skb, skh, skt, skd, svb, svh, svt, svd, Tk, L_SEL, UPCAST)
+                for r0 in range(e0 * G, e1 * G, BM):
+                    r, r_ok, t, reach = _run_rows(QUERIES, FRAME, start, r0, e1 * G, cur, j, b, offs_m,
+                                                  sf0, sf1, sf2, G, L_SEL)
+                    vis = r_ok[:, None] & k_ok[None, :] & (offs_s[None, :] <= reach[:, None])
+                    _dq_step(Q, DO, LSE, DELTA, DQACC, b, h, bh, r % G, t, r_ok, vis, kb, vb, offs_d, d_ok,
+                             sqb, sqh, sqg, sqt, sqd, sdb, sdh, sdg, sdt, sdd, Tq, scale, G, HD, ACC, UPCAST, PREC)
+                e0 = e1
         else:
             pos_k = j * L_SEL + offs_s
             kb, vb, k_ok = _load_block(K, V, b, h, j * L_SEL, offs_s, offs_d, d_ok,

@@ -39,6 +39,15 @@ Every block's score is computed by the same operations over the same token patte
 chunks), so blocks that tie in exact arithmetic (e.g. uniform probabilities) tie here too, and the
 lower index wins as in select_blocks.
 
+Documents (`frame` [3, B, Tq] int64: q_pos, k_base, c_base; nsa/attention/documents.py; HAS_FRAME): query
+(b, t) is the query at position p = q_pos of a document whose compressed tokens are ck[b, :, c_base + i];
+everything above holds in the document's frame (positions, blocks, forced blocks, look-back), and the
+block indices are document-relative. A tile's queries may straddle documents: the program runs passes 1
+and 2 once per distinct c_base among them (smallest first; usually one, two at a boundary), each over
+that document's tokens only, with the other rows at position -l' (they see no token and may pick no
+block). Each document's passes equal those of the document run alone (same relative chunks), so the
+indices do too. One launch whatever the number of documents; without a frame the kernel is unchanged.
+
 Accumulation is fp32 (fp64 for fp64 inputs). q @ ck^T: bf16/fp16 on tensor cores; fp32 on a GPU as
 3xTF32 (~fp32 accuracy; an IEEE FMA dot spills registers), IEEE for fp64 and in the interpreter.
 q_start, Tq and N_c are runtime arguments, not specialized (chunked prefill does not recompile); head
@@ -62,27 +71,20 @@ BLOCKS_PER_CHUNK = 16  # BJ: selection blocks per pass-2 chunk (a power of two)
 
 
 @triton.jit
-def _select_rows(
-    q, ck_tile, skn, d_ok, row_pos, row_in, pos_t, last, N_c, top_v, top_i,
-    GP: tl.constexpr, L: tl.constexpr, D: tl.constexpr, L_SEL: tl.constexpr, N: tl.constexpr,
-    NP: tl.constexpr, BT: tl.constexpr, BJ: tl.constexpr, SHIFT: tl.constexpr, SCALE: tl.constexpr,
-    RUP: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+def _row_lse(
+    q, ck_tile, skn, d_ok, row_pos, row_in, last, N_c,
+    L: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BN: tl.constexpr, SCALE: tl.constexpr,
+    ACC: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Passes 1 and 2 for the queries of one document (compressed tokens ck_tile + i * skn, i < N_c):
-    rows row_in [R] at positions row_pos [R], the tile's queries at positions pos_t [BT] (last: the
-    largest position). Merges their blocks into the running top-n (top_v, top_i) [BT, NP]. A row at a
-    negative position sees no token, and a query at position -l' may pick no block (its top-n stays)."""
-    M: tl.constexpr = L // D  # units per compressed token
-    RU: tl.constexpr = L_SEL // D  # units (= compressed tokens) per selection block
-    BN: tl.constexpr = BJ * RUP  # token lanes per chunk (RUP = RU padded to a power of two)
+    """Pass 1 for one document (compressed tokens ck_tile + i * skn, i < N_c): the log-sum-exp [R] of the
+    rows row_in at positions row_pos [R] (last: the largest position; a row at a negative position sees
+    no token, and a row that sees none gets 0)."""
     n_vis = tl.where(last + 1 >= L, (last + 1 - L) // D + 1, 0)  # tokens the last query sees
     n_vis = tl.minimum(n_vis, N_c)
     offs_n = tl.arange(0, BN)
-
-    # ---- pass 1: log-sum-exp per row over the tokens it sees
     # running max starts finite so chunks a row cannot see give exp(-inf - m) = 0 (no -inf - -inf)
-    m_i = tl.full([GP * BT], -1.0e30, dtype=ACC)
-    den = tl.zeros([GP * BT], dtype=ACC)
+    m_i = tl.full([R], -1.0e30, dtype=ACC)
+    den = tl.zeros([R], dtype=ACC)
     for n0 in range(0, n_vis, BN):
         tok = n0 + offs_n  # [BN]
         kt = tl.load(ck_tile + tok[:, None].to(tl.int64) * skn, mask=(tok < n_vis)[:, None] & d_ok[None, :], other=0.0)
@@ -94,7 +96,25 @@ def _select_rows(
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         den = den * tl.exp(m_i - m_new) + tl.sum(tl.exp(s - m_new[:, None]), axis=1)
         m_i = m_new
-    lse = tl.where(den > 0, m_i + tl.log(tl.where(den > 0, den, 1.0)), 0.0)  # [R]
+    return tl.where(den > 0, m_i + tl.log(tl.where(den > 0, den, 1.0)), 0.0)  # [R]
+
+
+@triton.jit
+def _merge_blocks(
+    q, ck_tile, skn, d_ok, row_pos, row_in, lse, pos_t, last, N_c, top_v, top_i,
+    GP: tl.constexpr, L: tl.constexpr, D: tl.constexpr, L_SEL: tl.constexpr, N: tl.constexpr,
+    NP: tl.constexpr, BT: tl.constexpr, BJ: tl.constexpr, SHIFT: tl.constexpr, SCALE: tl.constexpr,
+    RUP: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+):
+    """Pass 2 for one document (as _row_lse; lse [R] from it): the blocks of the tile's queries at
+    positions pos_t [BT] merged into their running top-n (top_v, top_i) [BT, NP]. A query at position
+    -l' may pick no block (its top-n stays)."""
+    M: tl.constexpr = L // D  # units per compressed token
+    RU: tl.constexpr = L_SEL // D  # units (= compressed tokens) per selection block
+    BN: tl.constexpr = BJ * RUP  # token lanes per chunk (RUP = RU padded to a power of two)
+    n_vis = tl.where(last + 1 >= L, (last + 1 - L) // D + 1, 0)  # tokens the last query sees
+    n_vis = tl.minimum(n_vis, N_c)
+    offs_n = tl.arange(0, BN)
 
     # ---- pass 2: block scores per chunk of blocks, merged into a running top-n
     current = pos_t // L_SEL  # [BT] each query's current block
@@ -153,6 +173,19 @@ def _select_rows(
     return top_v, top_i
 
 
+@triton.jit
+def _document(todo, pos_t, cb_t, frame_b, row_q, row_ok, sf0, sf2, L_SEL: tl.constexpr):
+    """Frame mode: the next document of a tile, the one of smallest c_base among the queries still to do
+    (todo [BT]; pos_t, cb_t [BT]: their positions and c_bases). Returns its c_base, its largest query
+    position and the positions [R] of the rows (queries row_q [R]; frame_b: the frame of batch row b),
+    -l' for rows of other documents."""
+    cb = tl.min(tl.where(todo, cb_t, 2147483647), axis=0)
+    last = tl.max(tl.where(todo & (cb_t == cb), pos_t, 0), axis=0)
+    f_r = frame_b + row_q.to(tl.int64) * sf2  # [R] (recomputed: cheaper than keeping it live)
+    in_r = row_ok & (tl.load(f_r + 2 * sf0, mask=row_ok, other=-1).to(tl.int32) == cb)  # [R]
+    return cb, last, tl.where(in_r, tl.load(f_r, mask=row_ok, other=0).to(tl.int32), -L_SEL)
+
+
 @triton.jit(do_not_specialize=["q_start", "Tq", "N_c"])  # new chunk offsets / lengths: no recompile
 def _select_topk_kernel(
     Q, CK, OUT, FRAME,
@@ -189,8 +222,6 @@ def _select_topk_kernel(
     q_idx = q0 + offs_t  # [BT]
     q_ok = q_idx < Tq
     slots = tl.arange(0, NP)
-    top_v = tl.full([BT, NP], float("-inf"), dtype=ACC)  # running top-n, best first
-    top_i = tl.zeros([BT, NP], dtype=tl.int32)
     if HAS_FRAME:
         # frame [3, B, Tq]: q_pos, k_base, c_base per query. The tile's queries run one document (one
         # c_base) at a time: the document of the smallest c_base still to do, in its own frame; the
@@ -198,24 +229,32 @@ def _select_topk_kernel(
         f_t = FRAME + b * sf1 + q_idx.to(tl.int64) * sf2  # [BT]
         pos_t = tl.load(f_t, mask=q_ok, other=0).to(tl.int32)  # [BT] positions within the documents
         cb_t = tl.load(f_t + 2 * sf0, mask=q_ok, other=0).to(tl.int32)  # [BT] first compressed token
-        f_r = FRAME + b * sf1 + row_q.to(tl.int64) * sf2  # [R]
+        lse = tl.zeros([R], dtype=ACC)
         todo = q_ok  # [BT] queries whose document has not run yet
-        while tl.max(todo.to(tl.int32), axis=0) > 0:  # once per document in the tile (usually 1 or 2)
-            cb = tl.min(tl.where(todo, cb_t, 2147483647), axis=0)  # the document's c_base
-            in_t = todo & (cb_t == cb)  # [BT]
-            last = tl.max(tl.where(in_t, pos_t, 0), axis=0)
-            in_r = row_ok & (tl.load(f_r + 2 * sf0, mask=row_ok, other=-1).to(tl.int32) == cb)  # [R]
-            row_pos = tl.where(in_r, tl.load(f_r, mask=row_ok, other=0).to(tl.int32), -L_SEL)  # [R]
-            top_v, top_i = _select_rows(
-                q, ck_tile + cb.to(tl.int64) * skn, skn, d_ok, row_pos, row_ok, tl.where(in_t, pos_t, -L_SEL), last, N_c - cb,
-                top_v, top_i, GP, L, D, L_SEL, N, NP, BT, BJ, SHIFT, SCALE, RUP, ACC, UPCAST, PREC,
+        while tl.max(todo.to(tl.int32), axis=0) > 0:  # pass 1, once per document in the tile (usually 1-2)
+            cb, last, row_pos = _document(todo, pos_t, cb_t, FRAME + b * sf1, row_q, row_ok, sf0, sf2, L_SEL)
+            lse = tl.where(row_pos >= 0, _row_lse(q, ck_tile + cb.to(tl.int64) * skn, skn, d_ok, row_pos, row_ok, last,
+                                                  N_c - cb, L, D, R, BJ * RUP, SCALE, ACC, UPCAST, PREC), lse)
+            todo = todo & (cb_t != cb)
+        top_v = tl.full([BT, NP], float("-inf"), dtype=ACC)  # running top-n, best first
+        top_i = tl.zeros([BT, NP], dtype=tl.int32)
+        todo = q_ok
+        while tl.max(todo.to(tl.int32), axis=0) > 0:  # pass 2, document by document
+            cb, last, row_pos = _document(todo, pos_t, cb_t, FRAME + b * sf1, row_q, row_ok, sf0, sf2, L_SEL)
+            top_v, top_i = _merge_blocks(
+                q, ck_tile + cb.to(tl.int64) * skn, skn, d_ok, row_pos, row_ok, lse,
+                tl.where(todo & (cb_t == cb), pos_t, -L_SEL), last, N_c - cb, top_v, top_i,
+                GP, L, D, L_SEL, N, NP, BT, BJ, SHIFT, SCALE, RUP, ACC, UPCAST, PREC,
             )
             todo = todo & (cb_t != cb)
     else:
         row_pos = q_start + row_q  # [R] absolute positions
         last = q_start + tl.minimum(q0 + BT, Tq) - 1  # the tile's last query position
-        top_v, top_i = _select_rows(
-            q, ck_tile, skn, d_ok, row_pos, row_ok, q_start + q_idx, last, N_c, top_v, top_i,
+        lse = _row_lse(q, ck_tile, skn, d_ok, row_pos, row_ok, last, N_c, L, D, R, BJ * RUP, SCALE, ACC, UPCAST, PREC)
+        top_v = tl.full([BT, NP], float("-inf"), dtype=ACC)  # running top-n, best first
+        top_i = tl.zeros([BT, NP], dtype=tl.int32)
+        top_v, top_i = _merge_blocks(
+            q, ck_tile, skn, d_ok, row_pos, row_ok, lse, q_start + q_idx, last, N_c, top_v, top_i,
             GP, L, D, L_SEL, N, NP, BT, BJ, SHIFT, SCALE, RUP, ACC, UPCAST, PREC,
         )
 
@@ -310,5 +349,7 @@ def fused_select_blocks(
     _select_topk_kernel[grid](
         q, ck, out, f, *q.stride(), *ck.stride(), *f_strides, q_start, Tq, ck.shape[2], H_KV=H_kv, **meta,
         HAS_FRAME=frame is not None, num_stages=num_stages(q.dtype, hd),
+        # frames: left to itself ptxas caps the frame variant at 168 registers at hd 32 on sm_80 and spills
+        **({} if frame is None else dict(maxnreg=255)),
     )
     return out

@@ -51,6 +51,24 @@ SELECTION_PATH ("auto" | "block" | "query", read at call time) forces either.
            `_dkv_reduce_kernel`, grid (B*H_kv*blocks,), sums a block's partials in a fixed order.
            Deterministic (no atomics); the tiles bound the serial work of a program even for block 0,
            which every query selects. Partials at M7C 64k: 6,144 tiles x 2 x 64 x 64 fp32 = 192 MiB.
+Documents (`frame` [3, B, Tq] int64: q_pos, k_base, c_base; nsa/attention/documents.py): query (b, t) sits
+at position p = q_pos of a document whose first key is k_base; its (document-relative) block j covers
+keys k_base + j*l' + r, r < l', visible iff j*l' + r <= p. Each kernel takes a HAS_FRAME variant (same
+launches, no host sync, no atomics):
+  query-centric fwd / dQ: the program reads its query's p and k_base;
+  block-centric fwd / dQ and dK/dV: blocks no longer sit at multiples of l' in the keys, and two
+           documents' "block j" are different keys, so the indexes key each (query, block) pair by the
+           aligned block J = s // l' of its real first key s = k_base + j*l' and sort by the offset
+           s - J*l' (then query) within it: the segment count and the static tile bounds stay those of
+           the no-frame index. A run of equal offsets in a tile is one document's block (documents are
+           disjoint, so a first key names one document); a program walks its tile's runs (ends from the
+           index, `inverted_index(sub=...)`), loading each run's K/V once (one run per tile but at
+           document boundaries);
+  dK/dV partials: a run's keys span aligned blocks J and J+1, so a tile's partial is [2l', hd] (zeroed,
+           twice the no-frame memory); each run stores only the rows its queries see (disjoint across
+           documents, hence across runs and key-chunk programs: no overlap, no atomics), and
+           `_dkv_reduce_kernel` sums aligned block j from the tiles of j (rows 0 .. l'-1) and j-1 (rows
+           l' .. 2l'-1), in a fixed order.
 Tile sizes, warps and pipeline stages per kernel, dtype and head dim: `tile_config` (pure; its
 `shared_bytes` is an upper bound of the shared memory, so a config can be refused before any GPU sees
 it: `shared_memory_estimate`).
@@ -127,7 +145,7 @@ def _fwd_kernel(
         if j >= 0:  # -1 = empty slot
             if HAS_FRAME:  # block j of the document: keys k_base + j*l' + r, visible iff j*l' + r <= p
                 first = k_base + j * L_SEL  # index of the block's first key
-                k_ok = s_ok & (offs_s <= pos_q - j * L_SEL) & (first + offs_s < Tk)
+                k_ok = s_ok & (offs_s <= pos_q - j * L_SEL) & (first + offs_s >= 0) & (first + offs_s < Tk)
             else:
                 first = j * L_SEL  # position of the block's first key
                 k_ok = s_ok & (offs_s <= pos_q - first)  # keys after p masked (the current block)
@@ -200,7 +218,7 @@ def _dq_kernel(
         if j >= 0:
             if HAS_FRAME:
                 first = k_base + j * L_SEL
-                k_ok = s_ok & (offs_s <= pos_q - j * L_SEL) & (first + offs_s < Tk)
+                k_ok = s_ok & (offs_s <= pos_q - j * L_SEL) & (first + offs_s >= 0) & (first + offs_s < Tk)
             else:
                 first = j * L_SEL  # position of the block's first key
                 k_ok = s_ok & (offs_s <= pos_q - first)
@@ -249,7 +267,7 @@ def _dkv_step(
 
 @triton.jit
 def _dkv_kernel(
-    Q, K, V, DO, LSE, DELTA, QUERIES, OFFS, TILE_SEG, TILE_START, TILE_COUNT, DKP, DVP, FRAME,
+    Q, K, V, DO, LSE, DELTA, QUERIES, OFFS, RUN_END, TILE_SEG, TILE_START, TILE_COUNT, DKP, DVP, FRAME,
     sqb, sqh, sqg, sqt, sqd,
     skb, skh, skt, skd,
     svb, svh, svt, svd,
@@ -263,8 +281,8 @@ def _dkv_kernel(
     """Without a frame: a tile's queries selected block j = seg % n_blocks (keys j*l' ..); its partial
     DKP/DVP [tiles, l', hd] is written whole. With a frame (HAS_FRAME): they selected blocks whose first
     key lies in aligned block J = seg % n_blocks, at J*l' + OFFS[entry] (entries sorted by that offset,
-    then query; a run of equal offsets is one document's block), so the program walks the runs, loading
-    each run's K/V once, and stores each run's dK/dV into the tile's partial [tiles, 2l', hd] (zeros
+    then query; a run of equal offsets, ending at RUN_END, is one document's block), so the program walks
+    the runs, loading each run's K/V once, and stores each run's dK/dV into the tile's partial [tiles, 2l', hd] (zeros
     before) at rows offset + r, only the rows some query of the run sees: documents are disjoint, so no
     row is stored twice (not by another run, nor by the program of another key chunk)."""
     tile = tl.program_id(0).to(tl.int64)
@@ -280,30 +298,28 @@ def _dkv_kernel(
     offs_d = tl.arange(0, DP)
     d_ok = offs_d < HD
     if HAS_FRAME:
-        total = count * G
-        r0 = total * 0
-        while r0 < total:  # one run (one document's block) per iteration: entries sorted by offset
-            cur = tl.load(OFFS + start + r0 // G).to(tl.int64)  # the run's block start - J*l'
+        e0 = count * 0
+        while e0 < count:  # one run (one document's block) per iteration: entries sorted by offset
+            cur = tl.load(OFFS + start + e0)  # the run's block start - J*l'
+            e1 = tl.minimum(tl.load(RUN_END + start + e0) - start, count)  # the run's entries: e0 .. e1-1
             kb, vb, k_ok = _load_block(K, V, b, h, j * L_SEL + cur, offs_s, offs_d, d_ok,
                                        skb, skh, skt, skd, svb, svh, svt, svd, Tk, L_SEL, UPCAST)
             dk = tl.zeros([BK, DP], dtype=ACC)
             dv = tl.zeros([BK, DP], dtype=ACC)
-            far = r0 * 0 - 1  # the farthest key (block offset) a row of the run sees
-            in_run = r0 < total
-            while in_run:  # rows are (query, head) pairs; a step takes the run's next rows (a prefix)
-                r, r_ok, t, reach = _run_rows(QUERIES, OFFS, FRAME, start, r0, total, cur, j, b, offs_m,
+            far = tl.full((), -1, tl.int32)  # the farthest key (block offset) a row of the run sees
+            for r0 in range(e0 * G, e1 * G, BM):  # rows are (query, head) pairs
+                r, r_ok, t, reach = _run_rows(QUERIES, FRAME, start, r0, e1 * G, cur, j, b, offs_m,
                                               sf0, sf1, sf2, G, L_SEL)
                 vis = r_ok[:, None] & k_ok[None, :] & (offs_s[None, :] <= reach[:, None])  # [BM, BK]
                 dk, dv = _dkv_step(Q, DO, LSE, DELTA, b, h, bh, r % G, t, r_ok, vis, kb, vb, dk, dv, offs_d, d_ok,
                                    sqb, sqh, sqg, sqt, sqd, sdb, sdh, sdg, sdt, sdd, Tq, scale, G, ACC, UPCAST, PREC)
                 far = tl.maximum(far, tl.max(tl.where(r_ok, reach, -1), axis=0))
-                r0 += tl.sum(r_ok.to(tl.int64), axis=0)
-                in_run = (r0 < total) & (tl.load(OFFS + start + r0 // G, mask=r0 < total, other=-1) == cur)
             # the rows the run's queries see, at window rows cur + r of the tile's [2l', hd] partial
             rows = tile * (2 * L_SEL * HD) + (cur + offs_s)[:, None] * HD + offs_d[None, :]
             seen = (k_ok & (offs_s <= far))[:, None] & d_ok[None, :]
             tl.store(DKP + rows, dk * scale, mask=seen)
             tl.store(DVP + rows, dv, mask=seen)
+            e0 = e1
     else:
         pos_k = j * L_SEL + offs_s
         kb, vb, k_ok = _load_block(K, V, b, h, j * L_SEL, offs_s, offs_d, d_ok,
@@ -387,7 +403,7 @@ def _pow2(x: int, least: int = 16) -> int:
     return max(least, triton.next_power_of_2(x))
 
 
-def tile_config(kernel: str, hd: int, l_sel: int, G: int, dtype: torch.dtype | str) -> TileConfig:
+def tile_config(kernel: str, hd: int, l_sel: int, G: int, dtype: torch.dtype | str, frame: bool = False) -> TileConfig:
     """The tiling the host wrappers launch `kernel` (one of KERNELS) with. Pure (no device, no compile):
     another module can call it at config time and refuse a shape whose `shared_bytes` exceeds a target's
     shared memory per block (A100 166,912 B, H100 232,448 B); `shared_memory_estimate` does that for all
@@ -400,7 +416,13 @@ def tile_config(kernel: str, hd: int, l_sel: int, G: int, dtype: torch.dtype | s
     DP 256), dK/dV programs of 32 keys from DP 128 on. No spills at head dims 64/128 in fp32 (bf16:
     the block-centric forward at head dim 128 on sm_90 spills <= 20 B), and every kernel fits an A100's
     shared memory at head dim 192. Pipeline stages: Triton's default 3 for the query-centric kernels,
-    1 for the row-loop kernels (stages 2-3 cost shared memory and registers; speed unmeasured)."""
+    1 for the row-loop kernels (stages 2-3 cost shared memory and registers; speed unmeasured).
+    frame: the document-frame variants (HAS_FRAME), whose run loops (K/V loads at unaligned block
+    starts) hold more registers. At 16 bits: dK/dV programs of at most 32 keys up to DP 128, the
+    block-centric dQ on 8 warps at DP 64 (with the no-frame tiles both spill 52-56 B at the M7C shape
+    on sm_80) and both block-centric kernels on 32-row tiles at DP 128 (64 rows spill 140-240 B on
+    sm_90). Their `shared_bytes` are at most the no-frame configs' and bound their compiles (Triton
+    3.9, sm_80 / sm_90), so shared_memory_estimate covers both."""
     if kernel not in KERNELS:
         raise ValueError(f"tile_config: unknown kernel {kernel!r}; one of {KERNELS}")
     dtype = _DTYPES.get(dtype, dtype)
@@ -416,14 +438,16 @@ def tile_config(kernel: str, hd: int, l_sel: int, G: int, dtype: torch.dtype | s
     elif kernel in ("block_fwd", "block_dq"):
         if wide:
             rows, warps = 16, 8
+        elif frame and DP == 128:  # 64 rows spill 140-240 B on sm_90 in the frame variants
+            rows, warps = 32, (8 if kernel == "block_fwd" else 4)
         elif DP <= 128:
-            rows, warps = 64, (8 if kernel == "block_fwd" and DP == 128 else 4)
+            rows, warps = 64, (8 if (kernel == "block_fwd" and DP == 128) or (kernel == "block_dq" and frame) else 4)
         else:
             rows, warps = 32, 8
     elif wide:  # dkv: K, V and the dK, dV accumulators of BK keys stay resident for the whole tile
         rows, warps, keys = 16, 8, (BS if DP <= 64 else min(BS, 32))
     else:
-        rows, warps, keys = (64, 4 if DP <= 64 else 8, BS) if DP <= 128 else (32, 8, min(BS, 32))
+        rows, warps, keys = (64, 4 if DP <= 64 else 8, min(BS, 32) if frame else BS) if DP <= 128 else (32, 8, min(BS, 32))
     return TileConfig(rows, keys, BS, DP, warps, stages, _shared_estimate(kernel, rows, keys, DP, bits))
 
 
@@ -468,9 +492,10 @@ def _meta(q: torch.Tensor, G: int, hd: int, l_sel: int) -> dict:
     )
 
 
-def _launch(kernel: str, hd: int, l_sel: int, G: int, dtype: torch.dtype, rows: int | None = None) -> dict:
+def _launch(kernel: str, hd: int, l_sel: int, G: int, dtype: torch.dtype, rows: int | None = None,
+            frame: bool = False) -> dict:
     """Launch options and the row tile of a kernel (rows overrides the config's, e.g. BLOCK_ROWS)."""
-    cfg = tile_config(kernel, hd, l_sel, G, dtype)
+    cfg = tile_config(kernel, hd, l_sel, G, dtype, frame)
     out = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if kernel in ("dkv", "block_fwd", "block_dq"):
         out["BM"] = _pow2(rows) if rows else cfg.rows
@@ -500,28 +525,30 @@ def _frame_args(frame: torch.Tensor | None, dummy: torch.Tensor) -> tuple:
 
 
 @torch.no_grad()
-def _block_keys(idx: torch.Tensor, l_sel: int, frame: torch.Tensor | None):
+def _block_keys(idx: torch.Tensor, l_sel: int, Tk: int, frame: torch.Tensor | None):
     """idx [B, H_kv, Tq, n] (-1 = none) -> what the inverted indexes are keyed by: without a frame the
     block itself (and no offsets); with one, block j of query (b, t) starts at key s = k_base + j*l', keyed
-    by its aligned block s // l' (-1 for empty slots) and the offset s % l' [B, H_kv, Tq, n] (int64)."""
+    by its aligned block s // l' (-1 for empty slots) and the offset s % l' [B, H_kv, Tq, n] (int64).
+    A first key outside 0 .. Tk-1 (a frame breaking k_base + p < Tk) counts as an empty slot."""
     if frame is None:
         return idx, None
     first = frame[1][:, None, :, None] + idx.long() * l_sel  # [B, H_kv, Tq, n] the block's first key
-    return torch.where(idx >= 0, first.div(l_sel, rounding_mode="floor"), -1), torch.where(idx >= 0, first % l_sel, 0)
+    ok = (idx >= 0) & (first >= 0) & (first < Tk)
+    return torch.where(ok, first.div(l_sel, rounding_mode="floor"), -1), torch.where(ok, first % l_sel, 0)
 
 
 def _slot_index(idx: torch.Tensor, Tk: int, l_sel: int, q_tile: int, frame: torch.Tensor | None = None):
-    """The by-slot inverted index of the block-centric kernels: (queries, offsets, tile_seg, tile_start,
-    tile_count, n_blocks, tiles per slot). Offsets: the entries' block start - aligned block start
-    (frames; without a frame `queries` stands in, unread)."""
+    """The by-slot inverted index of the block-centric kernels: (queries, offsets, run ends, tile_seg,
+    tile_start, tile_count, n_blocks, tiles per slot). Offsets and run ends (frames; without a frame
+    `queries` stands in for both, unread): inverted_index's sub_sorted and run_end."""
     B, H_kv, Tq, n = idx.shape
     n_blocks = -(-Tk // l_sel)
-    home, off = _block_keys(idx, l_sel, frame)
+    home, off = _block_keys(idx, l_sel, Tk, frame)
     out = inverted_index(home.reshape(B * H_kv, Tq, n), n_blocks, q_tile, by_slot=True,
                          sub=None if off is None else off.view(B * H_kv, Tq, n), n_sub=l_sel)
     queries, tile_seg, tile_start, tile_count = out[:4]
-    offs = queries if frame is None else out[6]
-    return queries, offs, tile_seg, tile_start, tile_count, n_blocks, tile_seg.shape[0] // n
+    offs, run_end = (queries, queries) if frame is None else out[6:]
+    return queries, offs, run_end, tile_seg, tile_start, tile_count, n_blocks, tile_seg.shape[0] // n
 
 
 def selected_attention_fwd(q, k, v, block_idx, q_start: int, l_sel: int, q_tile: int | None = None,
@@ -559,15 +586,16 @@ def selected_attention_fwd(q, k, v, block_idx, q_start: int, l_sel: int, q_tile:
             **_launch("fwd", hd, l_sel, G, q.dtype),
         )
         return o, lse
-    queries, offs, tile_seg, tile_start, tile_count, n_blocks, n_tiles = _slot_index(idx, Tk, l_sel, q_tile or Q_TILE, frame)
+    queries, offs, run_end, tile_seg, tile_start, tile_count, n_blocks, n_tiles = _slot_index(
+        idx, Tk, l_sel, q_tile or Q_TILE, frame)
     o_acc = (o if o.dtype == acc_dtype else torch.empty(o.shape, dtype=acc_dtype, device=o.device)).zero_()
     m = torch.full(lse.shape, -1.0e30, dtype=acc_dtype, device=q.device)
     den = torch.zeros_like(lse)
     lse.fill_(float("-inf"))
-    launch = _launch("block_fwd", hd, l_sel, G, q.dtype)
+    launch = _launch("block_fwd", hd, l_sel, G, q.dtype, frame=has_frame)
     for slot in range(n):  # n launches in slot order: each updates a row at most once (deterministic)
         block_fwd_kernel[(n_tiles,)](
-            q, k, v, queries, offs, tile_seg, tile_start, tile_count, o_acc, m, den, lse, fr,
+            q, k, v, queries, offs, run_end, tile_seg, tile_start, tile_count, o_acc, m, den, lse, fr,
             *q.stride(), *k.stride(), *v.stride(), *f_strides, Tq, Tk, q_start, scale, n_blocks, slot, n_tiles,
             H_KV=H_kv, **meta, HAS_FRAME=has_frame, **launch,
         )
@@ -591,7 +619,9 @@ def inverted_index(block_idx: torch.Tensor, n_blocks: int, kv_tile: int, by_slot
         p * n_tiles .. (p + 1) * n_tiles - 1): a tile's segment within its part (spare tiles: a valid
         segment with count 0), its first entry in `queries`, its number of queries;
       seg_tile_first, seg_tiles [P * S]: each segment's tiles are seg_tile_first .. + seg_tiles;
-      with sub only: sub_sorted [BH*Tq*n] int32, sub in the order of `queries`.
+      with sub only: sub_sorted [BH*Tq*n] int32, sub in the order of `queries`, and run_end [BH*Tq*n]
+        int32: for each entry, one past the last entry of its run (the entries of equal segment and sub
+        around it; a tile may end a run earlier).
     With C = BH*Tq*min(n, n_blocks) entries per part (BH*Tq by slot), n_tiles = C // kv_tile + min(S, C)
     bounds sum_s ceil(count_s / kv_tile) over a part's segments.
     """
@@ -623,7 +653,14 @@ def inverted_index(block_idx: torch.Tensor, n_blocks: int, kv_tile: int, by_slot
     seg_tile_first = (local_first + torch.arange(P, device=dev).view(P, 1) * n_tiles).flatten()
     if sub is None:
         return queries, tile_seg, tile_start, tile_count, seg_tile_first, seg_tiles
-    return queries, tile_seg, tile_start, tile_count, seg_tile_first, seg_tiles, sub.flatten()[order].to(torch.int32)
+    key = seg * n_sub + sub.flatten()
+    sorted_key = key[order]
+    last = torch.ones_like(sorted_key, dtype=torch.bool)
+    last[:-1] = sorted_key[1:] != sorted_key[:-1]  # the last entry of its run
+    at = torch.arange(key.numel(), device=dev)
+    ends = torch.where(last, at + 1, key.numel()).flip(0).cummin(0).values.flip(0)  # the next run end at or after
+    return (queries, tile_seg, tile_start, tile_count, seg_tile_first, seg_tiles, sub.flatten()[order].to(torch.int32),
+            ends.to(torch.int32))
 
 
 def selected_attention_bwd(q, k, v, block_idx, o, lse, d_o, q_start: int, l_sel: int,
@@ -652,12 +689,13 @@ def selected_attention_bwd(q, k, v, block_idx, o, lse, d_o, q_start: int, l_sel:
     fr, *f_strides = _frame_args(frame, idx)
     has_frame = frame is not None
     if use_block_centric(G):
-        queries, offs, tile_seg, tile_start, tile_count, n_blocks_q, n_tiles_q = _slot_index(idx, Tk, l_sel, q_tile, frame)
+        queries, offs, run_end, tile_seg, tile_start, tile_count, n_blocks_q, n_tiles_q = _slot_index(
+            idx, Tk, l_sel, q_tile, frame)
         dq_acc = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
-        launch = _launch("block_dq", hd, l_sel, G, q.dtype)
+        launch = _launch("block_dq", hd, l_sel, G, q.dtype, frame=has_frame)
         for slot in range(n):  # slot order: dQ sums its n terms in a fixed order (deterministic)
             block_dq_kernel[(n_tiles_q,)](
-                q, k, v, d_o, lse, delta, queries, offs, tile_seg, tile_start, tile_count, dq_acc, fr, *common,
+                q, k, v, d_o, lse, delta, queries, offs, run_end, tile_seg, tile_start, tile_count, dq_acc, fr, *common,
                 *f_strides, Tq, Tk, q_start, scale, n_blocks_q, slot, n_tiles_q, H_KV=H_kv, **meta,
                 HAS_FRAME=has_frame, **launch,
             )
@@ -670,11 +708,11 @@ def selected_attention_bwd(q, k, v, block_idx, o, lse, d_o, q_start: int, l_sel:
             **_launch("dq", hd, l_sel, G, q.dtype),
         )
     n_blocks = -(-Tk // l_sel)
-    home, off = _block_keys(idx, l_sel, frame)
+    home, off = _block_keys(idx, l_sel, Tk, frame)
     index = inverted_index(home.reshape(B * H_kv, Tq, n), n_blocks, kv_tile,
                            sub=None if off is None else off.view(B * H_kv, Tq, n), n_sub=l_sel)
     queries, tile_seg, tile_start, tile_count, seg_tile_first, seg_tiles = index[:6]
-    offs = queries if frame is None else index[6]
+    offs, run_end = (queries, queries) if frame is None else index[6:]
     n_tiles = tile_seg.shape[0]
     if frame is None:  # every tile writes its whole partial
         dkp = torch.empty(n_tiles, l_sel, hd, dtype=acc_dtype, device=q.device)
@@ -682,9 +720,10 @@ def selected_attention_bwd(q, k, v, block_idx, o, lse, d_o, q_start: int, l_sel:
     else:  # a tile writes the rows its runs see, within two aligned blocks
         dkp = torch.zeros(n_tiles, 2 * l_sel, hd, dtype=acc_dtype, device=q.device)
         dvp = torch.zeros(n_tiles, 2 * l_sel, hd, dtype=acc_dtype, device=q.device)
-    dkv = _launch("dkv", hd, l_sel, G, q.dtype, block_rows)
+    dkv = _launch("dkv", hd, l_sel, G, q.dtype, block_rows, frame=has_frame)
     _dkv_kernel[(n_tiles, meta["BS"] // dkv["BK"])](
-        q, k, v, d_o, lse, delta, queries, offs, tile_seg, tile_start, tile_count, dkp, dvp, fr, *common, *f_strides,
+        q, k, v, d_o, lse, delta, queries, offs, run_end, tile_seg, tile_start, tile_count, dkp, dvp, fr, *common,
+        *f_strides,
         Tq, Tk, q_start, scale, n_blocks, H_KV=H_kv, **meta, HAS_FRAME=has_frame, **dkv,
     )
     _dkv_reduce_kernel[(B * H_kv * n_blocks,)](
