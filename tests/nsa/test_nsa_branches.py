@@ -8,7 +8,7 @@ import torch
 
 from nsa.attention.impl.compression import compress, num_compressed
 from nsa.attention.impl.selection import select_blocks, selection_block_scores
-from tests.nsa._nsa_helpers import D, DEVICE, L, L_SEL, make_input, make_layer, rope_for, sorted_blocks
+from tests.nsa._nsa_helpers import D, L, L_SEL, make_input, make_layer, rope_for, sorted_blocks
 
 
 def dense_causal_reference(q, k, v):

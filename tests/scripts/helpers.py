@@ -6,7 +6,6 @@ scripts make from gpus.csv ("name, MiB" lines) and apps.csv (compute processes) 
 """
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
 

@@ -14,7 +14,7 @@ import pytest
 
 from tests.train.helpers import TINY_MODEL
 from train.core.config import load_config
-from train.workflows.preflight import FAIL, OK, run_preflight
+from train.workflows.preflight import OK, run_preflight
 from train.trainer.start_checks import BatchSplit, fit_global_batch, start_checks
 
 REPO = Path(__file__).resolve().parents[2]
@@ -92,7 +92,7 @@ def test_a_live_trainer_fails_preflight_as_it_fails_a_second_launch(tmp_path):
             assert first.poll() is None and time.time() < deadline, first.stderr.read()
             time.sleep(0.2)
         detail = refusal(preflight(out))
-        assert f"is in use by another trainer (host" in detail and f"pid {first.pid}" in detail
+        assert "is in use by another trainer (host" in detail and f"pid {first.pid}" in detail
         second = launch(out)
         assert second.returncode == 2 and second.stderr.strip().splitlines()[-1] == f"error: {detail}"
     finally:

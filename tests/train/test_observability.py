@@ -7,7 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 from nsa import profiling
 from train.observe.alerts import Alerts

@@ -12,7 +12,6 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
 
 from train.trainer.safety import StopFlags, Watchdog, stackdump_path
 

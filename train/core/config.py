@@ -72,7 +72,7 @@ class TrainConfig:
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
         if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:
-            raise ConfigError(f"train.lr must be > 0 and train.min_lr_ratio in [0, 1]")
+            raise ConfigError("train.lr must be > 0 and train.min_lr_ratio in [0, 1]")
         if self.lr_schedule not in ("cosine", "linear", "constant"):
             raise ConfigError(f"train.lr_schedule={self.lr_schedule!r}; valid: cosine, linear, constant")
         if self.sample_tokens <= 0:
