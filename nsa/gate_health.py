@@ -1,6 +1,8 @@
 """Gate health of a model's NSA layers: switch statistics recording on or off in every NativeSparseAttention
-layer, and aggregate what the layers recorded last (the statistics and their definitions:
-nsa/attention/gate_stats.py, docs/NSA.md "Gate health"). Kept on device (no host sync) for the trainer to log.
+layer, aggregate what the layers recorded last (the statistics and their definitions:
+nsa/attention/gate_stats.py, nsa/attention/selection_health.py, docs/NSA.md "Gate health"), and give the
+selection health of each layer (`selection_health`: computes sel_recall from the copies the layers kept, so
+the trainer calls it after the step, off its clock). Kept on device (no host sync) for the trainer to log.
 """
 from __future__ import annotations
 
@@ -8,6 +10,10 @@ import torch
 import torch.nn as nn
 
 from nsa.attention.nsa import NativeSparseAttention
+from nsa.attention.selection_health import selection_recall
+
+# per-layer statistics selection_health returns, in this order (train/core/artifacts.py: SELECTION_HEALTH)
+LAYER_STATS = ("sel_recall", "sel_outside_window", "gate_mean_cmp", "gate_mean_sel", "gate_mean_win")
 
 
 def _nsa_layers(model: nn.Module):
@@ -21,6 +27,7 @@ def set_gate_stats(model: nn.Module, enabled: bool) -> int:
         layer.stats_enabled = enabled
         if not enabled:
             layer.last_stats = None
+            layer.last_sample = None
     return len(layers)
 
 
@@ -36,4 +43,22 @@ def gate_health(model: nn.Module) -> dict[str, torch.Tensor]:
     for key in per_layer[0]:
         values = torch.stack([stats[key] for stats in per_layer])
         out[key] = values.amin() if key.endswith("_min") else values.mean()
+    return out
+
+
+@torch.no_grad()
+def selection_health(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Per NSA layer (model order), of the last recorded forward: name (LAYER_STATS) -> [L] float32 device
+    tensor. sel_recall is computed now from each layer's recall sample (chunked over queries: T = 8192 stays
+    within nsa/attention/selection_health.py's RECALL_SCORES per chunk), NaN for a layer without one; the others
+    are the forward's own. Empty when no layer has recorded stats. No host sync; not training work: call it
+    after the step, off the training clock."""
+    layers = [layer for layer in _nsa_layers(model) if layer.last_stats]
+    if not layers:
+        return {}
+    recall = [selection_recall(layer.last_sample, layer.cfg.l_sel) if layer.last_sample is not None
+              else torch.full((), float("nan"), device=layer.last_stats["gate_mean_win"].device) for layer in layers]
+    out = {"sel_recall": torch.stack(recall)}  # [L]
+    for key in LAYER_STATS[1:]:
+        out[key] = torch.stack([layer.last_stats[key].float() for layer in layers])  # [L]
     return out

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """One monitor frame for a training run: progress, ETA, loss, throughput, validation, GPUs,
-heartbeats, NSA gate and selection statistics, checkpoints, flags and alerts. Standard library and
+heartbeats, NSA gate and selection statistics (and selection health), checkpoints, flags and alerts. Standard library and
 this checkout only (train/core/artifacts.py names and reads every file; no torch); scripts/monitor_run.sh
 calls it in a loop.
 
@@ -29,9 +29,9 @@ import time
 from pathlib import Path
 
 from train.core.artifacts import (
-    ANOMALY, CONFIG_YAML, CRASHED, GATE_STATS, HALT, HEARTBEAT_GLOB, RUN_INFO, SELECTION_STATS, STACKDUMP_GLOB,
-    TRAIN_CSV, VAL_CSV, checkpoint_files, heartbeat_name, nsa_statistics, read_csv, read_heartbeat, read_kv,
-    read_metrics,
+    ANOMALY, CONFIG_YAML, CRASHED, GATE_STATS, HALT, HEARTBEAT_GLOB, RUN_INFO, SELECTION_HEALTH, SELECTION_STATS,
+    STACKDUMP_GLOB, TRAIN_CSV, VAL_CSV, checkpoint_files, heartbeat_name, nsa_layer_statistics, nsa_statistics,
+    read_csv, read_heartbeat, read_kv, read_metrics,
 )
 from train.core.env import number, text
 from train.observe.run_status import run_status
@@ -285,6 +285,12 @@ def build_frame(target: Path, *, window: int = 20, stale_s: float = 300.0, nvidi
         selection = [f"{k.removeprefix('sel_')} {stats[k]:.3f}" for k in SELECTION_STATS if k in stats]
         lines.append(f"gates       step {nsa_rec.get('step')}: " + (" | ".join(gates) or "-"))
         lines.append(f"selection   step {nsa_rec.get('step')}: " + (" | ".join(selection) or "-"))
+        health = [f"{k.removeprefix('gate_').removeprefix('sel_')} {stats[k]:.3f}" for k in SELECTION_HEALTH if k in stats]
+        if health:  # one compact line: the means over layers, then sel_recall per layer
+            by_layer = nsa_layer_statistics(nsa_rec).get("sel_recall")
+            if by_layer:
+                health.append("recall by layer " + " ".join(f"{v:.2f}" for v in by_layer))
+            lines.append(f"sel health  step {nsa_rec.get('step')}: " + " | ".join(health))
     else:
         lines.append("gates       n/a (no NSA statistics in the heartbeat: dense model, or no log interval yet)")
 

@@ -13,7 +13,8 @@ imports inside functions):
               nsa::selected_attention, nsa::window_attention) and chooses the kernel (resolve_kernel)
   modules     nsa.py (NativeSparseAttention), compressor.py (BlockCompressor, phi), decode.py,
               nsa_cache.py, kv_buffer.py, dense.py, reference.py (the test oracle), gate_stats.py (pure
-              gate / selection statistics); they import ops, impl and the foundation, never kernels
+              gate / selection statistics), selection_health.py (selection recall, outside-window
+              share, raw gate means); they import ops, impl and the foundation, never kernels
 Above them: nsa.model (build_attention, Transformer), then the tools nsa.generate, nsa.flops,
 nsa.launch_count and nsa.gate_health (walks a model for its NSA layers).
 

@@ -24,6 +24,7 @@ from nsa.attention.documents import Documents, gather_blocks
 from nsa.attention.gate_stats import BRANCHES, gate_statistics, selection_counts, selection_statistics
 from nsa.attention.impl.compression import compress, num_compressed
 from nsa.attention.nsa_cache import NSACache
+from nsa.attention.selection_health import gate_means, outside_window_counts, outside_window_share, recall_sample
 from nsa.config import ModelConfig, NSAConfig
 from nsa.layers import apply_rotary
 from nsa.profiling import nvtx_range
@@ -64,8 +65,11 @@ class NativeSparseAttention(nn.Module):
         self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.dropout = nn.Dropout(cfg.dropout)
-        self.stats_enabled = False  # record self.last_stats (device tensors) on every forward
+        self.stats_enabled = False  # record self.last_stats and self.last_sample (device tensors) on every forward
         self.last_stats: dict[str, torch.Tensor] | None = None
+        # a detached copy of row 0's queries, selection keys and blocks for sel_recall, computed after the step
+        # (nsa/attention/selection_health.py: recall_sample, selection_recall)
+        self.last_sample: dict[str, torch.Tensor] | None = None
         self.forced_gates: tuple[float, float, float] | None = None  # tests: fixed (cmp, sel, win) gates
 
     def reset_extra_parameters(self) -> None:
@@ -179,7 +183,6 @@ class NativeSparseAttention(nn.Module):
         if T == 1:  # one query (a decode step): every cached key is visible, no chunking or masks
             with nvtx_range("nsa.decode"):
                 o_cmp, o_sel, o_win, block_idx = decode_branches(q, ck, cv, sel_k, sel_v, win_k, win_v, t0, c)
-            sel_counts = selection_counts(block_idx, t0, c.l_sel) if self.stats_enabled else None
         else:  # one custom op per stage (nsa/attention/ops.py): a constant number of launches per layer
             with nvtx_range("nsa.compressed"):
                 o_cmp = ops.compressed_attention(q, ck, cv, t0, c.l, c.d, c.q_chunk, c.kernel)  # [B, H, T, hd]
@@ -192,19 +195,32 @@ class NativeSparseAttention(nn.Module):
                 o_sel = o_sel.view(B, self.n_heads, T, self.head_dim)
             with nvtx_range("nsa.window"):
                 o_win = ops.window_attention(q, win_k, win_v, t0, t_end - win_k.shape[2], c.w, c.win_block, c.kernel)
-            sel_counts = selection_counts(block_idx, t0, c.l_sel) if self.stats_enabled else None
 
-        return self._combine(x, o_cmp, o_sel, o_win, block_idx, sel_counts, return_indices)
+        record = None
+        if self.stats_enabled:  # every query's position: t0 .. t_end-1 (one document); sel_k holds positions 0 ..
+            record = self._selection_record(q, sel_k, block_idx, torch.arange(t0, t_end, device=x.device))
+        return self._combine(x, o_cmp, o_sel, o_win, block_idx, record, return_indices)
 
-    def _combine(self, x, o_cmp, o_sel, o_win, block_idx, sel_counts, return_indices: bool):
-        """Gate the branch outputs (each [B, H, T, hd]) and project: -> y [B, T, dim] (and block_idx)."""
+    def _selection_record(self, q, sel_k, block_idx, q_pos, k_base=None):
+        """With statistics on: what the forward records of its selection (device tensors, no host sync):
+        (selection stats, sel_outside_window, recall sample). q [B, H, Tq, hd], sel_k [B, H_kv, Tk, hd],
+        block_idx [B, H_kv, Tq, n], q_pos [Tq] or [B, Tq] (positions in the document), k_base None or [B, Tq]."""
+        c = self.cfg
+        stats = {**selection_statistics(selection_counts(block_idx, 0, c.l_sel, q_pos=q_pos)),
+                 **outside_window_share(outside_window_counts(block_idx, q_pos, c.l_sel, c.w))}
+        return stats, recall_sample(q, sel_k, block_idx, q_pos, k_base)
+
+    def _combine(self, x, o_cmp, o_sel, o_win, block_idx, record, return_indices: bool):
+        """Gate the branch outputs (each [B, H, T, hd]) and project: -> y [B, T, dim] (and block_idx).
+        record: _selection_record's (stats, sample) when statistics are on, else None."""
         B, T, _ = x.shape
         g = self.gates(x)  # [B, T, H, 3]
         gt = g.transpose(1, 2).unsqueeze(-1).to(o_cmp.dtype)  # [B, H, T, 3, 1]
         y = gt[..., 0, :] * o_cmp + gt[..., 1, :] * o_sel + gt[..., 2, :] * o_win  # [B, H, T, hd]
         y = self.dropout(self.proj(y.transpose(1, 2).reshape(B, T, -1)))
-        if self.stats_enabled:
-            self.last_stats = {**gate_statistics(g), **selection_statistics(sel_counts)}
+        if record is not None:
+            selection, self.last_sample = record
+            self.last_stats = {**gate_statistics(g), **selection, **gate_means(g)}
         return (y, block_idx) if return_indices else y
 
     def _forward_documents(self, x, rope, documents: Documents, return_indices: bool):
@@ -235,5 +251,5 @@ class NativeSparseAttention(nn.Module):
         win_k, win_v = br["win"]
         with nvtx_range("nsa.window"):
             o_win = ops.window_attention(q, win_k, win_v, 0, 0, c.w, c.win_block, c.kernel, frame=frame)
-        sel_counts = selection_counts(block_idx, 0, c.l_sel, q_pos=frame[0]) if self.stats_enabled else None
-        return self._combine(x, o_cmp, o_sel, o_win, block_idx, sel_counts, return_indices)
+        record = self._selection_record(q, sel_k, block_idx, frame[0], frame[1]) if self.stats_enabled else None
+        return self._combine(x, o_cmp, o_sel, o_win, block_idx, record, return_indices)

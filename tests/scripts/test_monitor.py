@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from train.core.artifacts import (
-    GATE_STATS, SELECTION_STATS, TRAIN_FIELDS, heartbeat_name, nsa_statistics, read_heartbeat,
+    GATE_STATS, SELECTION_HEALTH, SELECTION_STATS, TRAIN_FIELDS, heartbeat_name, nsa_layer_statistics, nsa_statistics,
+    read_heartbeat,
 )
 from tests.scripts.helpers import A100_80, REPO, run_script
 
@@ -76,6 +77,16 @@ def test_healthy_run(tmp_path):
     assert "selection   step 100: free_frac 0.700 | distance_mean 5.500" in text
     assert "checkpoint  checkpoint_step100.pt (2.0 KB" in text
     assert "flags       none" in text
+
+
+def test_selection_health_is_one_compact_line(tmp_path):
+    health = {"sel_recall": 0.812, "sel_outside_window": 0.25, "gate_mean_cmp": 0.02, "gate_mean_sel": 0.03,
+              "gate_mean_win": 0.95, "sel_recall_layers": [0.804, 0.82], "sel_outside_window_layers": [0.2, 0.3]}
+    text, _ = frame(make_out(tmp_path / "new", gates={**HEALTHY_GATES, **health}))
+    assert ("sel health  step 100: recall 0.812 | outside_window 0.250 | mean_cmp 0.020 | mean_sel 0.030 | "
+            "mean_win 0.950 | recall by layer 0.80 0.82") in text.splitlines()
+    text, _ = frame(make_out(tmp_path / "old", gates=HEALTHY_GATES))  # a run from before selection health
+    assert "sel health" not in text and "selection   step 100: free_frac 0.700" in text
 
 
 def trainer_alert(out: Path, **record) -> None:
@@ -207,8 +218,13 @@ def test_real_nsa_run_shows_every_statistic_the_trainer_wrote(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     last = [r for r in read_heartbeat(out / heartbeat_name(0)) if r.get("kind") == "train"][-1]
     written = nsa_statistics(last)
-    assert set(written) == set(GATE_STATS) | set(SELECTION_STATS)  # the trainer writes every name the schema lists
+    # the trainer writes every name the schema lists
+    assert set(written) == set(GATE_STATS) | set(SELECTION_STATS) | set(SELECTION_HEALTH)
+    assert set(nsa_layer_statistics(last)) == set(SELECTION_HEALTH)
     text, _ = monitor_frame.build_frame(out, nvidia_smi=None)
     for key, value in written.items():
         shown = f"{key.removeprefix('gate_').removeprefix('sel_')} {value:.3f}"
         assert shown in text, (shown, text)
+    (health,) = [line for line in text.splitlines() if line.startswith("sel health")]  # one compact line
+    recall = nsa_layer_statistics(last)["sel_recall"]
+    assert "recall by layer " + " ".join(f"{v:.2f}" for v in recall) in health

@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 
 from nsa.attention.gate_stats import gate_statistics, selection_statistics
+from nsa.attention.selection_health import gate_means, outside_window_share
+from nsa.gate_health import LAYER_STATS
 from train.core import artifacts
 
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "ARTIFACTS.md").read_text()
@@ -23,7 +25,8 @@ def documented(name: str) -> bool:
 def test_every_name_of_the_schema_is_documented():
     names = [v for k, v in vars(artifacts).items() if k.isupper() and isinstance(v, str)]
     groups = [names, artifacts.TRAIN_FIELDS, artifacts.VAL_FIELDS, artifacts.HEARTBEAT_KINDS, artifacts.GATE_STATS,
-              artifacts.SELECTION_STATS, artifacts.METRICS_FIELDS, artifacts.CRASH_FIELDS, artifacts.STATUSES,
+              artifacts.SELECTION_STATS, artifacts.SELECTION_HEALTH, [artifacts.layer_key(n) for n in artifacts.SELECTION_HEALTH],
+              artifacts.METRICS_FIELDS, artifacts.CRASH_FIELDS, artifacts.STATUSES,
               artifacts.RUN_DIR_FILES]
     missing = [name for group in groups for name in group if not documented(name)]
     assert not missing, f"docs/ARTIFACTS.md does not name {missing}"
@@ -34,6 +37,8 @@ def test_nsa_statistics_are_the_names_the_model_computes():
     picks = torch.tensor([12.0, 5.0, 30.0, 9.0])  # valid, free, distance, free distance
     assert sorted(gate_statistics(gates)) == sorted(artifacts.GATE_STATS)
     assert sorted(selection_statistics(picks)) == sorted(artifacts.SELECTION_STATS)
+    health = ["sel_recall", *outside_window_share(torch.tensor([1.0, 4.0])), *gate_means(gates)]
+    assert sorted(health) == sorted(artifacts.SELECTION_HEALTH) and LAYER_STATS == artifacts.SELECTION_HEALTH
 
 
 def test_checkpoint_names_round_trip(tmp_path):

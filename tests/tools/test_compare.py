@@ -76,7 +76,10 @@ def test_report_numbers_come_from_the_two_out_dirs(compared):
     gates = [r for r in read_heartbeat(out / "nsa" / "heartbeat_rank0.jsonl") if r.get("kind") == "train"]
     assert [r["step"] for r in report["nsa"]["over_time"]] == [r["step"] for r in gates]
     assert report["nsa"]["over_time"][-1]["gate_share_win"] == gates[-1]["gate_share_win"]
+    for key in ("sel_recall", "sel_outside_window", "gate_mean_sel", "sel_recall_layers", "gate_mean_win_layers"):
+        assert report["nsa"]["over_time"][-1][key] == gates[-1][key], key  # selection health, per logged step
     md = (out / "report.md").read_text()
+    assert "sel_recall" in md and "sel_recall by layer at step 4: " in md
     assert report["verdict"] in md and f"{report['gap_pct']:+.2f}%" in md and (out / "report.png").stat().st_size > 0
     assert f"compare: {report['verdict']}" in res.stdout
     assert "first 3,000 validation tokens" in report["verdict"]

@@ -1,7 +1,9 @@
 """The twin comparison's report, built only from what the two arms' out_dirs and evaluations recorded.
 
     report.json  arms: params, steps, tokens, tokens/s, last train loss, val curve, whole-split loss and
-                 bits/byte; nsa: its settings and gate / selection statistics per logged step; gap; verdict
+                 bits/byte; nsa: its settings and gate / selection statistics per logged step (with the
+                 selection health: sel_recall, sel_outside_window, gate_mean_*, and per layer under
+                 `<name>_layers`); gap; verdict
     report.md    the same as tables, for people
     report.png   train and val loss of both arms in one plot; NSA gate shares over training
 Gap = (NSA whole-split loss - dense whole-split loss) / dense, in percent: negative means NSA is better.
@@ -20,6 +22,8 @@ from train.core.artifacts import (
     TRAIN_CSV,
     VAL_CSV,
     heartbeat_name,
+    layer_key,
+    nsa_layer_statistics,
     nsa_statistics,
     read_csv,
     read_heartbeat,
@@ -66,14 +70,16 @@ def arm_summary(out_dir: Path, score: dict) -> dict:
 
 
 def nsa_over_time(out_dir: Path) -> list[dict]:
-    """Gate and selection statistics of every logged step (rank 0's heartbeat)."""
+    """Gate and selection statistics of every logged step (rank 0's heartbeat): the means over layers, and the
+    selection health per layer under `<name>_layers`."""
     rows = []
     for record in read_heartbeat(out_dir / heartbeat_name(0)):
         if record.get("kind") != "train":
             continue
         stats = nsa_statistics(record)
         if stats:
-            rows.append({"step": record.get("step"), **stats})
+            layers = {layer_key(name): values for name, values in nsa_layer_statistics(record).items()}
+            rows.append({"step": record.get("step"), **stats, **layers})
     return rows
 
 
@@ -139,10 +145,14 @@ def markdown(report: dict) -> str:
                  + f", seq_len={report['nsa']['seq_len']}")
     over = report["nsa"]["over_time"]
     if over:
-        keys = [k for k in SHARES + ("gate_saturated_frac", "sel_free_frac", "sel_free_distance_mean") if k in over[0]]
+        keys = [k for k in SHARES + ("gate_saturated_frac", "sel_free_frac", "sel_free_distance_mean", "sel_recall",
+                                     "sel_outside_window") if k in over[0]]
         picks = sorted({0, len(over) // 4, len(over) // 2, 3 * len(over) // 4, len(over) - 1})
         lines += ["", "| step | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
         lines += [f"| {over[i]['step']} | " + " | ".join(_fmt(over[i].get(k), '.3f') for k in keys) + " |" for i in picks]
+        recall = over[-1].get(layer_key("sel_recall"))
+        if recall:
+            lines += ["", f"sel_recall by layer at step {over[-1]['step']}: " + " ".join(f"{v:.3f}" for v in recall)]
     lines += [f"- {note}" for note in report["notes"]]
     return "\n".join(lines) + "\n"
 

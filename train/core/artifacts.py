@@ -46,6 +46,11 @@ HEARTBEAT_KINDS = ("start", "train", "eval", "eval_only", "checkpoint", "alert",
 GATE_STATS = ("gate_entropy_mean", "gate_entropy_min", "gate_max_mean", "gate_collapse_frac", "gate_saturated_frac",
               "gate_share_cmp", "gate_share_sel", "gate_share_win")
 SELECTION_STATS = ("sel_free_frac", "sel_distance_mean", "sel_free_distance_mean")
+# selection health (nsa/attention/selection_health.py): the mean over layers under the name, and each layer's value
+# in a list under the name + LAYER_SUFFIX (sel_recall_layers = [layer 0, layer 1, ...]); sel_recall is computed
+# after the logged step, off the training clock
+SELECTION_HEALTH = ("sel_recall", "sel_outside_window", "gate_mean_cmp", "gate_mean_sel", "gate_mean_win")
+LAYER_SUFFIX = "_layers"
 
 METRICS_FIELDS = ("status", "step", "steps", "tokens_seen", "last_loss", "last_toks_per_s", "best_val_loss",
                   "last_val_loss", "skipped_steps", "params", "params_non_embedding", "flops", "device", "world_size",
@@ -123,13 +128,41 @@ def read_metrics(out_dir: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
+def _number(value) -> float | None:
+    """A record's number: ints and floats, and the strings "nan" / "inf" the heartbeat writes for non-finite ones."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if value in ("nan", "inf", "-inf"):
+        return float(value)
+    return None
+
+
 def nsa_statistics(record: dict) -> dict[str, float]:
-    """The gate and selection statistics a heartbeat 'train' record carries, by their names above."""
+    """The gate, selection and selection-health statistics a heartbeat 'train' record carries (the means over
+    layers), by their names above."""
     out = {}
-    for key in GATE_STATS + SELECTION_STATS:
+    for key in GATE_STATS + SELECTION_STATS + SELECTION_HEALTH:
         value = record.get(key)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             out[key] = float(value)
+    return out
+
+
+def layer_key(name: str) -> str:
+    """The record key of a SELECTION_HEALTH statistic's per-layer list: sel_recall -> sel_recall_layers."""
+    return name + LAYER_SUFFIX
+
+
+def nsa_layer_statistics(record: dict) -> dict[str, list[float]]:
+    """The per-layer selection health a heartbeat 'train' record carries: name -> [layer 0, layer 1, ...]
+    (non-finite values, written as "nan", come back as float nan)."""
+    out = {}
+    for name in SELECTION_HEALTH:
+        values = record.get(layer_key(name))
+        if isinstance(values, list) and values:
+            numbers = [_number(v) for v in values]
+            if all(v is not None for v in numbers):
+                out[name] = numbers
     return out
 
 

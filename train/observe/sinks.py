@@ -15,7 +15,7 @@ Every sink gets every row and decides what it writes for its kind:
 | RunSummary (train/observe/summary.py) | metrics.json at start / checkpoint / end / anomaly, run_*.json at checkpoint / end |
 | CsvSink | training.csv (train rows), val.csv (eval rows) |
 | SamplesSink | samples.jsonl (sample rows; train.sample_every) |
-| TensorBoardSink | scalars (`scalars()`: train/*, gates/*, val/*, alerts/<name>); text alerts/<name>, samples/<i> |
+| TensorBoardSink | scalars (`scalars()`: train/*, gates/*, per-layer selection/* and gates/*, val/*, alerts/<name>); text alerts/<name>, samples/<i> |
 | WandbSink | the same scalars |
 | HeartbeatSink | every row of a heartbeat kind, with all its fields |
 | ConsoleSink | one line for train, eval, alert, sample, sdpa_audit, anomaly, end, eval_only rows |
@@ -35,6 +35,7 @@ from typing import Protocol
 
 from train.core.artifacts import (
     HEARTBEAT_KINDS,
+    LAYER_SUFFIX,
     SAMPLES_JSONL,
     SUPERSEDED,
     TB_DIR,
@@ -61,12 +62,27 @@ def fields(row: dict) -> dict:
     return {k: v for k, v in row.items() if k not in ("kind", "step")}
 
 
+def layer_scalars(key: str, values: list) -> dict:
+    """A per-layer list of a train row (`<name>_layers`, train/core/artifacts.py SELECTION_HEALTH) as one scalar
+    per layer: sel_recall_layers -> selection/recall/layer0, ...; gate_mean_cmp_layers -> gates/mean_cmp/layer0, ..."""
+    name = key.removesuffix(LAYER_SUFFIX)
+    group = "selection" if name.startswith("sel_") else "gates"
+    short = name.removeprefix("sel_").removeprefix("gate_")
+    return {f"{group}/{short}/layer{i}": v for i, v in enumerate(values)}
+
+
 def scalars(row: dict) -> dict:
-    """The TensorBoard / W&B scalars of a row: train/<column> and gates/<statistic> (train), val/loss and
-    val/ppl (eval), alerts/<name> = 1 at the alert's step (alert); none for other kinds."""
+    """The TensorBoard / W&B scalars of a row: train/<column> and gates/<statistic> (train; per-layer lists as
+    layer_scalars), val/loss and val/ppl (eval), alerts/<name> = 1 at the alert's step (alert); none for other kinds."""
     kind = row["kind"]
     if kind == "train":
-        return {(f"gates/{k}" if k.startswith(NSA_PREFIXES) else f"train/{k}"): v for k, v in fields(row).items()}
+        out = {}
+        for k, v in fields(row).items():
+            if isinstance(v, list):
+                out.update(layer_scalars(k, v))
+            else:
+                out[f"gates/{k}" if k.startswith(NSA_PREFIXES) else f"train/{k}"] = v
+        return out
     if kind == "eval":
         return {"val/loss": row["val_loss"], "val/ppl": row["ppl"]}
     if kind == "alert":

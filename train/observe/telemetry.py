@@ -101,6 +101,8 @@ class Heartbeat:
 def _json_safe(v):
     if isinstance(v, float) and not math.isfinite(v):
         return str(v)  # "nan" / "inf": strict JSON has no NaN
+    if isinstance(v, list):  # per-layer statistics
+        return [_json_safe(x) for x in v]
     return v
 
 

@@ -6,7 +6,9 @@ step is skipped on-device by the fused optimizer's `found_inf` input.
 
 The loop returns plain rows and writes nothing: the runner (train/trainer/runner.py) hands them to the sinks
 (train/observe/sinks.py). A `log()` row is a training.csv row, plus the NSA gate and selection statistics
-(`gate_*`, `sel_*`, nsa/attention/gate_stats.py) for NSA models.
+(`gate_*`, `sel_*`, nsa/attention/gate_stats.py) for NSA models, and their selection health
+(nsa/attention/selection_health.py: means, and per-layer lists under `<name>_layers`). The selection recall
+is computed in `log()` from copies the last step's forward kept, off the training clock.
 """
 from __future__ import annotations
 
@@ -16,9 +18,10 @@ import time
 import torch
 import torch.nn as nn
 
-from nsa.gate_health import gate_health, set_gate_stats
+from nsa.gate_health import gate_health, selection_health, set_gate_stats
 from nsa.profiling import nvtx_range
 from train.checkpoint.train_state import TrainState
+from train.core.artifacts import layer_key
 from train.core.config import TrainConfig
 from train.core.distributed import DistInfo, all_reduce_mean, autocast_context, no_sync
 from train.observe.efficiency import Efficiency
@@ -35,14 +38,25 @@ class GateStats:
     def record(self, enabled: bool) -> None:
         set_gate_stats(self.model, enabled)
 
-    def read(self) -> dict[str, float]:
-        """The recorded statistics (one host sync), then recording off."""
+    def read(self) -> dict[str, float | list[float]]:
+        """The recorded statistics (one host sync), then recording off: each aggregated over layers under its
+        name, and the selection health per layer as lists under `<name>_layers`. Computes sel_recall from the
+        layers' copies (nsa.gate_health.selection_health), which is not training work: call it off the clock."""
         stats = gate_health(self.model)  # name -> 0-dim device tensor, aggregated over layers
+        layers = selection_health(self.model)  # name -> [L] device tensor; sel_recall computed here
         self.record(False)
         if not stats:
             return {}
-        values = torch.stack([v.float() for v in stats.values()]).tolist()  # [n_stats]
-        return dict(zip(stats, values))
+        for name, values in layers.items():
+            stats.setdefault(name, values.mean())  # sel_recall's mean over layers (the others are gate_health's)
+        n_layers = len(next(iter(layers.values()))) if layers else 0
+        flat = torch.cat([torch.stack([v.float() for v in stats.values()]),  # [n_stats]
+                          *(v.float() for v in layers.values())]).tolist()  # + [n_health * L]
+        row: dict[str, float | list[float]] = dict(zip(stats, flat))
+        for i, name in enumerate(layers):
+            start = len(stats) + i * n_layers
+            row[layer_key(name)] = flat[start:start + n_layers]
+        return row
 
 
 class Loop:
@@ -124,7 +138,12 @@ class Loop:
         totals = torch.stack([self.i_loss, self.i_ok, self.i_skipped, self.i_norm])  # [4]
         loss_sum = all_reduce_mean(totals[:1], self.info)  # the global mean loss, not rank 0's
         loss_sum, ok, skipped, norm_sum = torch.cat([loss_sum, totals[1:]]).tolist()
-        gate = self.gate_stats.read() if self.gate_stats is not None else {}
+        gate = {}
+        if self.gate_stats is not None:
+            # off the clock: the selection recall computed here is not training work (the .tolist() above has
+            # already waited for the interval's queued device work, so that stays on the clock)
+            with self.clock.off_the_clock():
+                gate = self.gate_stats.read()
         elapsed = self.clock.lap()  # training seconds of this interval (train/trainer/clock.py)
         state.skipped_steps += int(skipped)
         toks_per_s = self.i_steps * self.tokens_per_step / elapsed
