@@ -1,0 +1,124 @@
+"""The recall task (train/data/recall.py, train/evaluation/recall.py, python -m train.recall): documents whose
+every answer is determined by its fact at the stated distance, exact scoring per bucket (an oracle scores 1, an
+oracle that cannot see past the window scores 0 beyond it), and the command end to end on a tiny run."""
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from train.data.recall import FACT, QUERY, VALUES, RecallEncoder, RecallSpec, corpus_document, probe_document
+from train.data.tokenizers import load_tokenizer
+from train.evaluation.recall import score_recall
+from train.recall import main as recall_main
+
+from .helpers import tiny_config
+
+SPEC = RecallSpec(window=16, doc_tokens=255, max_windows=8)  # buckets 1-16, 16-32, 32-64, 64-128 tokens
+
+
+@pytest.mark.parametrize("tokenizer", ["byte", "gpt2"])
+def test_every_answer_is_its_facts_value_at_the_stated_distance(tokenizer):
+    tok = load_tokenizer(tokenizer)
+    enc = RecallEncoder(tok)
+    rng = random.Random(3)
+    for doc in [probe_document(rng, SPEC, enc) for _ in range(5)] + [corpus_document(rng, SPEC, enc) for _ in range(20)]:
+        assert len(doc.ids) <= SPEC.doc_tokens
+        text = tok.decode(doc.ids.tolist())
+        lines = text.splitlines()
+        keys = [line[:2] for line in lines if line[2] == FACT]
+        assert len(keys) == len(set(keys))  # a key is stated once: the answer is determined
+        facts = {line[:2]: line[3] for line in lines if line[2] == FACT}
+        queries = [line for line in lines if line[2] == QUERY]
+        assert len(queries) == len(doc.answer_start)
+        for line, start, n, distance in zip(queries, doc.answer_start, doc.answer_len, doc.distance):
+            answer = tok.decode(doc.ids[start:start + n].tolist())
+            assert answer == line[3] == facts[line[:2]] and answer in VALUES
+            fact_value = doc.ids[start - distance:start - distance + n]
+            assert tok.decode(fact_value.tolist()) == answer  # the distance points at the fact's value
+            assert 0 < distance < SPEC.max_windows * SPEC.window + enc.line_tokens
+
+
+def test_probe_documents_fill_every_bucket():
+    enc = RecallEncoder(load_tokenizer("byte"))
+    rng = random.Random(0)
+    distances = np.concatenate([probe_document(rng, SPEC, enc).distance for _ in range(20)])
+    counts = np.bincount(np.searchsorted([lo for lo, _ in SPEC.buckets()[1:]], distances, side="right"), minlength=4)
+    assert (counts > 0.15 * counts.sum()).all(), counts  # near and far alike, no bucket starved
+
+
+class _Oracle(torch.nn.Module):
+    """Predicts each query's answer by reading its fact, but only when the fact lies at most `reach` tokens back:
+    beyond that it predicts token 0 (never a value). A stand-in for a perfect model and a window-only one."""
+
+    def __init__(self, tok, reach: int):
+        super().__init__()
+        self.tok, self.reach = tok, reach
+
+    def forward(self, x):  # x [B, L] -> logits [B, L, V]
+        logits = torch.zeros(*x.shape, 320)
+        logits[..., 0] = 1.0
+        for b in range(x.shape[0]):
+            text = self.tok.decode(x[b, 1:].tolist())  # byte tokenizer: position i + 1 holds text[i]
+            seen = {}
+            for i in range(0, len(text) - 4, 5):
+                key, mark, value = text[i:i + 2], text[i + 2], text[i + 3]
+                if mark == FACT:
+                    seen[key] = i + 3
+                elif i + 3 - seen[key] <= self.reach:
+                    logits[b, i + 3, :] = 0  # position i + 3 (input) predicts text[i + 3] (target at i + 4)
+                    logits[b, i + 3, ord(value)] = 1.0
+        return logits
+
+
+def test_scoring_is_exact_per_bucket():
+    tok = load_tokenizer("byte")
+    perfect = score_recall(_Oracle(tok, reach=10**9), tok, SPEC, documents=6, batch_size=4)
+    assert perfect["far_accuracy"] == 1.0 and perfect["near_accuracy"] == 1.0
+    assert all(b["accuracy"] == 1.0 for b in perfect["buckets"].values())
+    window_only = score_recall(_Oracle(tok, reach=SPEC.window - 1), tok, SPEC, documents=6, batch_size=4)
+    assert window_only["near_accuracy"] == 1.0  # every <1w item is within reach ...
+    assert window_only["far_accuracy"] == 0.0 < window_only["chance"]  # ... and none beyond: the probe can fail
+    assert window_only["far_items"] == perfect["far_items"] > 50
+    assert window_only["far_answer_loss"] > perfect["far_answer_loss"]
+
+
+def test_make_train_and_score_end_to_end(tmp_path, capsys):
+    data = tmp_path / "recall"
+    assert recall_main(["make", "--out", str(data), "--window", "8", "--seq_len", "32", "--max_windows", "3",
+                        "--train_tokens", "20000", "--val_tokens", "2000"]) == 0
+    meta = json.loads((data / "meta.json").read_text())
+    assert meta["recall"]["doc_tokens"] == 31 and meta["eos_id"] == 256
+    before = (data / "train.bin").read_bytes()
+    assert recall_main(["make", "--out", str(data), "--window", "8", "--seq_len", "32"]) == 2  # never overwritten
+    assert (data / "train.bin").read_bytes() == before
+    out = tmp_path / "run"
+    from train.trainer.runner import run_training
+
+    assert run_training(tiny_config(out, f"--data.source=bin:{data}", "--data.tokenizer=byte", "--train.steps=4")) == 0
+    capsys.readouterr()
+    assert recall_main(["score", str(out), "--documents", "4", "--device", "cpu"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    written = json.loads((out / f"recall_step{result['step']}.json").read_text())
+    assert written == result and result["step"] == 4
+    assert set(result["buckets"]) == {"<1w", "1-2w", "2-4w"}
+    assert sum(b["items"] for b in result["buckets"].values()) == result["far_items"] + result["buckets"]["<1w"]["items"]
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
+    out = tmp_path / "run"
+    from train.trainer.runner import run_training
+
+    assert run_training(tiny_config(out, "--train.steps=2")) == 0  # synthetic data: not a recall corpus
+    capsys.readouterr()
+    assert recall_main(["score", str(out), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "not a recall corpus" in err and "\n" not in err
+    assert recall_main(["score", str(out), "--window", "8"]) == 2
+    assert recall_main(["score", str(out), "--window", "8", "--doc_tokens", "200", "--device", "cpu"]) == 2  # > max_seq_len
+    assert recall_main(["make", "--out", str(tmp_path / "x"), "--window", "0", "--seq_len", "32"]) == 2
+    assert not (tmp_path / "x").exists()
+    assert not list(out.glob("recall_*.json"))

@@ -1,0 +1,189 @@
+"""The recall task: documents of key-value facts, each later asked for at a controlled distance.
+
+A document is lines of two kinds (five characters each with the byte tokenizer):
+
+    qx=M      a fact: key "qx" (two lowercase letters, unique in the document) holds value "M" (A-Z)
+    qx?M      a query: the same key asked again; its value is the answer the model must recall
+
+Every query's fact lies `distance` tokens before it (answer token to the fact's value token). Distances are
+drawn bucket first: the buckets are [1, w) (inside the sliding window) and [w, 2w), [2w, 4w), ... up to
+`max_windows` windows (w = the model's window, nsa.w), then uniformly inside the bucket, so far items are as
+common as near ones. Lines that no query uses are facts never asked for (distractors). Keys are unique in a
+document, so every answer is determined by the document alone and chance is 1 / len(VALUES).
+
+Any tokenizer: each line is encoded as three segments (key and mark, value, newline) encoded separately and
+concatenated, so the answer's tokens are known exactly (with the byte tokenizer a line is 5 tokens).
+
+Training documents (`corpus_document`) have a length drawn log-uniformly from 2 lines to the longest that
+fits `doc_tokens`: short documents teach the lookup where it is easy, long ones stretch it (a curriculum by
+mixture, no schedule). Scoring documents (`probe_document`) are always the longest. Scoring itself lives in
+train/evaluation/recall.py; the corpus is written by `python -m train.recall make`.
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+KEYS = tuple(a + b for a in LETTERS for b in LETTERS)  # 676
+VALUES = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+FACT, QUERY = "=", "?"
+META_KEY = "recall"  # meta.json of a recall corpus: its RecallSpec under this key
+
+
+@dataclass(frozen=True)
+class RecallSpec:
+    """What a recall corpus and its probe are made of (stored in the corpus's meta.json under META_KEY)."""
+
+    window: int  # the model's sliding window in tokens (nsa.w): distance buckets are multiples of it
+    doc_tokens: int  # the longest document, in tokens (at most the training seq_len)
+    max_windows: int = 8  # the farthest recall, in windows
+    query_share: float = 0.5  # the share of a document's lines that try to become queries
+
+    def validate(self) -> None:
+        if self.window < 1 or self.doc_tokens < 2 * LINE_TOKENS_MIN:
+            raise ValueError(f"recall: window {self.window} and doc_tokens {self.doc_tokens} leave no room for a "
+                             f"fact and its query")
+        if self.max_windows < 1:
+            raise ValueError(f"recall: max_windows must be >= 1, got {self.max_windows}")
+        if not 0 < self.query_share <= 0.5:
+            raise ValueError(f"recall: query_share must be in (0, 0.5], got {self.query_share}")
+
+    def buckets(self) -> list[tuple[int, int]]:
+        """[lo, hi) distance ranges in tokens: inside the window, then doubling multiples of it."""
+        edges = [1, self.window]
+        while edges[-1] < self.max_windows * self.window:
+            edges.append(edges[-1] * 2)
+        return list(zip(edges[:-1], edges[1:]))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+LINE_TOKENS_MIN = 3  # key+mark, value, newline: one token each at least
+
+
+def bucket_name(lo: int, hi: int, window: int) -> str:
+    """'<1w' for the window's own bucket, else '1-2w', '2-4w', ..."""
+    return "<1w" if lo < window else f"{lo // window}-{hi // window}w"
+
+
+@dataclass
+class EncodedRecall:
+    """One document's token ids and its answers (positions are indices into `ids`)."""
+
+    ids: np.ndarray  # [n] int64
+    answer_start: np.ndarray  # [q] first token of each query's value
+    answer_len: np.ndarray  # [q] tokens of the value
+    distance: np.ndarray  # [q] answer_start minus the fact's value start, in tokens
+
+
+class RecallEncoder:
+    """Token ids of lines, cached per segment (key+mark, value, newline) for one tokenizer."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        segments = [k + m for k in KEYS for m in (FACT, QUERY)] + list(VALUES) + ["\n"]
+        self._ids = dict(zip(segments, (list(ids) for ids in tokenizer.encode_batch(segments))))
+        self.line_tokens = max(len(self._ids[k + m]) for k in KEYS for m in (FACT, QUERY)) \
+            + max(len(self._ids[v]) for v in VALUES) + len(self._ids["\n"])  # the longest line
+
+    def encode(self, lines: list[tuple[str, str, str]]) -> EncodedRecall:
+        """lines: (key, mark, value) -> ids and each query's answer span and distance."""
+        ids: list[int] = []
+        value_at: dict[str, int] = {}
+        starts, lens, distances = [], [], []
+        for key, mark, value in lines:
+            ids += self._ids[key + mark]
+            if mark == FACT:
+                value_at[key] = len(ids)
+            else:
+                starts.append(len(ids))
+                lens.append(len(self._ids[value]))
+                distances.append(len(ids) - value_at[key])
+            ids += self._ids[value] + self._ids["\n"]
+        return EncodedRecall(np.asarray(ids, dtype=np.int64), np.asarray(starts, dtype=np.int64),
+                             np.asarray(lens, dtype=np.int64), np.asarray(distances, dtype=np.int64))
+
+
+def document_lines(rng: random.Random, n_lines: int, spec: RecallSpec, line_tokens: int) -> list[tuple[str, str, str]]:
+    """n_lines lines (at most len(KEYS)): queries placed bucket first at distances up to the farthest bucket
+    (in lines of `line_tokens` tokens), the rest facts never asked for."""
+    n_lines = min(n_lines, len(KEYS))
+    slots: list[tuple[str, str, str] | None] = [None] * n_lines
+    keys = iter(rng.sample(KEYS, n_lines))
+    buckets = [(max(1, lo // line_tokens), max(1, -(-hi // line_tokens))) for lo, hi in spec.buckets()]
+    for _ in range(int(n_lines * spec.query_share * 2)):  # tries; collisions leave a slot a distractor
+        lo, hi = rng.choice(buckets)  # in lines
+        if lo >= n_lines:
+            continue
+        back = rng.randrange(lo, min(hi, n_lines))
+        at = rng.randrange(back, n_lines)
+        if slots[at] is None and slots[at - back] is None:
+            key, value = next(keys), rng.choice(VALUES)
+            slots[at - back], slots[at] = (key, FACT, value), (key, QUERY, value)
+    return [slot if slot is not None else (next(keys), FACT, rng.choice(VALUES)) for slot in slots]
+
+
+def max_lines(spec: RecallSpec, encoder: RecallEncoder) -> int:
+    return min(len(KEYS), spec.doc_tokens // encoder.line_tokens)
+
+
+def corpus_document(rng: random.Random, spec: RecallSpec, encoder: RecallEncoder) -> EncodedRecall:
+    """A training document: 2 .. max_lines lines, log-uniform (short and long documents alike)."""
+    longest = max_lines(spec, encoder)
+    n = int(round(math.exp(rng.uniform(math.log(2), math.log(max(2, longest))))))
+    return encoder.encode(document_lines(rng, n, spec, encoder.line_tokens))
+
+
+def probe_document(rng: random.Random, spec: RecallSpec, encoder: RecallEncoder) -> EncodedRecall:
+    """A scoring document: the longest, so every bucket is represented."""
+    return encoder.encode(document_lines(rng, max_lines(spec, encoder), spec, encoder.line_tokens))
+
+
+def write_corpus(out, spec: RecallSpec, tokenizer, *, train_tokens: int, val_tokens: int, seed: int = 0) -> dict:
+    """A prepared directory (train.bin, val.bin, meta.json; docs/DATA.md) of recall documents, each followed by
+    EOS like prepare's; the splits come from different seeds. Returns meta. `out` must not hold a meta.json."""
+    import json
+    import os
+    import time
+    from pathlib import Path
+
+    from train.core.errors import DataError
+    from train.data.meta import dtype_for_vocab
+    from train.data.preparation import EncodedDocuments, _SplitWriter, build_meta
+
+    spec.validate()
+    out = Path(out)
+    if (out / "meta.json").exists():
+        raise DataError(f"{out} already holds a prepared dataset (meta.json); choose another --out")
+    started = time.perf_counter()
+    encoder = RecallEncoder(tokenizer)
+    dtype = np.dtype(dtype_for_vocab(tokenizer.n_vocab))
+    out.mkdir(parents=True, exist_ok=True)
+    splits, max_id = {}, -1
+    for offset, (name, budget) in enumerate((("train", train_tokens), ("val", val_tokens))):
+        rng, writer = random.Random(seed * 2 + offset), _SplitWriter(out, name, dtype)
+        try:
+            while writer.tokens < budget:
+                docs = [corpus_document(rng, spec, encoder) for _ in range(256)]
+                tokens = np.concatenate([piece for d in docs for piece in (d.ids, [tokenizer.eos_id])])
+                writer.write(EncodedDocuments(tokens=tokens.astype(dtype), documents=len(docs),
+                                              text_bytes=sum(len(tokenizer.decode(d.ids.tolist()).encode()) for d in docs)))
+        except BaseException:
+            writer.abort()
+            raise
+        max_id = max(max_id, writer.max_id)
+        splits[name] = writer.finish()
+    meta = build_meta(tokenizer, dtype.name, max_id, splits, source="recall", subset=None,
+                      split="train", text_field="text", text_sample_by="document", split_seed=seed,
+                      val_fraction=val_tokens / max(1, train_tokens + val_tokens), max_docs=None,
+                      seconds=time.perf_counter() - started)
+    meta[META_KEY] = spec.to_dict()
+    tmp = out / "meta.json.partial"
+    tmp.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, out / "meta.json")
+    return meta

@@ -1,0 +1,140 @@
+"""Score a model on the recall task (train/data/recall.py): accuracy and loss of the answer tokens, by distance.
+
+Each probe document (the longest the spec allows) is fed as one window, preceded by EOS as in the corpus
+(the document's first token sits at position 1, as after a packed document's EOS). An answer counts as
+recalled when every one of its tokens is the model's argmax given the true prefix (teacher forced: what
+greedy decoding would produce); its loss is the sum of its tokens' negative log-likelihoods. Items are
+reported per distance bucket (train/data/recall.py: RecallSpec.buckets): the `<1w` bucket lies inside the
+sliding window and is reported apart from the far buckets, whose pooled accuracy is `far_accuracy`.
+Chance: 1 / len(VALUES) (every value equally likely, independent of the rest of the document).
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from train.data.recall import VALUES, RecallEncoder, RecallSpec, bucket_name, probe_document
+
+PROBE_SEED = 1_000_003  # probe documents come from their own seed, never the corpus's
+
+
+@dataclass
+class _Tally:
+    hits: int = 0
+    items: int = 0
+    nll: float = 0.0
+
+    def add(self, hits: np.ndarray, nll: np.ndarray) -> None:
+        self.hits += int(hits.sum())
+        self.items += len(hits)
+        self.nll += float(nll.sum())
+
+    def row(self) -> dict:
+        return {"items": self.items, "accuracy": self.hits / self.items if self.items else None,
+                "answer_loss": self.nll / self.items if self.items else None}
+
+
+@torch.inference_mode()
+def score_recall(model: torch.nn.Module, tokenizer, spec: RecallSpec, *, documents: int = 64, batch_size: int = 8,
+                 seed: int = PROBE_SEED, device: torch.device | str = "cpu") -> dict:
+    """The recall report of `model` on `documents` probe documents: per bucket and pooled beyond the window."""
+    encoder = RecallEncoder(tokenizer)
+    rng = random.Random(seed)
+    docs = [probe_document(rng, spec, encoder) for _ in range(documents)]
+    buckets = spec.buckets()
+    tallies = {bucket_name(lo, hi, spec.window): _Tally() for lo, hi in buckets}
+    edges = np.asarray([lo for lo, _ in buckets[1:]])
+    names = list(tallies)
+    for first in range(0, len(docs), batch_size):
+        batch = docs[first:first + batch_size]
+        length = 1 + max(len(d.ids) for d in batch)
+        x = torch.full((len(batch), length), tokenizer.eos_id, dtype=torch.long)  # [B, L]: EOS, document, EOS pad
+        for row, doc in enumerate(batch):
+            x[row, 1:1 + len(doc.ids)] = torch.from_numpy(doc.ids)
+        logp = F.log_softmax(model(x.to(device)).float(), dim=-1).cpu()  # [B, L, V]
+        for row, doc in enumerate(batch):
+            hits, nll = _answers(logp[row], x[row], doc.answer_start + 1, doc.answer_len)
+            which = np.searchsorted(edges, doc.distance, side="right")  # bucket index of each item
+            for b in np.unique(which):
+                tallies[names[b]].add(hits[which == b], nll[which == b])
+    far = _Tally()
+    for name in names[1:]:
+        far.hits, far.items, far.nll = far.hits + tallies[name].hits, far.items + tallies[name].items, \
+            far.nll + tallies[name].nll
+    return {"window": spec.window, "documents": documents, "seed": seed, "chance": 1 / len(VALUES),
+            "buckets": {name: tally.row() for name, tally in tallies.items()},
+            "near_accuracy": tallies[names[0]].row()["accuracy"], "far_accuracy": far.row()["accuracy"],
+            "far_answer_loss": far.row()["answer_loss"], "far_items": far.items}
+
+
+def _answers(logp: torch.Tensor, x: torch.Tensor, start: np.ndarray, length: np.ndarray):
+    """logp [L, V], x [L]; answers at x[start : start + length] -> (all tokens argmax [q] bool, NLL sum [q])."""
+    longest = int(length.max()) if len(length) else 0
+    offsets = np.arange(longest)[None, :]  # [1, m]
+    valid = offsets < length[:, None]  # [q, m]
+    at = torch.from_numpy(np.where(valid, start[:, None] + offsets, start[:, None]))  # [q, m] target positions
+    target = x[at]  # [q, m]
+    predicted = logp[at - 1]  # [q, m, V]: the distribution that predicts each target
+    nll = -predicted.gather(-1, target[..., None])[..., 0]  # [q, m]
+    right = predicted.argmax(-1) == target  # [q, m]
+    valid_t = torch.from_numpy(valid)
+    return ((right | ~valid_t).all(-1)).numpy(), (nll * valid_t).sum(-1).numpy()
+
+
+def recall_spec_of(data_source: str) -> RecallSpec | None:
+    """The RecallSpec of a run's data source when it is a recall corpus (bin:DIR whose meta.json names one)."""
+    from pathlib import Path
+
+    from train.core.errors import DataError
+    from train.data.meta import read_meta
+    from train.data.recall import META_KEY
+
+    kind, _, arg = data_source.partition(":")
+    if kind != "bin":
+        return None
+    try:
+        raw = read_meta(Path(arg)).raw
+    except DataError:
+        return None
+    return RecallSpec(**raw[META_KEY]) if META_KEY in raw else None
+
+
+def probe_checkpoint(checkpoint, *, spec: RecallSpec | None = None, documents: int = 64, seed: int = PROBE_SEED,
+                     device: str = "auto") -> dict:
+    """Score a checkpoint (file or run directory) on the recall probe; write recall_step<N>.json beside it.
+    spec None: the run's own corpus's (its data.source must be a recall corpus)."""
+    import time
+    from pathlib import Path
+
+    from train.checkpoint.io import load_checkpoint, model_from_checkpoint, resolve_checkpoint
+    from train.core.errors import UserError
+    from train.data.tokenizers import load_tokenizer
+    from train.evaluation.evaluate import pick_device
+    from train.observe.telemetry import write_json_atomic
+
+    if documents < 1:
+        raise UserError(f"--documents must be >= 1, got {documents}")
+    path = resolve_checkpoint(Path(checkpoint)).resolve()
+    step = load_checkpoint(path)["step"]
+    dev = pick_device(device)
+    model, cfg = model_from_checkpoint(path, str(dev))
+    if spec is None:
+        spec = recall_spec_of(cfg["data"]["source"])
+        if spec is None:
+            raise UserError(f"{checkpoint}: trained on {cfg['data']['source']}, not a recall corpus "
+                            f"(python -m train.recall make); pass --window and --doc_tokens to probe it anyway")
+    if spec.doc_tokens + 1 > model.cfg.max_seq_len:
+        raise UserError(f"recall documents of {spec.doc_tokens} tokens do not fit the model's max_seq_len "
+                        f"{model.cfg.max_seq_len}")
+    started = time.perf_counter()
+    result = score_recall(model, load_tokenizer(cfg["data"]["tokenizer"]), spec, documents=documents, seed=seed,
+                          device=dev)
+    result.update(tool="train.recall", checkpoint=str(path), step=step, attention=cfg["model"]["attention"],
+                  spec=spec.to_dict(), seconds=round(time.perf_counter() - started, 3),
+                  file=str(path.parent / f"recall_step{step}.json"))
+    write_json_atomic(Path(result["file"]), result)
+    return result

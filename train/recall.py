@@ -1,0 +1,84 @@
+"""The recall task (train/data/recall.py): make its corpus, probe a checkpoint with it.
+
+    python -m train.recall make --out DIR --window W --seq_len T [--max_windows 8] [--tokenizer byte]
+        [--train_tokens 20000000] [--val_tokens 500000] [--seed 0]
+    python -m train.recall score CKPT_OR_RUN_DIR [--documents 64] [--seed S] [--device auto|cpu|cuda]
+        [--window W --doc_tokens N]   (a checkpoint trained on other data)
+
+`make` writes a prepared directory (train.bin, val.bin, meta.json with the task's spec) that any config reads
+as data.source: bin:DIR. `score` feeds probe documents (their own seed) and reports accuracy and answer loss
+per distance bucket, the window's own bucket apart from the far ones, with chance (1/26); it prints one JSON
+object and writes recall_step<N>.json beside the checkpoint. Bad input: one `error:` line, exit 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from train.core.errors import UserError
+from train.data.recall import RecallSpec, write_corpus
+from train.data.tokenizers import load_tokenizer
+from train.evaluation.recall import PROBE_SEED, probe_checkpoint
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m train.recall", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    make = sub.add_parser("make", help="write a recall corpus (a prepared bin: directory)")
+    make.add_argument("--out", type=Path, required=True)
+    make.add_argument("--window", type=int, required=True, help="the model's sliding window (nsa.w), in tokens")
+    make.add_argument("--seq_len", type=int, required=True, help="the training seq_len: documents fit one window")
+    make.add_argument("--max_windows", type=int, default=8, help="the farthest recall, in windows")
+    make.add_argument("--tokenizer", default="byte")
+    make.add_argument("--train_tokens", type=int, default=20_000_000)
+    make.add_argument("--val_tokens", type=int, default=500_000)
+    make.add_argument("--seed", type=int, default=0)
+    score = sub.add_parser("score", help="probe a checkpoint")
+    score.add_argument("checkpoint", type=Path)
+    score.add_argument("--documents", type=int, default=64)
+    score.add_argument("--seed", type=int, default=PROBE_SEED)
+    score.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    score.add_argument("--window", type=int, default=None, help="with --doc_tokens: probe a model not trained on a recall corpus")
+    score.add_argument("--doc_tokens", type=int, default=None)
+    score.add_argument("--max_windows", type=int, default=8)
+    return p.parse_args(argv)
+
+
+def spec_of(window, doc_tokens, max_windows) -> RecallSpec:
+    spec = RecallSpec(window=window, doc_tokens=doc_tokens, max_windows=max_windows)
+    try:
+        spec.validate()
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    return spec
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        if args.command == "make":
+            if args.train_tokens < 1 or args.val_tokens < 1:
+                raise UserError("--train_tokens and --val_tokens must be >= 1")
+            spec = spec_of(args.window, args.seq_len - 1, args.max_windows)  # + the EOS before each document
+            meta = write_corpus(args.out, spec, load_tokenizer(args.tokenizer), train_tokens=args.train_tokens,
+                                val_tokens=args.val_tokens, seed=args.seed)
+            s = meta["splits"]
+            print(f"ok {args.out}: train {s['train']['tokens']:,} tokens / {s['train']['documents']:,} docs, val "
+                  f"{s['val']['tokens']:,} tokens / {s['val']['documents']:,} docs, buckets "
+                  f"{', '.join(f'{lo}-{hi}' for lo, hi in spec.buckets())} tokens")
+            return 0
+        if (args.window is None) != (args.doc_tokens is None):
+            raise UserError("--window and --doc_tokens go together")
+        spec = spec_of(args.window, args.doc_tokens, args.max_windows) if args.window is not None else None
+        print(json.dumps(probe_checkpoint(args.checkpoint, spec=spec, documents=args.documents, seed=args.seed,
+                                          device=args.device)))
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
