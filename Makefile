@@ -50,7 +50,7 @@ bench:
 handoff:
 	$(PY) scripts/handoff.py $(RUN) $(HANDOFF_ARGS)
 
-# an NSA config against its dense twin (docs/NSA.md, "NSA vs its dense twin"); CONFIG defaults to the
+# an NSA config against its dense twin and window-only control (docs/NSA.md, "NSA vs its dense twin"); CONFIG defaults to the
 # small KJV twin here; OUT defaults to artifacts/compare_<stamp>; COMPARE_ARGS="--section.key=value ..."
 COMPARE_CONFIG = $(if $(filter command line environment,$(origin CONFIG)),$(CONFIG),configs/nsa_twin_kjv.yaml)
 compare:

@@ -4,9 +4,12 @@
         [--only NAME ...] [--collect] [--json FILE]
 
 Each ablation is a name and config overrides. Ablations that differ only in nsa.* keys share one dense
-twin: an ablation reuses (--dense_from) the dense arm of the first finished one under --root with the same
-non-nsa overrides, and trains its own twin when there is none. Every number comes from the comparisons'
-report.json (train/analysis/compare_report.py); --collect only reads the directories already there. Prints a markdown table (docs/NSA.md) and one JSON line.
+twin, and those that differ only in nsa keys a window-only layer does not read share one window-only control:
+an ablation passes every finished one under --root with the same non-nsa overrides to train.compare as
+--reuse_from, which reuses each control arm (dense, window) that matches key by key and trains the others;
+with none finished it trains its own. Every number comes from the comparisons' report.json
+(train/analysis/compare_report.py; reports made before the window arm existed have no window numbers);
+--collect only reads the directories already there. Prints a markdown table (docs/NSA.md) and one JSON line.
 """
 from __future__ import annotations
 
@@ -31,7 +34,8 @@ ABLATIONS: dict[str, list[str]] = {
     "gate_window_b4": ["--nsa.gate_init=window", "--nsa.gate_bias=4"],
     "gate_window_b4_seed8": ["--nsa.gate_init=window", "--nsa.gate_bias=4", "--train.seed=8"],
     # sliding-window attention alone inside the same model: cmp and sel start at sigmoid(-12) = 6e-6 and their
-    # gates barely train (gate MLP and phi at 1e-6 x lr): what NSA at b = 4 owes to its far-reaching branches
+    # gates barely train (gate MLP and phi at 1e-6 x lr): what NSA at b = 4 owes to its far-reaching branches.
+    # History: every comparison now has this control as its window arm (nsa.gates: window, gates pinned)
     "window_only": ["--nsa.gate_init=window", "--nsa.gate_bias=12", "--nsa.aux_lr_scale=1e-6"],
     # 3x the learning rate on the gate MLP and phi (their own schedule, same shape)
     "gate_window_aux_lr3": ["--nsa.gate_init=window", "--nsa.gate_bias=2", "--nsa.aux_lr_scale=3"],
@@ -52,13 +56,15 @@ def twin_overrides(overrides: list[str]) -> list[str]:
     return sorted(o for o in overrides if not o.startswith("--nsa."))
 
 
-def dense_source(root: Path, name: str) -> list[str]:
-    """--dense_from the first finished ablation sharing this one's dense twin, or nothing (train one)."""
+def reuse_sources(root: Path, name: str) -> list[str]:
+    """--reuse_from every finished ablation sharing this one's dense twin (train.compare reuses the control arms
+    that match, the first match per arm), or nothing (train them here)."""
+    args = []
     for other, overrides in ABLATIONS.items():
         if other != name and twin_overrides(overrides) == twin_overrides(ABLATIONS[name]) \
                 and (root / other / "report.json").is_file():
-            return ["--dense_from", str(root / other)]
-    return []
+            args += ["--reuse_from", str(root / other)]
+    return args
 
 
 def run(config: str, root: Path, name: str, overrides: list[str]) -> int:
@@ -66,7 +72,7 @@ def run(config: str, root: Path, name: str, overrides: list[str]) -> int:
     if (out / "report.json").is_file():
         print(f"{name}: done ({out / 'report.json'})", flush=True)
         return 0
-    cmd = [sys.executable, "-m", "train.compare", config, "--out", str(out), *overrides, *dense_source(root, name)]
+    cmd = [sys.executable, "-m", "train.compare", config, "--out", str(out), *overrides, *reuse_sources(root, name)]
     print("$", " ".join(cmd), flush=True)
     return subprocess.run(cmd, cwd=REPO).returncode
 
@@ -82,6 +88,10 @@ def row(name: str, overrides: list[str], report: dict) -> dict:
         "gate_shares_end": {k: report["nsa"]["over_time"][-1].get(k) for k in SHARES}
         if report["nsa"]["over_time"] else None,
         "dense_out_dir": arms["dense"]["out_dir"], "verdict": report["verdict"],
+        # the window-only control (absent from reports made before it existed)
+        "window_loss": arms["window"]["eval"]["loss"] if "window" in arms else None,
+        "gap_window_pct": report.get("gap_window_pct"),
+        "window_out_dir": arms["window"]["out_dir"] if "window" in arms else None,
     }
 
 

@@ -14,6 +14,18 @@ from dataclasses import dataclass, field
 NON_ARCHITECTURE_FIELDS = frozenset({"q_chunk", "sel_chunk", "sel_tile", "win_block", "kernel", "gate_init",
                                      "gate_bias", "aux_decay", "aux_lr_scale"})
 GATE_INITS = ("equal", "window")
+# nsa.gates: learned (NSA: three branches mixed by the gate MLP) | window (the control: the gates pinned to
+# (cmp, sel, win) = (0, 0, 1), so the layer is its sliding-window branch alone; docs/NSA.md)
+GATES = ("learned", "window")
+# the nsa.* keys a window-only layer (gates: window) reads; the others have no effect on it
+WINDOW_FIELDS = frozenset({"gates", "w", "win_block", "kernel"})
+
+
+def architecture_keys(nsa: dict) -> list[str]:
+    """The keys of an nsa section (NSAConfig fields as a dict) that fix the function a checkpoint computes: all but
+    NON_ARCHITECTURE_FIELDS, and for a window-only layer (gates: window) only those among WINDOW_FIELDS."""
+    window_only = nsa.get("gates") == "window"
+    return [k for k in nsa if k not in NON_ARCHITECTURE_FIELDS and (k in WINDOW_FIELDS or not window_only)]
 
 
 class ModelConfigError(ValueError):
@@ -39,6 +51,12 @@ class NSAConfig:
     aux_lr_scale: float = 1.0  # learning-rate multiplier (on train.lr's schedule) for the gate MLP and phi parameters
     gate_init: str = "window"  # branch gates at step 0: window (cmp, sel ~0.018, win ~0.982 at gate_bias 4) | equal (all ~0.5, the generic init); docs/NSA.md
     gate_bias: float = 4.0  # gate_init=window: pre-sigmoid biases -b, -b, +b for cmp, sel, win (2: 0.12 / 0.88; 4: 0.018 / 0.982)
+    gates: str = "learned"  # learned (NSA) | window (control: gates pinned to cmp, sel, win = 0, 0, 1: the sliding-window branch alone, no compression, selection or gate modules); docs/NSA.md
+
+    @property
+    def window_only(self) -> bool:
+        """nsa.gates=window: the layer is its sliding-window branch alone (WINDOW_FIELDS are all it reads)."""
+        return self.gates == "window"
 
     def validate(self) -> None:
         for name in ("l", "d", "l_sel", "n_sel", "w", "q_chunk", "sel_chunk", "sel_tile", "win_block"):
@@ -60,6 +78,8 @@ class NSAConfig:
             raise ModelConfigError(f"nsa.aux_lr_scale must be positive, got {self.aux_lr_scale}")
         if self.gate_hidden < 0:
             raise ModelConfigError(f"nsa.gate_hidden must be >= 0, got {self.gate_hidden}")
+        if self.gates not in GATES:
+            raise ModelConfigError(f"nsa.gates={self.gates!r}; valid: {', '.join(GATES)}")
         if self.gate_init not in GATE_INITS:
             raise ModelConfigError(f"nsa.gate_init={self.gate_init!r}; valid: {', '.join(GATE_INITS)}")
         if self.kernel not in ("auto", "triton", "torch"):

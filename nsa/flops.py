@@ -55,14 +55,17 @@ def _dense_attention_params(cfg: ModelConfig) -> int:
 def _nsa_attention_params(cfg: ModelConfig) -> int:
     """NativeSparseAttention (nsa/attention/nsa.py): q_proj, kv_proj (K and V for 3 branches),
     φ_K and φ_V (BlockCompressor: position encoding [l, hd], l·hd -> hd -> hd), gate MLP
-    D -> gate_hidden -> 3·n_heads (always with biases), output projection, optional QK-norm."""
+    D -> gate_hidden -> 3·n_heads (always with biases), output projection, optional QK-norm.
+    Window-only (nsa.gates=window): q_proj, kv_proj of the window branch, output projection, QK-norm; no φ, no gate."""
     D, H, H_kv, hd, l = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.nsa.l
     q = _linear_params(cfg, D, H * hd)
-    kv = _linear_params(cfg, D, 2 * NSA_BRANCHES * H_kv * hd)
-    phi = l * hd + _linear_params(cfg, l * hd, hd) + _linear_params(cfg, hd, hd)
-    gate = mlp_params(default_gate_widths(cfg))
+    kv = _linear_params(cfg, D, 2 * nsa_kv_branches(cfg) * H_kv * hd)
     out = _linear_params(cfg, H * hd, D)
     qk_norm = 2 * hd if cfg.qk_norm else 0
+    if cfg.nsa.window_only:
+        return q + kv + out + qk_norm
+    phi = l * hd + _linear_params(cfg, l * hd, hd) + _linear_params(cfg, hd, hd)
+    gate = mlp_params(default_gate_widths(cfg))
     return q + kv + 2 * phi + gate + out + qk_norm
 
 
@@ -228,7 +231,7 @@ def _flops_v3(cfg: ModelConfig, seq_len: int) -> FlopsReport:
     D, L, V, F = cfg.dim, cfg.n_layers, cfg.vocab_size, cfg.ffn_dim
     if cfg.attention == "nsa":
         attention = nsa_attention_flops(cfg, seq_len)
-        norms = norm_flops(cfg, qk_norm_k_heads=NSA_BRANCHES * cfg.n_kv_heads)  # k-norm on all 3 branches
+        norms = norm_flops(cfg, qk_norm_k_heads=nsa_kv_branches(cfg) * cfg.n_kv_heads)  # k-norm on every branch's keys
     else:
         attention = dense_attention_flops(cfg, seq_len)
         norms = norm_flops(cfg)
@@ -273,6 +276,11 @@ def norm_flops(cfg: ModelConfig, qk_norm_k_heads: int | None = None) -> float:
 # ------------------------------------------------------------------------------------------------
 
 NSA_BRANCHES = 3  # compression, selection, sliding window: each has its own K and V projections
+
+
+def nsa_kv_branches(cfg: ModelConfig) -> int:
+    """Branches with K and V projections of their own: 3, or 1 for a window-only layer (nsa.gates=window)."""
+    return 1 if cfg.nsa.window_only else NSA_BRANCHES
 
 
 def mlp_flops(widths: Sequence[int]) -> int:
@@ -339,6 +347,7 @@ def nsa_attention_flops(
         attn_sel              4·H·hd · mean min(n·l', t + 1)
         attn_win              4·H·hd · mean min(w, t + 1)
     where 4·H·hd per key is QKᵀ (2·hd) plus the weighted value (2·hd) for each of the H query heads.
+    A window-only layer (nsa.gates=window) has attn_q, attn_o, attn_k and attn_v as dense and attn_win alone.
 
     These are model FLOPs: each branch is charged the keys it may see. Work the implementation does
     beyond that is not credited (docs/MFU.md): the masked tails of query chunks and selection tiles,
@@ -351,6 +360,14 @@ def nsa_attention_flops(
     phi = default_phi_widths(cfg) if phi_widths is None else tuple(phi_widths)
     gate = default_gate_widths(cfg) if gate_widths is None else tuple(gate_widths)
     per_key = 4 * H * hd
+    if nsa.window_only:
+        return {
+            "attn_q": 2 * D * H * hd,
+            "attn_k": 2 * D * H_kv * hd,
+            "attn_v": 2 * D * H_kv * hd,
+            "attn_win": per_key * mean_capped_keys(nsa.w, S),
+            "attn_o": 2 * H * hd * D,
+        }
     compressed_per_token = n_compressed_blocks(nsa.l, nsa.d, S) / S
     return {
         "attn_q": 2 * D * H * hd,

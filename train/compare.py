@@ -1,20 +1,28 @@
-"""Twin comparison: an NSA config against its dense twin, same data, seed and token budget.
+"""Twin comparison: an NSA config against its dense twin and its window-only control, same data, seed and
+token budget.
 
-    python -m train.compare CONFIG.yaml [--section.key=value ...] --out DIR [--side_by_side]
-        [--eval_max_tokens N]
+    python -m train.compare CONFIG.yaml [--section.key=value ...] --out DIR [--arms nsa,dense,window]
+        [--side_by_side] [--dense_from EARLIER_DIR] [--reuse_from EARLIER_DIR ...] [--eval_max_tokens N]
     make compare CONFIG=configs/m7c_125m_80g.yaml OUT=artifacts/twin_m7c COMPARE_ARGS="--data.source=bin:data/DIR"
 
-The dense twin is the same config with model.attention: dense and no nsa section. DIR holds
-  nsa.yaml, dense.yaml      the two effective configs (each loads again with python -m train)
-  nsa/, dense/              ordinary out_dirs: resume, .HALT, the monitor and the handoff work as for any run
-  logs/<arm>.log            each arm's console output, appended by every launch
-  report.json, report.md, report.png    train/analysis/compare_report.py: curves, whole-split scores, verdict
+Three arms, each the same config but for its attention: nsa (the config, nsa.gates: learned), dense (its twin:
+model.attention: dense and no nsa section) and window (its window-only control: nsa.gates: window, the NSA layer
+with its gates pinned to the sliding-window branch; the YAML keeps only the nsa keys such a layer reads).
+--arms lists the arms to run (default all three; nsa always runs, and at least one control). DIR holds
+  nsa.yaml, dense.yaml, window.yaml    the arms' effective configs (each loads again with python -m train)
+  nsa/, dense/, window/                ordinary out_dirs: resume, .HALT, the monitor and the handoff work as for any run
+  logs/<arm>.log                       each arm's console output, appended by every launch
+  report.json, report.md, report.png   train/analysis/compare_report.py: curves, whole-split scores, both gaps, verdict
 The arms train one after the other (each on one process: CPU, or the first visible GPU), or with
---side_by_side one per GPU at the same time. Then train.evaluate scores both on the whole validation
-split of the prepared directory (a bin: source: the split the trainer never trained on). The same
-command again resumes whichever arm is unfinished, reuses finished evaluations and rewrites the report;
-a DIR made from another config is refused. For ablations of nsa.* settings, --dense_from EARLIER_DIR
-reuses an earlier comparison's dense arm when it is this config's twin (checked key by key). Exit: 0, 2 bad input, else the failing arm's exit code.
+--side_by_side one per GPU at the same time (as many at once as GPUs are visible). Then train.evaluate scores
+each on the whole validation split of the prepared directory (a bin: source: the split the trainer never
+trained on). The same command again resumes whichever arm is unfinished, reuses finished evaluations and
+rewrites the report; a DIR made from another config is refused; a DIR made before the window arm existed
+(nsa.yaml and dense.yaml only) gets its window arm trained. Reusing an earlier comparison's arms (ablations of
+nsa.* settings): --dense_from EARLIER_DIR reuses its dense arm, which must be this config's twin (checked key by
+key); --reuse_from EARLIER_DIR (repeatable) reuses every control arm (dense, window) of the first EARLIER_DIR
+whose arm matches this config's key by key (out_dir aside) and trains the others here; it is refused when no
+arm matches. A reused arm must have finished. Exit: 0, 2 bad input, else the failing arm's exit code.
 """
 from __future__ import annotations
 
@@ -23,7 +31,7 @@ import sys
 from pathlib import Path
 
 from train.core.errors import UserError
-from train.workflows.compare import ArmFailed, compare_twins
+from train.workflows.compare import ARMS, ArmFailed, compare_twins, select_arms
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -31,10 +39,17 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                                 epilog="Any --section.key=value applies to both arms (python -m train --help lists the keys).")
     p.add_argument("config", type=Path, help="an NSA config (model.attention: nsa)")
     p.add_argument("--out", type=Path, required=True, help="the comparison's directory (created, or resumed)")
-    p.add_argument("--side_by_side", action="store_true", help="train both arms at once, one GPU each (needs 2 GPUs)")
+    p.add_argument("--arms", default=",".join(ARMS),
+                   help=f"the arms to run, comma separated (default {','.join(ARMS)}; nsa always runs, and at least "
+                        "one control arm)")
+    p.add_argument("--side_by_side", action="store_true",
+                   help="train the arms at once, one GPU each (needs 2 GPUs; more arms than GPUs: in turns)")
     p.add_argument("--dense_from", type=Path, default=None,
                    help="an earlier comparison's DIR whose dense arm is this one's twin (same config but out_dir): "
                         "reuse it instead of training it again (ablations of nsa.* settings)")
+    p.add_argument("--reuse_from", type=Path, action="append", default=[],
+                   help="an earlier comparison's DIR (repeatable): reuse each of its control arms (dense, window) "
+                        "whose config is this one's key by key, train the others here")
     p.add_argument("--eval_max_tokens", type=int, default=None,
                    help="score only the first N tokens of the validation split (default: all of it)")
     args, rest = p.parse_known_args(argv)
@@ -48,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
         report, files = compare_twins(args.config, overrides, args.out, side_by_side=args.side_by_side,
-                                      dense_from=args.dense_from, eval_max_tokens=args.eval_max_tokens)
+                                      dense_from=args.dense_from, reuse_from=args.reuse_from,
+                                      eval_max_tokens=args.eval_max_tokens, arms=select_arms(args.arms))
     except (UserError, ArmFailed) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -1,4 +1,5 @@
-"""NSA for a single query (one decode step, or a one-token call): the three branches without masks.
+"""NSA for a single query (one decode step, or a one-token call): the three branches without masks
+(`decode_branches`), or the window branch alone (`decode_window`, nsa.gates=window).
 
 A query at position p sees every cached compressed token, every cached window key and whole selected
 blocks except the keys after p in its own block, so the step is a few small matmuls instead of the
@@ -81,6 +82,19 @@ def decode_branches(
     )
     o_sel, _ = _attend(qg, kg, vg)
 
-    o_win, _ = _attend(qg, win_k, win_v)  # the cache holds exactly the window: no mask
+    o_win = decode_window(q, win_k, win_v)  # [B, H, 1, hd]
     shape = (B, H, 1, hd)
-    return o_cmp.view(shape), o_sel.view(shape), o_win.view(shape), block_idx.unsqueeze(2)
+    return o_cmp.view(shape), o_sel.view(shape), o_win, block_idx.unsqueeze(2)
+
+
+def decode_window(
+    q: torch.Tensor,  # [B, H, 1, hd] the query at position p (RoPE applied)
+    win_k: torch.Tensor,  # [B, H_kv, min(w, p+1), hd] the window keys ending at p, any order
+    win_v: torch.Tensor,
+) -> torch.Tensor:
+    """The sliding-window branch of one query -> [B, H, 1, hd]: the cache holds exactly the window, no mask."""
+    B, H, _, hd = q.shape
+    H_kv = win_k.shape[1]
+    qg = q.view(B, H_kv, H // H_kv, hd) * (1.0 / math.sqrt(hd))  # [B, H_kv, G, hd], scale folded in
+    o_win, _ = _attend(qg, win_k, win_v)  # [B, H_kv, G, hd]
+    return o_win.view(B, H, 1, hd)

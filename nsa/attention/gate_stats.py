@@ -29,17 +29,23 @@ def gate_statistics(gates: torch.Tensor) -> dict[str, torch.Tensor]:
     top = g.amax(dim=-1)  # [B, T, H]
     high, low = g > 0.99, g < 0.01
     collapsed = (high.sum(-1) == 1) & (low.sum(-1) == 2)  # [B, T, H]
-    share = g / g.sum(dim=-1, keepdim=True).clamp_min(_EPS)
-    stats = {
+    return {
         "gate_entropy_mean": entropy.mean(),
         "gate_entropy_min": entropy.amin(),
         "gate_max_mean": top.mean(),
         "gate_collapse_frac": collapsed.float().mean(),
         "gate_saturated_frac": (high | low).float().mean(),
+        **gate_shares(g),
     }
-    for i, name in enumerate(BRANCHES):
-        stats[f"gate_share_{name}"] = share[..., i].mean()
-    return stats
+
+
+def gate_shares(gates: torch.Tensor) -> dict[str, torch.Tensor]:
+    """gates: [B, T, H, 3] -> gate_share_{cmp,sel,win}: mean over (token, head) of g_c / (g_cmp + g_sel + g_win).
+    All a layer with pinned gates (nsa.gates=window) records of them: entropy, collapse and saturation describe
+    gates that learn."""
+    g = gates.detach().float()
+    share = g / g.sum(dim=-1, keepdim=True).clamp_min(_EPS)  # [B, T, H, 3]
+    return {f"gate_share_{name}": share[..., i].mean() for i, name in enumerate(BRANCHES)}
 
 
 @torch.no_grad()

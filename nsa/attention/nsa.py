@@ -2,6 +2,10 @@
 
     o_p = sum_c g_p^c * Attn(q_p, K_p^c, V_p^c),  c in {cmp, sel, win};  then the output projection.
 
+nsa.gates=window makes the same layer the window-only control: the gates pinned to (cmp, sel, win) = (0, 0, 1),
+so o_p = Attn(q_p, K_p^win, V_p^win); the compression, selection and gate modules are not built and not run
+(the parameters of a sliding-window attention layer: q, the window branch's k and v, the output projection).
+
 One query projection; each branch has its own key/value projection (paper §3.3.3). Gates: MLP on the
 layer input -> sigmoid, one gate per head per branch. GQA: the G = H / H_kv query heads of a group
 share K/V and the selected blocks (Eq. 10). Semantics and choices: docs/NSA.md. The oracle this must
@@ -19,15 +23,17 @@ import torch.nn as nn
 
 from nsa.attention import ops
 from nsa.attention.compressor import BlockCompressor
-from nsa.attention.decode import decode_branches
+from nsa.attention.decode import decode_branches, decode_window
 from nsa.attention.documents import Documents, gather_blocks
-from nsa.attention.gate_stats import BRANCHES, gate_statistics, selection_counts, selection_statistics
+from nsa.attention.gate_stats import BRANCHES, gate_shares, gate_statistics, selection_counts, selection_statistics
 from nsa.attention.impl.compression import compress, num_compressed
 from nsa.attention.nsa_cache import NSACache
 from nsa.attention.selection_health import gate_means, outside_window_counts, outside_window_share, recall_sample
 from nsa.config import ModelConfig, NSAConfig
 from nsa.layers import apply_rotary
 from nsa.profiling import nvtx_range
+
+WINDOW_GATES = (0.0, 0.0, 1.0)  # nsa.gates=window: the (cmp, sel, win) gates, pinned
 
 
 def window_gate_biases(cfg: NSAConfig) -> tuple[float, float, float]:
@@ -52,15 +58,18 @@ class NativeSparseAttention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.n_groups = cfg.n_heads // cfg.n_kv_heads
         q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        # the branches with keys and values of their own: all three, or the window alone (nsa.gates=window)
+        self.branches = ("win",) if self.cfg.window_only else BRANCHES
         self.q_proj = nn.Linear(cfg.dim, q_dim, bias=cfg.bias)
-        # keys and values of the three branches in one matmul: (cmp k, cmp v, sel k, sel v, win k, win v)
-        self.kv_proj = nn.Linear(cfg.dim, 6 * kv_dim, bias=cfg.bias)
-        self.compress_k = BlockCompressor(self.cfg.l, cfg.head_dim, cfg.bias)  # phi_K
-        self.compress_v = BlockCompressor(self.cfg.l, cfg.head_dim, cfg.bias)  # phi_V
-        gate_hidden = self.cfg.gate_hidden or max(1, cfg.dim // 4)
-        self.gate_mlp = nn.Sequential(
-            nn.Linear(cfg.dim, gate_hidden), nn.SiLU(), nn.Linear(gate_hidden, 3 * cfg.n_heads)
-        )
+        # keys and values of the branches in one matmul: (cmp k, cmp v, sel k, sel v, win k, win v), or (win k, win v)
+        self.kv_proj = nn.Linear(cfg.dim, 2 * len(self.branches) * kv_dim, bias=cfg.bias)
+        if not self.cfg.window_only:
+            self.compress_k = BlockCompressor(self.cfg.l, cfg.head_dim, cfg.bias)  # phi_K
+            self.compress_v = BlockCompressor(self.cfg.l, cfg.head_dim, cfg.bias)  # phi_V
+            gate_hidden = self.cfg.gate_hidden or max(1, cfg.dim // 4)
+            self.gate_mlp = nn.Sequential(
+                nn.Linear(cfg.dim, gate_hidden), nn.SiLU(), nn.Linear(gate_hidden, 3 * cfg.n_heads)
+            )
         self.proj = nn.Linear(q_dim, cfg.dim, bias=cfg.bias)
         self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
@@ -70,12 +79,15 @@ class NativeSparseAttention(nn.Module):
         # a detached copy of row 0's queries, selection keys and blocks for sel_recall, computed after the step
         # (nsa/attention/selection_health.py: recall_sample, selection_recall)
         self.last_sample: dict[str, torch.Tensor] | None = None
-        self.forced_gates: tuple[float, float, float] | None = None  # tests: fixed (cmp, sel, win) gates
+        self.forced_gates: tuple[float, float, float] | None = None  # tests: fixed (cmp, sel, win) gates (learned mode)
 
     def reset_extra_parameters(self) -> None:
         """Called by Transformer.reset_parameters after its generic init: phi position encodings, and the
         gates' output layer for nsa.gate_init=window (weights 0, biases -b / -b / +b per head, b = nsa.gate_bias: at b = 4 every token
-        starts at sigmoid = 0.018 / 0.018 / 0.982 for cmp / sel / win, local context first)."""
+        starts at sigmoid = 0.018 / 0.018 / 0.982 for cmp / sel / win, local context first). A window-only layer
+        has neither."""
+        if self.cfg.window_only:
+            return
         self.compress_k.reset_extra_parameters()
         self.compress_v.reset_extra_parameters()
         if self.cfg.gate_init == "window":
@@ -108,28 +120,33 @@ class NativeSparseAttention(nn.Module):
 
     # ---------------------------------------------------------------- projections
     def project(self, x: torch.Tensor, rope=None):
-        """x [B, T, dim] -> q [B, H, T, hd] (rotated), {branch: (k, v)} each [B, H_kv, T, hd].
+        """x [B, T, dim] -> q [B, H, T, hd] (rotated), {branch: (k, v)} each [B, H_kv, T, hd] for self.branches.
 
         Selection and window keys are rotated at their positions; compression keys are returned raw
         (phi compresses un-rotated keys; the compressed key is rotated afterwards, see `forward`).
         """
         B, T, _ = x.shape
         H, H_kv, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        n_kv = 2 * len(self.branches)
         q = self.q_proj(x).view(B, T, H, hd).transpose(1, 2)
         # unbind (backward: one stack) rather than strided slices (backward: zero-filled scatters)
-        kv = self.kv_proj(x).view(B, T, 6, H_kv, hd).permute(2, 0, 3, 1, 4).unbind(0)  # 6 x [B, H_kv, T, hd]
+        kv = self.kv_proj(x).view(B, T, n_kv, H_kv, hd).permute(2, 0, 3, 1, 4).unbind(0)  # n_kv x [B, H_kv, T, hd]
         keys, values = list(kv[0::2]), kv[1::2]
         if self.q_norm is not None:
             q, keys = self.q_norm(q), [self.k_norm(k) for k in keys]
         if rope is not None:  # one rotation for q and the selection and window keys; compression keys
             # stay raw (rotated after phi)
-            rotated = apply_rotary(torch.cat((q, keys[1], keys[2]), dim=1), *rope)  # [B, H + 2*H_kv, T, hd]
-            q, keys[1], keys[2] = rotated.split((H, H_kv, H_kv), dim=1)
-        return q, dict(zip(BRANCHES, zip(keys, values)))
+            rotate = [i for i, name in enumerate(self.branches) if name != "cmp"]
+            rotated = apply_rotary(torch.cat((q, *(keys[i] for i in rotate)), dim=1), *rope)  # [B, H + n*H_kv, T, hd]
+            q, *rotated_keys = rotated.split((H,) + (H_kv,) * len(rotate), dim=1)
+            for i, k in zip(rotate, rotated_keys):
+                keys[i] = k
+        return q, dict(zip(self.branches, zip(keys, values)))
 
-    def gates(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, dim] -> [B, T, H, 3] in (0, 1)
-        if self.forced_gates is not None:
-            g = torch.tensor(self.forced_gates, dtype=x.dtype, device=x.device)
+    def gates(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, dim] -> [B, T, H, 3] in [0, 1]
+        pinned = WINDOW_GATES if self.cfg.window_only else self.forced_gates
+        if pinned is not None:
+            g = torch.tensor(pinned, dtype=x.dtype, device=x.device)
             return g.expand(x.shape[0], x.shape[1], self.n_heads, 3)
         return torch.sigmoid(self.gate_mlp(x)).view(x.shape[0], x.shape[1], self.n_heads, 3)
 
@@ -142,6 +159,8 @@ class NativeSparseAttention(nn.Module):
         return_indices: bool = False,  # also return the selected blocks [B, H_kv, T, n] (-1 = none)
         documents: Documents | None = None,  # packed documents of x (training / prefill from 0, no cache)
     ):
+        if self.cfg.window_only:
+            return self._forward_window(x, rope, cache, documents, return_indices)
         if documents is not None:
             return self._forward_documents(x, rope, documents, return_indices)
         c = self.cfg
@@ -253,3 +272,33 @@ class NativeSparseAttention(nn.Module):
             o_win = ops.window_attention(q, win_k, win_v, 0, 0, c.w, c.win_block, c.kernel, frame=frame)
         record = self._selection_record(q, sel_k, block_idx, frame[0], frame[1]) if self.stats_enabled else None
         return self._combine(x, o_cmp, o_sel, o_win, block_idx, record, return_indices)
+
+    def _forward_window(self, x, rope, cache: NSACache | None, documents: Documents | None, return_indices: bool):
+        """nsa.gates=window: the sliding-window branch alone, projected (the gates pinned to WINDOW_GATES, so
+        nothing is mixed). x [B, T, dim] -> y [B, T, dim]; with packed documents the window stops at the
+        document's first token; with a cache x's tokens are appended to its window ring."""
+        c = self.cfg
+        B, T, _ = x.shape
+        q, br = self.project(x, rope)  # q [B, H, T, hd]
+        win_k, win_v = br["win"]  # [B, H_kv, T, hd]
+        t0, frame = 0, None  # t0: absolute position of x[:, 0]
+        if documents is not None:  # the frame is built once per batch and shared by the layers; the window reads
+            frame = documents.compressed(c.l, c.d).frame  # its q_pos and k_base rows: [3, B, T]
+        elif cache is not None:
+            t0 = cache.t
+            win_k, win_v = cache.window(win_k, win_v)  # T = 1: the last min(w, t) keys; else the w-1 before x and x's
+            cache.t = t0 + T
+        with nvtx_range("nsa.window"):
+            if T == 1 and frame is None:  # one query: every key of its window is visible, no mask
+                o_win = decode_window(q, win_k, win_v)
+            else:
+                o_win = ops.window_attention(q, win_k, win_v, t0, t0 + T - win_k.shape[2], c.w, c.win_block, c.kernel,
+                                             frame=frame)  # [B, H, T, hd]
+        y = self.dropout(self.proj(o_win.transpose(1, 2).reshape(B, T, -1)))
+        if self.stats_enabled:  # the pinned gates' shares and means (0, 0, 1); no selection: no recall sample, and
+            g = self.gates(x)  # sel_outside_window NaN (selection_health reads it for every layer)
+            nan = torch.full((), float("nan"), device=x.device)
+            self.last_stats, self.last_sample = {**gate_shares(g), **gate_means(g), "sel_outside_window": nan}, None
+        if not return_indices:
+            return y
+        return y, torch.full((B, self.n_kv_heads, T, c.n_sel), -1, dtype=torch.long, device=x.device)  # no blocks

@@ -7,6 +7,7 @@ Holds, per branch:
              next compressed token still needs; a token is emitted when its block of l is complete,
              i.e. every d steps once l positions exist;
   window: the last w raw keys/values in a ring buffer (a decode step writes one slot).
+A window-only layer (nsa.gates=window) fills only the window ring; the other buffers stay empty.
 """
 from __future__ import annotations
 
@@ -50,10 +51,13 @@ class NSACache:
         """Keys read by one query at the newest position t-1: N_c + |I|*l' + min(w, t).
 
         |I| = min(n, (t-1)//l' + 1); once t >= n*l' this is the paper's N_c + n*l' + min(w, t).
+        A window-only layer (nsa.gates=window) reads min(w, t).
         """
         t, c = self.t, self.cfg
         if t == 0:
             return 0
+        if c.window_only:
+            return min(c.w, t)
         n_blocks = min(c.n_sel, (t - 1) // c.l_sel + 1)
         return num_compressed(t, c.l, c.d) + n_blocks * c.l_sel + min(c.w, t)
 

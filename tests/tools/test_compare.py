@@ -1,22 +1,26 @@
-"""python -m train.compare end to end on a tiny config: both arms train for real, train.evaluate scores the
-whole validation split, and every number of the report is checked against the two out_dirs."""
+"""python -m train.compare end to end on a tiny config: the three arms (nsa, dense, window) train for real,
+train.evaluate scores the whole validation split, and every number of the report is checked against the out_dirs
+and the evaluation files; --arms, a DIR made before the window arm existed, reuse of earlier arms, refusals."""
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 import tarfile
 
 import pytest
+import torch
 import yaml
 
 from tests.conftest import REPO
+from train.analysis.compare_report import build_report, markdown
 from train.core.artifacts import read_csv, read_heartbeat
 
 TINY = ["--model.dim=32", "--model.n_layers=1", "--model.n_heads=2", "--model.n_kv_heads=1", "--model.head_dim=16",
         "--model.ffn_dim=64", "--train.steps=4", "--train.seq_len=64", "--train.batch_size=2", "--train.log_every=1",
         "--train.eval_every=2", "--train.eval_steps=2", "--train.save_every=2", "--train.warmup_steps=1",
-        "--runtime.threads=1"]
+        "--runtime.threads=1", "--nsa.w=32"]  # a window shorter than seq_len: the window arm is no dense model
 
 
 def compare(*args: str, check: bool = True, config: str = "configs/nsa_twin_kjv.yaml") -> subprocess.CompletedProcess:
@@ -47,67 +51,147 @@ def compare_in_process(*args: str, config: str = "configs/nsa_twin_kjv.yaml") ->
 
 @pytest.fixture(scope="module")
 def compared(tmp_path_factory, kjv_bin):
+    """A comparison run first with --arms nsa,dense (a DIR as train.compare made it before the window arm existed,
+    its nsa.yaml also without nsa.gates), then again with the default arms: the window arm is trained."""
     out = tmp_path_factory.mktemp("compare") / "twin"
     data = f"--data.source=bin:{kjv_bin}"
+    first = compare("--out", str(out), data, *TINY, "--eval_max_tokens", "3000", "--arms", "nsa,dense")
+    before = {"report": json.loads((out / "report.json").read_text()), "yamls": sorted(p.name for p in out.glob("*.yaml")),
+              "stdout": first.stdout}
+    nsa_yaml = out / "nsa.yaml"
+    nsa_yaml.write_text("".join(line for line in nsa_yaml.read_text().splitlines(True) if "gates:" not in line))
     res = compare("--out", str(out), data, *TINY, "--eval_max_tokens", "3000")
-    return out, data, res
+    return out, data, res, before
 
 
-def test_report_numbers_come_from_the_two_out_dirs(compared):
-    out, _, res = compared
+def _eval_file(out_dir):
+    (scored,) = out_dir.glob("eval_*_val_step4.json")
+    return json.loads(scored.read_text())
+
+
+def test_report_numbers_come_from_the_three_out_dirs(compared):
+    out, _, res, _ = compared
     report = json.loads((out / "report.json").read_text())
-    for arm in ("nsa", "dense"):
+    assert list(report["arms"]) == ["nsa", "dense", "window"]
+    for arm in ("nsa", "dense", "window"):
         out_dir = out / arm
         cfg = yaml.safe_load((out_dir / "config.yaml").read_text())
-        assert cfg["model"]["attention"] == arm and (("nsa" in cfg) == (arm == "nsa"))
+        assert cfg["model"]["attention"] == ("dense" if arm == "dense" else "nsa") and ("nsa" in cfg) == (arm != "dense")
         metrics = json.loads((out_dir / "metrics.json").read_text())
         summary = report["arms"][arm]
         assert (summary["params"], summary["step"], summary["tokens_seen"]) == \
             (metrics["params"], metrics["step"], metrics["tokens_seen"]) and metrics["status"] == "finished"
         val = [[int(r["step"]), float(r["val_loss"])] for r in read_csv(out_dir / "val.csv")]
         assert summary["val_loss"] == val and [s for s, _ in val] == [2, 4]
+        train = read_csv(out_dir / "training.csv")
+        assert summary["train_loss"] == [[int(r["step"]), float(r["loss"])] for r in train]
         assert [s for s, _ in summary["train_loss"]] == [1, 2, 3, 4]
-        (scored,) = out_dir.glob("eval_*_val_step4.json")
-        score = json.loads(scored.read_text())
-        assert summary["eval"]["loss"] == score["loss"] and score["tokens"] == 2999 and score["split"] == "val"
-    n, d = (report["arms"][a]["eval"]["loss"] for a in ("nsa", "dense"))
-    assert report["arms"]["nsa"]["params"] > report["arms"]["dense"]["params"]
-    assert report["gap_pct"] == pytest.approx(100 * (n - d) / d)
+        assert summary["tokens_per_s_median"] == statistics.median(float(r["toks_per_s"]) for r in train)
+        score = _eval_file(out_dir)
+        assert {k: summary["eval"][k] for k in ("loss", "bits_per_byte", "tokens", "split")} == \
+            {k: score[k] for k in ("loss", "bits_per_byte", "tokens", "split")}
+        assert score["tokens"] == 2999 and score["split"] == "val"
+    nsa_cfg, window_cfg = (yaml.safe_load((out / arm / "config.yaml").read_text())["nsa"] for arm in ("nsa", "window"))
+    assert nsa_cfg["gates"] == "learned" and window_cfg == {"w": nsa_cfg["w"], "win_block": nsa_cfg["win_block"],
+                                                              "kernel": nsa_cfg["kernel"], "gates": "window"}
+    loss = {arm: report["arms"][arm]["eval"]["loss"] for arm in report["arms"]}
+    assert len(set(loss.values())) == 3  # three different models (w = 32 < seq_len 64: the window is not dense)
+    params = {arm: report["arms"][arm]["params"] for arm in report["arms"]}
+    assert params["window"] == params["dense"] < params["nsa"]  # the window layer: q, its k and v, o (dense's count)
+    bpb = {arm: report["arms"][arm]["eval"]["bits_per_byte"] for arm in report["arms"]}
+    assert set(bpb.values()) == {None}  # a split cut by --eval_max_tokens has no byte count: no bits/byte gap
+    for control, key in (("dense", "gap"), ("window", "gap_window")):
+        assert report[f"{key}_pct"] == pytest.approx(100 * (loss["nsa"] - loss[control]) / loss[control])
+        assert report[f"{key}_bits_per_byte_pct"] is None
+    # the bits/byte gaps, from scores that have them (the whole split's)
+    scores = {arm: {**_eval_file(out / arm), "bits_per_byte": 2.0 + i / 10} for i, arm in enumerate(report["arms"])}
+    rebuilt = build_report(out, {arm: out / arm for arm in report["arms"]}, scores)
+    assert rebuilt["gap_bits_per_byte_pct"] == pytest.approx(100 * (2.0 - 2.1) / 2.1)
+    assert rebuilt["gap_window_bits_per_byte_pct"] == pytest.approx(100 * (2.0 - 2.2) / 2.2)
+    assert "gap vs window: " + f"{rebuilt['gap_window_pct']:+.2f}% loss, -9.09% bits/byte" in markdown(rebuilt)
     gates = [r for r in read_heartbeat(out / "nsa" / "heartbeat_rank0.jsonl") if r.get("kind") == "train"]
     assert [r["step"] for r in report["nsa"]["over_time"]] == [r["step"] for r in gates]
     assert report["nsa"]["over_time"][-1]["gate_share_win"] == gates[-1]["gate_share_win"]
     for key in ("sel_recall", "sel_outside_window", "gate_mean_sel", "sel_recall_layers", "gate_mean_win_layers"):
         assert report["nsa"]["over_time"][-1][key] == gates[-1][key], key  # selection health, per logged step
+    window_beat = [r for r in read_heartbeat(out / "window" / "heartbeat_rank0.jsonl") if r.get("kind") == "train"]
+    assert window_beat[-1]["gate_mean_win"] == 1.0 and window_beat[-1]["sel_recall"] == "nan"  # pinned, no selection
     md = (out / "report.md").read_text()
+    assert "| | nsa | dense | window |" in md and "| step | val nsa | val dense | val window |" in md
+    assert f"gap vs dense: {report['gap_pct']:+.2f}% loss" in md and f"gap vs window: {report['gap_window_pct']:+.2f}% loss" in md
+    assert f"| whole-split loss | {loss['nsa']:.4f} | {loss['dense']:.4f} | {loss['window']:.4f} |" in md
     assert "sel_recall" in md and "sel_recall by layer at step 4: " in md
-    assert report["verdict"] in md and f"{report['gap_pct']:+.2f}%" in md and (out / "report.png").stat().st_size > 0
+    assert report["verdict"] in md and (out / "report.png").stat().st_size > 0
     assert f"compare: {report['verdict']}" in res.stdout
-    assert "first 3,000 validation tokens" in report["verdict"]
+    assert "first 3,000 validation tokens" in report["verdict"] and " dense " in report["verdict"] \
+        and "window-only control" in report["verdict"]
+
+
+def test_a_dir_made_before_the_window_arm_gets_it_on_the_next_run(compared):
+    """--arms nsa,dense wrote what an older train.compare wrote (nsa.yaml, dense.yaml, a two-arm report); the
+    default command then trains only the window arm and reuses the other two arms' evaluations."""
+    out, _, res, before = compared
+    assert before["yamls"] == ["dense.yaml", "nsa.yaml"] and list(before["report"]["arms"]) == ["nsa", "dense"]
+    assert before["report"]["gap_window_pct"] is None and before["report"]["gap_pct"] is not None
+    assert "training the window arm" not in before["stdout"]
+    assert "training the window arm" in res.stdout and res.stdout.count("compare: reusing") == 2
+    assert res.stdout.count("compare: training the") == 1 and res.stdout.count("finished at step 4") == 2
+    report = json.loads((out / "report.json").read_text())
+    assert report["gap_pct"] == before["report"]["gap_pct"]  # nsa and dense untouched
+    assert sorted(p.name for p in out.glob("*.yaml")) == ["dense.yaml", "nsa.yaml", "window.yaml"]
+
+
+def test_the_window_arms_checkpoint_loads_as_a_window_only_model(compared):
+    from train.checkpoint.io import model_from_checkpoint
+
+    out = compared[0]
+    model, run_config = model_from_checkpoint(out / "window")
+    assert run_config["nsa"]["gates"] == "window" and all(blk.attn.cfg.window_only for blk in model.blocks)
+    assert model.num_params() == json.loads((out / "report.json").read_text())["arms"]["window"]["params"]
+    assert not hasattr(model.blocks[0].attn, "gate_mlp") and torch.isfinite(model(torch.ones(1, 8, dtype=torch.long))).all()
 
 
 def test_the_same_command_resumes_and_reuses_and_another_config_is_refused(compared):
-    out, data, _ = compared
+    out, data, _, _ = compared
     before = json.loads((out / "report.json").read_text())
     nsa_yaml = out / "nsa.yaml"  # as written before nsa.gate_init existed: a key at its default is no change
     nsa_yaml.write_text("".join(line for line in nsa_yaml.read_text().splitlines(True) if "gate_init" not in line))
     again = compare("--out", str(out), data, *TINY, "--eval_max_tokens", "3000")
-    assert again.stdout.count("compare: reusing") == 2 and "done: step 4 (finished)" in again.stdout
-    assert json.loads((out / "report.json").read_text())["gap_pct"] == before["gap_pct"]
+    assert again.stdout.count("compare: reusing") == 3 and again.stdout.count("finished at step 4") == 3
+    assert "compare: training the" not in again.stdout  # nothing left to train: no trainer launched
+    after = json.loads((out / "report.json").read_text())
+    assert (after["gap_pct"], after["gap_window_pct"]) == (before["gap_pct"], before["gap_window_pct"])
     code, err = compare_in_process("--out", str(out), data, *TINY, "--nsa.w=64")
     assert code == 2 and err.strip().splitlines() == [
-        f"error: {out} compares another config (nsa.w: 128 there, 64 now); use another --out"]
+        f"error: {out} compares another config (nsa.w: 32 there, 64 now); use another --out"]
 
 
-def test_dense_from_reuses_the_twin_and_handoff_carries_the_report(compared, tmp_path):
-    out, data, _ = compared
+def test_reused_arms_and_handoff_carries_the_report(compared, tmp_path):
+    """--dense_from and --reuse_from: an nsa.* ablation trains only its NSA arm."""
+    from train.workflows.compare import arm_configs, reuse_controls
+
+    out, data, _, _ = compared
     ablation = tmp_path / "gate_equal"
-    compare("--out", str(ablation), data, *TINY, "--nsa.gate_init=equal", "--eval_max_tokens", "3000",
-            "--dense_from", str(out))
+    res = compare("--out", str(ablation), data, *TINY, "--nsa.gate_init=equal", "--eval_max_tokens", "3000",
+                  "--dense_from", str(out), "--reuse_from", str(out))
     report = json.loads((ablation / "report.json").read_text())
-    assert not (ablation / "dense").exists() and report["arms"]["dense"]["out_dir"] == str(out / "dense")
+    assert not (ablation / "dense").exists() and not (ablation / "window").exists()
+    assert [report["arms"][arm]["out_dir"] for arm in ("dense", "window")] == [str(out / "dense"), str(out / "window")]
+    assert f"taking the window-only control from {out}" in res.stdout and "training the nsa arm" in res.stdout
+    assert res.stdout.count("compare: training the") == 1
     assert report["arms"]["nsa"]["eval"]["loss"] != json.loads((out / "report.json").read_text())["arms"]["nsa"]["eval"]["loss"]
-    code, err = compare_in_process("--out", str(tmp_path / "x"), data, *TINY, "--train.lr=1e-3", "--dense_from", str(out))
-    assert code == 2 and "train.lr" in err and len(err.strip().splitlines()) == 1
+    # --reuse_from alone takes every control that matches key by key, and leaves the others to train here
+    config = REPO / "configs/nsa_twin_kjv.yaml"
+    docs = arm_configs(config, [data, *TINY, "--nsa.gate_bias=2"], tmp_path / "b2")
+    assert reuse_controls(docs, ("dense", "window"), [tmp_path / "nowhere", out]) == {"dense": out / "dense",
+                                                                                      "window": out / "window"}
+    docs = arm_configs(config, [data, *TINY, "--nsa.w=64"], tmp_path / "w64")
+    assert reuse_controls(docs, ("dense", "window"), [out]) == {"dense": out / "dense"}
+    assert docs["window"]["train"]["out_dir"] == str(tmp_path / "w64" / "window")
+    for flag in ("--dense_from", "--reuse_from"):
+        code, err = compare_in_process("--out", str(tmp_path / "x"), data, *TINY, "--train.lr=1e-3", flag, str(out))
+        assert code == 2 and "train.lr" in err and len(err.strip().splitlines()) == 1, err
+        assert not (tmp_path / "x").exists()
     handoff = subprocess.run([sys.executable, "scripts/handoff.py", str(ablation / "nsa"), "--out-dir", str(tmp_path / "ho")],
                              cwd=REPO, capture_output=True, text=True, timeout=120)
     assert handoff.returncode == 0, handoff.stderr
@@ -121,6 +205,10 @@ def test_dense_from_reuses_the_twin_and_handoff_carries_the_report(compared, tmp
     ("configs/nsa_twin_kjv.yaml", ["--data.source=synthetic"], "--data.source=bin:DIR"),
     ("configs/nsa_twin_kjv.yaml", ["--side_by_side"], "--side_by_side needs 2 GPUs"),
     ("configs/nsa_twin_kjv.yaml", ["--eval_max_tokens", "1"], "--eval_max_tokens must be >= 2"),
+    ("configs/nsa_twin_kjv.yaml", ["--arms", "nsa,sparse"], "error: --arms: unknown arm 'sparse'; valid: nsa, dense, window"),
+    ("configs/nsa_twin_kjv.yaml", ["--arms", "nsa"], "names no control arm (dense, window)"),
+    ("configs/nsa_twin_kjv.yaml", ["--arms", "window", "--dense_from", "x"], "--dense_from reuses the dense arm"),
+    ("configs/nsa_twin_kjv.yaml", ["--nsa.gates=window"], "derives the window-only control from it"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, config, args, message):
     code, err = compare_in_process("--out", str(tmp_path / "c"), *args, config=config)

@@ -1,12 +1,16 @@
-"""The twin comparison's report, built only from what the two arms' out_dirs and evaluations recorded.
+"""The twin comparison's report, built only from what the arms' out_dirs and evaluations recorded.
 
-    report.json  arms: params, steps, tokens, tokens/s, last train loss, val curve, whole-split loss and
-                 bits/byte; nsa: its settings and gate / selection statistics per logged step (with the
-                 selection health: sel_recall, sel_outside_window, gate_mean_*, and per layer under
-                 `<name>_layers`); gap; verdict
+    report.json  arms (nsa, and the controls run: dense, window): params, steps, tokens, tokens/s, last train
+                 loss, train and val curves, whole-split loss and bits/byte; nsa: its settings and gate /
+                 selection statistics per logged step (with the selection health: sel_recall,
+                 sel_outside_window, gate_mean_*, and per layer under `<name>_layers`); the gaps; verdict
     report.md    the same as tables, for people
-    report.png   train and val loss of both arms in one plot; NSA gate shares over training
-Gap = (NSA whole-split loss - dense whole-split loss) / dense, in percent: negative means NSA is better.
+    report.png   train and val loss of every arm in one plot; NSA gate shares over training
+Gaps, in percent (negative: NSA is better), None when that control did not run:
+    gap_pct = (NSA - dense) / dense                   gap_bits_per_byte_pct: the same on bits/byte
+    gap_window_pct = (NSA - window) / window          gap_window_bits_per_byte_pct
+on the whole-split loss. Against dense: what NSA's sparsity costs. Against its own window: what the compressed
+and selected branches add to the sliding window they are mixed with (docs/NSA.md, "NSA vs its dense twin").
 """
 from __future__ import annotations
 
@@ -33,8 +37,12 @@ from train.observe.telemetry import write_json_atomic
 
 TOOL = "train.compare"
 REPORT_FILES = ("report.json", "report.md", "report.png")
-WITHIN_PCT = 1.0  # the verdict's "matches dense" band (issue 21's goal)
+WITHIN_PCT = 1.0  # the verdict's "matches" band (issue 21's goal)
 SHARES = tuple(k for k in GATE_STATS if k.startswith("gate_share_"))  # cmp, sel, win
+# control arm -> its report.json keys: (gap on the whole-split loss, gap on bits/byte), and its name in the verdict
+GAP_KEYS = {"dense": ("gap_pct", "gap_bits_per_byte_pct"), "window": ("gap_window_pct", "gap_window_bits_per_byte_pct")}
+CONTROL_NAMES = {"dense": "dense", "window": "its window-only control"}
+ARM_COLORS = {"nsa": "tab:red", "dense": "tab:blue", "window": "tab:green"}
 
 
 def _floats(rows: list[dict], key: str) -> list[tuple[int, float]]:
@@ -83,34 +91,51 @@ def nsa_over_time(out_dir: Path) -> list[dict]:
     return rows
 
 
-def verdict(gap_pct: float | None, max_tokens: int | None) -> str:
-    """One line: how NSA's held-out loss compares with the dense twin's."""
-    if gap_pct is None:
+def verdict(gaps: dict[str, float | None], max_tokens: int | None) -> str:
+    """One line: how NSA's held-out loss compares with each control arm's. gaps: control arm (GAP_KEYS) -> its
+    loss gap in % (None: a held-out loss is missing)."""
+    if all(gap is None for gap in gaps.values()):
         return "no verdict: a held-out loss is missing"
     on = f"the first {max_tokens:,} validation tokens" if max_tokens else "the whole validation split"
-    if abs(gap_pct) <= WITHIN_PCT:
-        return f"NSA matches dense within {WITHIN_PCT:g}% ({gap_pct:+.2f}%) on {on}"
-    return f"NSA {'behind' if gap_pct > 0 else 'ahead of'} dense by {abs(gap_pct):.2f}% on {on}"
+    parts = []
+    for control, gap in gaps.items():
+        name = CONTROL_NAMES[control]
+        if gap is None:
+            parts.append(f"no verdict against {name} (a held-out loss is missing)")
+        elif abs(gap) <= WITHIN_PCT:
+            parts.append(f"matches {name} within {WITHIN_PCT:g}% ({gap:+.2f}%)")
+        else:
+            parts.append(f"{'behind' if gap > 0 else 'ahead of'} {name} by {abs(gap):.2f}%")
+    return f"NSA {', '.join(parts)} on {on}"
+
+
+def _gap_pct(nsa: float | None, control: float | None) -> float | None:
+    """(nsa - control) / control in %, None when either is missing."""
+    return 100.0 * (nsa - control) / control if nsa is not None and control else None
 
 
 def build_report(out: Path, out_dirs: dict[str, Path], scores: dict[str, dict]) -> dict:
+    """out_dirs, scores: per arm run (nsa and one or both controls), in ARMS order."""
     arms = {arm: arm_summary(path, scores[arm]) for arm, path in out_dirs.items()}
     nsa_cfg = (yaml.safe_load((out_dirs["nsa"] / CONFIG_YAML).read_text(encoding="utf-8")) or {})
-    n_loss, d_loss = arms["nsa"]["eval"]["loss"], arms["dense"]["eval"]["loss"]
-    gap = 100.0 * (n_loss - d_loss) / d_loss if n_loss is not None and d_loss else None
-    n_bpb, d_bpb = arms["nsa"]["eval"]["bits_per_byte"], arms["dense"]["eval"]["bits_per_byte"]
+    nsa_eval = arms["nsa"]["eval"]
+    gaps = {}
+    for control, (loss_key, bpb_key) in GAP_KEYS.items():
+        ev = arms[control]["eval"] if control in arms else {}
+        gaps[loss_key] = _gap_pct(nsa_eval["loss"], ev.get("loss"))
+        gaps[bpb_key] = _gap_pct(nsa_eval["bits_per_byte"], ev.get("bits_per_byte"))
     notes = []
-    if arms["nsa"]["tokens_seen"] != arms["dense"]["tokens_seen"]:
-        notes.append(f"token budgets differ: nsa {arms['nsa']['tokens_seen']}, dense {arms['dense']['tokens_seen']}")
+    budgets = {arm: summary["tokens_seen"] for arm, summary in arms.items()}
+    if len(set(budgets.values())) > 1:
+        notes.append("token budgets differ: " + ", ".join(f"{arm} {tokens}" for arm, tokens in budgets.items()))
     return {
         "tool": TOOL,
         "dir": str(out),
         "arms": arms,
         "nsa": {"settings": nsa_cfg.get("nsa", {}), "seq_len": (nsa_cfg.get("train") or {}).get("seq_len"),
                 "over_time": nsa_over_time(out_dirs["nsa"])},
-        "gap_pct": gap,
-        "gap_bits_per_byte_pct": 100.0 * (n_bpb - d_bpb) / d_bpb if n_bpb is not None and d_bpb else None,
-        "verdict": verdict(gap, arms["nsa"]["eval"]["max_tokens"]),
+        **gaps,
+        "verdict": verdict({c: gaps[keys[0]] for c, keys in GAP_KEYS.items() if c in arms}, nsa_eval["max_tokens"]),
         "notes": notes,
     }
 
@@ -121,24 +146,32 @@ def _fmt(value, spec: str = ",") -> str:
     return format(value, spec)
 
 
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:+.2f}%"
+
+
 def markdown(report: dict) -> str:
     a = report["arms"]
+    names = list(a)  # nsa, then the controls run
     rows = [("params", "params", ","), ("steps", "step", ","), ("tokens seen", "tokens_seen", ","),
             ("tokens/s (median)", "tokens_per_s_median", ",.0f"), ("last train loss", "last_train_loss", ".4f")]
-    lines = [f"# NSA vs dense twin: {report['dir']}", "", f"**{report['verdict']}**", "",
-             "| | nsa | dense |", "|---|---|---|"]
-    lines += [f"| {label} | {_fmt(a['nsa'][key], spec)} | {_fmt(a['dense'][key], spec)} |" for label, key, spec in rows]
+    lines = [f"# NSA vs {' and '.join(names[1:])}: {report['dir']}", "", f"**{report['verdict']}**", "",
+             "| | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    lines += [f"| {label} | " + " | ".join(_fmt(a[arm][key], spec) for arm in names) + " |" for label, key, spec in rows]
     for label, key, spec in (("whole-split tokens", "tokens", ","), ("whole-split loss", "loss", ".4f"),
                              ("bits/byte", "bits_per_byte", ".4f")):
-        lines.append(f"| {label} | {_fmt(a['nsa']['eval'][key], spec)} | {_fmt(a['dense']['eval'][key], spec)} |")
-    gaps = [f"gap (loss): {report['gap_pct']:+.2f}%" if report["gap_pct"] is not None else "gap (loss): -"]
-    if report["gap_bits_per_byte_pct"] is not None:
-        gaps.append(f"gap (bits/byte): {report['gap_bits_per_byte_pct']:+.2f}%")
-    lines += ["", ", ".join(gaps), ""]
-    val_n, val_d = dict(a["nsa"]["val_loss"]), dict(a["dense"]["val_loss"])
-    if val_n or val_d:
-        lines += ["| step | val nsa | val dense |", "|---|---|---|"]
-        lines += [f"| {s} | {_fmt(val_n.get(s), '.4f')} | {_fmt(val_d.get(s), '.4f')} |" for s in sorted(val_n | val_d)]
+        lines.append(f"| {label} | " + " | ".join(_fmt(a[arm]["eval"][key], spec) for arm in names) + " |")
+    gaps = []
+    for control, (loss_key, bpb_key) in GAP_KEYS.items():
+        if control in a:
+            loss, bpb = report[loss_key], report[bpb_key]
+            gaps.append(f"gap vs {control}: {_pct(loss)} loss, {_pct(bpb)} bits/byte")
+    lines += ["", "; ".join(gaps) + " ((NSA - control) / control)", ""]
+    vals = {arm: dict(a[arm]["val_loss"]) for arm in names}
+    steps = sorted(set().union(*vals.values()))
+    if steps:
+        lines += ["| step | " + " | ".join(f"val {arm}" for arm in names) + " |", "|---" * (len(names) + 1) + "|"]
+        lines += [f"| {s} | " + " | ".join(_fmt(vals[arm].get(s), '.4f') for arm in names) + " |" for s in steps]
         lines.append("")
     settings = report["nsa"]["settings"]
     lines.append("NSA: " + ", ".join(f"{k}={settings[k]}" for k in ("l", "d", "l_sel", "n_sel", "w") if k in settings)
@@ -166,13 +199,15 @@ def plot(report: dict, path: Path) -> bool:
     except ImportError:
         return False
     fig, (ax, gx) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for arm, color in (("nsa", "tab:red"), ("dense", "tab:blue")):
+    for arm in report["arms"]:
+        color = ARM_COLORS[arm]
         train, val = report["arms"][arm]["train_loss"], report["arms"][arm]["val_loss"]
         if train:
             ax.plot(*zip(*train), color=color, alpha=0.5, label=f"{arm} train")
         if val:
             ax.plot(*zip(*val), color=color, marker="o", label=f"{arm} val")
-    ax.set(xlabel="step", ylabel="loss", title=report["verdict"])
+    ax.set(xlabel="step", ylabel="loss")
+    ax.set_title(report["verdict"], fontsize=8, wrap=True)
     ax.legend()
     over = report["nsa"]["over_time"]
     for key in SHARES:

@@ -6,6 +6,7 @@ fsynced and renamed, so `checkpoint_step{N}.pt` exists only when complete.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import random
@@ -15,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from nsa.config import NON_ARCHITECTURE_FIELDS
+from nsa.config import NSAConfig, architecture_keys
 from train.core.artifacts import LATEST, checkpoint_files, checkpoint_name
 from train.core.errors import CheckpointError
 
@@ -204,17 +205,19 @@ def checkpoint_problem(path: Path) -> str | None:
 
 
 def check_architecture(ckpt: dict, model_config: dict, path: Path) -> None:
-    """The checkpoint's model section must equal the run's (shapes and semantics)."""
+    """The checkpoint's model section must equal the run's (shapes and semantics). An nsa key the checkpoint
+    does not name (saved before the key existed) holds its default, as the checkpoint's model is built
+    (stored_model_config): a checkpoint from before nsa.gates is a learned-gates model."""
     saved = ckpt["config"].get("model", {})
-    saved_nsa = ckpt["config"].get("nsa", {})
+    saved_nsa = {**dataclasses.asdict(NSAConfig()), **ckpt["config"].get("nsa", {})}
     current_nsa = model_config.get("nsa", {})
     current = {k: v for k, v in model_config.items() if k != "nsa"}
     free = FREE_MODEL_FIELDS
     diffs = [f"model.{k}: checkpoint {saved.get(k)!r} vs config {v!r}"
              for k, v in current.items() if k not in free and saved.get(k) != v]
     if current["attention"] == "nsa":
-        diffs += [f"nsa.{k}: checkpoint {saved_nsa.get(k)!r} vs config {v!r}"
-                  for k, v in current_nsa.items() if k not in NON_ARCHITECTURE_FIELDS and saved_nsa.get(k) != v]
+        diffs += [f"nsa.{k}: checkpoint {saved_nsa.get(k)!r} vs config {current_nsa[k]!r}"
+                  for k in architecture_keys(current_nsa) if saved_nsa.get(k) != current_nsa[k]]
     if diffs:
         raise CheckpointError(f"checkpoint {path} does not match the config's architecture ({'; '.join(diffs[:3])})")
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from nsa.config import ModelConfig, ModelConfigError, NSAConfig
+from nsa.config import WINDOW_FIELDS, ModelConfig, ModelConfigError, NSAConfig
 from train.core.data_config import DataConfig
 from train.core.errors import ConfigError, UserError
 
@@ -473,13 +473,15 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
 
 def dump_config(cfg: RunConfig) -> str:
     """The effective config as YAML that load_config accepts again: keys that have no effect for
-    this run (the nsa section of a dense model, attn_backend of an NSA model, rope_* with learned
-    positions, stream-loader settings of a bin: source) are left out."""
+    this run (the nsa section of a dense model, attn_backend of an NSA model, the nsa keys a window-only
+    layer does not read, rope_* with learned positions, stream-loader settings of a bin: source) are left out."""
     doc = cfg.to_dict()
     if cfg.model.attention != "nsa":
         doc.pop("nsa")
     else:
         doc["model"].pop("attn_backend")
+        if cfg.model.nsa.window_only:
+            doc["nsa"] = {k: v for k, v in doc["nsa"].items() if k in WINDOW_FIELDS}
     if cfg.data.source_kind == "bin":
         for key in STREAM_ONLY_DATA_KEYS:
             doc["data"].pop(key)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from nsa.config import NON_ARCHITECTURE_FIELDS, ModelConfig
+from nsa.config import ModelConfig, architecture_keys
 from train.checkpoint.io import (
     FORMAT_VERSION,
     FREE_MODEL_FIELDS,
@@ -92,8 +92,8 @@ def architecture_diffs(source: ModelConfig, run: ModelConfig) -> list[str]:
     nsa_a, nsa_b = a.pop("nsa"), b.pop("nsa")
     diffs = [f"{k}: {a[k]!r} in the source vs {v!r} in the run" for k, v in b.items() if k not in free and a[k] != v]
     if run.attention == "nsa" and source.attention == "nsa":
-        diffs += [f"nsa.{k}: {nsa_a[k]!r} in the source vs {v!r} in the run"
-                  for k, v in nsa_b.items() if k not in NON_ARCHITECTURE_FIELDS and nsa_a[k] != v]
+        diffs += [f"nsa.{k}: {nsa_a[k]!r} in the source vs {nsa_b[k]!r} in the run"
+                  for k in architecture_keys(nsa_b) if nsa_a[k] != nsa_b[k]]
     return diffs
 
 

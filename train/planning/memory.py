@@ -65,14 +65,14 @@ def activation_bytes_per_token(cfg: RunConfig, act_bytes: int) -> float:
         norms += 2 * 4 * D  # fp32: the norm output is its own tensor, saved by the next matmul
     mlp = (4 if m.mlp == "swiglu" else 2) * F * act_bytes  # swiglu: gate, up, silu(gate), product
     qk_norm = 4 * (q + kv) if m.qk_norm else 0
-    if m.attention == "nsa":
+    if m.attention == "nsa" and not m.nsa.window_only:
         # one query projection, 3 branches of keys/values, rotated q / sel and win keys, three branch
         # outputs and their gated sum, the gate MLP (hidden dim/4 default), per-branch log-sum-exps
         gate_hidden = m.nsa.gate_hidden or max(1, D // 4)
         attn = act_bytes * (q + 6 * kv + (q + 2 * kv) + 3 * q + q + 2 * gate_hidden + 3 * m.n_heads) \
             + 4 * 3 * m.n_heads
         attn *= NSA_FACTOR
-    else:
+    else:  # dense, and NSA's window-only control (nsa.gates=window: the same tensors, for the window branch)
         # q, k, v; rotated q, k; the attention output (read by the output projection); fp32 lse
         attn = act_bytes * (q + 2 * kv + (q + kv) + q) + 4 * m.n_heads
     return norms + attn + qk_norm + mlp

@@ -177,8 +177,9 @@ class Run:
             print(f"init: weights from {spec}", flush=True)
 
     def _check_kernels_fit(self) -> None:
-        """Refuse, before any launch, NSA kernels that cannot fit this GPU's shared memory."""
-        if self.info.device.type != "cuda":
+        """Refuse, before any launch, NSA kernels that cannot fit this GPU's shared memory (a window-only layer,
+        nsa.gates=window, runs none of the selection kernels)."""
+        if self.info.device.type != "cuda" or self.cfg.model.nsa.window_only:
             return
         from nsa.attention.ops import kernel_fit_problem
 

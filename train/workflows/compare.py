@@ -1,4 +1,5 @@
-"""Twin comparison: an NSA config against its dense twin, same data, seed and token budget.
+"""Twin comparison: an NSA config against its dense twin and its window-only control, same data, seed and
+token budget.
 
 The command line, usage and details: train/compare.py (its docstring).
 """
@@ -13,31 +14,54 @@ from pathlib import Path
 
 import yaml
 
-from train.analysis.compare_report import build_report, write_report
+from train.analysis.compare_report import GAP_KEYS, build_report, write_report
 from train.core.artifacts import read_metrics
 from train.core.config import dump_config, load_config
 from train.core.env import one_gpu_environment
 from train.core.errors import ConfigError, UserError
 from train.evaluation.evaluate import EvalRequest, default_name, evaluate
 
-ARMS = ("nsa", "dense")
-RESUMABLE_KEYS = {"train.steps"}  # may differ from DIR's configs on a relaunch (both arms train on)
+# nsa: the config itself; its controls (the report's GAP_KEYS): dense (model.attention: dense, no nsa section)
+# and window (nsa.gates: window: the same layer with its gates pinned to the sliding-window branch)
+CONTROLS = tuple(GAP_KEYS)
+ARMS = ("nsa", *CONTROLS)
+ROLE = {"dense": "dense twin", "window": "window-only control"}
+RESUMABLE_KEYS = {"train.steps"}  # may differ from DIR's configs on a relaunch (every arm trains on)
 EVAL_SPLIT = "val"
 
 
+def select_arms(spec: str) -> tuple[str, ...]:
+    """--arms 'nsa,dense,window' (comma separated, any order) -> the arms in ARMS order; nsa always runs, and at
+    least one control arm must (there is nothing to compare NSA with otherwise)."""
+    names = [name.strip() for name in spec.split(",") if name.strip()]
+    unknown = [name for name in names if name not in ARMS]
+    if unknown:
+        raise UserError(f"--arms: unknown arm {unknown[0]!r}; valid: {', '.join(ARMS)}")
+    if not set(names) & set(CONTROLS):
+        raise UserError(f"--arms {spec!r} names no control arm ({', '.join(CONTROLS)}): nothing to compare NSA with")
+    return tuple(arm for arm in ARMS if arm == "nsa" or arm in names)
+
+
 def arm_configs(config: Path, overrides: list[str], out: Path) -> dict[str, dict]:
-    """{'nsa': the config with overrides, 'dense': its twin} as YAML documents, out_dirs under `out`."""
+    """{'nsa': the config with overrides, 'dense': its twin, 'window': its window-only control} as YAML documents,
+    out_dirs under `out`."""
     cfg = load_config(config, overrides)
     if cfg.model.attention != "nsa":
         raise ConfigError(f"{config}: model.attention is {cfg.model.attention!r}; train.compare takes an NSA config "
                           "and derives the dense twin from it")
+    if cfg.model.nsa.window_only:
+        raise ConfigError(f"{config}: nsa.gates is 'window'; train.compare takes an NSA config (nsa.gates: learned) "
+                          "and derives the window-only control from it")
     if cfg.data.source_kind != "bin":
-        raise ConfigError(f"{config}: data.source={cfg.data.source!r}; train.compare scores both arms on the whole "
+        raise ConfigError(f"{config}: data.source={cfg.data.source!r}; train.compare scores every arm on the whole "
                           "validation split of a prepared directory: --data.source=bin:DIR "
                           "(python -m train.data.prepare --source text:FILE --out DIR)")
     twin = copy.deepcopy(cfg)
     twin.model.attention = "dense"  # dump_config leaves out the nsa section of a dense model
-    arms = {"nsa": yaml.safe_load(dump_config(cfg)), "dense": yaml.safe_load(dump_config(twin))}
+    window = copy.deepcopy(cfg)
+    window.model.nsa.gates = "window"  # dump_config keeps only the nsa keys a window-only layer reads
+    arms = {"nsa": yaml.safe_load(dump_config(cfg)), "dense": yaml.safe_load(dump_config(twin)),
+            "window": yaml.safe_load(dump_config(window))}
     for arm, doc in arms.items():
         doc["train"]["out_dir"] = str(out / arm)
     return arms
@@ -64,27 +88,61 @@ def _first_difference(path: Path, doc: dict, ignored: set[str]) -> tuple[str, ob
     return (changed[0], before.get(changed[0]), now.get(changed[0])) if changed else None
 
 
-def reuse_dense(arms: dict[str, dict], dense_from: Path) -> Path:
-    """The dense out_dir of an earlier comparison, if its config is this twin's (out_dir aside) and it finished."""
-    path = dense_from / "dense.yaml"
+def _matching_arm(arms: dict[str, dict], arm: str, source: Path) -> tuple[Path | None, str]:
+    """(the out_dir of `arm` in the earlier comparison `source`, "") when its config is this one's key by key
+    (out_dir aside), else (None, why not)."""
+    path = source / f"{arm}.yaml"
     if not path.is_file():
-        raise UserError(f"--dense_from {dense_from}: no dense.yaml there (a train.compare directory holds one)")
-    diff = _first_difference(path, arms["dense"], {"train.out_dir"})
+        return None, f"no {arm}.yaml there (a train.compare directory holds one per arm)"
+    diff = _first_difference(path, arms[arm], {"train.out_dir"})
     if diff:
-        raise ConfigError(f"--dense_from {dense_from}: its dense arm is not this config's twin ({diff[0]}: "
-                          f"{diff[1]!r} there, {diff[2]!r} here)")
-    out_dir = Path(yaml.safe_load(path.read_text(encoding="utf-8"))["train"]["out_dir"])  # itself reused, maybe
+        return None, f"its {arm} arm is not this config's {ROLE[arm]} ({diff[0]}: {diff[1]!r} there, {diff[2]!r} here)"
+    return Path(yaml.safe_load(path.read_text(encoding="utf-8"))["train"]["out_dir"]), ""  # itself reused, maybe
+
+
+def _reuse(arms: dict[str, dict], arm: str, out_dir: Path, flag: str, source: Path) -> Path:
+    """Point this comparison's `arm` at a matching earlier arm's out_dir; it must have finished."""
     status = read_metrics(out_dir).get("status")
     if status != "finished":
-        raise UserError(f"--dense_from {dense_from}: its dense arm ({out_dir}) is {status or 'not started'}, not "
+        raise UserError(f"{flag} {source}: its {arm} arm ({out_dir}) is {status or 'not started'}, not "
                         f"finished; finish that comparison first")
-    arms["dense"]["train"]["out_dir"] = str(out_dir)
+    arms[arm]["train"]["out_dir"] = str(out_dir)
+    print(f"compare: taking the {ROLE[arm]} from {source} ({out_dir}): its config matches key by key", flush=True)
     return out_dir
 
 
-def write_arm_configs(out: Path, arms: dict[str, dict]) -> dict[str, Path]:
-    """DIR/<arm>.yaml; a DIR holding other configs is refused (except RESUMABLE_KEYS)."""
-    paths = {arm: out / f"{arm}.yaml" for arm in ARMS}
+def reuse_dense(arms: dict[str, dict], dense_from: Path) -> Path:
+    """--dense_from: the dense out_dir of an earlier comparison, which must be this config's twin and finished."""
+    found, why = _matching_arm(arms, "dense", dense_from)
+    if found is None:
+        raise UserError(f"--dense_from {dense_from}: {why}")
+    return _reuse(arms, "dense", found, "--dense_from", dense_from)
+
+
+def reuse_controls(arms: dict[str, dict], wanted: tuple[str, ...], sources: list[Path]) -> dict[str, Path]:
+    """--reuse_from: for each control arm in `wanted`, the first of the earlier comparisons `sources` whose arm
+    is this config's key by key (out_dir aside) gives its out_dir (it must have finished); an arm none of them
+    matches is trained here. Refused when no arm matches at all (the flag would reuse nothing)."""
+    reused, why_not = {}, []
+    for arm in wanted:
+        for source in sources:
+            found, why = _matching_arm(arms, arm, source)
+            if found is not None:
+                reused[arm] = _reuse(arms, arm, found, "--reuse_from", source)
+                break
+            why_not.append(f"{source}: {why}")
+    if wanted and not reused:
+        raise ConfigError(f"--reuse_from: no arm to reuse ({why_not[0]})")
+    for arm in wanted:
+        if arm not in reused:
+            print(f"compare: no earlier {ROLE[arm]} matches; training it here", flush=True)
+    return reused
+
+
+def write_arm_configs(out: Path, arms: dict[str, dict], names: tuple[str, ...] = ARMS) -> dict[str, Path]:
+    """DIR/<arm>.yaml for the arms `names`; a DIR holding other configs is refused (except RESUMABLE_KEYS). A DIR
+    without some arm's YAML (made before that arm existed, or with fewer --arms) gets it."""
+    paths = {arm: out / f"{arm}.yaml" for arm in names}
     for arm, path in paths.items():
         diff = _first_difference(path, arms[arm], RESUMABLE_KEYS) if path.exists() else None
         if diff:
@@ -106,16 +164,17 @@ def _pump(proc: subprocess.Popen, log: Path, prefix: str) -> None:
             print(f"{prefix}{line}", end="", flush=True)
 
 
-def train_arms(paths: dict[str, Path], out: Path, out_dirs: dict[str, Path], side_by_side: bool,
-               arms: tuple[str, ...] = ARMS) -> None:
-    """python -m train on each arm's YAML (a finished arm returns at once); raises on a failing arm."""
+def train_arms(paths: dict[str, Path], out: Path, out_dirs: dict[str, Path], arms: tuple[str, ...],
+               at_once: int = 1) -> None:
+    """python -m train on each arm's YAML, `at_once` arms at a time, one GPU each when more than one; raises on a
+    failing arm."""
     logs = out / "logs"
     logs.mkdir(exist_ok=True)
-    groups = [list(arms)] if side_by_side else [[arm] for arm in arms]
+    groups = [list(arms[i:i + at_once]) for i in range(0, len(arms), at_once)]
     for group in groups:
         procs = {}
         for gpu, arm in enumerate(group):
-            env = one_gpu_environment(gpu) if side_by_side else None
+            env = one_gpu_environment(gpu) if at_once > 1 else None
             print(f"compare: training the {arm} arm -> {out_dirs[arm]} (log {logs / arm}.log)", flush=True)
             proc = subprocess.Popen([sys.executable, "-m", "train", str(paths[arm])], stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True, env=env)
@@ -130,6 +189,16 @@ def train_arms(paths: dict[str, Path], out: Path, out_dirs: dict[str, Path], sid
             status = read_metrics(out_dirs[arm]).get("status")
             if status != "finished":
                 raise ArmFailed(arm, 1, logs / f"{arm}.log", f"ended {status!r}, not finished")
+
+
+def _finished(arm: str, out_dir: Path, doc: dict) -> bool:
+    """Whether the arm's out_dir finished its config's train.steps (then there is nothing to launch; a raised
+    train.steps trains on)."""
+    metrics = read_metrics(out_dir)
+    done = metrics.get("status") == "finished" and (metrics.get("step") or 0) >= doc["train"]["steps"]
+    if done:
+        print(f"compare: the {arm} arm finished at step {metrics['step']} ({out_dir}): nothing to train", flush=True)
+    return done
 
 
 class ArmFailed(Exception):
@@ -156,25 +225,37 @@ def evaluate_arm(out_dir: Path, data_spec: str, max_tokens: int | None) -> dict:
 
 
 def compare_twins(config: Path, overrides: list[str], out: Path, *, side_by_side: bool = False,
-                  dense_from: Path | None = None, eval_max_tokens: int | None = None) -> tuple[dict, list[Path]]:
-    """Train (or resume) both arms, score them on the whole validation split, write the report.
+                  dense_from: Path | None = None, reuse_from: list[Path] | tuple[Path, ...] = (),
+                  eval_max_tokens: int | None = None, arms: tuple[str, ...] = ARMS) -> tuple[dict, list[Path]]:
+    """Train (or resume) the arms `arms` (nsa and at least one control: select_arms), score them on the whole
+    validation split, write the report. dense_from: reuse that comparison's dense arm (it must match);
+    reuse_from: reuse every control arm that matches in one of these comparisons, train the others here.
     Returns (report, files written). Raises UserError for bad input and ArmFailed when an arm's trainer fails."""
+    gpus = 1
     if side_by_side:
         import torch
 
-        if torch.cuda.device_count() < 2:
-            raise UserError(f"--side_by_side needs 2 GPUs, {torch.cuda.device_count()} visible; "
+        gpus = torch.cuda.device_count()
+        if gpus < 2:
+            raise UserError(f"--side_by_side needs 2 GPUs, {gpus} visible; "
                             "leave it out to train the arms one after the other")
     if eval_max_tokens is not None and eval_max_tokens < 2:
         raise UserError(f"--eval_max_tokens must be >= 2, got {eval_max_tokens}")
-    arms = arm_configs(config, overrides, out)
-    out_dirs = {arm: out / arm for arm in ARMS}
+    if "nsa" not in arms or not set(arms) & set(CONTROLS) or set(arms) - set(ARMS):
+        raise UserError(f"arms {arms!r}: nsa and at least one of {', '.join(CONTROLS)} (select_arms)")
+    if dense_from is not None and "dense" not in arms:
+        raise UserError("--dense_from reuses the dense arm, which --arms leaves out")
+    docs = arm_configs(config, overrides, out)
+    out_dirs = {arm: out / arm for arm in arms}
     if dense_from is not None:
-        out_dirs["dense"] = reuse_dense(arms, dense_from)
-    paths = write_arm_configs(out, arms)
-    to_train = ARMS if dense_from is None else ("nsa",)
-    train_arms(paths, out, out_dirs, side_by_side and len(to_train) == 2, to_train)
-    data_spec = arms["nsa"]["data"]["source"]
-    scores = {arm: evaluate_arm(out_dirs[arm], data_spec, eval_max_tokens) for arm in ARMS}
+        out_dirs["dense"] = reuse_dense(docs, dense_from)
+    if reuse_from:
+        wanted = tuple(arm for arm in arms if arm in CONTROLS and not (arm == "dense" and dense_from is not None))
+        out_dirs.update(reuse_controls(docs, wanted, list(reuse_from)))
+    paths = write_arm_configs(out, docs, arms)
+    to_train = tuple(arm for arm in arms if out_dirs[arm] == out / arm and not _finished(arm, out_dirs[arm], docs[arm]))
+    train_arms(paths, out, out_dirs, to_train, at_once=min(gpus, len(to_train)) or 1)
+    data_spec = docs["nsa"]["data"]["source"]
+    scores = {arm: evaluate_arm(out_dirs[arm], data_spec, eval_max_tokens) for arm in arms}
     report = build_report(out, out_dirs, scores)
     return report, write_report(out, report)
