@@ -52,6 +52,20 @@ def test_whole_nsa_model_compiles_fullgraph_and_matches_eager():
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
 
 
+def test_packed_documents_compile_with_inductor_and_match_eager():
+    """Inductor checks every custom op's output strides against its fake kernel (aot_eager does not): the torch
+    path's per-document backward once returned gradients in the keys' strided layout and failed here."""
+    model = small_model()
+    model.document_eos_id = 0
+    idx = torch.randint(1, 256, (2, 64), generator=torch.Generator().manual_seed(2))
+    idx[0, 21], idx[1, 40] = 0, 0  # three documents over two rows, one starting mid-window
+    loss, grads = _loss_and_grads(model, idx)
+    loss_c, grads_c = _loss_and_grads(torch.compile(model, fullgraph=True), idx)
+    torch.testing.assert_close(loss_c, loss, rtol=1e-4, atol=1e-5)
+    for a, b in zip(grads_c, grads):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+
+
 def test_statistics_and_eval_recompile_once_per_mode():
     model = small_model()
     compiled = torch.compile(model, fullgraph=True, backend="eager")  # Dynamo guards decide recompiles

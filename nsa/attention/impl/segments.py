@@ -49,6 +49,12 @@ def segments(frame: torch.Tensor) -> list[Segment]:
 
 
 # ---------------------------------------------------------------- the torch path, one document at a time
+def _zeros(*like: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Contiguous zeros shaped like each input: the layout the ops' fake kernels declare for gradients
+    (zeros_like would copy a strided input's layout, e.g. the keys unbound from one projection)."""
+    return tuple(torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in like)
+
+
 def _rows(s: Segment) -> tuple:
     return (slice(s.b, s.b + 1), slice(None), slice(s.t0, s.t1))
 
@@ -82,7 +88,7 @@ def compressed_fwd(q, ck, cv, l: int, d: int, chunk: int, frame):
 
 
 def compressed_bwd(d_o, q, ck, cv, o, lse, l: int, d: int, chunk: int, frame):
-    dq, dck, dcv = torch.zeros_like(q), torch.zeros_like(ck), torch.zeros_like(cv)
+    dq, dck, dcv = _zeros(q, ck, cv)
     for s in segments(frame):
         r, c = _rows(s), _compressed(s, l, d)
         dq_s, dck_s, dcv_s = compressed_attention_bwd(d_o[r], q[r], ck[c], cv[c], o[r], lse[r], s.p0, l, d, chunk)
@@ -107,7 +113,7 @@ def selected_fwd(q, k, v, block_idx, l_sel: int, tile: int, chunk: int, frame):
 
 
 def selected_bwd(d_o, q, k, v, block_idx, o, lse, l_sel: int, tile: int, chunk: int, frame):
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dq, dk, dv = _zeros(q, k, v)
     for s in segments(frame):
         r, kk = _selected_rows(s), _keys(s)
         dq_s, dk_s, dv_s = selected_attention_bwd(d_o[r], q[r], k[kk], v[kk], block_idx[_rows(s)], o[r], lse[r], s.p0,
@@ -130,7 +136,7 @@ def window_fwd(q, k, v, w: int, chunk: int, frame):
 
 
 def window_bwd(d_o, q, k, v, o, lse, w: int, chunk: int, frame):
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dq, dk, dv = _zeros(q, k, v)
     for s in segments(frame):
         lo = max(0, s.p0 - w + 1)
         r, kk = _rows(s), _keys(s, lo)
