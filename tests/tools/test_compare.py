@@ -214,3 +214,29 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, config, args, message):
     code, err = compare_in_process("--out", str(tmp_path / "c"), *args, config=config)
     assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
     assert not (tmp_path / "c").exists()
+
+
+def test_on_a_recall_corpus_every_arm_takes_the_probe(tmp_path):
+    """Data made by python -m train.recall make: the report carries each arm's recall per distance bucket, read
+    back from the recall_step<N>.json beside each arm's checkpoint, and NSA's far accuracy as a share of each control's."""
+    from train.recall import main as recall_main
+
+    data = tmp_path / "recall"
+    assert recall_main(["make", "--out", str(data), "--window", "32", "--seq_len", "64", "--max_windows", "2",
+                        "--train_tokens", "20000", "--val_tokens", "3000"]) == 0
+    out = tmp_path / "twin"
+    compare("--out", str(out), f"--data.source=bin:{data}", *TINY)
+    report = json.loads((out / "report.json").read_text())
+    recall = report["recall"]
+    assert list(recall["arms"]) == ["nsa", "dense", "window"]
+    for arm, summary in recall["arms"].items():
+        written = json.loads((out / arm / "recall_step4.json").read_text())
+        assert written["checkpoint"].startswith(str(out / arm))
+        assert {k: summary[k] for k in ("near_accuracy", "far_accuracy", "far_items", "buckets")} == \
+            {k: written[k] for k in ("near_accuracy", "far_accuracy", "far_items", "buckets")}
+        assert set(summary["buckets"]) == {"<1w", "1-2w"} and summary["far_items"] > 0
+    for control in ("dense", "window"):
+        far = recall["arms"][control]["far_accuracy"]
+        assert recall[f"far_vs_{control}"] == (recall["arms"]["nsa"]["far_accuracy"] / far if far else None)
+    md = (out / "report.md").read_text()
+    assert "Recall probe" in md and "| 1-2w |" in md

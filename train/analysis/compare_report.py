@@ -114,8 +114,9 @@ def _gap_pct(nsa: float | None, control: float | None) -> float | None:
     return 100.0 * (nsa - control) / control if nsa is not None and control else None
 
 
-def build_report(out: Path, out_dirs: dict[str, Path], scores: dict[str, dict]) -> dict:
-    """out_dirs, scores: per arm run (nsa and one or both controls), in ARMS order."""
+def build_report(out: Path, out_dirs: dict[str, Path], scores: dict[str, dict], recall: dict[str, dict] | None = None) -> dict:
+    """out_dirs, scores: per arm run (nsa and one or both controls), in ARMS order. recall: per arm, the recall
+    probe's result (train/evaluation/recall.py) when the data is a recall corpus."""
     arms = {arm: arm_summary(path, scores[arm]) for arm, path in out_dirs.items()}
     nsa_cfg = (yaml.safe_load((out_dirs["nsa"] / CONFIG_YAML).read_text(encoding="utf-8")) or {})
     nsa_eval = arms["nsa"]["eval"]
@@ -136,8 +137,23 @@ def build_report(out: Path, out_dirs: dict[str, Path], scores: dict[str, dict]) 
                 "over_time": nsa_over_time(out_dirs["nsa"])},
         **gaps,
         "verdict": verdict({c: gaps[keys[0]] for c, keys in GAP_KEYS.items() if c in arms}, nsa_eval["max_tokens"]),
+        **({"recall": recall_summary(recall)} if recall else {}),
         "notes": notes,
     }
+
+
+RECALL_FIELDS = ("near_accuracy", "far_accuracy", "far_stderr", "far_answer_loss", "far_items", "chance", "buckets", "file")
+
+
+def recall_summary(recall: dict[str, dict]) -> dict:
+    """Per arm the probe's scores, and NSA's far accuracy as a share of each control's (None when a control's
+    is 0)."""
+    out = {"arms": {arm: {k: result.get(k) for k in RECALL_FIELDS} for arm, result in recall.items()}}
+    nsa_far = recall["nsa"]["far_accuracy"]
+    for control in GAP_KEYS:
+        far = recall.get(control, {}).get("far_accuracy")
+        out[f"far_vs_{control}"] = nsa_far / far if far else None
+    return out
 
 
 def _fmt(value, spec: str = ",") -> str:
@@ -186,8 +202,26 @@ def markdown(report: dict) -> str:
         recall = over[-1].get(layer_key("sel_recall"))
         if recall:
             lines += ["", f"sel_recall by layer at step {over[-1]['step']}: " + " ".join(f"{v:.3f}" for v in recall)]
+    if "recall" in report:
+        lines += recall_markdown(report["recall"])
     lines += [f"- {note}" for note in report["notes"]]
     return "\n".join(lines) + "\n"
+
+
+def recall_markdown(recall: dict) -> list[str]:
+    arms = recall["arms"]
+    names = list(arms)
+    buckets = list(next(iter(arms.values()))["buckets"])
+    lines = ["", f"Recall probe (accuracy of the answer, chance {next(iter(arms.values()))['chance']:.3f}; `<1w` lies "
+             "inside the window):", "", "| distance | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for b in buckets:
+        lines.append(f"| {b} | " + " | ".join(_fmt(arms[arm]["buckets"][b]["accuracy"], ".3f") for arm in names) + " |")
+    lines.append("| far (all beyond the window) | " + " | ".join(
+        f"{_fmt(arms[arm]['far_accuracy'], '.3f')} ± {_fmt(arms[arm]['far_stderr'], '.3f')}" for arm in names) + " |")
+    shares = [f"{c} {recall[f'far_vs_{c}']:.1%}" for c in GAP_KEYS if recall.get(f"far_vs_{c}") is not None]
+    if shares:
+        lines += ["", "NSA's far accuracy as a share of: " + ", ".join(shares)]
+    return lines
 
 
 def plot(report: dict, path: Path) -> bool:

@@ -10,6 +10,7 @@ Chance: 1 / len(VALUES) (every value equally likely, independent of the rest of 
 """
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 
@@ -34,8 +35,11 @@ class _Tally:
         self.nll += float(nll.sum())
 
     def row(self) -> dict:
-        return {"items": self.items, "accuracy": self.hits / self.items if self.items else None,
-                "answer_loss": self.nll / self.items if self.items else None}
+        if not self.items:
+            return {"items": 0, "accuracy": None, "stderr": None, "answer_loss": None}
+        p = self.hits / self.items
+        return {"items": self.items, "accuracy": p, "stderr": math.sqrt(p * (1 - p) / self.items),
+                "answer_loss": self.nll / self.items}
 
 
 @torch.inference_mode()
@@ -68,7 +72,7 @@ def score_recall(model: torch.nn.Module, tokenizer, spec: RecallSpec, *, documen
     return {"window": spec.window, "documents": documents, "seed": seed, "chance": 1 / len(VALUES),
             "buckets": {name: tally.row() for name, tally in tallies.items()},
             "near_accuracy": tallies[names[0]].row()["accuracy"], "far_accuracy": far.row()["accuracy"],
-            "far_answer_loss": far.row()["answer_loss"], "far_items": far.items}
+            "far_stderr": far.row()["stderr"], "far_answer_loss": far.row()["answer_loss"], "far_items": far.items}
 
 
 def _answers(logp: torch.Tensor, x: torch.Tensor, start: np.ndarray, length: np.ndarray):
@@ -105,8 +109,10 @@ def recall_spec_of(data_source: str) -> RecallSpec | None:
 
 def probe_checkpoint(checkpoint, *, spec: RecallSpec | None = None, documents: int = 64, seed: int = PROBE_SEED,
                      device: str = "auto") -> dict:
-    """Score a checkpoint (file or run directory) on the recall probe; write recall_step<N>.json beside it.
+    """Score a checkpoint (file or run directory) on the recall probe; write recall_step<N>.json beside it
+    (an earlier file of the same step, documents and seed is returned instead of scoring again).
     spec None: the run's own corpus's (its data.source must be a recall corpus)."""
+    import json
     import time
     from pathlib import Path
 
@@ -120,6 +126,15 @@ def probe_checkpoint(checkpoint, *, spec: RecallSpec | None = None, documents: i
         raise UserError(f"--documents must be >= 1, got {documents}")
     path = resolve_checkpoint(Path(checkpoint)).resolve()
     step = load_checkpoint(path)["step"]
+    done = path.parent / f"recall_step{step}.json"
+    if done.exists():
+        try:
+            prior = json.loads(done.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            prior = {}
+        if (prior.get("checkpoint"), prior.get("documents"), prior.get("seed")) == (str(path), documents, seed) \
+                and (spec is None or prior.get("spec") == spec.to_dict()):
+            return prior
     dev = pick_device(device)
     model, cfg = model_from_checkpoint(path, str(dev))
     if spec is None:

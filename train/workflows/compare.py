@@ -20,6 +20,7 @@ from train.core.config import dump_config, load_config
 from train.core.env import one_gpu_environment
 from train.core.errors import ConfigError, UserError
 from train.evaluation.evaluate import EvalRequest, default_name, evaluate
+from train.evaluation.recall import probe_checkpoint, recall_spec_of
 
 # nsa: the config itself; its controls (the report's GAP_KEYS): dense (model.attention: dense, no nsa section)
 # and window (nsa.gates: window: the same layer with its gates pinned to the sliding-window branch)
@@ -257,5 +258,9 @@ def compare_twins(config: Path, overrides: list[str], out: Path, *, side_by_side
     train_arms(paths, out, out_dirs, to_train, at_once=min(gpus, len(to_train)) or 1)
     data_spec = docs["nsa"]["data"]["source"]
     scores = {arm: evaluate_arm(out_dirs[arm], data_spec, eval_max_tokens) for arm in arms}
-    report = build_report(out, out_dirs, scores)
+    recall = None
+    if recall_spec_of(data_spec) is not None:  # a recall corpus: every arm takes the probe
+        print("compare: probing every arm with the recall task (train.recall score)", flush=True)
+        recall = {arm: probe_checkpoint(out_dirs[arm]) for arm in arms}
+    report = build_report(out, out_dirs, scores, recall)
     return report, write_report(out, report)
