@@ -21,11 +21,19 @@ train/evaluation/recall.py; the corpus is written by `python -m train.recall mak
 """
 from __future__ import annotations
 
+import json
 import math
+import os
 import random
+import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
+
+from train.core.errors import DataError
+from train.data.meta import dtype_for_vocab
+from train.data.preparation import EncodedDocuments, _SplitWriter, build_meta
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 KEYS = tuple(a + b for a in LETTERS for b in LETTERS)  # 676
@@ -147,15 +155,6 @@ def probe_document(rng: random.Random, spec: RecallSpec, encoder: RecallEncoder)
 def write_corpus(out, spec: RecallSpec, tokenizer, *, train_tokens: int, val_tokens: int, seed: int = 0) -> dict:
     """A prepared directory (train.bin, val.bin, meta.json; docs/DATA.md) of recall documents, each followed by
     EOS like prepare's; the splits come from different seeds. Returns meta. `out` must not hold a meta.json."""
-    import json
-    import os
-    import time
-    from pathlib import Path
-
-    from train.core.errors import DataError
-    from train.data.meta import dtype_for_vocab
-    from train.data.preparation import EncodedDocuments, _SplitWriter, build_meta
-
     spec.validate()
     out = Path(out)
     if (out / "meta.json").exists():

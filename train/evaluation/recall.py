@@ -10,15 +10,35 @@ Chance: 1 / len(VALUES) (every value equally likely, independent of the rest of 
 """
 from __future__ import annotations
 
+import json
 import math
 import random
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from train.data.recall import VALUES, RecallEncoder, RecallSpec, bucket_name, probe_document
+from train.checkpoint.io import (
+    load_checkpoint,
+    model_from_checkpoint,
+    resolve_checkpoint,
+)
+from train.core.errors import DataError, UserError
+from train.data.meta import read_meta
+from train.data.recall import (
+    META_KEY,
+    VALUES,
+    RecallEncoder,
+    RecallSpec,
+    bucket_name,
+    probe_document,
+)
+from train.data.tokenizers import load_tokenizer
+from train.evaluation.evaluate import pick_device
+from train.observe.telemetry import write_json_atomic
 
 PROBE_SEED = 1_000_003  # probe documents come from their own seed, never the corpus's
 
@@ -91,12 +111,6 @@ def _answers(logp: torch.Tensor, x: torch.Tensor, start: np.ndarray, length: np.
 
 def recall_spec_of(data_source: str) -> RecallSpec | None:
     """The RecallSpec of a run's data source when it is a recall corpus (bin:DIR whose meta.json names one)."""
-    from pathlib import Path
-
-    from train.core.errors import DataError
-    from train.data.meta import read_meta
-    from train.data.recall import META_KEY
-
     kind, _, arg = data_source.partition(":")
     if kind != "bin":
         return None
@@ -112,16 +126,6 @@ def probe_checkpoint(checkpoint, *, spec: RecallSpec | None = None, documents: i
     """Score a checkpoint (file or run directory) on the recall probe; write recall_step<N>.json beside it
     (an earlier file of the same step, documents and seed is returned instead of scoring again).
     spec None: the run's own corpus's (its data.source must be a recall corpus)."""
-    import json
-    import time
-    from pathlib import Path
-
-    from train.checkpoint.io import load_checkpoint, model_from_checkpoint, resolve_checkpoint
-    from train.core.errors import UserError
-    from train.data.tokenizers import load_tokenizer
-    from train.evaluation.evaluate import pick_device
-    from train.observe.telemetry import write_json_atomic
-
     if documents < 1:
         raise UserError(f"--documents must be >= 1, got {documents}")
     path = resolve_checkpoint(Path(checkpoint)).resolve()
