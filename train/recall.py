@@ -1,7 +1,7 @@
 """The recall task (train/data/recall.py): make its corpus, probe a checkpoint with it.
 
     python -m train.recall make --out DIR --window W --seq_len T [--max_windows 8] [--tokenizer byte]
-        [--train_tokens 20000000] [--val_tokens 500000] [--seed 0]
+        [--train_tokens 20000000] [--val_tokens 500000] [--seed 0] [--loss_on all|answers]
     python -m train.recall score CKPT_OR_RUN_DIR [--documents 64] [--seed S] [--device auto|cpu|cuda]
         [--window W --doc_tokens N]   (a checkpoint trained on other data)
 
@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from train.core.errors import UserError
-from train.data.recall import RecallSpec, write_corpus
+from train.data.recall import LOSS_ON, RecallSpec, write_corpus
 from train.data.tokenizers import load_tokenizer
 from train.evaluation.recall import PROBE_SEED, probe_checkpoint
 
@@ -35,6 +35,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     make.add_argument("--train_tokens", type=int, default=20_000_000)
     make.add_argument("--val_tokens", type=int, default=500_000)
     make.add_argument("--seed", type=int, default=0)
+    make.add_argument("--loss_on", default="all", choices=LOSS_ON,
+                      help="answers: write loss masks so that training targets only the answers' tokens")
     score = sub.add_parser("score", help="probe a checkpoint")
     score.add_argument("checkpoint", type=Path)
     score.add_argument("--documents", type=int, default=64)
@@ -63,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise UserError("--train_tokens and --val_tokens must be >= 1")
             spec = spec_of(args.window, args.seq_len - 1, args.max_windows)  # + the EOS before each document
             meta = write_corpus(args.out, spec, load_tokenizer(args.tokenizer), train_tokens=args.train_tokens,
-                                val_tokens=args.val_tokens, seed=args.seed)
+                                val_tokens=args.val_tokens, seed=args.seed, loss_on=args.loss_on)
             s = meta["splits"]
             print(f"ok {args.out}: train {s['train']['tokens']:,} tokens / {s['train']['documents']:,} docs, val "
                   f"{s['val']['tokens']:,} tokens / {s['val']['documents']:,} docs, buckets "

@@ -122,3 +122,46 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     assert recall_main(["make", "--out", str(tmp_path / "x"), "--window", "0", "--seq_len", "32"]) == 2
     assert not (tmp_path / "x").exists()
     assert not list(out.glob("recall_*.json"))
+
+
+def test_answers_only_loss_mask_reaches_the_batches(tmp_path, capsys):
+    """--loss_on answers: each split's mask marks exactly the answers' tokens, the sampler turns every other
+    target into IGNORE_INDEX, a run trains on it; a mask of the wrong size is refused in one line."""
+    from nsa.loss import IGNORE_INDEX
+    from train.data.memmap import MemmapStream
+    from train.trainer.runner import run_training
+
+    data = tmp_path / "recall"
+    assert recall_main(["make", "--out", str(data), "--window", "8", "--seq_len", "32", "--max_windows", "3",
+                        "--train_tokens", "20000", "--val_tokens", "2000", "--loss_on", "answers"]) == 0
+    meta = json.loads((data / "meta.json").read_text())
+    info = meta["splits"]["train"]
+    tokens = np.fromfile(data / "train.bin", dtype=np.uint16)
+    mask = np.fromfile(data / info["loss_mask"], dtype=np.uint8)
+    assert len(mask) == len(tokens) and int(mask.sum()) == info["loss_targets"] > 0
+    marked = np.flatnonzero(mask)
+    assert all(chr(tokens[i]) in VALUES and chr(tokens[i - 1]) == QUERY for i in marked)  # answers, nothing else
+    queries = np.flatnonzero(tokens == ord(QUERY))
+    assert len(queries) == len(marked)  # ... and every answer
+
+    stream = MemmapStream(data / "train.bin", dtype=np.uint16, n_tokens=len(tokens), seq_len=31, batch_size=8, seed=3,
+                          loss_mask=data / info["loss_mask"])
+    x, y = stream.rows_batch(0, np.arange(8, dtype=np.uint64))
+    kept = y != IGNORE_INDEX
+    assert kept.any() and (x[kept] == ord(QUERY)).all()  # every kept target is predicted from a query's mark ...
+    assert all(chr(v) in VALUES for v in y[kept].tolist())  # ... and is its answer
+    assert kept.sum() == (x == ord(QUERY)).sum()  # every answer in the batch is kept
+
+    out = tmp_path / "run"
+    assert run_training(tiny_config(out, f"--data.source=bin:{data}", "--data.tokenizer=byte", "--train.steps=2")) == 0
+    np.ones(10, np.uint8).tofile(data / info["loss_mask"])  # truncated: a mask that no longer fits its tokens
+    capsys.readouterr()
+    from train.__main__ import main as train_main
+
+    run2 = tmp_path / "run2"
+    code = train_main([f"--train.out_dir={run2}", f"--data.source=bin:{data}", "--data.tokenizer=byte",
+                       "--runtime.device=cpu", "--model.dim=32", "--model.n_layers=1", "--model.n_heads=2",
+                       "--model.n_kv_heads=1", "--model.vocab_size=320", "--train.seq_len=32"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "a loss mask of 10 bytes for" in err[0]
+    assert not (run2 / "training.csv").exists()

@@ -161,13 +161,15 @@ def _bin(cfg: DataConfig, data_dir: Path, *, seq_len, batch_size, vocab_size, se
          pin) -> DataBundle:
     meta, counts = _checked_bin(cfg, data_dir, vocab_size)
     common = dict(dtype=meta.np_dtype, seq_len=seq_len, batch_size=batch_size, seed=seed, rank=rank, world_size=world_size, pin=pin)
+    masks = {split: data_dir / info.loss_mask if info.loss_mask else None for split, info in meta.splits.items()}
     train = MemmapStream(data_dir / meta.splits["train"].file, n_tokens=counts["train"], stream=TRAIN_STREAM,
-                         accumulate=accumulate, **common)
-    val = MemmapStream(data_dir / meta.splits["val"].file, n_tokens=counts["val"], stream=VAL_STREAM, **common)
+                         accumulate=accumulate, loss_mask=masks["train"], **common)
+    val = MemmapStream(data_dir / meta.splits["val"].file, n_tokens=counts["val"], stream=VAL_STREAM,
+                       loss_mask=masks["val"], **common)
     info = {"source": cfg.source, "kind": "bin", "dir": str(data_dir), "tokenizer": meta.tokenizer, "eos_id": meta.eos_id,
             "token_dtype": meta.dtype, "tokenizer_vocab": meta.vocab_size, "max_token_id": meta.max_token_id,
             "vocab_size": vocab_size, "train_tokens": counts["train"], "val_tokens": counts["val"],
-            "legacy_meta": meta.legacy, "seq_len": seq_len, **_order_info(batch_size, rank, world_size, accumulate, True)}
+            "legacy_meta": meta.legacy, "seq_len": seq_len, "loss_mask": bool(masks["train"]), **_order_info(batch_size, rank, world_size, accumulate, True)}
     return DataBundle(train, val, info, pin=pin)
 
 

@@ -7,6 +7,10 @@ split, the same global batch holds the same windows; the state is the step count
 exact, there are no sliding windows and no per-step generator set-up (np.random.default_rng
 costs ~100 us). A batch is one gather from the memmap plus two int64 conversions, so a single
 in-process sampler is faster than DataLoader workers would be (no IPC); see bench/bench_data.py.
+
+A loss mask (a prepared split's optional uint8 file, one byte per token; docs/DATA.md) marks which tokens
+are training targets: a target whose byte is 0 becomes IGNORE_INDEX (the model's loss skips it), one more
+gather per batch.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from nsa.loss import IGNORE_INDEX
 from train.core.errors import DataError
 from train.data.state import TRAIN_STREAM, GlobalBatchOrder
 
@@ -23,7 +28,8 @@ class MemmapStream(GlobalBatchOrder):
     kind = "memmap"
 
     def __init__(self, path: Path, *, dtype, n_tokens: int, seq_len: int, batch_size: int, seed: int,
-                 rank: int = 0, world_size: int = 1, accumulate: int = 1, stream: int = TRAIN_STREAM, pin: bool = False):
+                 rank: int = 0, world_size: int = 1, accumulate: int = 1, stream: int = TRAIN_STREAM, pin: bool = False,
+                 loss_mask: Path | None = None):
         self.path = Path(path)
         self.seq_len, self.pin = seq_len, pin
         self._init_order(batch_size=batch_size, rank=rank, world_size=world_size, accumulate=accumulate,
@@ -34,6 +40,13 @@ class MemmapStream(GlobalBatchOrder):
             raise DataError(f"{self.path} holds {n_tokens} tokens, fewer than one window of seq_len+1={seq_len + 1} "
                             f"tokens; use a smaller train.seq_len or prepare more data")
         self.tokens = np.memmap(self.path, dtype=dtype, mode="r", shape=(n_tokens,))
+        self.mask = None
+        if loss_mask is not None:
+            size = Path(loss_mask).stat().st_size if Path(loss_mask).is_file() else None
+            if size != n_tokens:
+                raise DataError(f"{loss_mask}: a loss mask of {size if size is not None else 'no'} bytes for {n_tokens} "
+                                f"tokens in {self.path.name} (one byte per token); prepare the directory again")
+            self.mask = np.memmap(loss_mask, dtype=np.uint8, mode="r", shape=(n_tokens,))
         self._span = np.arange(seq_len + 1)
         self._key = stream_key(seed, stream)
 
@@ -47,13 +60,17 @@ class MemmapStream(GlobalBatchOrder):
         return self.window_starts(*self.rows_at(k))
 
     def rows_batch(self, step: int, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        windows = self.tokens[self.window_starts(step, rows)[:, None] + self._span]  # one gather: [B, T+1], file dtype
+        at = self.window_starts(step, rows)[:, None] + self._span  # [B, T+1]
+        windows = self.tokens[at]  # one gather: [B, T+1], file dtype
         x = torch.from_numpy(windows[:, :-1].astype(np.int64))
-        y = torch.from_numpy(windows[:, 1:].astype(np.int64))
+        y = windows[:, 1:].astype(np.int64)
+        if self.mask is not None:
+            y[self.mask[at[:, 1:]] == 0] = IGNORE_INDEX  # [B, T]: targets the data excludes from the loss
+        y = torch.from_numpy(y)
         return (x.pin_memory(), y.pin_memory()) if self.pin else (x, y)
 
     def close(self) -> None:
-        self.tokens = None
+        self.tokens = self.mask = None
 
 
 def _u64(value: int) -> np.uint64:

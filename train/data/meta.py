@@ -33,6 +33,7 @@ class SplitInfo:
     tokens: int | None  # None for legacy directories (derived from the file size)
     sha256: str | None = None
     documents: int | None = None
+    loss_mask: str | None = None  # a uint8 file beside `file`, one byte per token: 0 = not a training target
 
 
 @dataclass
@@ -114,7 +115,8 @@ def _read_meta_json(path: Path) -> BinMeta:
         dtype = raw["dtype"]
         if dtype not in DTYPES:
             raise DataError(f"{path}: dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-        splits = {name: SplitInfo(file=s["file"], tokens=int(s["tokens"]), sha256=s.get("sha256"), documents=s.get("documents"))
+        splits = {name: SplitInfo(file=s["file"], tokens=int(s["tokens"]), sha256=s.get("sha256"), documents=s.get("documents"),
+                                  loss_mask=s.get("loss_mask"))
                   for name, s in raw["splits"].items()}
         meta = BinMeta(dtype=dtype, vocab_size=int(raw["vocab_size"]), max_token_id=raw.get("max_token_id"),
                        tokenizer=raw.get("tokenizer"), eos_id=raw.get("eos_id"), splits=splits, raw=raw)

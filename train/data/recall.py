@@ -152,9 +152,17 @@ def probe_document(rng: random.Random, spec: RecallSpec, encoder: RecallEncoder)
     return encoder.encode(document_lines(rng, max_lines(spec, encoder), spec, encoder.line_tokens))
 
 
-def write_corpus(out, spec: RecallSpec, tokenizer, *, train_tokens: int, val_tokens: int, seed: int = 0) -> dict:
+LOSS_ON = ("all", "answers")
+
+
+def write_corpus(out, spec: RecallSpec, tokenizer, *, train_tokens: int, val_tokens: int, seed: int = 0,
+                 loss_on: str = "all") -> dict:
     """A prepared directory (train.bin, val.bin, meta.json; docs/DATA.md) of recall documents, each followed by
-    EOS like prepare's; the splits come from different seeds. Returns meta. `out` must not hold a meta.json."""
+    EOS like prepare's; the splits come from different seeds. loss_on="answers" also writes each split's loss
+    mask (<split>.mask.bin: 1 on the answers' tokens only), so training sees only the recall targets.
+    Returns meta. `out` must not hold a meta.json."""
+    if loss_on not in LOSS_ON:
+        raise DataError(f"recall: loss_on must be one of {', '.join(LOSS_ON)}, got {loss_on!r}")
     spec.validate()
     out = Path(out)
     if (out / "meta.json").exists():
@@ -166,23 +174,46 @@ def write_corpus(out, spec: RecallSpec, tokenizer, *, train_tokens: int, val_tok
     splits, max_id = {}, -1
     for offset, (name, budget) in enumerate((("train", train_tokens), ("val", val_tokens))):
         rng, writer = random.Random(seed * 2 + offset), _SplitWriter(out, name, dtype)
+        mask_path = out / f"{name}.mask.bin"
+        mask_file = open(mask_path.with_suffix(".bin.partial"), "wb") if loss_on == "answers" else None
+        targets = 0
         try:
             while writer.tokens < budget:
                 docs = [corpus_document(rng, spec, encoder) for _ in range(256)]
                 tokens = np.concatenate([piece for d in docs for piece in (d.ids, [tokenizer.eos_id])])
                 writer.write(EncodedDocuments(tokens=tokens.astype(dtype), documents=len(docs),
                                               text_bytes=sum(len(tokenizer.decode(d.ids.tolist()).encode()) for d in docs)))
+                if mask_file is not None:
+                    masks = [_answer_mask(d) for d in docs]
+                    mask = np.concatenate([piece for m in masks for piece in (m, np.zeros(1, np.uint8))])
+                    mask_file.write(mask.tobytes())
+                    targets += int(mask.sum())
         except BaseException:
             writer.abort()
+            if mask_file is not None:
+                mask_file.close()
+                mask_path.with_suffix(".bin.partial").unlink(missing_ok=True)
             raise
         max_id = max(max_id, writer.max_id)
         splits[name] = writer.finish()
+        if mask_file is not None:
+            mask_file.close()
+            os.replace(mask_path.with_suffix(".bin.partial"), mask_path)
+            splits[name].update(loss_mask=mask_path.name, loss_targets=targets)
     meta = build_meta(tokenizer, dtype.name, max_id, splits, source="recall", subset=None,
                       split="train", text_field="text", text_sample_by="document", split_seed=seed,
                       val_fraction=val_tokens / max(1, train_tokens + val_tokens), max_docs=None,
                       seconds=time.perf_counter() - started)
-    meta[META_KEY] = spec.to_dict()
+    meta[META_KEY] = {**spec.to_dict(), "loss_on": loss_on}
     tmp = out / "meta.json.partial"
     tmp.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
     os.replace(tmp, out / "meta.json")
     return meta
+
+
+def _answer_mask(doc: EncodedRecall) -> np.ndarray:
+    """[n] uint8: 1 on the tokens of every answer (the loss mask of loss_on="answers")."""
+    mask = np.zeros(len(doc.ids), dtype=np.uint8)
+    for start, n in zip(doc.answer_start.tolist(), doc.answer_len.tolist()):
+        mask[start:start + n] = 1
+    return mask

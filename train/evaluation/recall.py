@@ -118,7 +118,9 @@ def recall_spec_of(data_source: str) -> RecallSpec | None:
         raw = read_meta(Path(arg)).raw
     except DataError:
         return None
-    return RecallSpec(**raw[META_KEY]) if META_KEY in raw else None
+    if META_KEY not in raw:
+        return None
+    return RecallSpec(**{k: v for k, v in raw[META_KEY].items() if k in RecallSpec.__dataclass_fields__})
 
 
 def probe_checkpoint(checkpoint, *, spec: RecallSpec | None = None, documents: int = 64, seed: int = PROBE_SEED,
