@@ -165,3 +165,31 @@ def test_answers_only_loss_mask_reaches_the_batches(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "a loss mask of 10 bytes for" in err[0]
     assert not (run2 / "training.csv").exists()
+
+
+def test_evaluate_scores_only_the_masked_targets(tmp_path, capsys):
+    """train.evaluate on a split with a loss mask scores exactly the answers: its summed loss equals the model's
+    own cross-entropy summed over those targets, computed here with explicit indices."""
+    from train.checkpoint.io import model_from_checkpoint
+    from train.evaluation.evaluate import EvalRequest, evaluate
+    from train.trainer.runner import run_training
+
+    data = tmp_path / "recall"
+    assert recall_main(["make", "--out", str(data), "--window", "8", "--seq_len", "32", "--max_windows", "3",
+                        "--train_tokens", "20000", "--val_tokens", "600", "--loss_on", "answers"]) == 0
+    out = tmp_path / "run"
+    assert run_training(tiny_config(out, f"--data.source=bin:{data}", "--data.tokenizer=byte", "--train.steps=2")) == 0
+    result = evaluate(EvalRequest(checkpoint=out, data=f"bin:{data}", split="val", device="cpu"))
+    tokens = torch.from_numpy(np.fromfile(data / "val.bin", dtype=np.uint16).astype(np.int64))
+    mask = np.fromfile(data / "val.mask.bin", dtype=np.uint8)
+    assert result["loss_mask"] is True and result["tokens"] == int(mask[1:].sum()) and result["bits_per_byte"] is None
+    model, _ = model_from_checkpoint(out, "cpu")
+    nll, n = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(tokens) - 1, 32):  # the same non-overlapping windows of seq_len 32
+            x, y = tokens[start:start + 32], tokens[start + 1:start + 33]
+            keep = torch.from_numpy(mask[start + 1:start + 1 + len(y)] == 1)
+            logp = torch.log_softmax(model(x[None, :len(y)]).double(), -1)[0]
+            nll -= logp[keep, y[keep]].sum().item()
+            n += int(keep.sum())
+    assert n == result["tokens"] and result["loss"] == pytest.approx(nll / n, rel=1e-5)

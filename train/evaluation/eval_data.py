@@ -33,6 +33,7 @@ class EvalTokens:
     text_bytes: int | None  # UTF-8 bytes of the text of `tokens`, EOS excluded; None when unknown
     bytes_from: str | None  # where text_bytes comes from: "meta.json" | "documents" | None
     note: str | None  # why text_bytes is unknown
+    mask: np.ndarray | None = None  # [N] uint8: the split's loss mask (only targets marked 1 are scored)
 
 
 def data_kind(spec: str) -> str:
@@ -61,7 +62,18 @@ def _bin_tokens(data_dir: Path, tokenizer_name: str, split: str, max_tokens: int
     tokens = np.memmap(data_dir / meta.splits[split].file, dtype=meta.np_dtype, mode="r", shape=(n,)) if n \
         else np.zeros(0, meta.np_dtype)
     split_bytes = (meta.raw.get("splits", {}).get(split) or {}).get("text_bytes")
-    if max_tokens is not None and max_tokens < n:
+    mask = None
+    if meta.splits[split].loss_mask and n:
+        path = data_dir / meta.splits[split].loss_mask
+        if not path.is_file() or path.stat().st_size != n:
+            raise DataError(f"{path}: a loss mask must hold one byte per token of {meta.splits[split].file} ({n})")
+        mask = np.memmap(path, dtype=np.uint8, mode="r", shape=(n,))
+        mask = mask[:max_tokens] if max_tokens is not None else mask
+    if mask is not None:
+        tokens = tokens[:max_tokens] if max_tokens is not None else tokens
+        split_bytes = None
+        note = f"{data_dir} split {split} has a loss mask: only its targets are scored, bits per byte do not apply"
+    elif max_tokens is not None and max_tokens < n:
         tokens, split_bytes = tokens[:max_tokens], None
         note = f"--max_tokens {max_tokens} cut the split; the text size of a prefix is not recorded"
     elif split_bytes is None:
@@ -70,7 +82,7 @@ def _bin_tokens(data_dir: Path, tokenizer_name: str, split: str, max_tokens: int
     else:
         note = None
     return EvalTokens(tokens=tokens, id_bound=meta.id_bound, text_bytes=split_bytes,
-                      bytes_from="meta.json" if split_bytes is not None else None, note=note)
+                      bytes_from="meta.json" if split_bytes is not None else None, note=note, mask=mask)
 
 
 def _document_tokens(spec: str, tokenizer_name: str, text_field: str, text_sample_by: str,

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from train.checkpoint.io import load_checkpoint, model_from_checkpoint, resolve_checkpoint
@@ -144,19 +145,20 @@ def evaluate(args: EvalRequest) -> dict:
     n_windows = count_windows(n_tokens, seq_len, stride)
     batch_size, batch_from = batch_size_for(args.batch_size, model.cfg, seq_len=seq_len, n_windows=n_windows,
                                             device=device, precision=precision)
-    print(f"evaluate: {n_tokens - 1:,} targets in {n_windows:,} windows of up to {seq_len} tokens, {batch_size} "
+    n_targets = n_tokens - 1 if data.mask is None else int(np.count_nonzero(data.mask[1:]))  # the loss mask's own
+    print(f"evaluate: {n_targets:,} targets in {n_windows:,} windows of up to {seq_len} tokens, {batch_size} "
           f"per forward ({batch_from})", file=sys.stderr, flush=True)
     started = time.perf_counter()
     score = score_stream(model, data.tokens, seq_len=seq_len, stride=stride, batch_size=batch_size, device=device,
                          autocast=lambda: autocast_context(device, precision),
-                         progress=_progress_printer(n_tokens - 1, started))
+                         progress=_progress_printer(n_targets, started), mask=data.mask)
     seconds = time.perf_counter() - started
     bpb = bits_per_byte(score.nll_sum, data.text_bytes)
     result = {
         "tool": TOOL, "checkpoint": str(checkpoint), "step": step, "data": args.data, "split": split,
         "tokenizer": cfg["data"]["tokenizer"], "seq_len": seq_len, "stride": stride, "batch_size": batch_size,
         "batch_size_from": batch_from,
-        "max_tokens": args.max_tokens, "windows": score.windows, "tokens": score.tokens, "loss": score.loss,
+        "max_tokens": args.max_tokens, "loss_mask": data.mask is not None, "windows": score.windows, "tokens": score.tokens, "loss": score.loss,
         "perplexity": math.exp(score.loss) if score.loss < 700 else math.inf,
         "bits_per_token": score.loss / math.log(2), "bytes": data.text_bytes, "bytes_from": data.bytes_from,
         "bits_per_byte": bpb, **({"note": data.note} if bpb is None else {}),

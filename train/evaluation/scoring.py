@@ -61,9 +61,10 @@ class Score:
         return self.nll_sum / self.tokens
 
 
-def window_batch(tokens: np.ndarray, windows: list[Window]) -> tuple[torch.Tensor, torch.Tensor]:
+def window_batch(tokens: np.ndarray, windows: list[Window], mask: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """-> inputs [B, T] and targets [B, T] (int64; T: the longest window), IGNORE_INDEX where nothing is
-    scored: a window's context targets and the right padding of shorter windows."""
+    scored: a window's context targets, the right padding of shorter windows, and with a loss mask [N] (uint8)
+    every target whose byte is 0."""
     starts = np.array([w.start for w in windows], dtype=np.int64)  # [B]
     lengths = np.array([w.end - w.start for w in windows], dtype=np.int64)  # [B] inputs (= targets) per window
     scored = np.array([w.scored for w in windows], dtype=np.int64)  # [B]
@@ -74,25 +75,32 @@ def window_batch(tokens: np.ndarray, windows: list[Window]) -> tuple[torch.Tenso
     pos = torch.arange(width)  # [T]
     n, first = torch.from_numpy(lengths)[:, None], torch.from_numpy(lengths - scored)[:, None]  # [B, 1]
     inputs = torch.where(pos < n, span[:, :-1], 0)  # [B, T]
-    targets = torch.where((pos >= first) & (pos < n), span[:, 1:], IGNORE_INDEX)  # [B, T]
+    scored_here = (pos >= first) & (pos < n)  # [B, T]
+    if mask is not None:
+        scored_here &= torch.from_numpy(np.asarray(mask[index[:, 1:]]) != 0)  # [B, T]: the data's own targets
+    targets = torch.where(scored_here, span[:, 1:], IGNORE_INDEX)  # [B, T]
     return inputs, targets
 
 
 @torch.inference_mode()
 def score_stream(model: torch.nn.Module, tokens: np.ndarray, *, seq_len: int, stride: int, batch_size: int,
                  device: torch.device, autocast: Callable[[], AbstractContextManager],
-                 progress: Callable[[int], None] | None = None) -> Score:
+                 progress: Callable[[int], None] | None = None, mask: np.ndarray | None = None) -> Score:
     """Sum of the model's cross-entropy over every target of `tokens` [N] (ids), each scored once.
 
     The model's own loss path (chunked over rows when model.loss_chunk > 0) takes the targets; it
     returns their mean, so each batch adds mean x count. `autocast()` makes each batch's precision
-    context (bf16 autocast on CUDA, a null context on CPU). `progress(targets scored so far)` after each batch."""
+    context (bf16 autocast on CUDA, a null context on CPU). `progress(targets scored so far)` after each batch.
+    mask [N] uint8 (a prepared split's loss mask): only targets whose byte is 1 are scored."""
     nll_sum = torch.zeros((), dtype=torch.float64, device=device)
     n_scored = n_windows = 0
     windows = plan_windows(len(tokens), seq_len, stride)
     while batch := list(itertools.islice(windows, batch_size)):
-        inputs, targets = window_batch(tokens, batch)
-        count = sum(w.scored for w in batch)
+        inputs, targets = window_batch(tokens, batch, mask)
+        count = sum(w.scored for w in batch) if mask is None else int((targets != IGNORE_INDEX).sum())
+        if count == 0:  # a masked batch with no target: nothing to add (its mean would be 0/0)
+            n_windows += len(batch)
+            continue
         with autocast():
             mean = model(inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True))
         nll_sum += mean.double() * count
