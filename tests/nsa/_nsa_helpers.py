@@ -47,6 +47,17 @@ def sorted_blocks(idx: torch.Tensor) -> torch.Tensor:
     return torch.where(s == big, -1, s)
 
 
+@torch.no_grad()
+def decode_last_with_stats(layer: NativeSparseAttention, x: torch.Tensor, rope) -> torch.Tensor:
+    """Prefill x[:, :-1] into a cache, then decode the last token with statistics on: -> its blocks [B, H_kv, 1, n]."""
+    T = x.shape[1]
+    cache = layer.new_cache()
+    layer(x[:, : T - 1], (rope[0][: T - 1], rope[1][: T - 1]), cache)
+    layer.stats_enabled = True
+    _, idx = layer(x[:, T - 1 :], (rope[0][T - 1 :], rope[1][T - 1 :]), cache, return_indices=True)
+    return idx
+
+
 def starts_of(rows: list[list[int]], eos: int = 0) -> torch.Tensor:
     """Document lengths per row -> Documents.start [B, T] through the EOS rule (EOS opens a document)."""
     from nsa.attention.documents import document_starts

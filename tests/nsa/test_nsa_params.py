@@ -10,7 +10,7 @@ from nsa.attention.gate_stats import gate_statistics
 from nsa.config import ModelConfigError, NSAConfig
 from nsa.gate_health import gate_health, set_gate_stats
 from nsa.model import Transformer
-from tests.nsa._nsa_helpers import DEVICE, make_input, make_layer, rope_for, small_cfg
+from tests.nsa._nsa_helpers import DEVICE, decode_last_with_stats, make_input, make_layer, rope_for, small_cfg
 
 
 @pytest.mark.parametrize("overrides", [{}, {"bias": True, "qk_norm": True}], ids=["plain", "bias+qk_norm"])
@@ -111,12 +111,9 @@ def test_gate_stats_recorded_by_a_decode_step():
     T = 70
     layer = make_layer(seed=4)
     x, rope = make_input(1, T), rope_for(T)
+    idx = decode_last_with_stats(layer, x, rope)
+    step = layer.last_stats
     with torch.no_grad():
-        cache = layer.new_cache()
-        layer(x[:, : T - 1], (rope[0][: T - 1], rope[1][: T - 1]), cache)
-        layer.stats_enabled = True
-        _, idx = layer(x[:, T - 1 :], (rope[0][T - 1 :], rope[1][T - 1 :]), cache, return_indices=True)
-        step = layer.last_stats
         expected = gate_statistics(layer.gates(x[:, T - 1 :]))
     for key, value in expected.items():
         torch.testing.assert_close(step[key], value, msg=key)

@@ -19,7 +19,7 @@ from nsa.attention.selection_health import (
 )
 from nsa.gate_health import gate_health, selection_health, set_gate_stats
 from nsa.model import Transformer
-from tests.nsa._nsa_helpers import DEVICE, L_SEL, N_SEL, W, make_input, make_layer, rope_for, small_cfg, starts_of
+from tests.nsa._nsa_helpers import DEVICE, L_SEL, decode_last_with_stats, N_SEL, W, make_input, make_layer, rope_for, small_cfg, starts_of
 
 
 def brute_recall(q, k, block_idx, q_pos, k_base, l_sel: int) -> torch.Tensor:
@@ -119,11 +119,8 @@ def test_a_decode_step_keeps_its_query_and_the_cached_keys():
     T = 70
     layer = make_layer(seed=4)
     x, rope = make_input(1, T), rope_for(T)
+    idx = decode_last_with_stats(layer, x, rope)
     with torch.no_grad():
-        cache = layer.new_cache()
-        layer(x[:, : T - 1], (rope[0][: T - 1], rope[1][: T - 1]), cache)
-        layer.stats_enabled = True
-        _, idx = layer(x[:, T - 1:], (rope[0][T - 1:], rope[1][T - 1:]), cache, return_indices=True)
         q, branches = layer.project(x, rope)
     last = torch.tensor([T - 1], device=DEVICE)
     expected = brute_recall(q[0][:, last], branches["sel"][0][0], idx[0], last, torch.zeros_like(last), L_SEL)

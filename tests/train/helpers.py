@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import csv
 import json
+import sys
+import types
 from pathlib import Path
 
 from train.core.config import RunConfig, load_config
@@ -18,6 +20,16 @@ def tiny_config(out_dir: Path, *extra: str) -> RunConfig:
         "--runtime.device=cpu", "--runtime.threads=1", *extra,
     ]
     return load_config(None, args)
+
+
+def fake_wandb(monkeypatch) -> list[tuple[int | None, dict]]:
+    """Install a stand-in `wandb` module for the test; returns the list its run's log() appends (step, values) to."""
+    logged: list = []
+    wandb = types.ModuleType("wandb")
+    wandb.init = lambda **kw: types.SimpleNamespace(log=lambda values, step=None: logged.append((step, values)),
+                                                   finish=lambda: None)
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    return logged
 
 
 def read_csv(path: Path) -> list[dict]:

@@ -3,9 +3,7 @@ training clock (train/trainer/clock.py) and the trainer's own NSA gate alerts (t
 from __future__ import annotations
 
 import math
-import sys
 import time
-import types
 
 import pytest
 import torch
@@ -17,7 +15,7 @@ from train.trainer.hooks import Hook, Hooks
 from train.observe.sinks import ConsoleSink, CsvSink, HeartbeatSink, Recorder, scalars
 from train.core.artifacts import TRAIN_FIELDS, read_csv, read_heartbeat
 
-from .helpers import read_jsonl, tiny_config
+from .helpers import fake_wandb, read_jsonl, tiny_config
 
 NSA = ["--model.attention=nsa", "--nsa.l=8", "--nsa.d=4", "--nsa.l_sel=8", "--nsa.n_sel=3", "--nsa.w=8"]
 
@@ -204,11 +202,7 @@ def test_the_entropy_alert_keeps_its_fraction_of_the_gate_inits_starting_entropy
 
 def test_an_nsa_run_alerts_console_heartbeat_tensorboard_and_wandb(tmp_path, monkeypatch, capsys):
     """gate_entropy_alert above ln 2 forces a low-entropy alert at the first log interval, once."""
-    logged = []
-    wandb = types.ModuleType("wandb")
-    wandb.init = lambda **kw: types.SimpleNamespace(log=lambda values, step=None: logged.append((step, values)),
-                                                   finish=lambda: None)
-    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    logged = fake_wandb(monkeypatch)
     out = tmp_path / "run"
     cfg = tiny_config(out, *NSA, "--train.steps=4", "--runtime.gate_entropy_alert=1.0", "--nsa.gate_init=equal",
                       "--runtime.wandb=true")

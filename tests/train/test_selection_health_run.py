@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 import time
-import types
 
 import pytest
 
@@ -15,17 +13,13 @@ import nsa.gate_health
 from train.core.artifacts import SELECTION_HEALTH, layer_key, read_csv, read_heartbeat
 from train.observe.sinks import scalars
 
-from .helpers import tiny_config
+from .helpers import fake_wandb, tiny_config
 
 NSA = ["--model.attention=nsa", "--nsa.l=8", "--nsa.d=4", "--nsa.l_sel=8", "--nsa.n_sel=3", "--nsa.w=8"]
 
 
 def test_an_nsa_run_logs_selection_health_per_layer(tmp_path, monkeypatch):
-    logged = []
-    wandb = types.ModuleType("wandb")
-    wandb.init = lambda **kw: types.SimpleNamespace(log=lambda values, step=None: logged.append((step, values)),
-                                                   finish=lambda: None)
-    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    logged = fake_wandb(monkeypatch)
     out = tmp_path / "run"
     cfg = tiny_config(out, *NSA, "--train.steps=4", "--runtime.wandb=true")  # 2 layers, seq 32: 4 blocks of 8, n = 3
     from train.trainer.runner import run_training

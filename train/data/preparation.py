@@ -50,7 +50,7 @@ def encode_documents(tokenizer, texts: list[str]) -> EncodedDocuments:
                             blank_documents=sum(1 for t in texts if not t or t.isspace()))
 
 
-class _SplitWriter:
+class SplitWriter:
     """Appends token arrays to NAME.bin.partial, tracking count, documents, text bytes, max id and sha256."""
 
     def __init__(self, out: Path, name: str, dtype):
@@ -71,7 +71,7 @@ class _SplitWriter:
         self.tokens += len(part.tokens)
         self.max_id = max(self.max_id, int(part.tokens.max()))
 
-    def move_tail(self, other: "_SplitWriter", n_tokens: int, text_bytes_of=None) -> None:
+    def move_tail(self, other: "SplitWriter", n_tokens: int, text_bytes_of=None) -> None:
         """Move this split's last n_tokens to `other` (one document: its contiguous tail becomes held out);
         text_bytes_of(tokens) -> the UTF-8 bytes they decode to, so bits per byte stay known for both splits."""
         self.file.flush()
@@ -280,7 +280,7 @@ def prepare(source: str, tokenizer_name: str, out: Path, *, val_fraction: float 
                              max_docs=max_docs)
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    writers = {name: _SplitWriter(out, name, np.dtype(dtype_name)) for name in ("train", "val")}
+    writers = {name: SplitWriter(out, name, np.dtype(dtype_name)) for name in ("train", "val")}
     progress, started = _Progress(), time.monotonic()
     try:
         results = _ordered_map(_tokenize_chunk, chunks, workers, (tokenizer.name, split_seed, val_fraction))

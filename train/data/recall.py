@@ -33,7 +33,7 @@ import numpy as np
 
 from train.core.errors import DataError
 from train.data.meta import dtype_for_vocab
-from train.data.preparation import EncodedDocuments, _SplitWriter, build_meta
+from train.data.preparation import EncodedDocuments, SplitWriter, build_meta
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 KEYS = tuple(a + b for a in LETTERS for b in LETTERS)  # 676
@@ -173,9 +173,10 @@ def write_corpus(out, spec: RecallSpec, tokenizer, *, train_tokens: int, val_tok
     out.mkdir(parents=True, exist_ok=True)
     splits, max_id = {}, -1
     for offset, (name, budget) in enumerate((("train", train_tokens), ("val", val_tokens))):
-        rng, writer = random.Random(seed * 2 + offset), _SplitWriter(out, name, dtype)
+        rng, writer = random.Random(seed * 2 + offset), SplitWriter(out, name, dtype)
         mask_path = out / f"{name}.mask.bin"
-        mask_file = open(mask_path.with_suffix(".bin.partial"), "wb") if loss_on == "answers" else None
+        mask_partial = mask_path.with_suffix(".bin.partial")
+        mask_file = open(mask_partial, "wb") if loss_on == "answers" else None
         targets = 0
         try:
             while writer.tokens < budget:
@@ -192,13 +193,13 @@ def write_corpus(out, spec: RecallSpec, tokenizer, *, train_tokens: int, val_tok
             writer.abort()
             if mask_file is not None:
                 mask_file.close()
-                mask_path.with_suffix(".bin.partial").unlink(missing_ok=True)
+                mask_partial.unlink(missing_ok=True)
             raise
         max_id = max(max_id, writer.max_id)
         splits[name] = writer.finish()
         if mask_file is not None:
             mask_file.close()
-            os.replace(mask_path.with_suffix(".bin.partial"), mask_path)
+            os.replace(mask_partial, mask_path)
             splits[name].update(loss_mask=mask_path.name, loss_targets=targets)
     meta = build_meta(tokenizer, dtype.name, max_id, splits, source="recall", subset=None,
                       split="train", text_field="text", text_sample_by="document", split_seed=seed,

@@ -22,7 +22,7 @@ from train.data.preparation import (
     EncodedDocuments,
     _chunks,
     _init_worker,
-    _SplitWriter,
+    SplitWriter,
     _tokenize_chunk,
     build_meta,
     hold_out_tail,
@@ -80,7 +80,7 @@ def _tokenize_shard(job: dict) -> dict:
                         text_sample_by=p["text_sample_by"])
     documents = iter_documents(ds, ReaderPlan(tuple(range(lo, hi)), 1, 0), p["text_field"],
                                keep=lambda text: True, once=True)
-    writers = {s: _SplitWriter(shards, f"shard_{i}.{s}", np.dtype(p["dtype"])) for s in SPLIT_NAMES}
+    writers = {s: SplitWriter(shards, f"shard_{i}.{s}", np.dtype(p["dtype"])) for s in SPLIT_NAMES}
     for chunk in _chunks(documents, None):
         for split, part in _tokenize_chunk(chunk).items():
             writers[split].write(part)
@@ -107,7 +107,7 @@ def _join(out: Path, shards: Path, records: list[dict], dtype_name: str,
     """Concatenate the shard files in order into out/{train,val}.bin (prepare's writer: sha256, counts; a single
     document's tail held out as prepare holds it). -> (splits, max id, prepare's note on the tail or None)."""
     dtype = np.dtype(dtype_name)
-    writers = {s: _SplitWriter(out, s, dtype) for s in SPLIT_NAMES}
+    writers = {s: SplitWriter(out, s, dtype) for s in SPLIT_NAMES}
     for record in records:
         i = record["shard"]
         for split in SPLIT_NAMES:

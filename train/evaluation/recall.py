@@ -85,10 +85,7 @@ def score_recall(model: torch.nn.Module, tokenizer, spec: RecallSpec, *, documen
             which = np.searchsorted(edges, doc.distance, side="right")  # bucket index of each item
             for b in np.unique(which):
                 tallies[names[b]].add(hits[which == b], nll[which == b])
-    far = _Tally()
-    for name in names[1:]:
-        far.hits, far.items, far.nll = far.hits + tallies[name].hits, far.items + tallies[name].items, \
-            far.nll + tallies[name].nll
+    far = _Tally(*(sum(getattr(tallies[name], f) for name in names[1:]) for f in ("hits", "items", "nll")))
     return {"window": spec.window, "documents": documents, "seed": seed, "chance": 1 / len(VALUES),
             "buckets": {name: tally.row() for name, tally in tallies.items()},
             "near_accuracy": tallies[names[0]].row()["accuracy"], "far_accuracy": far.row()["accuracy"],
