@@ -3,6 +3,7 @@ token budget.
 
     python -m train.compare CONFIG.yaml [--section.key=value ...] --out DIR [--arms nsa,dense,window]
         [--side_by_side] [--dense_from EARLIER_DIR] [--reuse_from EARLIER_DIR ...] [--eval_max_tokens N]
+        [--tasks hellaswag,arc_easy,... [--tasks_limit N]]
     make compare CONFIG=configs/m7c_125m_80g.yaml OUT=artifacts/twin_m7c COMPARE_ARGS="--data.source=bin:data/DIR"
 
 Three arms, each the same config but for its attention: nsa (the config, nsa.gates: learned), dense (its twin:
@@ -13,6 +14,7 @@ with its gates pinned to the sliding-window branch; the YAML keeps only the nsa 
   nsa/, dense/, window/                ordinary out_dirs: resume, .HALT, the monitor and the handoff work as for any run
   logs/<arm>.log                       each arm's console output, appended by every launch
   report.json, report.md, report.png   train/analysis/compare_report.py: curves, whole-split scores, both gaps, verdict
+                                       (and, with --tasks, every arm's task scores: tasks_<name>.json in its out_dir)
 The arms train one after the other (each on one process: CPU, or the first visible GPU), or with
 --side_by_side one per GPU at the same time (as many at once as GPUs are visible). Then train.evaluate scores
 each on the whole validation split of the prepared directory (a bin: source: the split the trainer never
@@ -52,6 +54,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         "whose config is this one's key by key, train the others here")
     p.add_argument("--eval_max_tokens", type=int, default=None,
                    help="score only the first N tokens of the validation split (default: all of it)")
+    p.add_argument("--tasks", default=None,
+                   help="downstream tasks every arm is scored on after training (train.tasks spelling: "
+                        "hellaswag,arc_easy,... or .jsonl paths); the report gives each with its standard error")
+    p.add_argument("--tasks_limit", type=int, default=None,
+                   help="docs per task: the same seeded subset for every arm (default: all)")
     args, rest = p.parse_known_args(argv)
     strays = [a for a in rest if not (a.startswith("--") and "." in a.split("=", 1)[0])]
     if strays:
@@ -64,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         report, files = compare_twins(args.config, overrides, args.out, side_by_side=args.side_by_side,
                                       dense_from=args.dense_from, reuse_from=args.reuse_from,
-                                      eval_max_tokens=args.eval_max_tokens, arms=select_arms(args.arms))
+                                      eval_max_tokens=args.eval_max_tokens, arms=select_arms(args.arms),
+                                      tasks=args.tasks, tasks_limit=args.tasks_limit)
     except (UserError, ArmFailed) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code

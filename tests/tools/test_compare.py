@@ -209,6 +209,8 @@ def test_reused_arms_and_handoff_carries_the_report(compared, tmp_path):
     ("configs/nsa_twin_kjv.yaml", ["--arms", "nsa"], "names no control arm (dense, window)"),
     ("configs/nsa_twin_kjv.yaml", ["--arms", "window", "--dense_from", "x"], "--dense_from reuses the dense arm"),
     ("configs/nsa_twin_kjv.yaml", ["--nsa.gates=window"], "derives the window-only control from it"),
+    ("configs/nsa_twin_kjv.yaml", ["--tasks", "no_such_task"], "no_such_task"),
+    ("configs/nsa_twin_kjv.yaml", ["--tasks_limit", "5"], "--tasks_limit 5: a positive number of docs per task, with --tasks"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, config, args, message):
     code, err = compare_in_process("--out", str(tmp_path / "c"), *args, config=config)
@@ -216,17 +218,47 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, config, args, message):
     assert not (tmp_path / "c").exists()
 
 
+def _task_file(path):
+    """Four two-choice items in the OLMES requests format (one line per doc and choice)."""
+    lines = []
+    for doc_id, (context, choices, gold) in enumerate([("The sky is", [" blue.", " loud."], 0),
+                                                       ("Water is", [" dry.", " wet."], 1),
+                                                       ("Fire is", [" hot.", " cold."], 0),
+                                                       ("Snow is", [" black.", " white."], 1)]):
+        for idx, choice in enumerate(choices):
+            lines.append(json.dumps({"request_type": "loglikelihood", "doc_id": doc_id, "idx": idx, "label": gold,
+                                     "doc": {"choices": choices, "gold": gold},
+                                     "request": {"context": context, "continuation": choice}}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 def test_on_a_recall_corpus_every_arm_takes_the_probe(tmp_path):
     """Data made by python -m train.recall make: the report carries each arm's recall per distance bucket, read
-    back from the recall_step<N>.json beside each arm's checkpoint, and NSA's far accuracy as a share of each control's."""
+    back from the recall_step<N>.json beside each arm's checkpoint, and NSA's far accuracy as a share of each control's.
+    With --tasks every arm is scored on the task too: the report's scores are those of each arm's tasks_*.json."""
     from train.recall import main as recall_main
 
     data = tmp_path / "recall"
     assert recall_main(["make", "--out", str(data), "--window", "32", "--seq_len", "64", "--max_windows", "2",
                         "--train_tokens", "20000", "--val_tokens", "3000"]) == 0
     out = tmp_path / "twin"
-    compare("--out", str(out), f"--data.source=bin:{data}", *TINY)
+    task = _task_file(tmp_path / "facts.jsonl")
+    compare("--out", str(out), f"--data.source=bin:{data}", *TINY, "--tasks", str(task), "--tasks_limit", "3")
     report = json.loads((out / "report.json").read_text())
+    tasks = report["tasks"]
+    assert list(tasks["arms"]) == ["nsa", "dense", "window"] and tasks["limit"] == 3
+    for arm, scores in tasks["arms"].items():
+        (written,) = (out / arm).glob("tasks_*.json")
+        metrics = json.loads(written.read_text())["tasks"][str(task)]
+        assert metrics["items"] == 3 and scores[str(task)]["items"] == 3 and scores[str(task)]["primary"] == metrics["primary"]
+        assert scores[str(task)]["primary_stderr"] == metrics["primary_stderr"]
+    for control in ("dense", "window"):
+        d = tasks["differences"][str(task)][control]
+        nsa, other = tasks["arms"]["nsa"][str(task)], tasks["arms"][control][str(task)]
+        assert d["difference"] == nsa["primary"] - other["primary"]
+        assert d["significant"] == (abs(d["difference"]) > 2 * (nsa["primary_stderr"] ** 2 + other["primary_stderr"] ** 2) ** 0.5)
+    assert "Downstream tasks" in (out / "report.md").read_text()
     recall = report["recall"]
     assert list(recall["arms"]) == ["nsa", "dense", "window"]
     for arm, summary in recall["arms"].items():

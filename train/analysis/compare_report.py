@@ -114,9 +114,11 @@ def _gap_pct(nsa: float | None, control: float | None) -> float | None:
     return 100.0 * (nsa - control) / control if nsa is not None and control else None
 
 
-def build_report(out: Path, out_dirs: dict[str, Path], scores: dict[str, dict], recall: dict[str, dict] | None = None) -> dict:
+def build_report(out: Path, out_dirs: dict[str, Path], scores: dict[str, dict], recall: dict[str, dict] | None = None,
+                 tasks: dict[str, dict] | None = None) -> dict:
     """out_dirs, scores: per arm run (nsa and one or both controls), in ARMS order. recall: per arm, the recall
-    probe's result (train/evaluation/recall.py) when the data is a recall corpus."""
+    probe's result (train/evaluation/recall.py) when the data is a recall corpus. tasks: per arm, train.tasks'
+    result (train/evaluation/tasks_checkpoint.py) when the comparison names downstream tasks."""
     arms = {arm: arm_summary(path, scores[arm]) for arm, path in out_dirs.items()}
     nsa_cfg = (yaml.safe_load((out_dirs["nsa"] / CONFIG_YAML).read_text(encoding="utf-8")) or {})
     nsa_eval = arms["nsa"]["eval"]
@@ -138,6 +140,7 @@ def build_report(out: Path, out_dirs: dict[str, Path], scores: dict[str, dict], 
         **gaps,
         "verdict": verdict({c: gaps[keys[0]] for c, keys in GAP_KEYS.items() if c in arms}, nsa_eval["max_tokens"]),
         **({"recall": recall_summary(recall)} if recall else {}),
+        **({"tasks": tasks_summary(tasks)} if tasks else {}),
         "notes": notes,
     }
 
@@ -154,6 +157,32 @@ def recall_summary(recall: dict[str, dict]) -> dict:
         far = recall.get(control, {}).get("far_accuracy")
         out[f"far_vs_{control}"] = nsa_far / far if far else None
     return out
+
+
+TASK_FIELDS = ("primary_metric", "primary", "primary_stderr", "acc", "acc_stderr", "acc_norm", "acc_norm_stderr",
+               "items", "chance")
+SIGNIFICANT_Z = 2.0  # a difference counts when it exceeds this many standard errors of the difference
+
+
+def tasks_summary(tasks: dict[str, dict]) -> dict:
+    """Per arm and task the primary metric with its standard error; per task and control NSA's difference in the
+    primary metric, its standard error sqrt(se_nsa^2 + se_control^2) and whether it exceeds SIGNIFICANT_Z of
+    them (on 500 items a 0.5-point difference does not)."""
+    arms = {arm: {name: {k: m.get(k) for k in TASK_FIELDS} for name, m in result["tasks"].items()}
+            for arm, result in tasks.items()}
+    differences = {}
+    for name, nsa in arms["nsa"].items():
+        for control in GAP_KEYS:
+            other = arms.get(control, {}).get(name)
+            if other is None:
+                continue
+            diff = nsa["primary"] - other["primary"]
+            stderr = (nsa["primary_stderr"] ** 2 + other["primary_stderr"] ** 2) ** 0.5
+            differences.setdefault(name, {})[control] = {
+                "difference": diff, "stderr": stderr, "significant": bool(abs(diff) > SIGNIFICANT_Z * stderr)}
+    return {"arms": arms, "differences": differences,
+            "step": {arm: result.get("step") for arm, result in tasks.items()},
+            "limit": tasks["nsa"].get("limit")}
 
 
 def _fmt(value, spec: str = ",") -> str:
@@ -204,6 +233,8 @@ def markdown(report: dict) -> str:
             lines += ["", f"sel_recall by layer at step {over[-1]['step']}: " + " ".join(f"{v:.3f}" for v in recall)]
     if "recall" in report:
         lines += recall_markdown(report["recall"])
+    if "tasks" in report:
+        lines += tasks_markdown(report["tasks"])
     lines += [f"- {note}" for note in report["notes"]]
     return "\n".join(lines) + "\n"
 
@@ -221,6 +252,27 @@ def recall_markdown(recall: dict) -> list[str]:
     shares = [f"{c} {recall[f'far_vs_{c}']:.1%}" for c in GAP_KEYS if recall.get(f"far_vs_{c}") is not None]
     if shares:
         lines += ["", "NSA's far accuracy as a share of: " + ", ".join(shares)]
+    return lines
+
+
+def tasks_markdown(tasks: dict) -> list[str]:
+    arms = tasks["arms"]
+    names = list(arms)
+    controls = [c for c in GAP_KEYS if c in arms]
+    lines = ["", f"Downstream tasks (primary metric ± standard error; a difference counts beyond {SIGNIFICANT_Z:g} "
+             "standard errors):", "",
+             "| task | metric | chance | " + " | ".join(names) + " | " + " | ".join(f"NSA - {c}" for c in controls) + " |",
+             "|---" * (3 + len(names) + len(controls)) + "|"]
+    for name, nsa in arms["nsa"].items():
+        cells = [f"{_fmt(arms[arm][name]['primary'], '.3f')} ± {_fmt(arms[arm][name]['primary_stderr'], '.3f')}"
+                 for arm in names]
+        diffs = []
+        for control in controls:
+            d = tasks["differences"].get(name, {}).get(control)
+            diffs.append("-" if d is None else f"{d['difference']:+.3f} ± {d['stderr']:.3f}"
+                         + (" (significant)" if d["significant"] else " (within noise)"))
+        lines.append(f"| {name} | {nsa['primary_metric']} | {_fmt(nsa['chance'], '.3f')} | " + " | ".join(cells)
+                     + " | " + " | ".join(diffs) + " |")
     return lines
 
 

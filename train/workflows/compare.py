@@ -21,6 +21,10 @@ from train.core.env import one_gpu_environment
 from train.core.errors import ConfigError, UserError
 from train.evaluation.evaluate import EvalRequest, default_name, evaluate
 from train.evaluation.recall import probe_checkpoint, recall_spec_of
+from train.evaluation.tasks_checkpoint import RESULT_FILE as TASKS_FILE
+from train.evaluation.tasks_checkpoint import TasksRequest, evaluate_tasks, task_specs
+from train.evaluation.tasks_checkpoint import default_name as tasks_name
+from train.evaluation.tasks_data import load_task
 
 # nsa: the config itself; its controls (the report's GAP_KEYS): dense (model.attention: dense, no nsa section)
 # and window (nsa.gates: window: the same layer with its gates pinned to the sliding-window branch)
@@ -225,12 +229,31 @@ def evaluate_arm(out_dir: Path, data_spec: str, max_tokens: int | None) -> dict:
     return evaluate(EvalRequest(checkpoint=out_dir, data=data_spec, split=EVAL_SPLIT, max_tokens=max_tokens))
 
 
+def score_arm_tasks(out_dir: Path, specs: list[str], limit: int | None) -> dict:
+    """train.tasks on the arm's newest checkpoint (the same docs for every arm: the seeded subset of `limit`);
+    an earlier result for the same step, tasks and limit is reused."""
+    step = read_metrics(out_dir).get("step")
+    done = out_dir / TASKS_FILE.format(name=tasks_name(specs, limit, step))
+    if done.exists():
+        try:
+            prior = json.loads(done.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            prior = {}
+        if prior.get("step") == step and prior.get("limit") == limit:
+            print(f"compare: reusing {done}", flush=True)
+            return prior
+    print(f"compare: scoring {out_dir.name} on {', '.join(specs)} (train.tasks)", flush=True)
+    return evaluate_tasks(TasksRequest(checkpoint=out_dir, tasks=",".join(specs), limit=limit))
+
+
 def compare_twins(config: Path, overrides: list[str], out: Path, *, side_by_side: bool = False,
                   dense_from: Path | None = None, reuse_from: list[Path] | tuple[Path, ...] = (),
-                  eval_max_tokens: int | None = None, arms: tuple[str, ...] = ARMS) -> tuple[dict, list[Path]]:
+                  eval_max_tokens: int | None = None, arms: tuple[str, ...] = ARMS,
+                  tasks: str | None = None, tasks_limit: int | None = None) -> tuple[dict, list[Path]]:
     """Train (or resume) the arms `arms` (nsa and at least one control: select_arms), score them on the whole
     validation split, write the report. dense_from: reuse that comparison's dense arm (it must match);
     reuse_from: reuse every control arm that matches in one of these comparisons, train the others here.
+    tasks: comma-separated downstream tasks (train.tasks) every arm is scored on, tasks_limit docs each.
     Returns (report, files written). Raises UserError for bad input and ArmFailed when an arm's trainer fails."""
     gpus = 1
     if side_by_side:
@@ -246,6 +269,11 @@ def compare_twins(config: Path, overrides: list[str], out: Path, *, side_by_side
         raise UserError(f"arms {arms!r}: nsa and at least one of {', '.join(CONTROLS)} (select_arms)")
     if dense_from is not None and "dense" not in arms:
         raise UserError("--dense_from reuses the dense arm, which --arms leaves out")
+    specs = task_specs(tasks) if tasks is not None else []
+    if tasks_limit is not None and (not specs or tasks_limit < 1):
+        raise UserError(f"--tasks_limit {tasks_limit}: a positive number of docs per task, with --tasks")
+    for spec in specs:  # a task that does not exist is refused before any arm trains
+        load_task(spec)
     docs = arm_configs(config, overrides, out)
     out_dirs = {arm: out / arm for arm in arms}
     if dense_from is not None:
@@ -262,5 +290,6 @@ def compare_twins(config: Path, overrides: list[str], out: Path, *, side_by_side
     if recall_spec_of(data_spec) is not None:  # a recall corpus: every arm takes the probe
         print("compare: probing every arm with the recall task (train.recall score)", flush=True)
         recall = {arm: probe_checkpoint(out_dirs[arm]) for arm in arms}
-    report = build_report(out, out_dirs, scores, recall)
+    task_scores = {arm: score_arm_tasks(out_dirs[arm], specs, tasks_limit) for arm in arms} if specs else None
+    report = build_report(out, out_dirs, scores, recall, task_scores)
     return report, write_report(out, report)
