@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""One monitor frame for a training run: progress, ETA, loss, throughput, validation, GPUs,
+"""One monitor frame for a training run: progress, ETA, loss, throughput, validation, downstream tasks, GPUs,
 heartbeats, NSA gate and selection statistics (and selection health), checkpoints, flags and alerts. Standard library and
 this checkout only (train/core/artifacts.py names and reads every file; no torch); scripts/monitor_run.sh
 calls it in a loop.
@@ -30,8 +30,8 @@ from pathlib import Path
 
 from train.core.artifacts import (
     ANOMALY, CONFIG_YAML, CRASHED, GATE_STATS, HALT, HEARTBEAT_GLOB, RUN_INFO, SELECTION_HEALTH, SELECTION_STATS,
-    STACKDUMP_GLOB, TRAIN_CSV, VAL_CSV, checkpoint_files, heartbeat_name, nsa_layer_statistics, nsa_statistics,
-    read_csv, read_heartbeat, read_kv, read_metrics,
+    STACKDUMP_GLOB, TASKS_CSV, TRAIN_CSV, VAL_CSV, checkpoint_files, heartbeat_name, latest_task_rows,
+    nsa_layer_statistics, nsa_statistics, read_csv, read_heartbeat, read_kv, read_metrics, task_label,
 )
 from train.core.env import number, text
 from train.observe.run_status import run_status
@@ -144,6 +144,28 @@ def stack_dump_files(out: Path) -> list[Path]:
     return [path for *_, path in sorted(found)]
 
 
+def tasks_line(rows: list[dict]) -> str | None:
+    """The downstream tasks' latest scores (tasks.csv, train.eval_tasks), each with its first evaluation's:
+    'tasks       step 800: hellaswag:rc_0shot acc_per_char 0.281 ± 0.020 (0.250 at step 0) | ...'; None without rows."""
+    latest, first = latest_task_rows(rows), {}
+    for row in rows:
+        first.setdefault(row.get("task"), row)
+    if not latest:
+        return None
+    step = max(int(r["step"]) for r in latest.values())
+    parts = []
+    for task, row in latest.items():
+        text = (f"{task_label(task)} {row.get('primary_metric') or '-'} {fmt_num(to_float(row.get('primary')), 3)} ± "
+                f"{fmt_num(to_float(row.get('primary_stderr')), 3)}")
+        if int(row["step"]) != step:
+            text += f" at step {row['step']}"
+        start = first[task]
+        if start is not row:
+            text += f" ({fmt_num(to_float(start.get('primary')), 3)} at step {start['step']})"
+        parts.append(text)
+    return f"tasks       step {step}: " + " | ".join(parts)
+
+
 def build_frame(target: Path, *, window: int = 20, stale_s: float = 300.0, nvidia_smi: str | None = "nvidia-smi",
                 now: float | None = None) -> tuple[str, list[str]]:
     """-> (frame text, alerts)."""
@@ -250,6 +272,9 @@ def build_frame(target: Path, *, window: int = 20, stale_s: float = 300.0, nvidi
                      f"ppl {fmt_num(to_float(v.get('ppl')), 2)} | best {fmt_num(best)}")
     else:
         lines.append("val         -")
+    task_line = tasks_line(read_csv(out / TASKS_CSV))
+    if task_line:
+        lines.append(task_line)
 
     # GPUs
     if nvidia_smi:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Live monitor of a training run: progress and ETA, loss, tokens/s, val loss, GPU memory and
-# utilisation, heartbeat age, NSA gate health, latest checkpoint, HALT / anomaly flags and alerts.
+# Live monitor of a training run: progress and ETA, loss, tokens/s, val loss, downstream task scores
+# (train.eval_tasks), GPU memory and utilisation, heartbeat age, NSA gate health, latest checkpoint,
+# HALT / anomaly flags and alerts.
 # The analysis lives in scripts/monitor_frame.py (standard library + train/core/artifacts.py); this loop only redraws.
 #
 #   bash scripts/monitor_run.sh [--once] [--interval N] [--window N] [RUN_OR_OUT_DIR]

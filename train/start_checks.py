@@ -6,6 +6,7 @@ exactly what the launch refuses, in the launch's own words:
 - resume: the checkpoint's architecture, train.steps against its step, its tokenizer, and its global batch
   on this world size (`fit_global_batch`: the rule in docs/DISTRIBUTED.md);
 - data: the source's files, metadata, tokenizer and vocabulary (train/data/build.py's own checks).
+- tasks: every task of train.eval_tasks loaded and the tokenizer that encodes them (train/trainer/tasks_eval.py).
 
     python -m train.start_checks CONFIG [--section.key=value ...] [--world-size N]
 

@@ -77,6 +77,22 @@ def test_healthy_run(tmp_path):
     assert "selection   step 100: free_frac 0.700 | distance_mean 5.500" in text
     assert "checkpoint  checkpoint_step100.pt (2.0 KB" in text
     assert "flags       none" in text
+    assert "tasks " not in text  # a run without train.eval_tasks has no tasks line
+
+
+def test_downstream_tasks_line(tmp_path):
+    """tasks.csv (train.eval_tasks): each task's latest primary metric with its stderr and its first evaluation's;
+    a task missing from the newest evaluation says its own step."""
+    out = make_out(tmp_path)
+    rows = [(0, "hellaswag:rc_0shot", 0.25, 0.019), (0, "/data/mine.jsonl", 0.2, 0.18),
+            (50, "hellaswag:rc_0shot", 0.262, 0.0197), (50, "/data/mine.jsonl", 0.6, 0.219),
+            (100, "hellaswag:rc_0shot", 0.281, 0.0201)]
+    (out / "tasks.csv").write_text("step,tokens_seen,task,primary_metric,primary,primary_stderr\n" + "".join(
+        f"{s},{s * 100},{t},{'acc' if 'mine' in t else 'acc_per_char'},{p},{e}\n" for s, t, p, e in rows))
+    text, alerts = frame(out)
+    assert alerts == []
+    assert ("tasks       step 100: hellaswag:rc_0shot acc_per_char 0.281 ± 0.020 (0.250 at step 0) | "
+            "mine acc 0.600 ± 0.219 at step 50 (0.200 at step 0)") in text
 
 
 def test_selection_health_is_one_compact_line(tmp_path):

@@ -24,7 +24,8 @@ def documented(name: str) -> bool:
 
 def test_every_name_of_the_schema_is_documented():
     names = [v for k, v in vars(artifacts).items() if k.isupper() and isinstance(v, str)]
-    groups = [names, artifacts.TRAIN_FIELDS, artifacts.VAL_FIELDS, artifacts.HEARTBEAT_KINDS, artifacts.GATE_STATS,
+    groups = [names, artifacts.TRAIN_FIELDS, artifacts.VAL_FIELDS, artifacts.TASKS_FIELDS, artifacts.TASK_SCALARS,
+              artifacts.HEARTBEAT_KINDS, artifacts.GATE_STATS,
               artifacts.SELECTION_STATS, artifacts.SELECTION_HEALTH, [artifacts.layer_key(n) for n in artifacts.SELECTION_HEALTH],
               artifacts.METRICS_FIELDS, artifacts.CRASH_FIELDS, artifacts.STATUSES,
               artifacts.RUN_DIR_FILES]

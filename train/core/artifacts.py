@@ -14,6 +14,7 @@ from pathlib import Path
 CONFIG_YAML = "config.yaml"  # the effective config (loads again with python -m train)
 TRAIN_CSV = "training.csv"  # one row per log interval
 VAL_CSV = "val.csv"  # one row per evaluation
+TASKS_CSV = "tasks.csv"  # train.eval_tasks: one row per evaluation and task
 SUPERSEDED = ".superseded"  # suffix: CSV rows logged after the step a resume restarted from
 METRICS_JSON = "metrics.json"  # the run's status, rewritten at start, each log interval and end
 RUN_SUMMARY_GLOB = "run_*.json"  # run_YYYYMMDD_HHMMSS.json: config, hardware, per-interval metrics, summary
@@ -23,6 +24,7 @@ HEARTBEAT_GLOB = "heartbeat_rank*.jsonl"
 TB_DIR = "tb"  # TensorBoard events (rank 0)
 SAMPLES_JSONL = "samples.jsonl"  # train.sample_every: generated samples
 EVAL_JSON_GLOB = "eval_*.json"  # eval_step{N}.json (train.eval_only), eval_<name>.json (python -m train.evaluate)
+TASKS_JSON_GLOB = "tasks_*.json"  # tasks_<name>.json (python -m train.tasks, beside the checkpoint it scored)
 POSTRUN_JSON = "postrun.json"
 CHECKPOINT_NAME = "checkpoint_step{step}.pt"
 CHECKPOINT_RE = re.compile(r"^checkpoint_step(\d+)\.pt$")
@@ -38,9 +40,16 @@ TRAIN_FIELDS = ["step", "loss", "lr", "toks_per_s", "grad_norm", "dt_step_s", "d
                 "skipped_steps", "mfu", "tflops", "toks_per_s_per_gpu", "mem_alloc_mib", "mem_reserved_mib",
                 "interval_steps"]  # steps averaged in the row: < train.log_every marks a partial interval (a stop, a resume)
 VAL_FIELDS = ["step", "val_loss", "ppl"]
+# tasks.csv: the scores of one task at one evaluation (train/evaluation/tasks_metrics.py defines them); tokens_seen is
+# the run's training tokens at that step
+TASKS_FIELDS = ["step", "tokens_seen", "task", "primary_metric", "primary", "primary_stderr", "acc", "acc_stderr",
+                "acc_norm", "acc_norm_stderr", "acc_per_char", "acc_per_byte", "acc_per_token", "gold_loglik", "chance",
+                "items", "seconds"]
+TASK_SCALARS = ("primary", "acc", "acc_norm", "gold_loglik")  # TensorBoard / W&B: tasks/<task_label>/<name>
+TASK_SUFFIXES = (".jsonl.gz", ".jsonl")  # a task given as a path to a requests file
 
 # heartbeat record kinds (field "kind"); every record also has ts, time, rank, step
-HEARTBEAT_KINDS = ("start", "train", "eval", "eval_only", "checkpoint", "alert", "anomaly", "end", "watchdog",
+HEARTBEAT_KINDS = ("start", "train", "eval", "tasks", "eval_only", "checkpoint", "alert", "anomaly", "end", "watchdog",
                    "stackdump", "profile", "sdpa_audit")
 # NSA statistics a 'train' record carries (nsa/attention/gate_stats.py computes them under these names)
 GATE_STATS = ("gate_entropy_mean", "gate_entropy_min", "gate_max_mean", "gate_collapse_frac", "gate_saturated_frac",
@@ -54,7 +63,8 @@ LAYER_SUFFIX = "_layers"
 
 METRICS_FIELDS = ("status", "step", "steps", "tokens_seen", "last_loss", "last_toks_per_s", "best_val_loss",
                   "last_val_loss", "skipped_steps", "params", "params_non_embedding", "flops", "device", "world_size",
-                  "precision", "torch", "python", "git_sha", "started", "updated", "checkpoints", "data", "stop_reason")
+                  "precision", "torch", "python", "git_sha", "started", "updated", "checkpoints", "data", "stop_reason",
+                  "tasks")
 CRASH_FIELDS = ("exit_code", "crashed_at_step")  # added when a launcher records a crash (train/observe/run_status.py)
 CRASHED = "crashed"  # the trainer died without a word (a signal, the OOM killer); train/observe/run_status.py says so
 ENDED_STATUSES = ("finished", "stopped", "anomaly", CRASHED)
@@ -71,6 +81,27 @@ def checkpoint_name(step: int) -> str:
 
 def heartbeat_name(rank: int) -> str:
     return HEARTBEAT_NAME.format(rank=rank)
+
+
+def task_label(task: str) -> str:
+    """A task's name in scalar tags: hellaswag:rc_0shot as it is; a requests file by its name without the suffix
+    (runs/x/my_items.jsonl.gz -> my_items)."""
+    for suffix in TASK_SUFFIXES:
+        if task.endswith(suffix):
+            return Path(task).name.removesuffix(suffix)
+    return task
+
+
+def latest_task_rows(rows: list[dict], up_to: int | None = None) -> dict[str, dict]:
+    """tasks.csv rows (read_csv) -> task -> its row of the latest step (at most `up_to`), in the order tasks first
+    appear."""
+    latest: dict[str, dict] = {}
+    for row in rows:
+        step = int(row["step"])
+        if (up_to is None or step <= up_to) and row.get("task") and \
+                (row["task"] not in latest or step >= int(latest[row["task"]]["step"])):
+            latest[row["task"]] = row
+    return latest
 
 
 def checkpoint_files(out_dir: Path) -> list[tuple[int, Path]]:
@@ -96,7 +127,7 @@ def read_kv(path: Path) -> dict[str, str]:
 
 
 def read_csv(path: Path) -> list[dict[str, str]]:
-    """training.csv / val.csv rows (as text); rows without a numeric step (a torn last line) are skipped."""
+    """training.csv / val.csv / tasks.csv rows (as text); rows without a numeric step (a torn last line) are skipped."""
     path = Path(path)
     if not path.is_file():
         return []

@@ -47,6 +47,11 @@ class TrainConfig:
     eval_steps: int = 20  # held-out batches per evaluation
     eval_at_start: bool = False  # evaluate before the first step (needs eval_every > 0)
     eval_only: bool = False  # evaluate the resumed checkpoint, write eval_step{N}.json, exit
+    # downstream tasks scored at every evaluation (eval_every, eval_at_start, eval_only), off the training clock, into
+    # tasks.csv: hellaswag, arc_easy, ..., TASK:VARIANT or a .jsonl / .jsonl.gz path (docs/USE.md "Downstream tasks");
+    # a YAML list or, on the command line, comma-separated; every task is loaded at start-up
+    eval_tasks: list[str] = field(default_factory=list)
+    eval_tasks_limit: int = 500  # docs per task at each evaluation: the same seeded subset every time (curves compare the same items); stderr near 0.3 is about 0.02 at 500
     save_every: int = 0  # 0: only the final checkpoint
     keep_last: int = 3  # checkpoints kept unless keep_all_checkpoints
     keep_all_checkpoints: bool = False  # never delete checkpoints
@@ -63,7 +68,8 @@ class TrainConfig:
     sample_tokens: int = 64  # new tokens per sample
 
     def validate(self) -> None:
-        positive = ("steps", "seq_len", "batch_size", "accumulate_grad_batches", "log_every", "eval_steps")
+        positive = ("steps", "seq_len", "batch_size", "accumulate_grad_batches", "log_every", "eval_steps",
+                    "eval_tasks_limit")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"train.{name} must be positive, got {getattr(self, name)}")
@@ -79,6 +85,9 @@ class TrainConfig:
             raise ConfigError(f"train.sample_tokens must be positive, got {self.sample_tokens}")
         if self.keep_last == 0 and not self.keep_all_checkpoints:
             raise ConfigError("train.keep_last must be >= 1 (or set keep_all_checkpoints)")
+        if self.eval_tasks and not (self.eval_every or self.eval_only):
+            raise ConfigError("train.eval_tasks has no effect with train.eval_every=0: tasks are scored at each "
+                              "evaluation; set train.eval_every")
 
 
 @dataclass
@@ -251,8 +260,29 @@ class CliText(str):
     """A command-line value: text, typed only once the target field's type is known."""
 
 
+def _as_names(value, where: str) -> list[str]:
+    """A list of names: a YAML list, or text (the command line) either comma-separated or a YAML flow list
+    ('[a, b]'); empty text is the empty list."""
+    if isinstance(value, str):
+        text = value.strip()
+        if not text.startswith("["):
+            return [part.strip() for part in text.split(",") if part.strip()]
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            raise ConfigError(f"{where}: malformed list {text!r}; write a,b or [a, b]") from None
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(v, str) and v.strip() for v in value):
+        raise ConfigError(f"{where}: expected a list of names, got {value!r}")
+    return [v.strip() for v in value]
+
+
 def _coerce(value, annotation, where: str):
-    """Check / convert one value against a dataclass field annotation (str, int, float, bool, X | None)."""
+    """Check / convert one value against a dataclass field annotation (str, int, float, bool, X | None,
+    list[str])."""
+    if typing.get_origin(annotation) is list:
+        return _as_names(value, where)
     if isinstance(value, CliText):
         nullable_text = str in typing.get_args(annotation)
         if annotation is str or (nullable_text and value.strip().lower() not in ("null", "none", "~")):
@@ -459,6 +489,8 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     cfg = RunConfig(model=model, train=TrainConfig(**built["train"]), data=data,
                     runtime=RuntimeConfig(**built["runtime"]), source=where,
                     overrides=frozenset(f"{section}.{leaf}" for section, leaves in origins.items() for leaf in leaves))
+    if "eval_tasks_limit" in sections["train"] and not cfg.train.eval_tasks:
+        raise ConfigError(f"{where}: train.eval_tasks_limit has no effect with no train.eval_tasks")
     cfg.train.validate()
     cfg.runtime.validate()
     try:
@@ -474,7 +506,8 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
 def dump_config(cfg: RunConfig) -> str:
     """The effective config as YAML that load_config accepts again: keys that have no effect for
     this run (the nsa section of a dense model, attn_backend of an NSA model, the nsa keys a window-only
-    layer does not read, rope_* with learned positions, stream-loader settings of a bin: source) are left out."""
+    layer does not read, rope_* with learned positions, stream-loader settings of a bin: source, the task limit
+    without tasks) are left out."""
     doc = cfg.to_dict()
     if cfg.model.attention != "nsa":
         doc.pop("nsa")
@@ -488,4 +521,6 @@ def dump_config(cfg: RunConfig) -> str:
     if cfg.model.pos_emb != "rope":
         for key in ("rope_theta", "rope_scale"):
             doc["model"].pop(key)
+    if not cfg.train.eval_tasks:
+        doc["train"].pop("eval_tasks_limit")
     return yaml.safe_dump(doc, sort_keys=False)

@@ -26,7 +26,7 @@ def field_docs(cls: type) -> dict[str, tuple[str, str]]:
         if m := FIELD_RE.match(line):
             default = m.group(2).strip()
             if "default_factory" in default:
-                default = "(section)"
+                default = "[]" if "default_factory=list" in default else "(section)"
             docs[m.group(1)] = (default, m.group(3) or " ".join(pending))
         pending = []
     return docs

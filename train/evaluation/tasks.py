@@ -8,10 +8,11 @@ Per task: the fixed subset of `limit` docs (tasks_data.select_docs: seeded, the 
 this rank's share of it (doc i of the subset when i % world == rank), each doc's choices (and their unconditional
 twins when asked for) encoded and scored (tasks_scoring.py), every rank's per-doc log-likelihoods gathered
 (all_gather_object over `group`) and the metrics computed from all of them on every rank (tasks_metrics.py). The
-model runs in eval mode under inference_mode and gets its own mode back. `model` is the project's Transformer
-(model.cfg is read): pass the module itself, not a DDP wrapper; an FSDP-sharded module needs lockstep=True (every
-rank then runs as many forwards as the busiest). Results do not depend on world, batch_tokens or the batch
-composition beyond float rounding.
+model runs in eval mode under no_grad (not inference_mode: the training loop calls this too, and tensors the
+model keeps across calls, FlexAttention block masks, must stay usable by autograd) and gets its own mode back.
+`model` is the project's Transformer (model.cfg is read): pass the module itself, not a DDP wrapper; an
+FSDP-sharded module needs lockstep=True (every rank then runs as many forwards as the busiest). Results do not
+depend on world, batch_tokens or the batch composition beyond float rounding.
 """
 from __future__ import annotations
 

@@ -112,7 +112,9 @@ def batch_arrays(rows: Rows, batch: np.ndarray, max_len: int) -> tuple[torch.Ten
     return seq[:, :-1], seq[:, 1:], torch.from_numpy(mask)
 
 
-@torch.inference_mode()
+# no_grad, not inference_mode: the training loop scores too (train.eval_tasks), and tensors the model keeps across
+# calls (FlexAttention block masks) must stay usable by autograd
+@torch.no_grad()
 def score_rows(model: torch.nn.Module, rows: Rows, batches: list[np.ndarray], *, device: torch.device, max_len: int,
                autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
                progress: Callable[[int], None] | None = None) -> np.ndarray:
@@ -155,5 +157,5 @@ def forward_at(model: torch.nn.Module, inputs: torch.Tensor, mask: torch.Tensor)
 
 def dummy_forward(model: torch.nn.Module, device: torch.device) -> None:
     """One forward of one token: keeps a rank in step with peers that still have batches (FSDP gathers)."""
-    with torch.inference_mode():
+    with torch.no_grad():
         model(torch.zeros(1, 1, dtype=torch.long, device=device))

@@ -2,8 +2,9 @@
 
 A row is a dict: `kind` says what it is, the other keys are its fields (a `step` key, as in a training
 row, repeats the step argument and is not written as a field). Kinds: the heartbeat kinds of
-train/core/artifacts.py (start, train, eval, alert, checkpoint, end, anomaly, watchdog, ...) and `sample`
-(generated text, train/generation/sampling.py).
+train/core/artifacts.py (start, train, eval, tasks, alert, checkpoint, end, anomaly, watchdog, ...) and `sample`
+(generated text, train/generation/sampling.py). A `tasks` row (train.eval_tasks, train/trainer/tasks_eval.py) holds
+`tokens_seen`, `seconds` and `tasks`: one dict per task, the tasks.csv columns but the step.
 
     recorder = Recorder(sinks)
     recorder.log(step, {"kind": "eval", "val_loss": 3.2, "ppl": 24.5})
@@ -13,15 +14,16 @@ Every sink gets every row and decides what it writes for its kind:
 | sink | writes |
 |---|---|
 | RunSummary (train/observe/summary.py) | metrics.json at start / checkpoint / end / anomaly, run_*.json at checkpoint / end |
-| CsvSink | training.csv (train rows), val.csv (eval rows) |
+| CsvSink | training.csv (train rows), val.csv (eval rows), tasks.csv (tasks rows: one line per task) |
 | SamplesSink | samples.jsonl (sample rows; train.sample_every) |
-| TensorBoardSink | scalars (`scalars()`: train/*, gates/*, per-layer selection/* and gates/*, val/*, alerts/<name>); text alerts/<name>, samples/<i> |
+| TensorBoardSink | scalars (`scalars()`: train/*, gates/*, per-layer selection/* and gates/*, val/*, tasks/<task>/*, alerts/<name>); text alerts/<name>, samples/<i> |
 | WandbSink | the same scalars |
 | HeartbeatSink | every row of a heartbeat kind, with all its fields |
-| ConsoleSink | one line for train, eval, alert, sample, sdpa_audit, anomaly, end, eval_only rows |
+| ConsoleSink | one line for train, eval, tasks, alert, sample, sdpa_audit, anomaly, end, eval_only rows |
 
 `open_sinks` gives each rank its sinks, in that order: the files first, then the heartbeat that
-announces them, the console last. Rank 0 of a training run has them all (W&B with runtime.wandb);
+announces them, the console last. Rank 0 of a training run has them all (W&B with runtime.wandb; tasks.csv with
+train.eval_tasks, or when the out_dir has one: a resume moves its later rows aside even with the tasks off);
 rank 0 of an eval-only run the heartbeat and the console; every other rank its heartbeat only.
 `watchdog` rows come from the watchdog thread: only the heartbeat, which locks, writes them.
 """
@@ -38,12 +40,16 @@ from train.core.artifacts import (
     LAYER_SUFFIX,
     SAMPLES_JSONL,
     SUPERSEDED,
+    TASK_SCALARS,
+    TASKS_CSV,
+    TASKS_FIELDS,
     TB_DIR,
     TRAIN_CSV,
     TRAIN_FIELDS,
     VAL_CSV,
     VAL_FIELDS,
     heartbeat_name,
+    task_label,
 )
 from train.core.config import RunConfig
 from train.observe.telemetry import CsvLog, Heartbeat, TensorBoard
@@ -73,7 +79,8 @@ def layer_scalars(key: str, values: list) -> dict:
 
 def scalars(row: dict) -> dict:
     """The TensorBoard / W&B scalars of a row: train/<column> and gates/<statistic> (train; per-layer lists as
-    layer_scalars), val/loss and val/ppl (eval), alerts/<name> = 1 at the alert's step (alert); none for other kinds."""
+    layer_scalars), val/loss and val/ppl (eval), tasks/<task label>/<TASK_SCALARS name> (tasks), alerts/<name> = 1 at
+    the alert's step (alert); none for other kinds."""
     kind = row["kind"]
     if kind == "train":
         out = {}
@@ -85,6 +92,8 @@ def scalars(row: dict) -> dict:
         return out
     if kind == "eval":
         return {"val/loss": row["val_loss"], "val/ppl": row["ppl"]}
+    if kind == "tasks":
+        return {f"tasks/{task_label(t['task'])}/{name}": t.get(name) for t in row["tasks"] for name in TASK_SCALARS}
     if kind == "alert":
         return {f"alerts/{row['alert']}": 1.0}
     return {}
@@ -113,15 +122,20 @@ class Recorder:
 
 
 class CsvSink:
-    """The rows of one kind as one CSV file (rows after a resumed checkpoint's step moved aside: train/observe/telemetry.py)."""
+    """The rows of one kind as one CSV file (rows after a resumed checkpoint's step moved aside: train/observe/telemetry.py).
+    lines: the key of a list of dicts in the row, one CSV line each, with the row's other fields (a tasks row's
+    `tasks`); None: the row is one line."""
 
-    def __init__(self, path: Path, columns: list[str], kind: str, resume_step: int | None):
-        self.kind = kind
+    def __init__(self, path: Path, columns: list[str], kind: str, resume_step: int | None, lines: str | None = None):
+        self.kind, self.lines = kind, lines
         self._csv = CsvLog(path, columns, resume_step)
 
     def log(self, step: int, row: dict) -> None:
-        if row["kind"] == self.kind:
-            self._csv.write({"step": step, **fields(row)})  # columns outside the schema are not written
+        if row["kind"] != self.kind:
+            return
+        shared = {"step": step, **fields(row)}
+        for line in shared.pop(self.lines) if self.lines else [{}]:
+            self._csv.write({**shared, **line})  # columns outside the schema are not written
 
     def close(self) -> None:
         self._csv.close()
@@ -227,6 +241,10 @@ class ConsoleSink:
                     f"{row['toks_per_s']:,.0f} tok/s | norm {row['grad_norm']:.3f}{mfu}")
         if kind == "eval":
             return f"step {step:>6} | val loss {row['val_loss']:.4f} | ppl {row['ppl']:.2f}"
+        if kind == "tasks":
+            scores = " | ".join(f"{task_label(t['task'])} {t['primary_metric']} {t['primary']:.3f} ± "
+                                f"{t['primary_stderr']:.3f}" for t in row["tasks"])
+            return f"step {step:>6} | tasks {scores} ({row['seconds']:.1f} s)"
         if kind == "alert":
             return f"step {step:>6} | {alert_text(row)}"
         if kind == "sample":
@@ -253,7 +271,10 @@ def open_sinks(cfg: RunConfig, out_dir: Path, *, rank: int, resume_step: int | N
     try:
         if rank == 0 and not cfg.train.eval_only:
             sinks += [CsvSink(out_dir / TRAIN_CSV, TRAIN_FIELDS, "train", resume_step),
-                      CsvSink(out_dir / VAL_CSV, VAL_FIELDS, "eval", resume_step), TensorBoardSink(out_dir / TB_DIR)]
+                      CsvSink(out_dir / VAL_CSV, VAL_FIELDS, "eval", resume_step)]
+            if cfg.train.eval_tasks or (out_dir / TASKS_CSV).exists():  # resumed without tasks: its rows still move aside
+                sinks.append(CsvSink(out_dir / TASKS_CSV, TASKS_FIELDS, "tasks", resume_step, lines="tasks"))
+            sinks.append(TensorBoardSink(out_dir / TB_DIR))
             if cfg.train.sample_every:
                 sinks.append(SamplesSink(out_dir / SAMPLES_JSONL, resume_step))
             if cfg.runtime.wandb:

@@ -1,11 +1,13 @@
 """The run's status and summary files, as a sink (train/observe/sinks.py) on rank 0 of a training run:
 
     metrics.json        rewritten atomically at start, at each checkpoint, at the end and on an anomaly
-    run_YYYYMMDD_HHMMSS.json  (seeds 001/002) config, hardware, per-interval metrics, evaluations, summary;
-                        rewritten at each checkpoint and at the end
+    run_YYYYMMDD_HHMMSS.json  (seeds 001/002) config, hardware, per-interval metrics, evaluations, task scores,
+                        summary; rewritten at each checkpoint and at the end
 
-It keeps this process's train and eval rows (a resumed run's summary covers its own invocation) and
-reads the live TrainState for the counters. Fields: docs/ARTIFACTS.md (METRICS_FIELDS in train/core/artifacts.py).
+It keeps this process's train, eval and tasks rows (a resumed run's summary covers its own invocation) and
+reads the live TrainState for the counters. The latest score of each downstream task (train.eval_tasks) goes into
+both files under `tasks`; a resumed run starts from those tasks.csv holds up to its checkpoint's step.
+Fields: docs/ARTIFACTS.md (METRICS_FIELDS in train/core/artifacts.py).
 """
 from __future__ import annotations
 
@@ -19,12 +21,15 @@ import torch
 
 from train.checkpoint import io as ckpt_io
 from train.checkpoint.train_state import TrainState
-from train.core.artifacts import METRICS_JSON, RUN_SUMMARY_NAME
+from train.core.artifacts import METRICS_JSON, RUN_SUMMARY_NAME, TASKS_CSV, latest_task_rows, read_csv
 from train.core.config import RunConfig
 from train.core.distributed import DistInfo
 from train.observe.efficiency import Efficiency
 from train.observe.sinks import fields
 from train.observe.telemetry import write_json_atomic
+
+# what the summary keeps of each downstream task's latest evaluation (tasks.csv has every column)
+SUMMARY_TASK_KEYS = ("step", "primary_metric", "primary", "primary_stderr", "acc", "acc_norm", "items")
 
 
 def git_sha() -> str:
@@ -47,6 +52,11 @@ class RunSummary:
         self.git_sha = git_sha()
         self.history: list[dict] = []  # train rows of this invocation
         self.evals: list[dict] = []
+        self.task_evals: list[dict] = []  # tasks.csv lines of this invocation: iter + the columns
+        self.tasks: dict[str, dict] = {}  # task -> its latest scores (SUMMARY_TASK_KEYS)
+        if state.step > 0:  # resumed: the scores tasks.csv holds up to the checkpoint's step
+            for task, row in latest_task_rows(read_csv(out_dir / TASKS_CSV), up_to=state.step).items():
+                self.tasks[task] = {k: _from_csv(row.get(k)) for k in SUMMARY_TASK_KEYS}
 
     def log(self, step: int, row: dict) -> None:
         kind = row["kind"]
@@ -54,6 +64,10 @@ class RunSummary:
             self.history.append({"step": step, **fields(row)})
         elif kind == "eval":
             self.evals.append({"iter": step, "val_loss": row["val_loss"], "ppl": row["ppl"]})
+        elif kind == "tasks":
+            for scores in row["tasks"]:
+                self.task_evals.append({"iter": step, "tokens_seen": row.get("tokens_seen"), **scores})
+                self.tasks[scores["task"]] = {k: step if k == "step" else scores.get(k) for k in SUMMARY_TASK_KEYS}
         elif kind == "start":
             self.write_metrics("running")
         elif kind == "checkpoint":
@@ -82,7 +96,7 @@ class RunSummary:
             "precision": self.precision, "torch": torch.__version__,
             "python": platform.python_version(), "git_sha": self.git_sha, "started": self.started,
             "updated": time.time(), "checkpoints": self._checkpoints(), "data": self.data_description,
-            "stop_reason": state.stop_reason,
+            "stop_reason": state.stop_reason, "tasks": self.tasks,
         })
 
     def write_run_summary(self) -> None:
@@ -101,12 +115,12 @@ class RunSummary:
             "flops_per_token": report.flops_per_token if report is not None else None,
             "attention_to_ffn_ratio": report.attention_to_ffn_ratio if report is not None else None,
             "training_iterations": [{"iter": h["step"], **{k: v for k, v in h.items() if k != "step"}} for h in hist],
-            "eval_steps": self.evals, "checkpoints": self._checkpoints(),
+            "eval_steps": self.evals, "task_evals": self.task_evals, "checkpoints": self._checkpoints(),
             "summary": {"steps": self.state.step, "tokens_seen": self.state.tokens_seen,
                         "avg_mfu": sum(mfus) / len(mfus) if mfus else None, "peak_mfu": max(mfus) if mfus else None,
                         "avg_toks_per_s": sum(tps) / len(tps) if tps else None,
                         "final_loss": hist[-1]["loss"] if hist else None,
-                        "best_val_loss": _finite_or_none(self.state.best_val_loss),
+                        "best_val_loss": _finite_or_none(self.state.best_val_loss), "tasks": self.tasks,
                         "wall_s": time.time() - self.started},
         })
 
@@ -122,3 +136,15 @@ def _device_name(device: torch.device) -> str:
 
 def _finite_or_none(x: float) -> float | None:
     return x if math.isfinite(x) else None
+
+
+def _from_csv(text: str | None):
+    """A tasks.csv cell as the value it was: an int, a float, or the text itself (a metric's name)."""
+    if text is None or text == "":
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text

@@ -1,4 +1,4 @@
-"""File writers of the run artefacts: CSV (training.csv, val.csv), JSON lines (heartbeat_rank{R}.jsonl),
+"""File writers of the run artefacts: CSV (training.csv, val.csv, tasks.csv), JSON lines (heartbeat_rank{R}.jsonl),
 TensorBoard events (tb/), atomic JSON (metrics.json, run_*.json, eval results).
 
 Which row goes to which file is train/observe/sinks.py's business; schemas are documented in docs/ARTIFACTS.md.
@@ -101,8 +101,10 @@ class Heartbeat:
 def _json_safe(v):
     if isinstance(v, float) and not math.isfinite(v):
         return str(v)  # "nan" / "inf": strict JSON has no NaN
-    if isinstance(v, list):  # per-layer statistics
+    if isinstance(v, list):  # per-layer statistics, the tasks of a 'tasks' record
         return [_json_safe(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _json_safe(x) for k, x in v.items()}
     return v
 
 

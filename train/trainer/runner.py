@@ -1,8 +1,9 @@
 """Drives a training run: one batch goes build_data (train/trainer/build_run.py) -> Loop.step (train/trainer/loop.py) ->
 Transformer (nsa/model.py); at each log interval Loop.log() returns the row and the recorder hands it to
 the sinks (train/observe/sinks.py: training.csv, heartbeat, TensorBoard, W&B, console, metrics.json). Evaluation,
-sampling and checkpoints are off the training clock (train/trainer/clock.py); gc, profiler, watchdog, SDPA audit
-and alerts are hooks at fixed points of the step (train/trainer/hooks.py).
+sampling and checkpoints are off the training clock (train/trainer/clock.py), and so are the downstream tasks
+(train.eval_tasks: loaded before the run starts, scored where it evaluates, train/trainer/tasks_eval.py); gc, profiler,
+watchdog, SDPA audit and alerts are hooks at fixed points of the step (train/trainer/hooks.py).
 
 Exit codes: 0 finished or stopped gracefully (HALT / SIGTERM / SIGINT / stop_after),
 3 halted on repeated non-finite losses (.anomaly_type written, last good checkpoint intact).
@@ -25,11 +26,13 @@ from train.trainer.hooks import training_hooks
 from train.trainer.loop import GateStats, Loop
 from train.trainer.safety import StopFlags
 from train.trainer.stop import StopVote, early_signal
+from train.trainer.tasks_eval import LoopTasks
 
 EXIT_ANOMALY = 3
 
 
 def run_training(cfg: RunConfig) -> int:
+    tasks = LoopTasks.load(cfg)  # a task that cannot be loaded stops the start before the out_dir is touched
     try:
         run = Run(cfg)
     except BaseException:
@@ -38,7 +41,7 @@ def run_training(cfg: RunConfig) -> int:
     clean, recorder = False, None
     try:
         recorder = open_recorder(run)
-        code = _eval_only(run, recorder) if cfg.train.eval_only else _train(run, recorder)
+        code = _eval_only(run, recorder, tasks) if cfg.train.eval_only else _train(run, recorder, tasks)
         clean = True
         return code
     finally:
@@ -69,19 +72,29 @@ def build_loop(run: Run, clock: TrainingClock) -> Loop:
                 gate_stats=GateStats(run.raw_model) if nsa else None)
 
 
-def _eval_only(run: Run, recorder: Recorder) -> int:
+def task_row(run: Run, tasks: LoopTasks) -> dict:
+    """The 'tasks' row of this step (a collective: every rank calls it)."""
+    return tasks.score(run.raw_model, run.info, run.amp_dtype, fsdp=run.cfg.runtime.fsdp,
+                       tokens_seen=run.state.tokens_seen)
+
+
+def _eval_only(run: Run, recorder: Recorder, tasks: LoopTasks | None) -> int:
     if not run.resumed:
         raise CheckpointError(f"eval_only needs a checkpoint; none found in {run.out_dir}")
     step = run.state.step
     val = build_loop(run, TrainingClock()).evaluate()
+    scores = task_row(run, tasks) if tasks is not None else None
     if run.is_main:
+        extra = {"tasks": {t["task"]: t for t in scores["tasks"]}} if scores is not None else {}
         write_json_atomic(run.out_dir / f"eval_step{step}.json",
-                          {"checkpoint": str(run.resume_path), "step": step, **val})
+                          {"checkpoint": str(run.resume_path), "step": step, **val, **extra})
+    if scores is not None:
+        recorder.log(step, scores)
     recorder.log(step, {"kind": "eval_only", "val_loss": val["val_loss"], "checkpoint": str(run.resume_path)})
     return 0
 
 
-def _train(run: Run, recorder: Recorder) -> int:
+def _train(run: Run, recorder: Recorder, tasks: LoopTasks | None) -> int:
     cfg, state = run.cfg.train, run.state
     sampler = TrainingSampler.for_run(run)  # None unless train.sample_every > 0
     clock = TrainingClock()
@@ -99,9 +112,13 @@ def _train(run: Run, recorder: Recorder) -> int:
             print(f"run: {run.raw_model.num_params():,} params | {loop.tokens_per_step:,} tokens/step | "
                   f"device {run.info.device} | {str(run.amp_dtype).replace('torch.', '')} | "
                   f"{'resumed at step ' + str(state.step) if run.resumed else 'fresh start'}", flush=True)
+            if tasks is not None:
+                print(f"tasks: {tasks.describe()}; scored every {cfg.eval_every} steps, off the clock", flush=True)
         if cfg.eval_at_start and state.step == 0 and cfg.eval_every:
             with clock.off_the_clock():
                 recorder.log(state.step, {"kind": "eval", **loop.evaluate()})
+                if tasks is not None:
+                    recorder.log(state.step, task_row(run, tasks))
         while state.step < cfg.steps:
             next_step = state.step + 1
             log_now = next_step % cfg.log_every == 0 or next_step == cfg.steps
@@ -120,8 +137,10 @@ def _train(run: Run, recorder: Recorder) -> int:
                     return _halt_anomaly(run, recorder)
                 hooks.after_log(state.step, row)
             if cfg.eval_every and state.step % cfg.eval_every == 0:
-                with clock.off_the_clock():  # evaluation is not training time, nor are sampling and checkpoints
+                with clock.off_the_clock():  # evaluation is not training time, nor are tasks, sampling and checkpoints
                     recorder.log(state.step, {"kind": "eval", **loop.evaluate()})
+                    if tasks is not None:
+                        recorder.log(state.step, task_row(run, tasks))
             if sampler is not None and sampler.due(state.step):
                 with clock.off_the_clock():
                     if samples := sampler.sample(state.step):  # rank 0 only; no collective

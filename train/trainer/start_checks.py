@@ -16,6 +16,7 @@ from train.core.errors import CheckpointError, ConfigError
 from train.data.build import check_data_source
 from train.data.state import stream_resume_refusal
 from train.trainer.safety import stale_halt_message
+from train.trainer.tasks_eval import LoopTasks
 
 BATCH_KEYS = ("train.batch_size", "train.accumulate_grad_batches")
 WORLD_SIZE_FREE_SOURCES = ("synthetic", "bin")  # their batches depend on (step, global row) only (data/state.py)
@@ -122,8 +123,9 @@ def out_dir_checks(cfg: RunConfig) -> StartPlan:
 
 def start_checks(cfg: RunConfig, world_size: int) -> list[str]:
     """Every check of a launch with cfg on world_size ranks, reading only; the lines a launch would print
-    (resume point, batch split, data). UserError (one line) for the first refusal."""
+    (resume point, batch split, data, downstream tasks). UserError (one line) for the first refusal."""
     data = f"data: {check_data_source(cfg.data, vocab_size=cfg.model.vocab_size)}"
+    tasks = LoopTasks.load(cfg)  # train.eval_tasks, read as the launch reads them before it claims the out_dir
     plan = out_dir_checks(cfg)
     lines = [note.split(": ", 1)[1] if note.startswith(("note: ", "warning: ")) else note for note in plan.notes]
     if plan.resume is not None:
@@ -133,4 +135,4 @@ def start_checks(cfg: RunConfig, world_size: int) -> list[str]:
         del ckpt
     else:
         lines.append(f"resume: none, fresh start in {cfg.train.out_dir}")
-    return lines + [data]
+    return lines + [data] + ([f"tasks: {tasks.describe()}"] if tasks is not None else [])

@@ -318,7 +318,7 @@ def _disk(cfg: RunConfig, add, free_bytes: Callable[[Path], int]) -> None:
 
 def _out_dir(cfg: RunConfig, add, gpus: int) -> None:
     """The launch's own start checks (train/trainer/start_checks.py, the functions the trainer calls): stale .HALT,
-    a live owner, the resume plan (not carried out), and what resuming on `gpus` ranks needs."""
+    a live owner, the resume plan (not carried out), what resuming on `gpus` ranks needs, and train.eval_tasks."""
     from train.checkpoint import io as ckpt_io
     from train.data.build import check_data_source
     from train.trainer.start_checks import out_dir_checks, resume_checks
@@ -328,6 +328,13 @@ def _out_dir(cfg: RunConfig, add, gpus: int) -> None:
         add(OK, "launch data checks", check_data_source(cfg.data, vocab_size=cfg.model.vocab_size))
     except UserError as exc:
         add(FAIL, "launch data checks", str(exc))
+    if cfg.train.eval_tasks:
+        from train.trainer.tasks_eval import LoopTasks
+
+        try:
+            add(OK, "downstream tasks", LoopTasks.load(cfg).describe())
+        except UserError as exc:
+            add(FAIL, "downstream tasks", str(exc))
     try:
         plan = out_dir_checks(cfg)
     except UserError as exc:
