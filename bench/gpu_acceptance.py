@@ -17,6 +17,8 @@ the rest go on:
 7. a dense ~1B Qwen3-style model's MFU on one GPU
 8. packed documents (issue 28): NSA and dense forward + backward at 8k and 32k with 0 / 1 / 8 / 64 documents
    per window (the CUDA tests of item 3 include the document-frame kernels and FlexAttention backward)
+9. downstream tasks (issue 30): the scorer's tokens/s on hellaswag for the showcase and M7C-125M models
+   (bench/bench_tasks.py; the time for all 10,042 docs extrapolated)
 Each number is printed next to its goal (issues 13 and 19).
 """
 from __future__ import annotations
@@ -57,7 +59,7 @@ def last_json(text: str) -> dict:
 
 # seconds per item, compilation included (Triton JIT of every kernel, torch.compile of the models)
 ITEM_LIMITS = {"launches": 60, "kernel_compile": 300, "cuda_tests": 600, "attention": 420, "branches": 300,
-               "m7c_training": 900, "decode": 240, "dense_1b_mfu": 480, "documents": 300}
+               "m7c_training": 900, "decode": 240, "dense_1b_mfu": 480, "documents": 300, "tasks": 300}
 DOCUMENTS_GOAL = 1.10  # masked time / unmasked time, at most (issue 28: within 10%)
 LAUNCH_BUDGET = 150  # ops per NSA layer forward + backward at any T (issue 19)
 
@@ -225,8 +227,21 @@ def documents(args) -> dict:
             "goal": f"masked fwd+bwd within {DOCUMENTS_GOAL:.2f}x of unmasked for NSA and dense (see summary)"}
 
 
+def tasks(args) -> dict:
+    cmd = [PY, "bench/bench_tasks.py", "--device", args.device, "--limit", "20" if args.tiny else "500"]
+    if args.tiny:
+        cmd += ["--configs", "configs/train_showcase.yaml"]
+    code, out = run(cmd, ITEM_LIMITS["tasks"])
+    if code:
+        return {"ok": False, "exit": code, "output": out[-1500:]}
+    res = json.JSONDecoder().raw_decode(out[out.index("{"):])[0]  # the indented JSON object, then stderr
+    return {"ok": True, "results": res["results"],
+            "goals": [f"{r['config']}: {r['tokens_per_s']:,.0f} tokens/s, hellaswag (10,042 docs) in "
+                      f"~{r['seconds_all_docs_estimate'] / 60:.1f} min" for r in res["results"]]}
+
+
 ITEMS = {"launches": launches, "kernel_compile": kernel_compile, "cuda_tests": cuda_tests, "attention": attention, "branches": branches, "m7c_training": m7c_training, "decode": decode,
-         "dense_1b_mfu": dense_1b_mfu, "documents": documents}
+         "dense_1b_mfu": dense_1b_mfu, "documents": documents, "tasks": tasks}
 
 
 def summary_markdown(report: dict) -> str:
