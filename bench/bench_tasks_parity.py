@@ -1,6 +1,6 @@
 """Downstream-task parity: our scorer against `transformers` run directly and against lm-evaluation-harness.
 
-    python bench/bench_tasks_parity.py RUN_DIR --lm_eval_path /tmp/lmeval_t [--limit 200] [--tasks ...]
+    PYTHONPATH=/tmp/lmeval_t python bench/bench_tasks_parity.py RUN_DIR [--limit 200] [--tasks ...]
 
 RUN_DIR is a dense run with an exportable tokenizer (e.g. configs/train_showcase.yaml trained on
 text:../shared/corpus/kjv.txt with the gpt2 tokenizer). The script exports it with train.export_hf into a temporary
@@ -12,7 +12,7 @@ max_len: the run's seq_len) two ways:
 and reports per task the largest |difference| of per-request log-likelihoods and both accuracies (acc = argmax of
 the summed log-likelihood; acc_norm = lm-eval's: divided by the length in characters of the choice without its
 leading space). lm-eval is not a dependency of the product: install it apart, without its dependencies, e.g.
-`pip install --target /tmp/lmeval_t --no-deps lm_eval accelerate`, and pass --lm_eval_path. Prints one JSON
+`pip install --target /tmp/lmeval_t --no-deps lm_eval accelerate`, and put that directory on PYTHONPATH. Prints one JSON
 object; --out writes it (bench/results/tasks_parity.json).
 """
 from __future__ import annotations
@@ -57,13 +57,17 @@ def accuracies(task, doc_index: np.ndarray, loglik: list[np.ndarray]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("run", type=Path)
-    p.add_argument("--lm_eval_path", required=True, help="a directory holding lm_eval (added to sys.path)")
     p.add_argument("--tasks", default=TASKS)
     p.add_argument("--limit", type=int, default=200)
     p.add_argument("--batch_size", type=int, default=16)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
-    sys.path.insert(0, args.lm_eval_path)
+    try:
+        import lm_eval  # noqa: F401  (installed apart: see the module docstring)
+    except ImportError:
+        print("bench_tasks_parity: lm_eval is not importable; install it apart and put it on PYTHONPATH "
+              "(see this script's docstring)", file=sys.stderr)
+        return 2
     torch.manual_seed(0)
     checkpoint = resolve_checkpoint(args.run).resolve()
     model, cfg = model_from_checkpoint(checkpoint, "cpu")
