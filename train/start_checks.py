@@ -3,8 +3,8 @@
 exactly what the launch refuses, in the launch's own words:
 
 - out_dir: a stale `.HALT`, a live owner of `.lock`, what `train.resume` resumes (train/checkpoint/run_dir.py);
-- resume: the checkpoint's architecture, train.steps against its step, its tokenizer, and its global batch
-  on this world size (`fit_global_batch`: the rule in docs/DISTRIBUTED.md);
+- resume: the checkpoint's architecture, train.steps against its step and its wsd decay (train/trainer/lr_schedule.py),
+  its tokenizer, and its global batch on this world size (`fit_global_batch`: the rule in docs/DISTRIBUTED.md);
 - data: the source's files, metadata, tokenizer and vocabulary (train/data/build.py's own checks).
 - tasks: every task of train.eval_tasks loaded and the tokenizer that encodes them (train/trainer/tasks_eval.py).
 

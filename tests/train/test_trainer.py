@@ -16,7 +16,7 @@ import torch
 from train.checkpoint import io as ckpt_io
 from train.core.artifacts import checkpoint_files
 from train.core.errors import CheckpointError, ConfigError, DataError
-from train.trainer.optim import lr_at
+from train.trainer.lr_schedule import lr_at
 from train.trainer.runner import EXIT_ANOMALY, run_training
 
 from .helpers import read_csv, read_jsonl, tiny_config

@@ -24,6 +24,11 @@ from train.core.data_config import DataConfig
 from train.core.errors import ConfigError, UserError
 
 
+LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
+DECAY_SHAPES = ("linear", "1-sqrt", "cosine")
+WSD_ONLY_KEYS = ("decay_fraction", "decay_steps", "decay_shape")  # train keys only lr_schedule=wsd reads
+
+
 @dataclass
 class TrainConfig:
     out_dir: str = "artifacts/run"  # every artefact of the run (docs/ARTIFACTS.md)
@@ -34,9 +39,12 @@ class TrainConfig:
     batch_size: int = 8  # micro-batch per rank
     accumulate_grad_batches: int = 1  # micro-batches per optimizer step
     lr: float = 6e-4  # peak learning rate
-    min_lr_ratio: float = 0.1  # cosine floor = lr * min_lr_ratio
+    min_lr_ratio: float = 0.1  # the floor the decay ends at = lr * min_lr_ratio (cosine, linear, wsd)
     warmup_steps: int = 100  # linear warmup, in optimizer steps
-    lr_schedule: str = "cosine"  # cosine | linear | constant (after warmup)
+    lr_schedule: str = "cosine"  # cosine | linear | constant | wsd (warmup-stable-decay), after warmup
+    decay_fraction: float | None = None  # wsd only: the last fraction of train.steps that decays, in (0, 1]; or give decay_steps
+    decay_steps: int | None = None  # wsd only: the last N steps decay (fixed length: raising train.steps lengthens the flat phase); or give decay_fraction
+    decay_shape: str = "1-sqrt"  # wsd only: linear | 1-sqrt | cosine, from lr to the floor at the last step
     weight_decay: float = 0.1  # applied to matrices (>= 2-D parameters) only
     beta1: float = 0.9  # AdamW
     beta2: float = 0.95  # AdamW
@@ -79,8 +87,10 @@ class TrainConfig:
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
         if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError("train.lr must be > 0 and train.min_lr_ratio in [0, 1]")
-        if self.lr_schedule not in ("cosine", "linear", "constant"):
-            raise ConfigError(f"train.lr_schedule={self.lr_schedule!r}; valid: cosine, linear, constant")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ConfigError(f"train.lr_schedule={self.lr_schedule!r}; valid: {', '.join(LR_SCHEDULES)}")
+        if self.lr_schedule == "wsd":
+            self._validate_wsd()
         if self.sample_tokens <= 0:
             raise ConfigError(f"train.sample_tokens must be positive, got {self.sample_tokens}")
         if self.keep_last == 0 and not self.keep_all_checkpoints:
@@ -88,6 +98,27 @@ class TrainConfig:
         if self.eval_tasks and not (self.eval_every or self.eval_only):
             raise ConfigError("train.eval_tasks has no effect with train.eval_every=0: tasks are scored at each "
                               "evaluation; set train.eval_every")
+
+    def _validate_wsd(self) -> None:
+        if (self.decay_fraction is None) == (self.decay_steps is None):
+            raise ConfigError("train.lr_schedule=wsd needs exactly one of train.decay_fraction (e.g. 0.2) and "
+                              f"train.decay_steps, got decay_fraction={self.decay_fraction}, decay_steps={self.decay_steps}")
+        if self.decay_fraction is not None and not 0 < self.decay_fraction <= 1:
+            raise ConfigError(f"train.decay_fraction must be in (0, 1], got {self.decay_fraction}")
+        if self.decay_steps is not None and self.decay_steps <= 0:
+            raise ConfigError(f"train.decay_steps must be positive, got {self.decay_steps}")
+        if self.decay_shape not in DECAY_SHAPES:
+            raise ConfigError(f"train.decay_shape={self.decay_shape!r}; valid: {', '.join(DECAY_SHAPES)}")
+        start, length = self.wsd_decay()
+        if start < self.warmup_steps:
+            raise ConfigError(f"train.lr_schedule=wsd: warmup ({self.warmup_steps}) + decay ({length}) steps exceed "
+                              f"train.steps={self.steps}; shorten the decay or raise train.steps")
+
+    def wsd_decay(self) -> tuple[int, int]:
+        """(first decaying step, decay length) of a wsd schedule: steps start .. train.steps - 1 (0-based) decay.
+        decay_fraction rounds to the nearest step, at least one."""
+        length = self.decay_steps if self.decay_steps is not None else max(1, round(self.decay_fraction * self.steps))
+        return self.steps - length, length
 
 
 @dataclass
@@ -451,6 +482,15 @@ def _parse_overrides(args: list[str]) -> list[tuple[str, object, str]]:
     return pairs
 
 
+def _one_decay_length(train: dict, origins: dict[str, str]) -> None:
+    """decay_fraction and decay_steps are one setting written two ways: one given on the command line replaces the
+    other from the YAML file (a cooldown launch sets --train.decay_steps over a preset's decay_fraction)."""
+    pair = ("decay_fraction", "decay_steps")
+    for key, other in (pair, pair[::-1]):
+        if key in origins and other not in origins:
+            train.pop(other, None)
+
+
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
     """YAML file (or defaults when path is None) + CLI overrides -> validated RunConfig."""
     sections: dict[str, dict] = {name: {} for name in SECTIONS}
@@ -463,6 +503,7 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         section, leaf = key.split(".", 1)
         sections[section][leaf] = value
         origins[section][leaf] = origin
+    _one_decay_length(sections["train"], origins["train"])
     built = {name: _build(cls, sections[name], f"{where}: {name}", name, origins[name])
              for name, cls in SECTIONS.items()}
     try:
@@ -492,6 +533,9 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     if "eval_tasks_limit" in sections["train"] and not cfg.train.eval_tasks:
         raise ConfigError(f"{where}: train.eval_tasks_limit has no effect with no train.eval_tasks")
     cfg.train.validate()
+    if cfg.train.lr_schedule != "wsd" and (ignored := [k for k in WSD_ONLY_KEYS if k in sections["train"]]):
+        raise ConfigError(f"{origins['train'].get(ignored[0], where)}: train.{ignored[0]} has no effect with train.lr_schedule="
+                          f"{cfg.train.lr_schedule!r}; it sets the decay of lr_schedule=wsd")
     cfg.runtime.validate()
     try:
         cfg.data.validate()
@@ -507,7 +551,7 @@ def dump_config(cfg: RunConfig) -> str:
     """The effective config as YAML that load_config accepts again: keys that have no effect for
     this run (the nsa section of a dense model, attn_backend of an NSA model, the nsa keys a window-only
     layer does not read, rope_* with learned positions, stream-loader settings of a bin: source, the task limit
-    without tasks) are left out."""
+    without tasks, the wsd decay keys of another schedule) are left out."""
     doc = cfg.to_dict()
     if cfg.model.attention != "nsa":
         doc.pop("nsa")
@@ -523,4 +567,7 @@ def dump_config(cfg: RunConfig) -> str:
             doc["model"].pop(key)
     if not cfg.train.eval_tasks:
         doc["train"].pop("eval_tasks_limit")
+    if cfg.train.lr_schedule != "wsd":
+        for key in WSD_ONLY_KEYS:
+            doc["train"].pop(key)
     return yaml.safe_dump(doc, sort_keys=False)

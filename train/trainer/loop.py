@@ -26,7 +26,8 @@ from train.core.config import TrainConfig
 from train.core.distributed import DistInfo, all_reduce_mean, autocast_context, no_sync
 from train.observe.efficiency import Efficiency
 from train.trainer.clock import TrainingClock
-from train.trainer.optim import lr_at, set_lr, step_unless_nonfinite
+from train.trainer.lr_schedule import lr_at
+from train.trainer.optim import set_lr, step_unless_nonfinite
 
 
 class GateStats:

@@ -1,11 +1,5 @@
-"""AdamW with weight decay on matrices only, and the learning-rate schedule.
-
-The schedule is a pure function of the optimizer step (not the micro-step), so resume needs
-only the step count and the horizon is `train.steps` whatever the accumulation.
-"""
+"""AdamW with weight decay on matrices only; `set_lr` applies the schedule's value (train/trainer/lr_schedule.py)."""
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn as nn
@@ -65,20 +59,6 @@ def step_unless_nonfinite(optimizer: torch.optim.Optimizer, found_inf: torch.Ten
         optimizer.step()
     elif not found_inf.item():
         optimizer.step()
-
-
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """LR for optimizer step `step` (0-based): linear warmup, then cosine / linear decay to the floor."""
-    floor = cfg.lr * cfg.min_lr_ratio
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    if cfg.lr_schedule == "constant":
-        return cfg.lr
-    decay_steps = max(1, cfg.steps - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
-    if cfg.lr_schedule == "linear":
-        return cfg.lr - (cfg.lr - floor) * progress
-    return floor + 0.5 * (cfg.lr - floor) * (1.0 + math.cos(math.pi * progress))
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
