@@ -2,6 +2,7 @@
 `Run.save()` writes the next one. What is logged and when is the runner's business (train/trainer/runner.py)."""
 from __future__ import annotations
 
+import copy
 import math
 import os
 import sys
@@ -39,8 +40,9 @@ from train.trainer.start_checks import BATCH_KEYS, resume_checks
 
 
 def claim_out_dir(cfg: RunConfig, info: DistInfo) -> tuple[Path, OutDirLock | None, Path | None]:
-    """Rank 0 creates out_dir, takes its lock, refuses a stale .HALT and decides what to resume
-    (sorting old files aside, train/checkpoint/run_dir.py); every rank gets the same answer or the same error."""
+    """Rank 0 creates out_dir, takes its lock, refuses a stale .HALT and decides what to resume (sorting old files
+    aside, train/checkpoint/run_dir.py) once the resume checks pass; every rank gets the same answer or the same
+    error."""
     out = Path(cfg.train.out_dir)
     lock, answer, error = None, None, None
     if info.is_main:
@@ -51,6 +53,8 @@ def claim_out_dir(cfg: RunConfig, info: DistInfo) -> tuple[Path, OutDirLock | No
             if not cfg.train.eval_only and (halt := stale_halt_message(out)):
                 raise ConfigError(halt)
             plan = plan_start(out, cfg.train.resume, eval_only=cfg.train.eval_only)
+            if plan.resume is not None:  # refuse before a file moves; _build runs them again for the batch split
+                resume_checks(copy.deepcopy(cfg), ckpt_io.load_checkpoint(plan.resume), plan.resume, info.world_size)
             apply_start(out, plan, eval_only=cfg.train.eval_only)
             for note in plan.notes:
                 print(note, file=sys.stderr, flush=True)
