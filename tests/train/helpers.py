@@ -3,11 +3,40 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 
 from train.core.config import RunConfig, load_config
+
+REPO = Path(__file__).resolve().parents[2]
+# the trainer's command line for subprocess runs: a model small enough for hundreds of steps a second
+TINY_CLI = ["--model.vocab_size=320", "--model.dim=32", "--model.n_layers=1", "--model.n_heads=2",
+            "--model.ffn_dim=32", "--train.seq_len=16", "--train.batch_size=2", "--train.log_every=1",
+            "--runtime.device=cpu", "--runtime.threads=1"]
+
+
+def cli(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "train", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def spawn(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "train", *args], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def wait_for(predicate, timeout: float = 90.0, what: str = "condition") -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
 
 TINY_MODEL = ["--model.vocab_size=320", "--model.dim=32", "--model.n_layers=2", "--model.n_heads=4",
               "--model.n_kv_heads=2", "--model.ffn_dim=64", "--model.max_seq_len=64"]

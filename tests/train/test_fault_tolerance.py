@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,32 +16,7 @@ from train.core.artifacts import checkpoint_files, checkpoint_name
 from train.core.errors import CheckpointError, UserError
 from train.trainer.runner import run_training
 
-from .helpers import read_csv, tiny_config
-
-REPO = Path(__file__).resolve().parents[2]
-TINY_CLI = ["--model.vocab_size=320", "--model.dim=32", "--model.n_layers=1", "--model.n_heads=2",
-            "--model.ffn_dim=32", "--train.seq_len=16", "--train.batch_size=2", "--train.log_every=1",
-            "--runtime.device=cpu", "--runtime.threads=1"]
-
-
-def cli(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "train", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO)})
-
-
-def spawn(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "train", *args], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
-
-
-def wait_for(predicate, timeout: float = 90.0, what: str = "condition") -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if predicate():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
-
+from .helpers import REPO, TINY_CLI, cli, read_csv, spawn, tiny_config, wait_for
 
 def heartbeat_has(out: Path, kind: str) -> bool:
     beat = out / "heartbeat_rank0.jsonl"
