@@ -42,9 +42,9 @@ class TrainConfig:
     min_lr_ratio: float = 0.1  # the floor the decay ends at = lr * min_lr_ratio (cosine, linear, wsd)
     warmup_steps: int = 100  # linear warmup, in optimizer steps
     lr_schedule: str = "cosine"  # cosine | linear | constant | wsd (warmup-stable-decay), after warmup
-    decay_fraction: float | None = None  # wsd only: the last fraction of train.steps that decays, in (0, 1]; or give decay_steps
-    decay_steps: int | None = None  # wsd only: the last N steps decay (fixed length: raising train.steps lengthens the flat phase); or give decay_fraction
-    decay_shape: str = "1-sqrt"  # wsd only: linear | 1-sqrt | cosine, from lr to the floor at the last step
+    decay_fraction: float | None = None  # wsd only: the last fraction of train.steps that decays, in (0, 1], rounded to whole steps; or decay_steps (docs/USE.md)
+    decay_steps: int | None = None  # wsd only: the last N steps decay (raising train.steps on resume lengthens the flat phase); or decay_fraction
+    decay_shape: str = "1-sqrt"  # wsd only: 1-sqrt | linear | cosine, from lr to the floor, reached at the last step
     weight_decay: float = 0.1  # applied to matrices (>= 2-D parameters) only
     beta1: float = 0.9  # AdamW
     beta2: float = 0.95  # AdamW
