@@ -7,7 +7,7 @@ Schedules (train.lr_schedule), each after a linear warmup of train.warmup_steps:
 - wsd (warmup-stable-decay): lr, then the last train.decay_steps (or train.decay_fraction of train.steps) decay
   with train.decay_shape to the floor at the last step. Raising train.steps on resume, while the checkpoint is
   still before the decay, moves the decay later (a longer flat phase); a decay that has begun cannot be undone
-  or moved (`resume_refusal`). docs/USE.md "Learning-rate schedules" shows the cooldown workflow.
+  or moved (`resume_refusal`). docs/USE.md "Learning-rate schedules and cooldowns" shows the cooldown workflow.
 """
 from __future__ import annotations
 
