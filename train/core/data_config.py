@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from train.core.errors import DataError
 
+WINDOW_STARTS = ("any", "document")
 SOURCE_KINDS = ("synthetic", "bin", "fineweb_edu", "text", "jsonl", "parquet", "hf")
 TEXT_SAMPLE_BY = ("document", "paragraph", "line")
 
@@ -49,6 +50,10 @@ class DataConfig:
     # attend within documents only (EOS opens a document; docs/NSA.md "Documents"): null = on for a new run
     # whose tokenizer has an EOS, and as the checkpoint was trained when resuming; true / false force it
     document_mask: bool | None = None
+    # bin: sources: where a training / validation window may start: any token (random offsets, the default) or
+    # the first token of a document (after an EOS, or the file's start): every window then opens with a whole
+    # document (docs/DATA.md "Window starts"; what the recall task needs: a far fact is never cut off)
+    window_start: str = "any"
 
     @property
     def source_kind(self) -> str:
@@ -75,6 +80,11 @@ class DataConfig:
             raise DataError(f"data.tokenize_batch_docs must be >= 1, got {self.tokenize_batch_docs}")
         if not self.first_batch_timeout_s > 0:
             raise DataError(f"data.first_batch_timeout_s must be > 0, got {self.first_batch_timeout_s}")
+        if self.window_start not in WINDOW_STARTS:
+            raise DataError(f"data.window_start must be one of {', '.join(WINDOW_STARTS)}, got {self.window_start!r}")
+        if self.window_start != "any" and self.source_kind != "bin":
+            raise DataError(f"data.window_start={self.window_start} applies to bin: sources only (this one is "
+                            f"{self.source_kind}); drop the key")
         if not self.text_field:
             raise DataError("data.text_field must not be empty")
 

@@ -160,7 +160,11 @@ def _checked_tokenizer(cfg: DataConfig, vocab_size: int):
 def _bin(cfg: DataConfig, data_dir: Path, *, seq_len, batch_size, vocab_size, seed, rank, world_size, accumulate,
          pin) -> DataBundle:
     meta, counts = _checked_bin(cfg, data_dir, vocab_size)
-    common = dict(dtype=meta.np_dtype, seq_len=seq_len, batch_size=batch_size, seed=seed, rank=rank, world_size=world_size, pin=pin)
+    if cfg.window_start == "document" and meta.eos_id is None:
+        raise DataError(f"data.window_start=document needs documents separated by EOS; {data_dir} records no EOS id")
+    starts_eos = meta.eos_id if cfg.window_start == "document" else None
+    common = dict(dtype=meta.np_dtype, seq_len=seq_len, batch_size=batch_size, seed=seed, rank=rank, world_size=world_size,
+                  pin=pin, document_starts_eos=starts_eos)
     masks = {split: data_dir / info.loss_mask if info.loss_mask else None for split, info in meta.splits.items()}
     train = MemmapStream(data_dir / meta.splits["train"].file, n_tokens=counts["train"], stream=TRAIN_STREAM,
                          accumulate=accumulate, loss_mask=masks["train"], **common)
@@ -169,7 +173,9 @@ def _bin(cfg: DataConfig, data_dir: Path, *, seq_len, batch_size, vocab_size, se
     info = {"source": cfg.source, "kind": "bin", "dir": str(data_dir), "tokenizer": meta.tokenizer, "eos_id": meta.eos_id,
             "token_dtype": meta.dtype, "tokenizer_vocab": meta.vocab_size, "max_token_id": meta.max_token_id,
             "vocab_size": vocab_size, "train_tokens": counts["train"], "val_tokens": counts["val"],
-            "legacy_meta": meta.legacy, "seq_len": seq_len, "loss_mask": bool(masks["train"]), **_order_info(batch_size, rank, world_size, accumulate, True)}
+            "legacy_meta": meta.legacy, "seq_len": seq_len, "loss_mask": bool(masks["train"]),
+            "window_start": cfg.window_start, **({"train_window_starts": len(train.starts), "val_window_starts": len(val.starts)}
+                                                 if starts_eos is not None else {}), **_order_info(batch_size, rank, world_size, accumulate, True)}
     return DataBundle(train, val, info, pin=pin)
 
 

@@ -11,6 +11,11 @@ in-process sampler is faster than DataLoader workers would be (no IPC); see benc
 A loss mask (a prepared split's optional uint8 file, one byte per token; docs/DATA.md) marks which tokens
 are training targets: a target whose byte is 0 becomes IGNORE_INDEX (the model's loss skips it), one more
 gather per batch.
+
+Window starts at documents (data.window_start=document): the candidate starts are the first token of every
+document (the file's start and each token after an EOS) that leaves room for a whole window; row g then opens
+at starts[hash % len(starts)]. The starts are found once, by a chunked scan of the file for EOS (no full copy
+in memory), and the order stays a pure function of (seed, step, row): resume is exact as before.
 """
 from __future__ import annotations
 
@@ -29,7 +34,7 @@ class MemmapStream(GlobalBatchOrder):
 
     def __init__(self, path: Path, *, dtype, n_tokens: int, seq_len: int, batch_size: int, seed: int,
                  rank: int = 0, world_size: int = 1, accumulate: int = 1, stream: int = TRAIN_STREAM, pin: bool = False,
-                 loss_mask: Path | None = None):
+                 loss_mask: Path | None = None, document_starts_eos: int | None = None):
         self.path = Path(path)
         self.seq_len, self.pin = seq_len, pin
         self._init_order(batch_size=batch_size, rank=rank, world_size=world_size, accumulate=accumulate,
@@ -47,12 +52,20 @@ class MemmapStream(GlobalBatchOrder):
                 raise DataError(f"{loss_mask}: a loss mask of {size if size is not None else 'no'} bytes for {n_tokens} "
                                 f"tokens in {self.path.name} (one byte per token); prepare the directory again")
             self.mask = np.memmap(loss_mask, dtype=np.uint8, mode="r", shape=(n_tokens,))
+        self.starts = None  # [n] int64 window starts at documents, or None: any token
+        if document_starts_eos is not None:
+            self.starts = document_starts(self.tokens, document_starts_eos, last=self.n_starts - 1)
+            if not len(self.starts):
+                raise DataError(f"{self.path}: no document (EOS {document_starts_eos}) starts early enough for a window of "
+                                f"seq_len+1={seq_len + 1} tokens; use data.window_start=any or a smaller train.seq_len")
         self._span = np.arange(seq_len + 1)
         self._key = stream_key(seed, stream)
 
     def window_starts(self, step: int, rows: np.ndarray) -> np.ndarray:
         """Window start (int64) of each global row in `rows` (uint64) of optimizer step `step`."""
         draws = row_hashes(self._key, step, rows)  # modulo bias < n_starts / 2**64: negligible
+        if self.starts is not None:
+            return self.starts[(draws % np.uint64(len(self.starts))).astype(np.int64)]
         return self.lo + (draws % np.uint64(self.n_starts)).astype(np.int64)
 
     def offsets_at(self, k: int) -> np.ndarray:
@@ -70,7 +83,16 @@ class MemmapStream(GlobalBatchOrder):
         return (x.pin_memory(), y.pin_memory()) if self.pin else (x, y)
 
     def close(self) -> None:
-        self.tokens = self.mask = None
+        self.tokens = self.mask = self.starts = None
+
+
+def document_starts(tokens: np.ndarray, eos_id: int, *, last: int, chunk: int = 1 << 24) -> np.ndarray:
+    """[n] int64: 0 and every position after an EOS in `tokens` ([N], any integer dtype), those <= last."""
+    found = [np.zeros(1, dtype=np.int64)]
+    for lo in range(0, min(len(tokens), last), chunk):  # an EOS at position last - 1 opens a document at last
+        hit = np.flatnonzero(np.asarray(tokens[lo:min(lo + chunk, last)]) == eos_id)
+        found.append(hit.astype(np.int64) + (lo + 1))
+    return np.concatenate(found)
 
 
 def _u64(value: int) -> np.uint64:
