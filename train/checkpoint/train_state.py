@@ -14,4 +14,5 @@ class TrainState:
     best_val_loss: float = math.inf
     last_val_loss: float | None = None
     skipped_steps: int = 0  # non-finite steps skipped, whole run
+    spike_skipped_steps: int = 0  # loss / gradient-norm spikes skipped, whole run (train/trainer/spikes.py)
     stop_reason: str | None = None

@@ -37,7 +37,7 @@ STACKDUMP_GLOB = "stackdump_*.txt"
 SUPERSEDED_DIR, CORRUPT_DIR, ATTEMPTS_DIR = "superseded", "corrupt", "attempts"  # moved aside, never deleted
 
 TRAIN_FIELDS = ["step", "loss", "lr", "toks_per_s", "grad_norm", "dt_step_s", "dt_fetch_s", "tokens_seen",
-                "skipped_steps", "mfu", "tflops", "toks_per_s_per_gpu", "mem_alloc_mib", "mem_reserved_mib",
+                "skipped_steps", "spike_skipped_steps", "mfu", "tflops", "toks_per_s_per_gpu", "mem_alloc_mib", "mem_reserved_mib",
                 "interval_steps"]  # steps averaged in the row: < train.log_every marks a partial interval (a stop, a resume)
 VAL_FIELDS = ["step", "val_loss", "ppl"]
 # tasks.csv: the scores of one task at one evaluation (train/evaluation/tasks_metrics.py defines them); tokens_seen is
@@ -62,7 +62,7 @@ SELECTION_HEALTH = ("sel_recall", "sel_outside_window", "gate_mean_cmp", "gate_m
 LAYER_SUFFIX = "_layers"
 
 METRICS_FIELDS = ("status", "step", "steps", "tokens_seen", "last_loss", "last_toks_per_s", "best_val_loss",
-                  "last_val_loss", "skipped_steps", "params", "params_non_embedding", "flops", "device", "world_size",
+                  "last_val_loss", "skipped_steps", "spike_skipped_steps", "params", "params_non_embedding", "flops", "device", "world_size",
                   "precision", "torch", "python", "git_sha", "started", "updated", "checkpoints", "data", "stop_reason",
                   "tasks")
 CRASH_FIELDS = ("exit_code", "crashed_at_step")  # added when a launcher records a crash (train/observe/run_status.py)

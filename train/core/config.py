@@ -27,6 +27,7 @@ from train.core.errors import ConfigError, UserError
 LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
 DECAY_SHAPES = ("linear", "1-sqrt", "cosine")
 WSD_ONLY_KEYS = ("decay_fraction", "decay_steps", "decay_shape")  # train keys only lr_schedule=wsd reads
+SPIKE_ONLY_KEYS = ("spike_skip_window", "spike_skip_limit")  # train keys only spike skipping (a threshold set) reads
 
 
 @dataclass
@@ -67,6 +68,12 @@ class TrainConfig:
     resume: str = "auto"  # auto | none | PATH to a checkpoint
     init_from: str = ""  # fresh starts only: initial weights from hf:DIR (a Hugging Face model directory) or PATH to one of our checkpoints (weights only)
     nonfinite_skip_limit: int = 3  # non-finite steps skipped before the run halts
+    # spike skipping (docs/RUNBOOK.md "Skipped steps"): a step whose loss / gradient norm is more than this many standard
+    # deviations above the mean of the last spike_skip_window accepted steps is skipped like a non-finite one; null: not checked (both null: off)
+    spike_skip_z_loss: float | None = None  # threshold on the step's global mean loss, in standard deviations (e.g. 6); null: loss not checked
+    spike_skip_z_norm: float | None = None  # threshold on the global gradient norm before clipping, in standard deviations; null: norm not checked
+    spike_skip_window: int = 100  # accepted steps in the trailing window, >= 2; nothing is flagged before it is full (spike skipping on only)
+    spike_skip_limit: int = 10  # this many spike skips in a row stop the run with a checkpoint, exit 3 (spike skipping on only)
     loss_floor: float = 0.0  # alert (heartbeat 'alert') if loss < floor before loss_floor_steps
     loss_floor_steps: int = 0  # the window (in steps) of the loss_floor alert
     loss_spike_sigma: float = 6.0  # record a 'loss_spike' alert when an interval's loss exceeds mean + k*std
@@ -95,9 +102,27 @@ class TrainConfig:
             raise ConfigError(f"train.sample_tokens must be positive, got {self.sample_tokens}")
         if self.keep_last == 0 and not self.keep_all_checkpoints:
             raise ConfigError("train.keep_last must be >= 1 (or set keep_all_checkpoints)")
+        self._validate_spike_skip()
         if self.eval_tasks and not (self.eval_every or self.eval_only):
             raise ConfigError("train.eval_tasks has no effect with train.eval_every=0: tasks are scored at each "
                               "evaluation; set train.eval_every")
+
+    @property
+    def spike_skip(self) -> bool:
+        """Spike skipping is on: a threshold is set (train/trainer/spikes.py)."""
+        return self.spike_skip_z_loss is not None or self.spike_skip_z_norm is not None
+
+    def _validate_spike_skip(self) -> None:
+        for name in ("spike_skip_z_loss", "spike_skip_z_norm"):
+            z = getattr(self, name)
+            if z is not None and not 0 < z < float("inf"):
+                raise ConfigError(f"train.{name} must be a positive number of standard deviations (null: not checked), "
+                                  f"got {z}")
+        if self.spike_skip_window < 2:
+            raise ConfigError(f"train.spike_skip_window must be >= 2 (a standard deviation needs two steps), "
+                              f"got {self.spike_skip_window}")
+        if self.spike_skip_limit < 1:
+            raise ConfigError(f"train.spike_skip_limit must be >= 1, got {self.spike_skip_limit}")
 
     def _validate_wsd(self) -> None:
         if (self.decay_fraction is None) == (self.decay_steps is None):
@@ -536,6 +561,9 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     if cfg.train.lr_schedule != "wsd" and (ignored := [k for k in WSD_ONLY_KEYS if k in sections["train"]]):
         raise ConfigError(f"{origins['train'].get(ignored[0], where)}: train.{ignored[0]} has no effect with train.lr_schedule="
                           f"{cfg.train.lr_schedule!r}; it sets the decay of lr_schedule=wsd")
+    if not cfg.train.spike_skip and (ignored := [k for k in SPIKE_ONLY_KEYS if k in sections["train"]]):
+        raise ConfigError(f"{origins['train'].get(ignored[0], where)}: train.{ignored[0]} has no effect with spike "
+                          "skipping off; set train.spike_skip_z_loss and/or train.spike_skip_z_norm to turn it on")
     cfg.runtime.validate()
     try:
         cfg.data.validate()
@@ -551,7 +579,8 @@ def dump_config(cfg: RunConfig) -> str:
     """The effective config as YAML that load_config accepts again: keys that have no effect for
     this run (the nsa section of a dense model, attn_backend of an NSA model, the nsa keys a window-only
     layer does not read, rope_* with learned positions, stream-loader settings of a bin: source, the task limit
-    without tasks, the wsd decay keys of another schedule) are left out."""
+    without tasks, the wsd decay keys of another schedule, the spike-skip window and limit with spike skipping
+    off) are left out."""
     doc = cfg.to_dict()
     if cfg.model.attention != "nsa":
         doc.pop("nsa")
@@ -569,5 +598,8 @@ def dump_config(cfg: RunConfig) -> str:
         doc["train"].pop("eval_tasks_limit")
     if cfg.train.lr_schedule != "wsd":
         for key in WSD_ONLY_KEYS:
+            doc["train"].pop(key)
+    if not cfg.train.spike_skip:
+        for key in SPIKE_ONLY_KEYS:
             doc["train"].pop(key)
     return yaml.safe_dump(doc, sort_keys=False)

@@ -90,6 +90,7 @@ class RunSummary:
             "tokens_seen": state.tokens_seen, "last_loss": last.get("loss"),
             "last_toks_per_s": last.get("toks_per_s"), "best_val_loss": _finite_or_none(state.best_val_loss),
             "last_val_loss": state.last_val_loss, "skipped_steps": state.skipped_steps,
+            "spike_skipped_steps": state.spike_skipped_steps,
             "params": self.params[0], "params_non_embedding": self.params[1],
             "flops": self.report.as_dict() if self.report is not None else None,
             "device": str(self.info.device), "world_size": self.info.world_size,

@@ -36,6 +36,7 @@ from train.hf.importer import init_state_dict
 from train.observe.efficiency import Efficiency
 from train.trainer.optim import build_optimizer
 from train.trainer.safety import stale_halt_message
+from train.trainer.spikes import SpikeDetector
 from train.trainer.start_checks import BATCH_KEYS, resume_checks
 
 
@@ -82,9 +83,13 @@ def _check_writable(out: Path) -> None:
         raise ConfigError(f"out_dir {out} is not writable: {exc.strerror or exc}") from None
 
 
+SPIKE_SKIP_KEY = "spike_skip"  # the checkpoint's spike-skip window (SpikeDetector.state_dict), None when off
+
+
 class Run:
     """What one training process holds: cfg, info (rank, device), out_dir and its lock, state (TrainState),
-    raw_model (the Transformer), model (what trains: DDP / FSDP / compiled), optimizer, data (DataBundle),
+    raw_model (the Transformer), model (what trains: DDP / FSDP / compiled), optimizer, spikes (the spike-skip
+    detector, None when off), data (DataBundle),
     efficiency (FLOPs report, MFU), resume_path / resumed, lineage, started (unix time)."""
 
     def __init__(self, cfg: RunConfig):
@@ -134,6 +139,7 @@ class Run:
             wrap_model(self.raw_model, self.info, cfg.runtime, self.amp_dtype)
         self.optimizer = build_optimizer(self.raw_model, cfg.train, self.info.device.type,
                                          zero1=cfg.runtime.zero1 and self.info.enabled)
+        self.spikes = SpikeDetector.from_config(cfg.train, self.info.device)  # None: spike skipping off
         # memory-mapped: tensors are read from the file while copied in, never held twice
         ckpt = ckpt_io.load_checkpoint(self.resume_path) if self.resume_path else None
         self.resumed = ckpt is not None
@@ -210,6 +216,11 @@ class Run:
         self.state.tokens_seen = int(ck.get("tokens_seen", 0))
         self.state.best_val_loss = float(ck.get("best_val_loss", math.inf))
         self.state.skipped_steps = int(ck.get("skipped_steps", 0))
+        self.state.spike_skipped_steps = int(ck.get("spike_skipped_steps", 0))
+        if self.spikes is not None and ck.get(SPIKE_SKIP_KEY) is not None:  # else the window starts empty
+            note = self.spikes.load_state_dict(ck[SPIKE_SKIP_KEY])
+            if note and self.is_main:
+                print(note, flush=True)
         data_states = ck.get("data") or []
         if data_states and not self.cfg.train.eval_only:  # evaluation reads held-out data only
             if getattr(self.data.train, "any_world_size", False):  # a function of the global step: any world size
@@ -234,7 +245,9 @@ class Run:
             state = {
                 "model": model_state, "optimizer": optim_state,
                 "tokens_seen": self.state.tokens_seen, "best_val_loss": self.state.best_val_loss,
-                "skipped_steps": self.state.skipped_steps, "data": data_states, "rng_per_rank": rng_states,
+                "skipped_steps": self.state.skipped_steps, "spike_skipped_steps": self.state.spike_skipped_steps,
+                SPIKE_SKIP_KEY: self.spikes.state_dict() if self.spikes is not None else None,
+                "data": data_states, "rng_per_rank": rng_states,
                 "config": self.cfg.to_dict(), "world_size": self.info.world_size, "lineage": self.lineage,
                 ckpt_io.DOCUMENT_EOS_KEY: self.raw_model.document_eos_id,
             }

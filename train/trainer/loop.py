@@ -2,7 +2,9 @@
 
 Host syncs on CUDA: none per step. Loss, gradient norm and skipped-step counts stay on the device
 and are read once per log interval (one `.tolist()`, plus one for NSA gate statistics); a non-finite
-step is skipped on-device by the fused optimizer's `found_inf` input.
+step is skipped on-device by the fused optimizer's `found_inf` input, and so is a loss / gradient-norm spike with
+spike skipping on (train/trainer/spikes.py; the step's loss is then all-reduced on multi-rank runs, a collective
+queued on the device, so every rank decides alike).
 
 The loop returns plain rows and writes nothing: the runner (train/trainer/runner.py) hands them to the sinks
 (train/observe/sinks.py). A `log()` row is a training.csv row, plus the NSA gate and selection statistics
@@ -28,6 +30,7 @@ from train.observe.efficiency import Efficiency
 from train.trainer.clock import TrainingClock
 from train.trainer.lr_schedule import lr_at
 from train.trainer.optim import set_lr, step_unless_nonfinite
+from train.trainer.spikes import SpikeDetector
 
 
 class GateStats:
@@ -63,10 +66,12 @@ class GateStats:
 class Loop:
     def __init__(self, *, model: nn.Module, raw_model: nn.Module, optimizer: torch.optim.Optimizer, data,
                  state: TrainState, cfg: TrainConfig, info: DistInfo, amp_dtype: torch.dtype, clock: TrainingClock,
-                 efficiency: Efficiency, gate_stats: GateStats | None = None):
+                 efficiency: Efficiency, gate_stats: GateStats | None = None, spikes: SpikeDetector | None = None):
         """model: what trains (DDP / FSDP / compiled wrapper); raw_model: the Transformer itself (clipping,
-        evaluation); data: train/data/build.py's DataBundle; gate_stats: NSA models only."""
-        self.model, self.raw_model, self.opt = model, raw_model, optimizer
+        evaluation); data: train/data/build.py's DataBundle; gate_stats: NSA models only; spikes: the spike-skip
+        detector (None: spike skipping off, and the step does nothing for it)."""
+        self.model, self.raw_model, self.opt, self.spikes = model, raw_model, optimizer, spikes
+        self.spike_run = 0  # the longest run of spike skips in a row seen by the last log(); the runner halts on train.spike_skip_limit
         self.data, self.state, self.cfg = data, state, cfg
         self.info, self.device, self.amp_dtype = info, info.device, amp_dtype
         self.clock, self.efficiency, self.gate_stats = clock, efficiency, gate_stats
@@ -79,6 +84,7 @@ class Loop:
     def _reset_interval(self) -> None:
         zero = lambda: torch.zeros((), device=self.device)  # noqa: E731
         self.i_loss, self.i_ok, self.i_skipped, self.i_norm = zero(), zero(), zero(), zero()  # 0-dim, on device
+        self.i_spiked = zero() if self.spikes is not None else None
         self.i_fetch_s, self.i_steps = 0.0, 0
 
     def step(self, collect_stats: bool) -> None:
@@ -117,11 +123,14 @@ class Loop:
             norm = norm.full_tensor()
         # the norm is global (gradients are already reduced), so every rank takes the same decision
         found_inf = (~torch.isfinite(norm)).float()
-        if self.scaler:
-            self.scaler.step(self.opt)
-            self.scaler.update()
+        if self.spikes is None:
+            if self.scaler:
+                self.scaler.step(self.opt)
+                self.scaler.update()
+            else:
+                step_unless_nonfinite(self.opt, found_inf)
         else:
-            step_unless_nonfinite(self.opt, found_inf)
+            self._step_unless_spike(loss_sum / n_micro, norm, found_inf)
         self.opt.zero_grad(set_to_none=True)
         ok = 1.0 - found_inf
         self.i_loss += torch.nan_to_num(loss_sum / n_micro * ok, nan=0.0, posinf=0.0, neginf=0.0)
@@ -132,13 +141,30 @@ class Loop:
         self.state.step += 1
         self.state.tokens_seen += self.tokens_per_step
 
+    def _step_unless_spike(self, loss: torch.Tensor, norm: torch.Tensor, found_inf: torch.Tensor) -> None:
+        """Spike skipping on: the step is applied unless it is non-finite or a spike (on-device flag). loss: this
+        rank's mean over its micro-batches, made global here. With fp16 the scaler's overflow shows as a non-finite
+        norm (the gradients are unscaled before the norm), so found_inf covers it; the scaler still updates its scale
+        from its own overflow check only, so a spike never shrinks the scale."""
+        if self.info.enabled:
+            loss = all_reduce_mean(loss.detach().reshape(1), self.info).reshape(())
+        spike = self.spikes.observe(loss, norm, found_inf)
+        step_unless_nonfinite(self.opt, found_inf + spike)
+        if self.scaler:
+            self.scaler.update()
+        self.i_spiked += spike
+
     # ---- once per log interval: the only host sync ----------------------------------------
     def log(self) -> dict:
         """The interval's row: training.csv columns (docs/ARTIFACTS.md), then gate statistics (NSA)."""
         state = self.state
-        totals = torch.stack([self.i_loss, self.i_ok, self.i_skipped, self.i_norm])  # [4]
+        spiking = [] if self.spikes is None else [self.i_spiked, self.spikes.take_peak()]
+        totals = torch.stack([self.i_loss, self.i_ok, self.i_skipped, self.i_norm, *spiking])  # [4] or [6]
         loss_sum = all_reduce_mean(totals[:1], self.info)  # the global mean loss, not rank 0's
-        loss_sum, ok, skipped, norm_sum = torch.cat([loss_sum, totals[1:]]).tolist()
+        loss_sum, ok, skipped, norm_sum, *spiked = torch.cat([loss_sum, totals[1:]]).tolist()
+        if spiked:
+            state.spike_skipped_steps += int(spiked[0])
+            self.spike_run = int(spiked[1])
         gate = {}
         if self.gate_stats is not None:
             # off the clock: the selection recall computed here is not training work (the .tolist() above has
@@ -153,6 +179,7 @@ class Loop:
             "toks_per_s": toks_per_s, "grad_norm": norm_sum / ok if ok else float("nan"),
             "dt_step_s": elapsed / self.i_steps, "dt_fetch_s": self.i_fetch_s / self.i_steps,
             "tokens_seen": state.tokens_seen, "skipped_steps": state.skipped_steps,
+            "spike_skipped_steps": state.spike_skipped_steps,
             **self.efficiency.columns(toks_per_s), "interval_steps": self.i_steps, **gate,
         }
         self._reset_interval()

@@ -6,7 +6,8 @@ sampling and checkpoints are off the training clock (train/trainer/clock.py), an
 watchdog, SDPA audit and alerts are hooks at fixed points of the step (train/trainer/hooks.py).
 
 Exit codes: 0 finished or stopped gracefully (HALT / SIGTERM / SIGINT / stop_after),
-3 halted on repeated non-finite losses (.anomaly_type written, last good checkpoint intact).
+3 halted on an anomaly (.anomaly_type written): repeated non-finite losses (the last good checkpoint intact, none
+written), or train.spike_skip_limit spike skips in a row (a checkpoint written: skipped steps changed no weights).
 """
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ def build_loop(run: Run, clock: TrainingClock) -> Loop:
     nsa = run.cfg.model.attention == "nsa"
     return Loop(model=run.model, raw_model=run.raw_model, optimizer=run.optimizer, data=run.data, state=run.state,
                 cfg=run.cfg.train, info=run.info, amp_dtype=run.amp_dtype, clock=clock, efficiency=run.efficiency,
-                gate_stats=GateStats(run.raw_model) if nsa else None)
+                gate_stats=GateStats(run.raw_model) if nsa else None, spikes=run.spikes)
 
 
 def task_row(run: Run, tasks: LoopTasks) -> dict:
@@ -135,6 +136,9 @@ def _train(run: Run, recorder: Recorder, tasks: LoopTasks | None) -> int:
                     recorder.log(state.step, {"kind": "train", **row})
                 if state.skipped_steps > cfg.nonfinite_skip_limit:
                     return _halt_anomaly(run, recorder)
+                if cfg.spike_skip and loop.spike_run >= cfg.spike_skip_limit:
+                    with clock.off_the_clock():
+                        return _halt_spikes(run, recorder, loop.spike_run)
                 hooks.after_log(state.step, row)
             if cfg.eval_every and state.step % cfg.eval_every == 0:
                 with clock.off_the_clock():  # evaluation is not training time, nor are tasks, sampling and checkpoints
@@ -173,6 +177,22 @@ def _save(run: Run, recorder: Recorder) -> None:
 def _val_improved(run: Run) -> bool:
     last = run.state.last_val_loss
     return last is None or last <= run.state.best_val_loss
+
+
+def _halt_spikes(run: Run, recorder: Recorder, spike_run: int) -> int:
+    """train.spike_skip_limit spike skips in a row: a checkpoint (the skipped steps left weights and optimizer as they
+    were; the data position moved past them), the one-line reason in .anomaly_type, exit 3. Checked at log intervals
+    only (no host sync per step; the longest run of the interval counts, so a run that ended within it is not missed),
+    so the stop can come up to train.log_every - 1 steps after the limit's skip."""
+    cfg = run.cfg.train
+    run.state.stop_reason = "anomaly"
+    _save(run, recorder)
+    msg = (f"loss_spike_skips: {spike_run} spike-skipped steps in a row >= limit {cfg.spike_skip_limit} at step "
+           f"{run.state.step} (train.spike_skip_limit; {run.state.spike_skipped_steps} in the run)")
+    if run.is_main:
+        (run.out_dir / ANOMALY).write_text(msg + "\n")
+    recorder.log(run.state.step, {"kind": "anomaly", "anomaly_type": "loss_spike_skips", "message": msg})
+    return EXIT_ANOMALY
 
 
 def _halt_anomaly(run: Run, recorder: Recorder) -> int:
