@@ -286,16 +286,17 @@ def test_exact_resume_across_a_halt_with_spikes_on_either_side(whole, garbage_bi
 
 def test_exact_resume_after_kill9_with_spikes_on(whole, garbage_bin, tmp_path):
     out = tmp_path / "killed"
-    args = spike_args(garbage_bin, out, "--train.save_every=20")
+    args = spike_args(garbage_bin, out, "--train.save_every=15")
     proc = spawn(*args)
     try:
-        wait_for(lambda: (out / "checkpoint_step20.pt").exists(), what="the first checkpoint")
+        wait_for(lambda: (out / "checkpoint_step30.pt").exists(), what="checkpoint_step30.pt")
         proc.send_signal(signal.SIGKILL)
     finally:
         proc.communicate(timeout=60)
     assert proc.returncode == -9, "the run ended before the kill"
-    done = {int(p.name[len("checkpoint_step"):-3]) for p in out.glob("checkpoint_step*.pt")}
-    assert max(done) < max(spiked_steps(whole))  # spikes remain to be decided after the resume
+    resumed_at = max(int(p.name[len("checkpoint_step"):-3]) for p in out.glob("checkpoint_step*.pt"))
+    # a spike within a window's length after the resume point: only the restored window can flag it
+    assert any(resumed_at < s <= resumed_at + WINDOW for s in spiked_steps(whole)), (resumed_at, spiked_steps(whole))
     res = cli(*args)
     assert res.returncode == 0, res.stderr[-2000:]
     assert trace(out) == trace(whole)
