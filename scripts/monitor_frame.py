@@ -16,7 +16,8 @@ about itself (WINDOW and STALE_S also come from the environment):
   trainer     'alert' records the trainer wrote to the heartbeat in the current session
   crashed     the trainer is gone while metrics.json still says running (train/observe/run_status.py)
   stale       no heartbeat line for STALE_S (300) seconds while the run is not finished
-  nan         a non-finite loss, newly skipped steps, or an anomaly halt
+  nan         a non-finite loss, newly skipped non-finite steps, or an anomaly halt
+  spike       newly spike-skipped steps (train.spike_skip_*), or a halt on spike skips in a row
   watchdog    the trainer's watchdog fired (no step for runtime.watchdog_s) in the current session
 """
 from __future__ import annotations
@@ -261,6 +262,13 @@ def build_frame(target: Path, *, window: int = 20, stale_s: float = 300.0, nvidi
         if len(skipped) >= 2 and skipped[-1] > skipped[0]:
             alerts.append(f"nan: {skipped[-1] - skipped[0]:.0f} non-finite step(s) skipped in the window "
                           f"({skipped[-1]:.0f} in the run)")
+        spiked = [to_float(r.get("spike_skipped_steps")) or 0 for r in win]  # absent in older training.csv files
+        if spiked[-1]:
+            lines.append(f"spikes      {spiked[-1]:.0f} step(s) skipped as loss / grad-norm spikes in the run, "
+                         f"{spiked[-1] - spiked[0]:.0f} in the window")
+        if len(spiked) >= 2 and spiked[-1] > spiked[0]:
+            alerts.append(f"spike: {spiked[-1] - spiked[0]:.0f} step(s) skipped as loss / grad-norm spikes in the "
+                          f"window ({spiked[-1]:.0f} in the run)")
     else:
         lines.append("loss        no training.csv rows yet")
 
@@ -337,7 +345,8 @@ def build_frame(target: Path, *, window: int = 20, stale_s: float = 300.0, nvidi
     if anomaly.exists():
         text = anomaly.read_text(encoding="utf-8", errors="replace").strip()
         flags.append(f"ANOMALY: {text}")
-        alerts.append(f"nan: the run halted on an anomaly: {text}")
+        kind = "spike" if text.startswith("loss_spike_skips") else "nan"
+        alerts.append(f"{kind}: the run halted on an anomaly: {text}")
     dumps = stack_dump_files(out)
     if dumps:
         flags.append(f"stack dumps in {len(dumps)} file(s), newest {dumps[-1].name}")

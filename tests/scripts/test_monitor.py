@@ -30,7 +30,7 @@ HEALTHY_GATES = {"gate_entropy_mean": 0.62, "gate_entropy_min": 0.2, "gate_colla
 
 
 def make_out(root: Path, *, n=10, steps=1000, every=10, loss=lambda i: 6.0 - 0.1 * i, tps=lambda i: 1000.0,
-             gates=None, status="running", age=5.0, skipped=lambda i: 0) -> Path:
+             gates=None, status="running", age=5.0, skipped=lambda i: 0, spiked=lambda i: 0) -> Path:
     out = root / "out"
     out.mkdir(parents=True)
     with open(out / "training.csv", "w", newline="") as f:
@@ -39,6 +39,7 @@ def make_out(root: Path, *, n=10, steps=1000, every=10, loss=lambda i: 6.0 - 0.1
         for i in range(1, n + 1):
             w.writerow({"step": i * every, "loss": loss(i), "lr": 1e-4, "toks_per_s": tps(i), "grad_norm": 1.0,
                         "dt_step_s": 0.5, "dt_fetch_s": 0.01, "tokens_seen": i * 1000, "skipped_steps": skipped(i),
+                        "spike_skipped_steps": spiked(i),
                         "mfu": 0.4, "toks_per_s_per_gpu": tps(i) / 2, "mem_reserved_mib": 30000})
     (out / "val.csv").write_text("step,val_loss,ppl\n50,4.0,54.6\n100,3.5,33.1\n")
     t0 = NOW - age - n * 5
@@ -150,6 +151,17 @@ def test_nan_and_anomaly(tmp_path):
     assert any(a.startswith("nan: 2 non-finite step(s) skipped") for a in alerts)
     assert any(a.startswith("nan: the run halted on an anomaly: nonfinite_loss") for a in alerts)
     assert "ANOMALY: nonfinite_loss" in text
+
+
+def test_spike_skips_and_their_halt(tmp_path):
+    assert "spikes " not in frame(make_out(tmp_path / "none"))[0]  # none skipped: no line, no alert
+    out = make_out(tmp_path, spiked=lambda i: 3 if i >= 9 else 1)
+    (out / ".anomaly_type").write_text("loss_spike_skips: 3 spike-skipped steps in a row >= limit 3 at step 100\n")
+    text, alerts = frame(out)
+    assert "spikes      3 step(s) skipped as loss / grad-norm spikes in the run, 2 in the window" in text
+    assert "spike: 2 step(s) skipped as loss / grad-norm spikes in the window (3 in the run)" in alerts
+    assert any(a.startswith("spike: the run halted on an anomaly: loss_spike_skips") for a in alerts)
+    assert not any(a.startswith("nan:") for a in alerts)
 
 
 def test_watchdog_trainer_alerts_and_halt_flag(tmp_path):

@@ -68,10 +68,10 @@ class TrainConfig:
     resume: str = "auto"  # auto | none | PATH to a checkpoint
     init_from: str = ""  # fresh starts only: initial weights from hf:DIR (a Hugging Face model directory) or PATH to one of our checkpoints (weights only)
     nonfinite_skip_limit: int = 3  # non-finite steps skipped before the run halts
-    # spike skipping (docs/RUNBOOK.md "Skipped steps"): a step whose loss / gradient norm is more than this many standard
-    # deviations above the mean of the last spike_skip_window accepted steps is skipped like a non-finite one; null: not checked (both null: off)
-    spike_skip_z_loss: float | None = None  # threshold on the step's global mean loss, in standard deviations (e.g. 6); null: loss not checked
-    spike_skip_z_norm: float | None = None  # threshold on the global gradient norm before clipping, in standard deviations; null: norm not checked
+    # spike skipping (docs/RUNBOOK.md "Skipped steps"), on when a threshold is set: a step whose loss / gradient norm is more
+    # than that many standard deviations above the mean of the last spike_skip_window accepted steps is skipped like a non-finite one
+    spike_skip_z_loss: float | None = None  # spike skipping on the step's global mean loss: a threshold in standard deviations above the window's mean (e.g. 6); null: loss not checked
+    spike_skip_z_norm: float | None = None  # spike skipping on the global gradient norm (before clipping), in standard deviations; null: norm not checked (both null: spike skipping off, the default)
     spike_skip_window: int = 100  # accepted steps in the trailing window, >= 2; nothing is flagged before it is full (spike skipping on only)
     spike_skip_limit: int = 10  # this many spike skips in a row stop the run with a checkpoint, exit 3 (spike skipping on only)
     loss_floor: float = 0.0  # alert (heartbeat 'alert') if loss < floor before loss_floor_steps
