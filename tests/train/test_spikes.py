@@ -333,3 +333,31 @@ def test_two_ranks_decide_like_one_on_the_same_global_batch(whole, garbage_bin, 
     a = [float(r["loss"]) for r in read_csv(whole / "training.csv")]
     b = [float(r["loss"]) for r in read_csv(out / "training.csv")]
     assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
+
+
+def test_the_fp16_scaler_sequence_skips_a_spike_without_touching_the_scale():
+    """The loop's fp16 order with spike skipping on (Loop._step_unless_spike): unscale_, the norm, the optimizer with
+    found_inf + spike, scaler.update(). On CPU with a CPU GradScaler (the loop uses CUDA's; the calls are the same):
+    a spike skips the step and keeps the scale; an overflow skips it and halves the scale (the scaler's own check)."""
+    from train.trainer.optim import step_unless_nonfinite
+
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+
+    def step(spike: float, overflow: bool = False) -> tuple[bool, float]:
+        loss = model(torch.randn(5, 4)).square().sum() * (float("inf") if overflow else 1.0)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        norm = torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0, foreach=True)
+        found_inf = (~torch.isfinite(norm)).float()
+        before = [p.detach().clone() for p in model.parameters()]
+        step_unless_nonfinite(opt, found_inf + torch.tensor(spike) * (1 - found_inf))
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        return any(not torch.equal(a, p) for a, p in zip(before, model.parameters())), scaler.get_scale()
+
+    assert step(0.0) == (True, 1024.0)
+    assert step(1.0) == (False, 1024.0)  # a spike: skipped, the scale kept
+    assert step(0.0, overflow=True) == (False, 512.0)  # an overflow: skipped, the scale halved
+    assert float(opt.state[model.weight]["step"]) == 1.0
