@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
             s = meta["splits"]
             print(f"ok {args.out}: train {s['train']['tokens']:,} tokens / {s['train']['documents']:,} docs, val "
                   f"{s['val']['tokens']:,} tokens / {s['val']['documents']:,} docs, buckets "
-                  f"{', '.join(f'{lo}-{hi}' for lo, hi in spec.buckets())} tokens")
+                  f"{', '.join(f'{lo}-{hi}' for lo, hi in spec.buckets())} tokens; train it with "
+                  f"--data.source=bin:{args.out} --data.window_start=document (windows open at a document)")
             return 0
         if (args.window is None) != (args.doc_tokens is None):
             raise UserError("--window and --doc_tokens go together")

@@ -98,8 +98,11 @@ def test_make_train_and_score_end_to_end(tmp_path, capsys):
     out = tmp_path / "run"
     from train.trainer.runner import run_training
 
-    assert run_training(tiny_config(out, f"--data.source=bin:{data}", "--data.tokenizer=byte", "--train.steps=4")) == 0
+    assert run_training(tiny_config(out, f"--data.source=bin:{data}", "--data.tokenizer=byte", "--train.steps=4",
+                                    "--data.window_start=document")) == 0
     capsys.readouterr()
+    data_info = json.loads((out / "metrics.json").read_text())["data"]
+    assert data_info["window_start"] == "document" and 0 < data_info["train_window_starts"] <= meta["splits"]["train"]["documents"]
     assert recall_main(["score", str(out), "--documents", "4", "--device", "cpu"]) == 0
     result = json.loads(capsys.readouterr().out)
     written = json.loads((out / f"recall_step{result['step']}.json").read_text())
