@@ -257,3 +257,12 @@ def test_halt_and_sigterm_wait_for_the_write_in_flight(tmp_path, stop):
     final = ckpt_io.valid_checkpoints(out)[-1]
     assert final[0] >= in_flight and os.readlink(out / LATEST) == final[1].name
     assert ckpt_io.load_checkpoint(final[1])["step"] == final[0]
+
+
+def test_a_bad_setting_is_one_line_and_exit_2(tmp_path, capsys):
+    from train.__main__ import main
+
+    assert main([f"--train.out_dir={tmp_path / 'run'}", "--train.async_checkpoint=maybe"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "train.async_checkpoint" in err[0] and "true/false" in err[0], err
+    assert not (tmp_path / "run").exists()
