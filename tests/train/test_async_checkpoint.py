@@ -1,6 +1,6 @@
 """train.async_checkpoint: the state staged to host memory, one background thread writes the file (train/checkpoint/
 async_writer.py). Equal checkpoints and bit-identical runs, exact resume from a file the thread wrote while training
-went on, a real kill -9 while a write is in flight, .HALT / SIGTERM waiting for the write, a write that fails for real
+went on, a real kill -9 while a write is in flight, .HALT / SIGTERM and an error waiting for the write, a write that fails for real
 surfacing as one line with exit 2, and nothing started when it is off."""
 from __future__ import annotations
 
@@ -266,3 +266,36 @@ def test_a_bad_setting_is_one_line_and_exit_2(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "train.async_checkpoint" in err[0] and "true/false" in err[0], err
     assert not (tmp_path / "run").exists()
+
+
+def test_an_error_while_a_write_is_in_flight_waits_for_it_before_the_out_dir_is_freed(tmp_path, monkeypatch):
+    from train.trainer.loop import Loop
+
+    out, seen, original = tmp_path / "run", [], Loop.step
+
+    def step(self, *args, **kwargs):
+        if self.state.step == 3:  # right after the asynchronous save of step 3: its write has just started
+            seen.append(temp_files(out, os.getpid()))
+            raise RuntimeError("injected fault")
+        return original(self, *args, **kwargs)
+
+    at_release, release = [], OutDirLock.release
+
+    def recording_release(self):
+        at_release.append((temp_files(out), len(writer_threads())))  # what is still being written as the lock goes
+        release(self)
+
+    monkeypatch.setattr(Loop, "step", step)
+    monkeypatch.setattr(OutDirLock, "release", recording_release)
+    with pytest.raises(RuntimeError, match="injected fault"):
+        run_training(tiny_config(out, *BIG[:6], "--model.vocab_size=32768", "--model.dim=256", "--train.steps=8",
+                                 "--train.save_every=3", ASYNC))  # a 120 MB state: a write far longer than the way out
+    assert seen and seen[0], "the fault did not land while the write was in flight"
+    assert at_release == [([], 0)]  # the out_dir lock went only once the write was done
+    assert not temp_files(out) and not writer_threads()
+    assert ckpt_io.checkpoint_problem(out / "checkpoint_step3.pt") is None
+    assert os.readlink(out / LATEST) == "checkpoint_step3.pt"
+    monkeypatch.undo()
+    lock = OutDirLock(out)
+    lock.acquire()  # and it is free
+    lock.release()
