@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,16 @@ def temp_files(out: Path, pid: int | None = None) -> list[str]:
     """Temporary files of checkpoint writes (of process pid, or any) in out."""
     suffix = f".tmp{pid}" if pid is not None else ".tmp"
     return [n for n in os.listdir(out) if n.startswith(".checkpoint_step") and suffix in n] if out.exists() else []
+
+
+def write_in_flight(out: Path, proc: subprocess.Popen, timeout: float = 120) -> list[str]:
+    """Poll (every 0.5 ms) until proc has a checkpoint write's temporary file in out; its names ([] if proc ended)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if found := temp_files(out, proc.pid):
+            return found
+        time.sleep(0.0005)
+    return []
 
 
 def same_content(a: dict, b: dict, ignore: tuple[str, ...] = ()) -> bool:
@@ -211,7 +222,7 @@ def test_kill9_while_a_write_is_in_flight_loses_nothing_and_resumes_exactly(tmp_
     try:
         wait_for(lambda: (out / LATEST).is_symlink() or proc.poll() is not None, what="a first checkpoint")
         safe = {p.name for _, p in ckpt_io.valid_checkpoints(out)}
-        wait_for(lambda: temp_files(out, proc.pid) or proc.poll() is not None, timeout=120, what="a write in flight")
+        write_in_flight(out, proc)
         proc.kill()  # SIGKILL while the writer thread writes: no handler, no wait
     finally:
         proc.kill()
@@ -240,8 +251,9 @@ def test_halt_and_sigterm_wait_for_the_write_in_flight(tmp_path, stop):
     out = tmp_path / "run"
     proc = start(out, "--train.steps=100000", "--train.save_every=2", "--train.keep_all_checkpoints=true", ASYNC)
     try:
-        wait_for(lambda: temp_files(out, proc.pid) or proc.poll() is not None, timeout=120, what="a write in flight")
-        in_flight = int(temp_files(out, proc.pid)[0].split("checkpoint_step")[1].split(".pt")[0])
+        names = write_in_flight(out, proc)
+        assert names, "the trainer ended before a write was seen"
+        in_flight = int(names[0].split("checkpoint_step")[1].split(".pt")[0])
         if stop == "HALT":
             (out / ".HALT").write_text("test\n")
         else:
@@ -274,7 +286,9 @@ def test_an_error_while_a_write_is_in_flight_waits_for_it_before_the_out_dir_is_
     out, seen, original = tmp_path / "run", [], Loop.step
 
     def step(self, *args, **kwargs):
-        if self.state.step == 3:  # right after the asynchronous save of step 3: its write has just started
+        if self.state.step == 3:  # right after the asynchronous save of step 3, once its thread has opened the file
+            wait_for(lambda: temp_files(out, os.getpid()) or (out / "checkpoint_step3.pt").exists(), timeout=30,
+                     what="the write to start")
             seen.append(temp_files(out, os.getpid()))
             raise RuntimeError("injected fault")
         return original(self, *args, **kwargs)
