@@ -149,11 +149,23 @@ def apply_retention(out_dir: Path, keep_last: int, keep_all: bool, protect: tupl
     return doomed
 
 
+def checkpoint_payload(step: int, state: dict) -> dict:
+    """What a checkpoint file holds. state: model, optimizer, tokens_seen, data, config, lineage, ... ; adds step,
+    this process's RNG states (taken now, on the calling thread) and the format version."""
+    return {"format_version": FORMAT_VERSION, "step": step, "rng": rng_state(), **state}
+
+
 def save_checkpoint(out_dir: Path, step: int, state: dict, keep_last: int, keep_all: bool,
                     protect: tuple[Path, ...] = ()) -> Path:
     """state: model, optimizer, tokens_seen, data, config, lineage, ... ; adds step, RNG states, format version."""
+    return write_checkpoint(out_dir, step, checkpoint_payload(step, state), keep_last, keep_all, protect)
+
+
+def write_checkpoint(out_dir: Path, step: int, payload: dict, keep_last: int, keep_all: bool,
+                     protect: tuple[Path, ...] = ()) -> Path:
+    """The write of save_checkpoint (train/checkpoint/async_writer.py runs it on its thread): the file (temporary
+    name, fsync, rename), then `latest.pt` and retention, which so move only once the file is whole."""
     path = out_dir / checkpoint_name(step)
-    payload = {"format_version": FORMAT_VERSION, "step": step, "rng": rng_state(), **state}
     atomic_save(payload, path)
     if (stamp := _stamp(path)) is not None:
         _validated[path] = stamp  # written whole, fsynced and renamed just now

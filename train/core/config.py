@@ -65,6 +65,10 @@ class TrainConfig:
     keep_last: int = 3  # checkpoints kept unless keep_all_checkpoints
     keep_all_checkpoints: bool = False  # never delete checkpoints
     always_save_checkpoint: bool = True  # False: a periodic save happens only if val loss improved
+    # true: a save stages the state to host memory (pinned on CUDA), the only part that stops training, and a background
+    # thread writes the file while training goes on; one write in flight at most; the final save, .HALT, SIGTERM and
+    # errors wait for it (docs/RUNBOOK.md "Asynchronous checkpoints")
+    async_checkpoint: bool = False
     resume: str = "auto"  # auto | none | PATH to a checkpoint
     init_from: str = ""  # fresh starts only: initial weights from hf:DIR (a Hugging Face model directory) or PATH to one of our checkpoints (weights only)
     nonfinite_skip_limit: int = 3  # non-finite steps skipped before the run halts

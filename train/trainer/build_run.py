@@ -15,10 +15,11 @@ import torch
 from nsa.model import Transformer
 from nsa.profiling import set_nvtx, set_sdpa_audit
 from train.checkpoint import io as ckpt_io
+from train.checkpoint.async_writer import AsyncWriter, stage_to_host
 from train.checkpoint.run_dir import OutDirBusy, OutDirLock, apply_start, drop_if_only_lock, plan_start
 from train.checkpoint.state_dicts import gather_states, load_states
 from train.checkpoint.train_state import TrainState
-from train.core.artifacts import CONFIG_YAML
+from train.core.artifacts import CONFIG_YAML, checkpoint_name
 from train.core.config import RunConfig, dump_config
 from train.core.data_config import resolve_document_mask
 from train.core.distributed import (
@@ -89,13 +90,14 @@ SPIKE_SKIP_KEY = "spike_skip"  # the checkpoint's spike-skip window (SpikeDetect
 class Run:
     """What one training process holds: cfg, info (rank, device), out_dir and its lock, state (TrainState),
     raw_model (the Transformer), model (what trains: DDP / FSDP / compiled), optimizer, spikes (the spike-skip
-    detector, None when off), data (DataBundle),
+    detector, None when off), data (DataBundle), writer (rank 0's AsyncWriter with train.async_checkpoint, else None),
     efficiency (FLOPs report, MFU), resume_path / resumed, lineage, started (unix time)."""
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         self.info: DistInfo = init_distributed(cfg.runtime)
         self.is_main = self.info.is_main
+        self.writer = AsyncWriter() if cfg.train.async_checkpoint and self.is_main else None
         if cfg.runtime.threads and self.info.device.type == "cpu":
             torch.set_num_threads(cfg.runtime.threads)
         existed = Path(cfg.train.out_dir).exists()
@@ -235,8 +237,10 @@ class Run:
         ckpt_io.set_rng_state(ranks_rng[self.info.rank] if ranks_rng and len(ranks_rng) > self.info.rank else rng)
 
     # ---- checkpoints -------------------------------------------------------------------------
-    def save(self) -> Path | None:
-        """Collective: every rank's data position and RNG state, rank 0 writes the file (its path; None elsewhere)."""
+    def save(self, wait: bool = True) -> Path | None:
+        """Collective: every rank's data position and RNG state, rank 0 writes the file (its path; None elsewhere).
+        With train.async_checkpoint rank 0 stages the state to host memory and its writer thread writes the file;
+        wait=False returns once the state is staged (the path then names a file still being written)."""
         data_states = gather_objects(self.data.train.state_dict(), self.info)
         rng_states = gather_objects(ckpt_io.rng_state(), self.info)
         model_state, optim_state = gather_states(self.raw_model, self.optimizer, self.is_main)
@@ -251,13 +255,38 @@ class Run:
                 "config": self.cfg.to_dict(), "world_size": self.info.world_size, "lineage": self.lineage,
                 ckpt_io.DOCUMENT_EOS_KEY: self.raw_model.document_eos_id,
             }
-            protect = (self.resume_path,) if self.resume_path else ()
-            path = ckpt_io.save_checkpoint(self.out_dir, self.state.step, state, self.cfg.train.keep_last,
-                                           self.cfg.train.keep_all_checkpoints, protect=protect)
+            path = self._write(state, wait)
         barrier(self.info)
         return path
 
+    def _write(self, state: dict, wait: bool) -> Path:
+        step, train = self.state.step, self.cfg.train
+        protect = (self.resume_path,) if self.resume_path else ()
+        if self.writer is None:
+            return ckpt_io.save_checkpoint(self.out_dir, step, state, train.keep_last, train.keep_all_checkpoints,
+                                           protect=protect)
+        payload = stage_to_host(ckpt_io.checkpoint_payload(step, state), pin=self.info.device.type == "cuda")
+        path = self.out_dir / checkpoint_name(step)
+        self.writer.submit(str(path), lambda: ckpt_io.write_checkpoint(
+            self.out_dir, step, payload, train.keep_last, train.keep_all_checkpoints, protect=protect))
+        if wait:
+            self.writer.wait()
+        return path
+
+    def finish_writes(self) -> None:
+        """Wait for an asynchronous checkpoint write in flight; its failure raises CheckpointError (one line)."""
+        if self.writer is not None:
+            self.writer.wait()
+
     def close(self) -> None:
-        self.data.close()
-        if self.lock is not None:
-            self.lock.release()
+        """Waits for a checkpoint write in flight (the out_dir stays locked until it is done), then frees the run.
+        Called on every way out: a write that failed here is reported on stderr, not raised over the run's own
+        outcome (the clean path has already waited, and raised, at its final save)."""
+        try:
+            self.finish_writes()
+        except CheckpointError as exc:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        finally:
+            self.data.close()
+            if self.lock is not None:
+                self.lock.release()

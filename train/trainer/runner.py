@@ -152,7 +152,7 @@ def _train(run: Run, recorder: Recorder, tasks: LoopTasks | None) -> int:
             periodic = cfg.save_every and state.step % cfg.save_every == 0 and state.step < cfg.steps
             if periodic and (cfg.always_save_checkpoint or _val_improved(run)):
                 with clock.off_the_clock():
-                    _save(run, recorder)
+                    _save(run, recorder, wait=False)  # train.async_checkpoint: the write goes on with the steps
             if reason is not None:
                 state.stop_reason = f"stop_after={cfg.stop_after}" if reason == "stop_after" else reason
                 break
@@ -166,10 +166,13 @@ def _train(run: Run, recorder: Recorder, tasks: LoopTasks | None) -> int:
     return 0
 
 
-def _save(run: Run, recorder: Recorder) -> None:
-    """A checkpoint (collective), then its row: rank 0's summary sink rewrites metrics.json and run_*.json."""
+def _save(run: Run, recorder: Recorder, wait: bool = True) -> None:
+    """A checkpoint (collective), then its row: rank 0's summary sink rewrites metrics.json and run_*.json.
+    wait=False (periodic saves): with train.async_checkpoint the file is written in the background and dt_save_s is
+    the time training stopped for (staging the state to host memory, and any previous write still in flight);
+    the final save and the anomaly stop wait for the write."""
     t0 = time.perf_counter()
-    path = run.save()
+    path = run.save(wait=wait)
     recorder.log(run.state.step, {"kind": "checkpoint", "path": str(path) if path else None,
                                   "dt_save_s": time.perf_counter() - t0})
 
