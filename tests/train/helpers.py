@@ -68,3 +68,20 @@ def read_csv(path: Path) -> list[dict]:
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def halt_while_step_runs(monkeypatch, out_dir: Path, step: int):
+    """The operator's `touch OUT_DIR/.HALT` lands while optimizer step `step` (1-based) of a synthetic-data run
+    fetches its batch (one micro-batch a step). Returns the unpatched next_batch, for a caller that restores it."""
+    from train.data.synthetic import SyntheticStream
+
+    original, calls = SyntheticStream.next_batch, {"n": 0}
+
+    def next_batch(self):
+        calls["n"] += 1
+        if calls["n"] == step:
+            (out_dir / ".HALT").touch()
+        return original(self)
+
+    monkeypatch.setattr(SyntheticStream, "next_batch", next_batch)
+    return original

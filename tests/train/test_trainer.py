@@ -19,7 +19,7 @@ from train.core.errors import CheckpointError, ConfigError, DataError
 from train.trainer.lr_schedule import lr_at
 from train.trainer.runner import EXIT_ANOMALY, run_training
 
-from .helpers import read_csv, read_jsonl, tiny_config
+from .helpers import halt_while_step_runs, read_csv, read_jsonl, tiny_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -116,16 +116,7 @@ def test_halt_file_stops_gracefully_and_resume_continues(tmp_path, monkeypatch):
     from train.data.synthetic import SyntheticStream
 
     out = tmp_path / "run"
-    original = SyntheticStream.next_batch
-    calls = {"n": 0}
-
-    def halt_during_step_3(self):  # the operator's `touch .HALT` lands while step 3 runs
-        calls["n"] += 1
-        if calls["n"] == 3:
-            (out / ".HALT").touch()
-        return original(self)
-
-    monkeypatch.setattr(SyntheticStream, "next_batch", halt_during_step_3)
+    original = halt_while_step_runs(monkeypatch, out, 3)
     assert run_training(tiny_config(out)) == 0
     assert [p.name for _, p in checkpoint_files(out)] == ["checkpoint_step3.pt"]
     assert json.loads((out / "metrics.json").read_text())["stop_reason"] == "HALT file"

@@ -16,7 +16,7 @@ from train.core.errors import ConfigError
 from train.trainer.lr_schedule import lr_at
 from train.trainer.runner import run_training
 
-from .helpers import TINY_CLI, cli, read_csv, spawn, tiny_config, wait_for
+from .helpers import TINY_CLI, cli, halt_while_step_runs, read_csv, spawn, tiny_config, wait_for
 
 ROW_KEYS = ("step", "loss", "grad_norm", "lr")
 
@@ -160,15 +160,7 @@ def test_halt_in_the_flat_phase_then_more_steps_is_exactly_a_longer_run(tmp_path
 
     full, split = tmp_path / "full", tmp_path / "split"
     assert run_training(tiny_config(full, *WSD, "--train.steps=14", "--train.decay_steps=3")) == 0
-    original, calls = SyntheticStream.next_batch, {"n": 0}
-
-    def halt_during_step_4(self):  # the operator's `touch .HALT` lands while step 4 runs
-        calls["n"] += 1
-        if calls["n"] == 4:
-            (split / ".HALT").touch()
-        return original(self)
-
-    monkeypatch.setattr(SyntheticStream, "next_batch", halt_during_step_4)
+    original = halt_while_step_runs(monkeypatch, split, 4)
     assert run_training(tiny_config(split, *WSD, "--train.steps=10", "--train.decay_steps=3")) == 0
     monkeypatch.setattr(SyntheticStream, "next_batch", original)
     assert [int(r["step"]) for r in read_csv(split / "training.csv")] == [1, 2, 3, 4]
