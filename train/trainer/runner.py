@@ -192,17 +192,19 @@ def _halt_spikes(run: Run, recorder: Recorder, spike_run: int) -> int:
     _save(run, recorder)
     msg = (f"loss_spike_skips: {spike_run} spike-skipped steps in a row >= limit {cfg.spike_skip_limit} at step "
            f"{run.state.step} (train.spike_skip_limit; {run.state.spike_skipped_steps} in the run)")
-    if run.is_main:
-        (run.out_dir / ANOMALY).write_text(msg + "\n")
-    recorder.log(run.state.step, {"kind": "anomaly", "anomaly_type": "loss_spike_skips", "message": msg})
-    return EXIT_ANOMALY
+    return _flag_anomaly(run, recorder, "loss_spike_skips", msg)
 
 
 def _halt_anomaly(run: Run, recorder: Recorder) -> int:
     """Too many non-finite steps: flag and stop without writing a checkpoint (the last good one stays)."""
     msg = f"nonfinite_loss: {run.state.skipped_steps} skipped steps > limit {run.cfg.train.nonfinite_skip_limit}"
+    run.state.stop_reason = "anomaly"
+    return _flag_anomaly(run, recorder, "nonfinite_loss", msg)
+
+
+def _flag_anomaly(run: Run, recorder: Recorder, anomaly_type: str, msg: str) -> int:
+    """The one-line reason in .anomaly_type (rank 0) and the heartbeat's anomaly record; the exit code."""
     if run.is_main:
         (run.out_dir / ANOMALY).write_text(msg + "\n")
-    run.state.stop_reason = "anomaly"
-    recorder.log(run.state.step, {"kind": "anomaly", "anomaly_type": "nonfinite_loss", "message": msg})
+    recorder.log(run.state.step, {"kind": "anomaly", "anomaly_type": anomaly_type, "message": msg})
     return EXIT_ANOMALY
