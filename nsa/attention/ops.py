@@ -8,7 +8,8 @@ The only module that registers custom ops and chooses a kernel (`resolve_kernel`
 
 Packed documents: every op takes an optional frame [3, B, Tq] (nsa/attention/documents.py: each query's
 position in its document and where its document's keys and compressed tokens start). The Triton kernels and
-FlexAttention read it on the device; the torch path runs each document as if alone (impl/segments.py).
+FlexAttention read it on the device; the torch path runs all documents at once through explicit masks while
+the problem is small (impl/masked.py, `masked.fits`) and each document as if alone beyond that (impl/segments.py).
 
 Each op is one node for the dispatcher, for torch.compile (no graph break: every op has a fake
 implementation that only computes shapes) and for the meta device, so what is counted on a CPU (ops per
@@ -30,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from nsa.attention.impl import block_select, compression, segments, selection, window
+from nsa.attention.impl import block_select, compression, masked, segments, selection, window
 from nsa.attention.impl.flex import flex_compressed_attention, flex_window_attention, use_flex
 
 KERNELS = ("auto", "triton", "torch")
@@ -77,6 +78,8 @@ def _select_blocks(q: Tensor, ck: Tensor, q_start: int, l: int, d: int, l_sel: i
 
         return fused_select_blocks(q, ck, q_start, l, d, l_sel, n, frame=frame)
     if frame is not None:
+        if masked.fits(q, q.shape[1] * q.shape[2], q.shape[3] + l_sel):
+            return masked.select_blocks(q, ck, l, d, l_sel, n, frame)
         return segments.select_blocks(q, ck, l, d, l_sel, n, q_chunk, frame)
     return block_select.select_by_score(q, ck, q_start, l, d, l_sel, n, q_chunk)
 
@@ -106,6 +109,8 @@ def _selected(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, q_start: int, 
 
         return selected_attention_fwd(q, k, v, block_idx, q_start, l_sel, frame=frame)
     if frame is not None:
+        if masked.fits(q, q.shape[1] * q.shape[2], k.shape[2]):
+            return masked.selected_fwd(q, k, v, block_idx, l_sel, frame)
         return segments.selected_fwd(q, k, v, block_idx, l_sel, tile, chunk, frame)
     return selection.selected_attention_fwd(q, k, v, block_idx, q_start, l_sel, tile, chunk)
 
@@ -124,6 +129,8 @@ def _selected_bwd(d_o: Tensor, q: Tensor, k: Tensor, v: Tensor, block_idx: Tenso
 
         return selected_attention_bwd(q, k, v, block_idx, o, lse, d_o, q_start, l_sel, frame=frame)
     if frame is not None:
+        if masked.fits(q, q.shape[1] * q.shape[2], k.shape[2]):
+            return masked.selected_bwd(d_o, q, k, v, block_idx, o, lse, l_sel, frame)
         return segments.selected_bwd(d_o, q, k, v, block_idx, o, lse, l_sel, tile, chunk, frame)
     return selection.selected_attention_bwd(d_o, q, k, v, block_idx, o, lse, q_start, l_sel, tile, chunk)
 
@@ -174,6 +181,8 @@ def selected_attention(
 def _compressed(q: Tensor, ck: Tensor, cv: Tensor, q_start: int, l: int, d: int, chunk: int,
                 frame: Tensor | None) -> tuple[Tensor, Tensor]:
     if frame is not None:
+        if masked.fits(q, q.shape[1], ck.shape[2]):
+            return masked.compressed_fwd(q, ck, cv, l, d, frame)
         return segments.compressed_fwd(q, ck, cv, l, d, chunk, frame)
     return compression.compressed_attention_fwd(q, ck, cv, q_start, l, d, chunk)
 
@@ -187,6 +196,8 @@ def _(q, ck, cv, q_start, l, d, chunk, frame):
 def _compressed_bwd(d_o: Tensor, q: Tensor, ck: Tensor, cv: Tensor, o: Tensor, lse: Tensor, q_start: int, l: int,
                     d: int, chunk: int, frame: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     if frame is not None:
+        if masked.fits(q, q.shape[1], ck.shape[2]):
+            return masked.compressed_bwd(d_o, q, ck, cv, o, lse, l, d, frame)
         return segments.compressed_bwd(d_o, q, ck, cv, o, lse, l, d, chunk, frame)
     return compression.compressed_attention_bwd(d_o, q, ck, cv, o, lse, q_start, l, d, chunk)
 
@@ -230,6 +241,8 @@ def compressed_attention(
 def _window(q: Tensor, k: Tensor, v: Tensor, q_start: int, k_start: int, w: int, chunk: int,
             frame: Tensor | None) -> tuple[Tensor, Tensor]:
     if frame is not None:
+        if masked.fits(q, q.shape[1], k.shape[2]):
+            return masked.window_fwd(q, k, v, w, frame)
         return segments.window_fwd(q, k, v, w, chunk, frame)
     o, lse = window.sliding_window_fwd(q, k, v, q_start, k_start, w, chunk)
     return o.contiguous(), lse.contiguous()
@@ -244,6 +257,8 @@ def _(q, k, v, q_start, k_start, w, chunk, frame):
 def _window_bwd(d_o: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, q_start: int, k_start: int,
                 w: int, chunk: int, frame: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     if frame is not None:
+        if masked.fits(q, q.shape[1], k.shape[2]):
+            return masked.window_bwd(d_o, q, k, v, o, lse, w, frame)
         return segments.window_bwd(d_o, q, k, v, o, lse, w, chunk, frame)
     return window.sliding_window_bwd(d_o, q, k, v, o, lse, q_start, k_start, w, chunk)
 

@@ -1,12 +1,16 @@
 """NSA on packed documents (issue 28): a packed window with document masking computes what each document
 computes alone from position 0, outputs and parameter gradients (float64, 1e-10), on the torch path; the
-per-token reference (spelling every mask out per query) agrees; another document's tokens change nothing."""
+per-token reference (spelling every mask out per query) agrees; another document's tokens change nothing.
+The torch path has two implementations for packed documents (nsa/attention/ops.py picks by size): every
+document at once through explicit masks (impl/masked.py) and one document at a time (impl/segments.py);
+the `documents_path` fixture runs each test on both."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from nsa.attention.documents import Documents, compressed_layout
+from nsa.attention.impl import masked
 from nsa.attention.reference import reference_forward
 from tests.nsa._nsa_helpers import DEVICE, make_input, make_layer, rope_for, sorted_blocks
 
@@ -14,6 +18,15 @@ TOL = 1e-10
 # document lengths per row (l=8, d=4, l'=16, w=16): not multiples of any block size, shorter than one
 # compression block (3, 5), one token (1), longer than several selection blocks (70), a row of one document
 LAYOUTS = [[3, 21, 1, 70, 5], [53, 47]]
+
+
+@pytest.fixture(params=["masked", "segments"])
+def documents_path(request, monkeypatch):
+    """The torch path's implementation for packed documents: masked.MAX_ELEMENTS = 0 sends every call to
+    impl/segments.py; the default keeps these small problems on impl/masked.py."""
+    if request.param == "segments":
+        monkeypatch.setattr(masked, "MAX_ELEMENTS", 0)
+    return request.param
 
 
 def _starts(lengths_per_row) -> torch.Tensor:
@@ -50,7 +63,7 @@ def _doc_rope(docs: Documents):
 
 
 @pytest.mark.parametrize("rope", [True, False], ids=["rope", "no-rope"])
-def test_packed_equals_alone_outputs_and_gradients(rope):
+def test_packed_equals_alone_outputs_and_gradients(rope, documents_path):
     layer = make_layer(seed=5)
     T = 100
     x = make_input(2, T, seed=6).requires_grad_(True)
@@ -66,7 +79,7 @@ def test_packed_equals_alone_outputs_and_gradients(rope):
         torch.testing.assert_close(a, b, rtol=0, atol=TOL, msg=name)
 
 
-def test_packed_matches_reference_with_documents():
+def test_packed_matches_reference_with_documents(documents_path):
     layer = make_layer(seed=7)
     T = 100
     x, rope = make_input(2, T, seed=8), rope_for(T)
@@ -79,7 +92,7 @@ def test_packed_matches_reference_with_documents():
     assert torch.equal(sorted_blocks(idx).cpu(), idx_ref)
 
 
-def test_no_leak_across_documents_by_perturbation():
+def test_no_leak_across_documents_by_perturbation(documents_path):
     """Changing every token of the other documents changes nothing for a query, exactly."""
     layer = make_layer(seed=9)
     T = 100
@@ -98,14 +111,19 @@ def test_no_leak_across_documents_by_perturbation():
                 assert torch.equal(y2[b, s : s + n], y[b, s : s + n]), (b, s, n)
 
 
-def test_one_document_is_exactly_todays_path():
-    """A window without EOS (one document) computes bit for bit what the unmasked path computes."""
+def test_one_document_is_exactly_todays_path(documents_path):
+    """A window without EOS (one document) computes what the unmasked path computes: bit for bit one document at
+    a time (the same calls), to rounding through the masks (one attention over all keys instead of bands)."""
     layer = make_layer(seed=11)
     T = 77
     x, rope = make_input(2, T, seed=12), rope_for(T)
     docs = Documents(torch.zeros(2, T, dtype=torch.long, device=DEVICE))
     with torch.no_grad():
-        assert torch.equal(layer(x, rope, documents=docs), layer(x, rope))
+        packed, plain = layer(x, rope, documents=docs), layer(x, rope)
+    if documents_path == "segments":
+        assert torch.equal(packed, plain)
+    else:
+        torch.testing.assert_close(packed, plain, rtol=0, atol=TOL)
 
 
 def test_compressed_layout_counts_each_document_from_its_start():

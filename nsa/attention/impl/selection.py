@@ -55,6 +55,7 @@ def select_blocks(
     q_start: int,
     l_sel: int,
     n: int,
+    positions: torch.Tensor | None = None,  # [B, 1, Tq] each query's own position (packed documents); default q_start ..
 ) -> torch.Tensor:  # [B, H_kv, Tq, n] int64 block indices, ascending; -1 pads |I_p| < n
     """Top-n blocks per query; block 0, the current and the previous block are forced (and counted).
 
@@ -64,7 +65,9 @@ def select_blocks(
     """
     Tq, n_b = scores.shape[-2], scores.shape[-1]
     dev = scores.device
-    current = (torch.arange(q_start, q_start + Tq, device=dev) // l_sel)[:, None]  # [Tq, 1]
+    if positions is None:
+        positions = torch.arange(q_start, q_start + Tq, device=dev)
+    current = torch.div(positions, l_sel, rounding_mode="floor")[..., None]  # [Tq, 1] or [B, 1, Tq, 1]
     blk = torch.arange(n_b, device=dev)[None, :]  # [1, N_b]
     forced = (blk == 0) | (blk == current) | (blk == current - 1)
     allowed = blk <= current
