@@ -3,12 +3,17 @@ layer, aggregate what the layers recorded last (the statistics and their definit
 nsa/attention/gate_stats.py, nsa/attention/selection_health.py, docs/NSA.md "Gate health"), and give the
 selection health of each layer (`selection_health`: computes sel_recall from the copies the layers kept, so
 the trainer calls it after the step, off its clock). Kept on device (no host sync) for the trainer to log.
+`knock_out` zeroes chosen branches' gates of a trained model for a probe (what the model loses without them).
 """
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
 
+from nsa.attention.gate_stats import BRANCHES
 from nsa.attention.nsa import NativeSparseAttention
 from nsa.attention.selection_health import selection_recall
 
@@ -62,3 +67,25 @@ def selection_health(model: nn.Module) -> dict[str, torch.Tensor]:
     for key in LAYER_STATS[1:]:
         out[key] = torch.stack([layer.last_stats[key].float() for layer in layers])  # [L]
     return out
+
+
+@contextmanager
+def knock_out(model: nn.Module, branches: tuple[str, ...]) -> Iterator[int]:
+    """Within the block, every learned-gate NSA layer of `model` multiplies the gates of `branches` (names from
+    BRANCHES: cmp, sel, win) by 0 and keeps its other gates as learned: what a trained model loses without a
+    branch (a probe of the mechanism; the weights are untouched). Yields the number of layers changed; restores
+    them on exit. ValueError for an unknown branch name or a model without such layers."""
+    unknown = sorted(set(branches) - set(BRANCHES))
+    if unknown:
+        raise ValueError(f"unknown NSA branch {', '.join(unknown)}; valid: {', '.join(BRANCHES)}")
+    layers = [layer for layer in _nsa_layers(model) if not layer.cfg.window_only]
+    if branches and not layers:
+        raise ValueError("the model has no NSA layer with learned gates to knock a branch out of")
+    before = [layer.knocked_out for layer in layers]
+    try:
+        for layer in layers:
+            layer.knocked_out = frozenset(branches)
+        yield len(layers)
+    finally:
+        for layer, prior in zip(layers, before):
+            layer.knocked_out = prior

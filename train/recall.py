@@ -4,6 +4,7 @@
         [--train_tokens 20000000] [--val_tokens 500000] [--seed 0] [--loss_on all|answers]
     python -m train.recall score CKPT_OR_RUN_DIR [--documents 64] [--seed S] [--device auto|cpu|cuda]
         [--window W --doc_tokens N]   (a checkpoint trained on other data)
+        [--knockout sel[,cmp]]        (NSA: score with these branches' gates zeroed, the others as learned)
 
 `make` writes a prepared directory (train.bin, val.bin, meta.json with the task's spec) that any config reads
 as data.source: bin:DIR. `score` feeds probe documents (their own seed) and reports accuracy and answer loss
@@ -45,6 +46,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     score.add_argument("--window", type=int, default=None, help="with --doc_tokens: probe a model not trained on a recall corpus")
     score.add_argument("--doc_tokens", type=int, default=None)
     score.add_argument("--max_windows", type=int, default=8)
+    score.add_argument("--knockout", default="", help="NSA branches to switch off while scoring (comma list of "
+                       "cmp, sel, win): their gates zeroed, the others as learned; written to recall_step<N>_without_*.json")
     return p.parse_args(argv)
 
 
@@ -55,6 +58,10 @@ def spec_of(window, doc_tokens, max_windows) -> RecallSpec:
     except ValueError as exc:
         raise UserError(str(exc)) from None
     return spec
+
+
+def _branches(text: str) -> tuple[str, ...]:
+    return tuple(name for name in text.split(",") if name)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError("--window and --doc_tokens go together")
         spec = spec_of(args.window, args.doc_tokens, args.max_windows) if args.window is not None else None
         print(json.dumps(probe_checkpoint(args.checkpoint, spec=spec, documents=args.documents, seed=args.seed,
-                                          device=args.device)))
+                                          device=args.device, knockout=_branches(args.knockout))))
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code

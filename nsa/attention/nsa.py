@@ -80,6 +80,8 @@ class NativeSparseAttention(nn.Module):
         # (nsa/attention/selection_health.py: recall_sample, selection_recall)
         self.last_sample: dict[str, torch.Tensor] | None = None
         self.forced_gates: tuple[float, float, float] | None = None  # tests: fixed (cmp, sel, win) gates (learned mode)
+        # probes: branches whose learned gate is multiplied by 0, the others kept (nsa.gate_health.knock_out)
+        self.knocked_out: frozenset[str] = frozenset()
 
     def reset_extra_parameters(self) -> None:
         """Called by Transformer.reset_parameters after its generic init: phi position encodings, and the
@@ -148,7 +150,11 @@ class NativeSparseAttention(nn.Module):
         if pinned is not None:
             g = torch.tensor(pinned, dtype=x.dtype, device=x.device)
             return g.expand(x.shape[0], x.shape[1], self.n_heads, 3)
-        return torch.sigmoid(self.gate_mlp(x)).view(x.shape[0], x.shape[1], self.n_heads, 3)
+        g = torch.sigmoid(self.gate_mlp(x)).view(x.shape[0], x.shape[1], self.n_heads, 3)
+        if self.knocked_out:
+            keep = torch.tensor([name not in self.knocked_out for name in BRANCHES], dtype=g.dtype, device=g.device)
+            g = g * keep  # [B, T, H, 3]
+        return g
 
     # ---------------------------------------------------------------- forward
     def forward(

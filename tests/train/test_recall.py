@@ -124,7 +124,39 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     assert recall_main(["score", str(out), "--window", "8", "--doc_tokens", "200", "--device", "cpu"]) == 2  # > max_seq_len
     assert recall_main(["make", "--out", str(tmp_path / "x"), "--window", "0", "--seq_len", "32"]) == 2
     assert not (tmp_path / "x").exists()
+    capsys.readouterr()
+    for bad in ("sel", "selected"):  # a dense model has no branch to knock out; an unknown branch name
+        assert recall_main(["score", str(out), "--window", "8", "--doc_tokens", "31", "--device", "cpu",
+                            "--knockout", bad]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: --knockout") and "\n" not in err
     assert not list(out.glob("recall_*.json"))
+
+
+def test_knockout_scores_an_nsa_checkpoint_apart(tmp_path, capsys):
+    """--knockout writes its own file beside the full probe's and names the branches; knocking out both sparse
+    branches of an NSA model changes its scores (the same documents, a different model)."""
+    data = tmp_path / "recall"
+    assert recall_main(["make", "--out", str(data), "--window", "8", "--seq_len", "32", "--max_windows", "3",
+                        "--train_tokens", "20000", "--val_tokens", "2000"]) == 0
+    out = tmp_path / "run"
+    from train.trainer.runner import run_training
+
+    nsa = ["--model.attention=nsa", "--nsa.l=8", "--nsa.d=4", "--nsa.l_sel=8", "--nsa.n_sel=3", "--nsa.w=8",
+           "--nsa.gate_init=equal"]
+    assert run_training(tiny_config(out, f"--data.source=bin:{data}", "--data.tokenizer=byte", "--train.steps=2",
+                                    "--data.window_start=document", *nsa)) == 0
+    capsys.readouterr()
+    assert recall_main(["score", str(out), "--documents", "4", "--device", "cpu"]) == 0
+    full = json.loads(capsys.readouterr().out)
+    assert recall_main(["score", str(out), "--documents", "4", "--device", "cpu", "--knockout", "sel,cmp"]) == 0
+    knocked = json.loads(capsys.readouterr().out)
+    step = full["step"]
+    assert knocked["knockout"] == ["cmp", "sel"] and "knockout" not in full
+    assert json.loads((out / f"recall_step{step}_without_cmp_sel.json").read_text()) == knocked
+    assert json.loads((out / f"recall_step{step}.json").read_text()) == full  # untouched
+    loss = lambda r: [b["answer_loss"] for b in r["buckets"].values()]  # noqa: E731
+    assert loss(knocked) != loss(full)
 
 
 def test_answers_only_loss_mask_reaches_the_batches(tmp_path, capsys):

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from nsa.gate_health import knock_out
 from train.checkpoint.io import (
     load_checkpoint,
     model_from_checkpoint,
@@ -120,16 +121,22 @@ def recall_spec_of(data_source: str) -> RecallSpec | None:
     return RecallSpec(**{k: v for k, v in raw[META_KEY].items() if k in RecallSpec.__dataclass_fields__})
 
 
+def result_name(step: int, knockout: tuple[str, ...] = ()) -> str:
+    """recall_step<N>.json, or recall_step<N>_without_<branches>.json for a probe with NSA branches knocked out."""
+    return f"recall_step{step}" + (f"_without_{'_'.join(sorted(knockout))}" if knockout else "") + ".json"
+
+
 def probe_checkpoint(checkpoint, *, spec: RecallSpec | None = None, documents: int = 64, seed: int = PROBE_SEED,
-                     device: str = "auto") -> dict:
+                     device: str = "auto", knockout: tuple[str, ...] = ()) -> dict:
     """Score a checkpoint (file or run directory) on the recall probe; write recall_step<N>.json beside it
     (an earlier file of the same step, documents and seed is returned instead of scoring again).
-    spec None: the run's own corpus's (its data.source must be a recall corpus)."""
+    spec None: the run's own corpus's (its data.source must be a recall corpus). knockout: NSA branches (cmp,
+    sel, win) whose gates are zeroed while scoring (nsa.gate_health.knock_out), written to their own file."""
     if documents < 1:
         raise UserError(f"--documents must be >= 1, got {documents}")
     path = resolve_checkpoint(Path(checkpoint)).resolve()
     step = load_checkpoint(path)["step"]
-    done = path.parent / f"recall_step{step}.json"
+    done = path.parent / result_name(step, knockout)
     if done.exists():
         try:
             prior = json.loads(done.read_text(encoding="utf-8"))
@@ -149,10 +156,15 @@ def probe_checkpoint(checkpoint, *, spec: RecallSpec | None = None, documents: i
         raise UserError(f"recall documents of {spec.doc_tokens} tokens do not fit the model's max_seq_len "
                         f"{model.cfg.max_seq_len}")
     started = time.perf_counter()
-    result = score_recall(model, load_tokenizer(cfg["data"]["tokenizer"]), spec, documents=documents, seed=seed,
-                          device=dev)
+    try:
+        with knock_out(model, knockout):
+            result = score_recall(model, load_tokenizer(cfg["data"]["tokenizer"]), spec, documents=documents,
+                                  seed=seed, device=dev)
+    except ValueError as exc:  # a branch name or a model knock_out refuses
+        raise UserError(f"--knockout: {exc}") from None
     result.update(tool="train.recall", checkpoint=str(path), step=step, attention=cfg["model"]["attention"],
                   spec=spec.to_dict(), seconds=round(time.perf_counter() - started, 3),
-                  file=str(path.parent / f"recall_step{step}.json"))
+                  **({"knockout": sorted(knockout)} if knockout else {}),
+                  file=str(path.parent / result_name(step, knockout)))
     write_json_atomic(Path(result["file"]), result)
     return result
