@@ -4,6 +4,7 @@ across a real .HALT and a real kill -9, 1 rank against 2 (DDP) and ZeRO-1, the r
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -89,6 +90,7 @@ def test_the_split_of_an_nsa_model_keeps_gates_and_phi_on_adamw(aux):
     assert sorted(adamw) == sorted(["tok_emb.weight", "norm.weight", *(f"blocks.{i}.{n}" for i in (0, 1) for n in block)])
     # the optimizer's groups: AdamW's (decay / no decay / lr-scaled) over the rest, then one Muon group
     opt = build_optimizer(model, load_config(None, list(MUON)).train, "cpu")
+    assert isinstance(opt, MuonAdamW)
     names = {id(p): n for n, p in model.named_parameters()}
     kinds = [(g["optimizer"], [names[id(p)] for p in g["params"]]) for g in opt.param_groups]
     assert kinds[-1] == ("muon", muon) and all(kind == "adamw" for kind, _ in kinds[:-1])
@@ -102,14 +104,14 @@ def test_the_split_of_an_nsa_model_keeps_gates_and_phi_on_adamw(aux):
 @pytest.mark.parametrize("nesterov", [True, False])
 @pytest.mark.parametrize("adjust", ["match_rms_adamw", "original"])
 def test_the_masked_step_is_torchs_muon_bit_for_bit_when_not_skipped(nesterov, adjust):
-    torch.manual_seed(0)
-    ours = [torch.nn.Parameter(torch.randn(shape)) for shape in ((48, 32), (16, 40))]
+    gen = torch.Generator().manual_seed(0)
+    ours = [torch.nn.Parameter(torch.randn(shape, generator=gen)) for shape in ((48, 32), (16, 40))]
     theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
     kw = dict(lr=0.02, weight_decay=0.1, nesterov=nesterov, adjust_lr_fn=adjust)
     a, b = SkippableMuon(ours, **kw), torch.optim.Muon(theirs, **kw)
     for _ in range(3):
         for p, q in zip(ours, theirs):
-            p.grad = torch.randn_like(p)
+            p.grad = torch.randn(p.shape, generator=gen)
             q.grad = p.grad.clone()
         a.found_inf = torch.zeros(())
         a.step()
@@ -128,11 +130,12 @@ def test_a_skipped_step_with_nonfinite_gradients_changes_no_weight_and_no_state(
     """MuonAdamW through step_unless_nonfinite (the loop's call) on gradients with a NaN: weights, momentum
     buffers, AdamW moments and step counts stay bitwise; the same step with finite gradients changes them."""
     cfg = tiny_config(tmp_path / "x", *MUON)
-    torch.manual_seed(0)
-    model = Transformer(cfg.model)
+    with torch.random.fork_rng():  # the process's RNG stays as it was
+        torch.manual_seed(0)
+        model = Transformer(cfg.model)
+        idx = torch.randint(0, 320, (2, 16))
     opt = build_optimizer(model, cfg.train, "cpu")
     set_lr(opt, 3e-3)
-    idx = torch.randint(0, 320, (2, 16))
 
     def backward(poison: bool) -> torch.Tensor:
         model(idx, idx).backward()
@@ -155,6 +158,34 @@ def test_a_skipped_step_with_nonfinite_gradients_changes_no_weight_and_no_state(
     assert not same_tree(after[0]["blocks.0.attn.qkv.weight"], before[0]["blocks.0.attn.qkv.weight"])
     assert not same_tree(after[1]["blocks.0.attn.qkv.weight"], before[1]["blocks.0.attn.qkv.weight"])
     assert float(after[1]["tok_emb.weight"]["step"]) == 2.0  # AdamW's count: the skipped step not counted
+
+
+def test_the_fp16_scaler_sequence_skips_an_overflow_on_the_device_through_muon():
+    """The loop's fp16 order (unscale_, then GradScaler.step, which hands MuonAdamW its found_inf since the fused
+    AdamW part supports it): an overflow skips both parts and halves the scale; CPU GradScaler, the same calls."""
+    model = torch.nn.Module()
+    model.blocks = torch.nn.ModuleList([torch.nn.Linear(8, 8)])
+    model.head = torch.nn.Linear(8, 3)
+    cfg = load_config(None, list(MUON)).train
+    opt = build_optimizer(model, cfg, "cpu")
+    assert [(g["optimizer"], len(g["params"])) for g in opt.param_groups] == [("adamw", 1), ("adamw", 2), ("muon", 1)]
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    gen = torch.Generator().manual_seed(0)
+
+    def step(overflow: bool) -> tuple[bool, float]:
+        loss = model.head(model.blocks[0](torch.randn(5, 8, generator=gen))).square().sum()
+        scaler.scale(loss * (float("inf") if overflow else 1.0)).backward()
+        scaler.unscale_(opt)
+        before = snapshot(model, opt)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        return not same_tree(snapshot(model, opt), before), scaler.get_scale()
+
+    assert step(False) == (True, 1024.0)
+    assert step(True) == (False, 512.0)
+    assert float(opt._parts["muon"].found_inf) == 1.0  # the scaler's flag reached Muon (no host-side check)
+    assert step(False) == (True, 512.0)
 
 
 def test_spikes_from_bad_data_are_skipped_and_leave_weights_and_muon_state_as_they_were(garbage_bin, tmp_path):
@@ -305,6 +336,16 @@ def test_resuming_with_the_other_optimizer_is_refused_in_one_line_and_moves_noth
     assert tree_hashes(out) == before
 
 
+def test_eval_only_scores_a_muon_checkpoint_under_the_default_optimizer(tmp_path):
+    """Evaluation never steps: a Muon run's checkpoint is scored with a config that leaves train.optimizer at adamw
+    (the weights load, the moments are not needed), and the score is the one the run logged at that step."""
+    out = tmp_path / "run"
+    assert run_training(tiny_config(out, *MUON, "--train.steps=4", "--train.eval_every=4")) == 0
+    logged = float(read_csv(out / "val.csv")[-1]["val_loss"])
+    assert run_training(tiny_config(out, "--train.steps=4", "--train.eval_only=true")) == 0
+    assert json.loads((out / "eval_step4.json").read_text())["val_loss"] == pytest.approx(logged, abs=1e-5)
+
+
 def test_the_effective_config_keeps_the_muon_keys_only_with_muon(tmp_path):
     for extra in ([], [*MUON, "--train.muon_momentum=0.9", "--train.muon_adjust_lr=original"]):
         cfg = tiny_config(tmp_path / "x", *extra)
@@ -328,3 +369,18 @@ def test_muon_trains_a_tiny_model(garbage_bin, tmp_path):
     ck = load(out / "checkpoint_step40.pt")
     buffers = {n for n, s in ck["optimizer"]["state"].items() if set(s) == {"momentum_buffer"}}
     assert buffers == {n for n in ck["model"] if n.startswith("blocks.") and n.endswith("weight") and ck["model"][n].dim() == 2}
+
+
+def test_the_benchmarks_tokens_to_reach_interpolates_between_evaluations():
+    """bench/bench_muon.py's headline number: the first crossing of the target, linear between evaluations."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_muon", REPO / "bench" / "bench_muon.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    points = [{"tokens": 100, "val_loss": 4.0}, {"tokens": 200, "val_loss": 3.0}, {"tokens": 300, "val_loss": 3.2},
+              {"tokens": 400, "val_loss": 2.0}]
+    assert bench.tokens_to_reach(points, 3.5) == 150.0
+    assert bench.tokens_to_reach(points, 3.0) == 200.0 and bench.tokens_to_reach(points, 4.5) == 100.0
+    assert bench.tokens_to_reach(points, 2.5) == pytest.approx(300 + 100 * 0.7 / 1.2)  # after the rise at 300
+    assert bench.tokens_to_reach(points, 1.0) is None

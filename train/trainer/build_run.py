@@ -211,8 +211,12 @@ class Run:
 
     # ---- resume ------------------------------------------------------------------------------
     def _restore_weights(self, ck: dict) -> None:
+        """Weights and optimizer state; train.eval_only: the weights (the run never steps, and the checkpoint may
+        come from another train.optimizer)."""
+        evaluating = self.cfg.train.eval_only
         try:
-            load_states(self.raw_model, self.optimizer, ck["model"], ck["optimizer"])
+            load_states(self.raw_model, None if evaluating else self.optimizer, ck["model"],
+                        None if evaluating else ck["optimizer"])
         except (RuntimeError, ValueError, KeyError) as exc:
             raise CheckpointError(f"checkpoint {self.resume_path} does not fit the model: {str(exc).splitlines()[0]}") from None
 
