@@ -3,10 +3,8 @@ torch.optim.Muon, a skipped step that changes nothing (caused for real: a loss s
 across a real .HALT and a real kill -9, 1 rank against 2 (DDP) and ZeRO-1, the refusals, and that it trains."""
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,8 +19,10 @@ from train.trainer.optim import build_optimizer, set_lr, step_unless_nonfinite
 from train.trainer.param_groups import muon_names
 from train.trainer.runner import run_training
 
-from .helpers import REPO, TINY_CLI, cli, halt_while_step_runs, read_csv, read_jsonl, spawn, tiny_config, wait_for
+from .helpers import (REPO, TINY_CLI, halt_while_step_runs, kill9_after, read_csv, read_jsonl,
+                      run_reference_and_resume, tiny_config)
 from .test_spikes import garbage_bin, spike_args, spiked_steps  # noqa: F401 (garbage_bin: a fixture)
+from .test_wsd import tree_hashes
 
 MUON = ("--train.optimizer=muon",)
 
@@ -233,19 +233,8 @@ def test_halt_then_resume_is_bit_for_bit_the_uninterrupted_run(tmp_path, monkeyp
 def test_kill9_mid_run_resumes_bit_for_bit(tmp_path):
     args = [*TINY_CLI, *MUON, "--train.steps=150", "--train.warmup_steps=5", "--train.save_every=10"]
     reference, out = tmp_path / "reference", tmp_path / "killed"
-    done = cli(*args, f"--train.out_dir={reference}")
-    assert done.returncode == 0, done.stderr[-2000:]
-    proc = spawn(*args, f"--train.out_dir={out}")
-    try:
-        wait_for(lambda: (out / "checkpoint_step60.pt").exists(), what="checkpoint_step60.pt")
-    finally:
-        proc.kill()  # SIGKILL: no handler runs
-        proc.communicate(timeout=30)
-    assert proc.returncode == -signal.SIGKILL, "the run finished before the kill"
-    killed_at = max(int(r["step"]) for r in read_csv(out / "training.csv"))
-    assert 60 <= killed_at < 150
-    again = cli(*args, f"--train.out_dir={out}")
-    assert again.returncode == 0, again.stderr[-2000:]
+    assert 60 <= kill9_after(args, out, "checkpoint_step60.pt") < 150
+    run_reference_and_resume(args, reference, out)
     assert rows(out) == rows(reference)
     assert same_weights_and_state(reference / "checkpoint_step150.pt", out / "checkpoint_step150.pt")
 
@@ -315,11 +304,6 @@ def test_bad_muon_settings_are_one_line_exit_2_and_write_nothing(tmp_path, capsy
     assert list(tmp_path.iterdir()) == []
 
 
-def tree_hashes(out: Path) -> dict[str, str]:
-    return {str(p.relative_to(out)): "-> " + str(p.readlink()) if p.is_symlink() else hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(out.rglob("*")) if (p.is_file() or p.is_symlink()) and p.name != ".lock"}
-
-
 @pytest.mark.parametrize("first, then", [("adamw", "muon"), ("muon", "adamw")])
 def test_resuming_with_the_other_optimizer_is_refused_in_one_line_and_moves_nothing(tmp_path, capsys, first, then):
     from train.__main__ import main
@@ -327,13 +311,13 @@ def test_resuming_with_the_other_optimizer_is_refused_in_one_line_and_moves_noth
     out = tmp_path / "run"
     base = [*TINY_CLI, f"--train.out_dir={out}"]
     assert main([*base, "--train.steps=2", f"--train.optimizer={first}"]) == 0
-    before = tree_hashes(out)
+    before = tree_hashes(out, skip=(".lock",))  # .lock records each start's holder
     capsys.readouterr()
     assert main([*base, "--train.steps=4", f"--train.optimizer={then}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: checkpoint ") and \
         f"was trained with train.optimizer={first} but this run has train.optimizer={then}" in err[0], err
-    assert tree_hashes(out) == before
+    assert tree_hashes(out, skip=(".lock",)) == before
 
 
 def test_eval_only_scores_a_muon_checkpoint_under_the_default_optimizer(tmp_path):

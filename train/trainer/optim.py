@@ -11,11 +11,6 @@ from train.trainer.muon import ADAMW, MUON, MuonAdamW
 from train.trainer.param_groups import adamw_groups, muon_names
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """AdamW's groups over every trainable parameter (train/trainer/param_groups.py `adamw_groups`)."""
-    return adamw_groups(model, weight_decay)
-
-
 def build_optimizer(model: nn.Module, cfg: TrainConfig, device_type: str, zero1: bool = False) -> torch.optim.Optimizer:
     """AdamW, fused on CPU and CUDA: one kernel over all parameters (on an idle 2-core CPU, 20 ms
     against 111 ms for foreach on a 30M-parameter model), and it skips a step on-device through
@@ -28,7 +23,7 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, device_type: str, zero1:
     kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps, fused=fused, foreach=None if fused else True)
     if cfg.optimizer == MUON:
         return _build_muon(model, cfg, kwargs, zero1)
-    groups = param_groups(model, cfg.weight_decay)
+    groups = adamw_groups(model, cfg.weight_decay)
     if zero1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -74,7 +69,8 @@ def step_unless_nonfinite(optimizer: torch.optim.Optimizer, found_inf: torch.Ten
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    """Every group's lr: `lr` times the group's lr_scale (param_groups; train.muon_lr_ratio for Muon's group)."""
+    """Every group's lr: `lr` times the group's lr_scale (nsa.aux_lr_scale's groups: param_groups.py; Muon's group:
+    train.muon_lr_ratio)."""
     for group in optimizer.param_groups:
         group["lr"] = lr * group.get("lr_scale", 1.0)
 
