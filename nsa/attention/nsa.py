@@ -98,8 +98,9 @@ class NativeSparseAttention(nn.Module):
             with torch.no_grad():
                 out.bias.copy_(torch.tensor(window_gate_biases(self.cfg), dtype=out.bias.dtype).repeat(self.n_heads))
 
-    def _aux_parameter_names(self) -> list[str]:
-        """The gate MLP's and phi's parameters (relative to this module): NSA's additions to attention."""
+    def aux_parameter_names(self) -> list[str]:
+        """The gate MLP's and phi's parameters (relative to this module): NSA's additions to attention, whatever
+        nsa.aux_decay / aux_lr_scale say (the trainer keeps them on AdamW under train.optimizer=muon)."""
         return [name for name, _ in self.named_parameters() if name.startswith(("gate_mlp.", "compress_k.", "compress_v."))]
 
     def no_weight_decay(self) -> set[str]:
@@ -108,14 +109,14 @@ class NativeSparseAttention(nn.Module):
         if self.cfg.aux_decay:
             return set()
         params = dict(self.named_parameters())
-        return {name for name in self._aux_parameter_names() if params[name].dim() >= 2}
+        return {name for name in self.aux_parameter_names() if params[name].dim() >= 2}
 
     def lr_scales(self) -> dict[str, float]:
         """Names (relative to this module) of parameters whose learning rate is train.lr's times a factor: the
         gate MLP's and phi's with nsa.aux_lr_scale != 1 (the trainer's param_groups asks every module)."""
         if self.cfg.aux_lr_scale == 1.0:
             return {}
-        return {name: self.cfg.aux_lr_scale for name in self._aux_parameter_names()}
+        return {name: self.cfg.aux_lr_scale for name in self.aux_parameter_names()}
 
     def new_cache(self) -> NSACache:
         return NSACache(self.cfg)

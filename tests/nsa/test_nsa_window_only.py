@@ -110,7 +110,7 @@ def test_the_layer_has_the_parameters_of_sliding_window_attention(overrides):
     if overrides:
         expected |= {"q_proj.bias", "kv_proj.bias", "proj.bias", "q_norm.weight", "k_norm.weight"}
     assert names == expected and layer.kv_proj.weight.shape == (2 * KV_DIM, DIM)  # (win k, win v) only
-    assert layer._aux_parameter_names() == [] and layer.lr_scales() == {}
+    assert layer.aux_parameter_names() == [] and layer.lr_scales() == {}
     # the model has exactly the dense twin's parameter count (q, k, v, o), and nsa.flops counts it
     from nsa.flops import param_count
 

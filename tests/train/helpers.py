@@ -85,3 +85,24 @@ def halt_while_step_runs(monkeypatch, out_dir: Path, step: int):
 
     monkeypatch.setattr(SyntheticStream, "next_batch", next_batch)
     return original
+
+
+def kill9_after(args: list[str], out: Path, checkpoint: str) -> int:
+    """`python -m train *args` into out, killed with SIGKILL (no handler runs) once out/checkpoint exists; the last
+    step its training.csv logged. AssertionError when the run finished before the kill."""
+    proc = spawn(*args, f"--train.out_dir={out}")
+    try:
+        wait_for(lambda: (out / checkpoint).exists(), what=checkpoint)
+    finally:
+        proc.kill()
+        proc.communicate(timeout=30)
+    assert proc.returncode == -9, "the run finished before the kill"
+    return max(int(r["step"]) for r in read_csv(out / "training.csv"))
+
+
+def run_reference_and_resume(args: list[str], reference: Path, out: Path) -> None:
+    """The reference run (the same command uninterrupted, into `reference`) and the resumed one (resume=auto into
+    out) both exit 0."""
+    for target in (reference, out):
+        done = cli(*args, f"--train.out_dir={target}")
+        assert done.returncode == 0, done.stderr[-2000:]

@@ -16,7 +16,8 @@ from train.core.errors import ConfigError
 from train.trainer.lr_schedule import lr_at
 from train.trainer.runner import run_training
 
-from .helpers import TINY_CLI, cli, halt_while_step_runs, read_csv, spawn, tiny_config, wait_for
+from .helpers import (TINY_CLI, halt_while_step_runs, kill9_after, read_csv, run_reference_and_resume,
+                      tiny_config)
 
 ROW_KEYS = ("step", "loss", "grad_norm", "lr")
 
@@ -178,19 +179,8 @@ def test_kill9_inside_the_decay_resumes_exactly(tmp_path):
     args = [*TINY_CLI, "--train.steps=200", "--train.warmup_steps=5", "--train.lr_schedule=wsd",
             "--train.decay_fraction=0.5", "--train.decay_shape=cosine", "--train.save_every=10", "--train.eval_every=0"]
     reference, out = tmp_path / "reference", tmp_path / "killed"
-    done = cli(*args, f"--train.out_dir={reference}")
-    assert done.returncode == 0, done.stderr[-2000:]
-    proc = spawn(*args, f"--train.out_dir={out}")
-    try:
-        wait_for(lambda: (out / "checkpoint_step120.pt").exists(), what="a checkpoint inside the decay")
-    finally:
-        proc.kill()  # SIGKILL: no handler runs
-        proc.communicate(timeout=30)
-    assert proc.returncode == -9, "the run finished before the kill"
-    killed_at = max(int(r["step"]) for r in read_csv(out / "training.csv"))
-    assert 120 <= killed_at < 200
-    again = cli(*args, f"--train.out_dir={out}")
-    assert again.returncode == 0, again.stderr[-2000:]
+    assert 120 <= kill9_after(args, out, "checkpoint_step120.pt") < 200  # inside the decay
+    run_reference_and_resume(args, reference, out)
     assert rows(out) == rows(reference)
     assert same_weights_and_moments(reference / "checkpoint_step200.pt", out / "checkpoint_step200.pt")
 

@@ -67,7 +67,17 @@ def gather_states(model: nn.Module, optimizer: torch.optim.Optimizer, is_main: b
     return model.state_dict(), optim_sd
 
 
-def load_states(model: nn.Module, optimizer: torch.optim.Optimizer, model_sd: dict, optim_sd: dict) -> None:
+def load_states(model: nn.Module, optimizer: torch.optim.Optimizer | None, model_sd: dict, optim_sd: dict | None) -> None:
+    """The checkpoint's weights and optimizer state into model and optimizer; optimizer None: the weights only
+    (evaluation: a run that never steps needs no moments, whichever optimizer wrote them)."""
+    if optimizer is None:
+        if is_fsdp(model):
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+            set_model_state_dict(model, model_sd, options=StateDictOptions(full_state_dict=True))
+        else:
+            model.load_state_dict(model_sd)
+        return
     if is_fsdp(model):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 

@@ -28,6 +28,9 @@ LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
 DECAY_SHAPES = ("linear", "1-sqrt", "cosine")
 WSD_ONLY_KEYS = ("decay_fraction", "decay_steps", "decay_shape")  # train keys only lr_schedule=wsd reads
 SPIKE_ONLY_KEYS = ("spike_skip_window", "spike_skip_limit")  # train keys only spike skipping (a threshold set) reads
+OPTIMIZERS = ("adamw", "muon")
+MUON_ADJUST_LR = ("match_rms_adamw", "original")  # torch.optim.Muon's adjust_lr_fn names
+MUON_ONLY_KEYS = ("muon_momentum", "muon_nesterov", "muon_ns_steps", "muon_adjust_lr", "muon_lr_ratio")  # train keys only optimizer=muon reads
 
 
 @dataclass
@@ -50,6 +53,14 @@ class TrainConfig:
     beta1: float = 0.9  # AdamW
     beta2: float = 0.95  # AdamW
     adam_eps: float = 1e-8  # AdamW
+    # adamw: AdamW for every parameter; muon: Muon (torch.optim.Muon) for the hidden weight matrices (attention and MLP
+    # projections), AdamW (lr, betas, eps, weight_decay above) for the rest (docs/USE.md "Muon")
+    optimizer: str = "adamw"
+    muon_momentum: float = 0.95  # muon only: momentum of Muon's buffer, in [0, 1)
+    muon_nesterov: bool = True  # muon only: Nesterov momentum
+    muon_ns_steps: int = 5  # muon only: Newton-Schulz iterations that orthogonalize the update, 1..99
+    muon_adjust_lr: str = "match_rms_adamw"  # muon only: match_rms_adamw (update RMS of AdamW's: Muon shares train.lr and weight_decay) | original (Keller Jordan's: wants ~10-20x AdamW's lr, see muon_lr_ratio)
+    muon_lr_ratio: float = 1.0  # muon only: the Muon matrices' lr = the schedule's lr x this (1 with match_rms_adamw)
     grad_clip: float = 1.0  # clip by the global gradient norm; 0 disables
     log_every: int = 10  # steps per training.csv row / heartbeat (the only host sync)
     eval_every: int = 0  # 0 disables periodic evaluation
@@ -107,6 +118,7 @@ class TrainConfig:
         if self.keep_last == 0 and not self.keep_all_checkpoints:
             raise ConfigError("train.keep_last must be >= 1 (or set keep_all_checkpoints)")
         self._validate_spike_skip()
+        self._validate_optimizer()
         if self.eval_tasks and not (self.eval_every or self.eval_only):
             raise ConfigError("train.eval_tasks has no effect with train.eval_every=0: tasks are scored at each "
                               "evaluation; set train.eval_every")
@@ -127,6 +139,18 @@ class TrainConfig:
                               f"got {self.spike_skip_window}")
         if self.spike_skip_limit < 1:
             raise ConfigError(f"train.spike_skip_limit must be >= 1, got {self.spike_skip_limit}")
+
+    def _validate_optimizer(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"train.optimizer={self.optimizer!r}; valid: {', '.join(OPTIMIZERS)}")
+        if not 0 <= self.muon_momentum < 1:
+            raise ConfigError(f"train.muon_momentum must be in [0, 1), got {self.muon_momentum}")
+        if not 1 <= self.muon_ns_steps <= 99:  # torch.optim.Muon refuses 100 and more
+            raise ConfigError(f"train.muon_ns_steps must be in 1..99, got {self.muon_ns_steps}")
+        if self.muon_adjust_lr not in MUON_ADJUST_LR:
+            raise ConfigError(f"train.muon_adjust_lr={self.muon_adjust_lr!r}; valid: {', '.join(MUON_ADJUST_LR)}")
+        if not 0 < self.muon_lr_ratio < float("inf"):
+            raise ConfigError(f"train.muon_lr_ratio must be a positive number, got {self.muon_lr_ratio}")
 
     def _validate_wsd(self) -> None:
         if (self.decay_fraction is None) == (self.decay_steps is None):
@@ -568,7 +592,13 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     if not cfg.train.spike_skip and (ignored := [k for k in SPIKE_ONLY_KEYS if k in sections["train"]]):
         raise ConfigError(f"{origins['train'].get(ignored[0], where)}: train.{ignored[0]} has no effect with spike "
                           "skipping off; set train.spike_skip_z_loss and/or train.spike_skip_z_norm to turn it on")
+    if cfg.train.optimizer != "muon" and (ignored := [k for k in MUON_ONLY_KEYS if k in sections["train"]]):
+        raise ConfigError(f"{origins['train'].get(ignored[0], where)}: train.{ignored[0]} has no effect with train.optimizer="
+                          f"{cfg.train.optimizer!r}; set train.optimizer=muon to use it")
     cfg.runtime.validate()
+    if cfg.train.optimizer == "muon" and cfg.runtime.fsdp:
+        raise ConfigError(f"{where}: train.optimizer=muon does not run with runtime.fsdp (FSDP2 shards each matrix across "
+                          "ranks; Muon orthogonalizes whole matrices): use DDP (the default) or runtime.zero1=true")
     try:
         cfg.data.validate()
     except (ValueError, UserError) as exc:
@@ -584,7 +614,7 @@ def dump_config(cfg: RunConfig) -> str:
     this run (the nsa section of a dense model, attn_backend of an NSA model, the nsa keys a window-only
     layer does not read, rope_* with learned positions, stream-loader settings of a bin: source, the task limit
     without tasks, the wsd decay keys of another schedule, the spike-skip window and limit with spike skipping
-    off) are left out."""
+    off, the muon keys with another optimizer) are left out."""
     doc = cfg.to_dict()
     if cfg.model.attention != "nsa":
         doc.pop("nsa")
@@ -605,5 +635,8 @@ def dump_config(cfg: RunConfig) -> str:
             doc["train"].pop(key)
     if not cfg.train.spike_skip:
         for key in SPIKE_ONLY_KEYS:
+            doc["train"].pop(key)
+    if cfg.train.optimizer != "muon":
+        for key in MUON_ONLY_KEYS:
             doc["train"].pop(key)
     return yaml.safe_dump(doc, sort_keys=False)

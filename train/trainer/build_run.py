@@ -36,6 +36,7 @@ from train.data import build_data
 from train.hf.importer import init_state_dict
 from train.observe.efficiency import Efficiency
 from train.trainer.optim import build_optimizer
+from train.trainer.param_groups import muon_names, split_summary
 from train.trainer.safety import stale_halt_message
 from train.trainer.spikes import SpikeDetector
 from train.trainer.start_checks import BATCH_KEYS, resume_checks
@@ -141,6 +142,8 @@ class Run:
             wrap_model(self.raw_model, self.info, cfg.runtime, self.amp_dtype)
         self.optimizer = build_optimizer(self.raw_model, cfg.train, self.info.device.type,
                                          zero1=cfg.runtime.zero1 and self.info.enabled)
+        if cfg.train.optimizer == "muon" and self.is_main:
+            print(split_summary(self.raw_model, muon_names(self.raw_model)), flush=True)
         self.spikes = SpikeDetector.from_config(cfg.train, self.info.device)  # None: spike skipping off
         # memory-mapped: tensors are read from the file while copied in, never held twice
         ckpt = ckpt_io.load_checkpoint(self.resume_path) if self.resume_path else None
@@ -208,8 +211,12 @@ class Run:
 
     # ---- resume ------------------------------------------------------------------------------
     def _restore_weights(self, ck: dict) -> None:
+        """Weights and optimizer state; train.eval_only: the weights (the run never steps, and the checkpoint may
+        come from another train.optimizer)."""
+        evaluating = self.cfg.train.eval_only
         try:
-            load_states(self.raw_model, self.optimizer, ck["model"], ck["optimizer"])
+            load_states(self.raw_model, None if evaluating else self.optimizer, ck["model"],
+                        None if evaluating else ck["optimizer"])
         except (RuntimeError, ValueError, KeyError) as exc:
             raise CheckpointError(f"checkpoint {self.resume_path} does not fit the model: {str(exc).splitlines()[0]}") from None
 

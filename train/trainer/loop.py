@@ -2,7 +2,8 @@
 
 Host syncs on CUDA: none per step. Loss, gradient norm and skipped-step counts stay on the device
 and are read once per log interval (one `.tolist()`, plus one for NSA gate statistics); a non-finite
-step is skipped on-device by the fused optimizer's `found_inf` input, and so is a loss / gradient-norm spike with
+step is skipped on-device by the optimizer's `found_inf` input (fused AdamW's, or train/trainer/muon.py's masked Muon
+step with train.optimizer=muon), and so is a loss / gradient-norm spike with
 spike skipping on (train/trainer/spikes.py; the step's loss is then all-reduced on multi-rank runs, a collective
 queued on the device, so every rank decides alike).
 

@@ -16,6 +16,7 @@ from train.core.errors import CheckpointError, ConfigError
 from train.data.build import check_data_source
 from train.data.state import stream_resume_refusal
 from train.trainer.lr_schedule import resume_refusal, saved_train_config
+from train.trainer.optim import optimizer_resume_refusal
 from train.trainer.safety import stale_halt_message
 from train.trainer.tasks_eval import LoopTasks
 
@@ -89,7 +90,10 @@ def resume_checks(cfg: RunConfig, ckpt: dict, path: Path, world_size: int) -> li
     if cfg.train.steps < step:
         raise ConfigError(f"train.steps={cfg.train.steps} is below the step of checkpoint {path} ({step}); set "
                           f"--train.steps above {step} to train on, or resume an earlier checkpoint")
-    if refusal := resume_refusal(saved_train_config(ckpt["config"].get("train", {})), cfg.train, step, str(path)):
+    saved_train = saved_train_config(ckpt["config"].get("train", {}))
+    if refusal := resume_refusal(saved_train, cfg.train, step, str(path)):
+        raise ConfigError(refusal)
+    if refusal := optimizer_resume_refusal(saved_train, cfg.train, str(path)):
         raise ConfigError(refusal)
     saved_data = ckpt["config"].get("data", {})
     saved_tokenizer = saved_data.get("tokenizer")
