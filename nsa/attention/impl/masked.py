@@ -6,7 +6,7 @@ issues a dozen small ops per document: with many short documents per window (the
 64-token window, 256 windows a step) the loop, not the arithmetic, is the cost. Here the frame
 [3, B, Tq] (q_pos, k_base, c_base; nsa/attention/documents.py) becomes one mask per branch, so a call is a
 fixed number of ops whatever the number of documents, and memory is O(B * H * Tq * Tk): nsa/attention/ops.py
-picks this path while that stays under MAX_ELEMENTS and impl/segments.py beyond it.
+picks this path for short windows (`fits`: MAX_KEYS, MAX_ELEMENTS) and impl/segments.py beyond them.
 
 Masks, for the query of row b at index t (document position p = q_pos, k_base, c_base) and a key index s:
   window:     r = s - k_base in [0, p] and p - r < w
@@ -26,13 +26,17 @@ from nsa.attention.impl.partial import attention_partial, attention_partial_back
 from nsa.attention.impl.selection import select_blocks as top_n_blocks
 from nsa.attention.impl.selection import selection_block_scores
 
+MAX_KEYS = 256  # the most keys (Tk) per query this path reads: beyond, the sparse reads of impl/segments.py win
 MAX_ELEMENTS = 1 << 24  # the largest B * H * Tq * Tk (a score tensor, ~64 MiB in fp32) this path handles
 
 
 def fits(q: torch.Tensor, heads: int, k_len: int) -> bool:
-    """Whether a call with q's batch and query length, `heads` query heads and k_len keys stays under
-    MAX_ELEMENTS (q [B, ..., Tq, hd])."""
-    return q.shape[0] * heads * q.shape[-2] * k_len <= MAX_ELEMENTS
+    """Whether a call with q's batch and query length, `heads` query heads and k_len keys takes this path:
+    k_len <= MAX_KEYS and B * heads * Tq * k_len <= MAX_ELEMENTS (q [B, ..., Tq, hd]). Every query scores all
+    k_len keys here, where impl/segments.py reads only its branch's (w, n * l', T / d); measured on a 2-core CPU
+    (bench/bench_document_paths.py, NSA l=8 d=4 l'=8 n=4 w=8, a whole training step): with ~29-token documents
+    masks are 4.5x faster at 64 tokens, 1.7x at 256, even at 512; with few long documents 0.45x at 1024."""
+    return k_len <= MAX_KEYS and q.shape[0] * heads * q.shape[-2] * k_len <= MAX_ELEMENTS
 
 
 def _frame(frame: torch.Tensor):
