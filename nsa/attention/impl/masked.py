@@ -34,8 +34,8 @@ def fits(q: torch.Tensor, heads: int, k_len: int) -> bool:
     """Whether a call with q's batch and query length, `heads` query heads and k_len keys takes this path:
     k_len <= MAX_KEYS and B * heads * Tq * k_len <= MAX_ELEMENTS (q [B, ..., Tq, hd]). Every query scores all
     k_len keys here, where impl/segments.py reads only its branch's (w, n * l', T / d); measured on a 2-core CPU
-    (bench/bench_document_paths.py, NSA l=8 d=4 l'=8 n=4 w=8, a whole training step): with ~29-token documents
-    masks are 4.5x faster at 64 tokens, 1.7x at 256, even at 512; with few long documents 0.45x at 1024."""
+    (bench/bench_document_paths.py, NSA l=8 d=4 l'=8 n=4 w=8, a whole training step, docs/BENCHMARKS.md): with
+    ~29-token documents masks are 2.9x faster at 64 tokens and 2.0x at 256; at 512 0.85-1.1x; at 1024 0.44-0.51x."""
     return k_len <= MAX_KEYS and q.shape[0] * heads * q.shape[-2] * k_len <= MAX_ELEMENTS
 
 
