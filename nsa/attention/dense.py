@@ -187,6 +187,12 @@ class DenseAttention(nn.Module):
         self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.dropout = nn.Dropout(cfg.dropout)
 
+    def muon_row_splits(self) -> dict[str, tuple[int, ...]]:
+        """Fused matrices (names relative to this module) and the rows of the projections they stack: q, k, v.
+        An optimizer that treats each projection as its own matrix (Muon) reads this."""
+        q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        return {"qkv.weight": (q_dim, kv_dim, kv_dim)}
+
     def forward(
         self,
         x: torch.Tensor,  # [B, T, dim]

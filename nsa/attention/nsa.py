@@ -103,6 +103,13 @@ class NativeSparseAttention(nn.Module):
         nsa.aux_decay / aux_lr_scale say (the trainer keeps them on AdamW under train.optimizer=muon)."""
         return [name for name, _ in self.named_parameters() if name.startswith(("gate_mlp.", "compress_k.", "compress_v."))]
 
+    def muon_row_splits(self) -> dict[str, tuple[int, ...]]:
+        """Fused matrices (names relative to this module) and the rows of the projections they stack: kv_proj's
+        key and value projections of each branch. An optimizer that treats each projection as its own matrix
+        (Muon) reads this."""
+        kv_dim = self.n_kv_heads * self.head_dim
+        return {"kv_proj.weight": (kv_dim,) * (2 * len(self.branches))}
+
     def no_weight_decay(self) -> set[str]:
         """Names (relative to this module) of matrices the optimizer must not decay: the gate MLP's and phi's
         with nsa.aux_decay=false (the trainer's param_groups asks every module that has this method)."""

@@ -14,7 +14,7 @@ import torch
 
 from nsa.model import Transformer
 from train.core.config import dump_config, load_config
-from train.trainer.muon import MuonAdamW, SkippableMuon
+from train.trainer.muon import ROW_SPLITS, MuonAdamW, SkippableMuon
 from train.trainer.optim import build_optimizer, set_lr, step_unless_nonfinite
 from train.trainer.param_groups import muon_names
 from train.trainer.runner import run_training
@@ -118,6 +118,44 @@ def test_the_masked_step_is_torchs_muon_bit_for_bit_when_not_skipped(nesterov, a
         b.step()
     assert all(torch.equal(p, q) for p, q in zip(ours, theirs))
     assert all(torch.equal(a.state[p]["momentum_buffer"], b.state[q]["momentum_buffer"]) for p, q in zip(ours, theirs))
+
+
+@pytest.mark.parametrize("skippable", [False, True], ids=["no-flag", "flag-0"])
+def test_a_fused_matrix_steps_like_its_projections_apart(skippable):
+    """A weight stacking projections (ROW_SPLITS, e.g. dense qkv: q, k, v of unequal rows under GQA) takes, row block
+    by row block, exactly the step torch's Muon gives each projection as its own matrix (orthogonalised and its lr
+    adjusted by its own shape); without the split the fused step differs."""
+    gen = torch.Generator().manual_seed(1)
+    rows = (32, 16, 16)
+    fused = torch.nn.Parameter(torch.randn(sum(rows), 24, generator=gen))
+    setattr(fused, ROW_SPLITS, rows)
+    apart = [torch.nn.Parameter(piece.detach().clone()) for piece in fused.split(rows)]
+    plain = torch.nn.Parameter(fused.detach().clone())
+    kw = dict(lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    ours, theirs, whole = SkippableMuon([fused], **kw), torch.optim.Muon(apart, **kw), torch.optim.Muon([plain], **kw)
+    for _ in range(3):
+        fused.grad = torch.randn(fused.shape, generator=gen)
+        plain.grad = fused.grad.clone()
+        for p, g in zip(apart, fused.grad.split(rows)):
+            p.grad = g.clone()
+        if skippable:
+            ours.found_inf = torch.zeros(())
+        ours.step()
+        theirs.step()
+        whole.step()
+    assert torch.equal(fused.detach(), torch.cat([p.detach() for p in apart]))
+    assert not torch.equal(fused.detach(), plain.detach())
+
+
+def test_the_models_fused_projections_are_declared_for_muon():
+    """Dense attention's qkv and NSA's kv_proj carry their projections' rows once the Muon optimizer is built."""
+    nsa = ["--model.attention=nsa", "--nsa.l=8", "--nsa.d=4", "--nsa.l_sel=8", "--nsa.n_sel=3", "--nsa.w=16"]
+    for attention, args in (("dense", DENSE), ("nsa", [*DENSE[1:], *nsa])):
+        model = Transformer(load_config(None, list(args)).model)
+        build_optimizer(model, load_config(None, list(MUON)).train, "cpu")
+        fused = {n: getattr(p, ROW_SPLITS) for n, p in model.named_parameters() if hasattr(p, ROW_SPLITS)}
+        assert fused and all(sum(r) == dict(model.named_parameters())[n].shape[0] for n, r in fused.items())
+        assert all(n.endswith("attn.qkv.weight" if attention == "dense" else "attn.kv_proj.weight") for n in fused)
 
 
 def snapshot(model, opt) -> tuple[dict, dict]:

@@ -20,6 +20,9 @@ import torch
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 ADAMW, MUON = "adamw", "muon"
+# the attribute a fused matrix carries (set by train/trainer/optim.py from the modules' `muon_row_splits()`): the row
+# counts of the matrices it stacks, e.g. dense attention's qkv (q, k, v); Muon orthogonalises each one apart
+ROW_SPLITS = "muon_row_splits"
 
 
 class SkippableMuon(torch.optim.Muon):
@@ -42,11 +45,11 @@ class SkippableMuon(torch.optim.Muon):
     @torch.no_grad()
     def step(self, closure=None):
         found_inf = getattr(self, "found_inf", None)
-        if found_inf is None:
+        if found_inf is None and not any(hasattr(p, ROW_SPLITS) for g in self.param_groups for p in g["params"]):
             return super().step(closure)
         if closure is not None:
-            raise RuntimeError("SkippableMuon with found_inf takes no closure")
-        skip = found_inf > 0  # 0-dim bool, on the device
+            raise RuntimeError("SkippableMuon with found_inf or fused matrices takes no closure")
+        skip = None if found_inf is None else found_inf > 0  # 0-dim bool, on the device
         for group in self.param_groups:
             params: list[torch.Tensor] = []
             grads: list[torch.Tensor] = []
@@ -57,14 +60,21 @@ class SkippableMuon(torch.optim.Muon):
         return None
 
 
-def _masked_update(p: torch.Tensor, g: torch.Tensor, b: torch.Tensor, skip: torch.Tensor, group: dict) -> None:
-    """One matrix's Muon step, kept only where `skip` is False. p, g, b: [m, n]; skip: 0-dim bool."""
+def _masked_update(p: torch.Tensor, g: torch.Tensor, b: torch.Tensor, skip: torch.Tensor | None, group: dict) -> None:
+    """One matrix's Muon step, kept only where `skip` is False (None: always). p, g, b: [m, n]; skip: 0-dim bool.
+    A fused matrix (attribute ROW_SPLITS) is orthogonalised and its lr adjusted per stacked matrix: rows [r_i, n]."""
     lr, momentum = group["lr"], group["momentum"]
     new_b = b.lerp(g, 1 - momentum)  # [m, n]
     update = g.lerp(new_b, momentum) if group["nesterov"] else new_b  # [m, n]
-    ortho = _zeropower_via_newtonschulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"])  # [m, n] bf16
     new_p = p.mul(1 - lr * group["weight_decay"])  # [m, n]
-    new_p.add_(ortho, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
+    rows = getattr(p, ROW_SPLITS, None) or (p.shape[0],)
+    for part, part_p in zip(update.split(rows), new_p.split(rows)):  # [r_i, n] each; part_p a view of new_p
+        ortho = _zeropower_via_newtonschulz(part, group["ns_coefficients"], group["ns_steps"], group["eps"])  # bf16
+        part_p.add_(ortho, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], part.shape))
+    if skip is None:
+        b.copy_(new_b)
+        p.copy_(new_p)
+        return
     torch.where(skip, b, new_b, out=b)
     torch.where(skip, p, new_p, out=p)
 

@@ -7,8 +7,8 @@ import torch
 import torch.nn as nn
 
 from train.core.config import TrainConfig
-from train.trainer.muon import ADAMW, MUON, MuonAdamW
-from train.trainer.param_groups import adamw_groups, muon_names
+from train.trainer.muon import ADAMW, MUON, ROW_SPLITS, MuonAdamW
+from train.trainer.param_groups import adamw_groups, muon_names, muon_row_splits
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig, device_type: str, zero1: bool = False) -> torch.optim.Optimizer:
@@ -50,6 +50,11 @@ def muon_groups(model: nn.Module, cfg: TrainConfig, adamw: dict) -> list[dict]:
 
 def _build_muon(model: nn.Module, cfg: TrainConfig, adamw: dict, zero1: bool) -> torch.optim.Optimizer:
     groups = muon_groups(model, cfg, adamw)
+    params = dict(model.named_parameters())
+    for name, rows in muon_row_splits(model).items():  # Muon steps each stacked projection as its own matrix
+        if sum(rows) != params[name].shape[0]:
+            raise ValueError(f"{name}: muon_row_splits {rows} do not add up to its {params[name].shape[0]} rows")
+        setattr(params[name], ROW_SPLITS, rows)
     if zero1:  # every rank builds a MuonAdamW over its share of each group: whole matrices
         from torch.distributed.optim import ZeroRedundancyOptimizer
 

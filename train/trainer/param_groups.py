@@ -12,6 +12,9 @@ module names as its own: `aux_parameter_names()` (NSA's gate MLP and phi, whatev
 say), `no_weight_decay()` or `lr_scales()`. Everything else stays on AdamW: the token (and learned position)
 embeddings, the output head (tied or not: it is no block's), norms, biases, NSA's gate MLP and phi (`compress_k/v`:
 fc_in, fc_out, pos_enc). tests/train/test_muon.py lists the split of a dense and an NSA model.
+
+Fused matrices (`muon_row_splits`): a module that stacks several projections in one weight (dense attention's
+qkv, NSA's kv_proj) names their rows in `muon_row_splits()`; Muon orthogonalises each projection apart.
 """
 from __future__ import annotations
 
@@ -70,3 +73,8 @@ def split_summary(model: nn.Module, muon: list[str]) -> str:
             entry[1] += p.numel()
     return (f"optimizer: muon for {counts['muon'][0]} matrices ({counts['muon'][1]:,} params), adamw for "
             f"{counts['adamw'][0]} tensors ({counts['adamw'][1]:,} params)")
+
+
+def muon_row_splits(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """{qualified name: rows of each stacked projection} over every module that declares `muon_row_splits()`."""
+    return _named_by_modules(model, "muon_row_splits")
