@@ -4,7 +4,7 @@ CONFIG ?= configs/train_showcase.yaml
 RUN ?=
 OUT ?=
 
-.PHONY: setup test test-reverse smoke smoke-nsa train monitor tb bench handoff preflight compare clean
+.PHONY: setup test test-reverse smoke smoke-nsa train pilot monitor tb bench handoff preflight compare clean
 
 setup:
 	bash scripts/prime_bootstrap.sh
@@ -37,6 +37,10 @@ smoke-nsa:
 
 train:
 	bash scripts/train_m7c_prime.sh
+
+# NSA, dense and window-only at M7C scale on FineWeb-Edu, with every probe (docs/NSA.md, "The M7C pilot")
+pilot:
+	bash scripts/pilot_m7c.sh
 
 monitor:
 	bash scripts/monitor_run.sh $(MONITOR_ARGS) $(RUN)

@@ -16,7 +16,7 @@ import torch
 from train.checkpoint.io import model_from_checkpoint
 from train.core.errors import UserError
 from train.data.tokenizers import load_tokenizer
-from train.evaluation.needle import NEEDLE, QUESTION, build_prompt, run_needle  # noqa: F401  (tests use the names)
+from train.evaluation.needle import NEEDLE, QUESTION, TRIALS, build_prompt, run_needle  # noqa: F401  (tests use the names)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("ckpt", type=Path)
     p.add_argument("--S", type=int, default=8192, help="context length in tokens")
     p.add_argument("--depths", default="0,0.25,0.5,0.75,1.0")
-    p.add_argument("--trials", type=int, default=5)
+    p.add_argument("--trials", type=int, default=TRIALS)
     p.add_argument("--prefill_tile", type=int, default=2048)
     p.add_argument("--rope_scale", type=float, default=None, help="override the checkpoint's model.rope_scale")
     p.add_argument("--tokenizer", default=None, help="default: the checkpoint's data.tokenizer")

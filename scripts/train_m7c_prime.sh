@@ -54,24 +54,7 @@ ARTIFACTS_DIR=${ARTIFACTS_DIR:-artifacts}
 
 # ---- config and launcher -------------------------------------------------------------------------
 detect_gpus
-if [ -n "${CONFIG:-}" ]; then
-  reason="forced by CONFIG"
-elif [ "$GPU_COUNT" -eq 0 ]; then
-  CONFIG=configs/m7c_cpu.yaml
-  reason="no GPU found: CPU config"
-else
-  max_gb=$(mib_to_gb "$GPU_MAX_MIB")
-  if [ $((GPU_MAX_MIB * 1048576)) -ge 75000000000 ]; then
-    CONFIG=configs/m7c_125m_80g.yaml
-    reason="largest GPU ${GPU_MAX_MIB} MiB = ${max_gb} GB >= 75 GB"
-  elif [ $((GPU_MAX_MIB * 1048576)) -ge 35000000000 ]; then
-    CONFIG=configs/m7c_125m_40g.yaml
-    reason="largest GPU ${GPU_MAX_MIB} MiB = ${max_gb} GB >= 35 GB"
-  else
-    CONFIG=configs/m7c_125m_24g.yaml
-    reason="largest GPU ${GPU_MAX_MIB} MiB = ${max_gb} GB < 35 GB"
-  fi
-fi
+select_m7c_config
 if [ -d "$CONFIG" ]; then die "CONFIG=$CONFIG is a directory; give a YAML file (e.g. configs/m7c_cpu.yaml)" 2; fi
 [ -f "$CONFIG" ] || die "config $CONFIG not found" 2
 
@@ -92,7 +75,7 @@ mapfile -t SMOKE_EXTRA < <(split_words "${SMOKE_ARGS:-}")
 TRAIN_CMD=("${LAUNCH[@]}" "$CONFIG" "${OVERRIDES[@]}")
 
 if [ "${DRY_RUN:-0}" = 1 ]; then
-  echo "config: $CONFIG ($reason)"
+  echo "config: $CONFIG ($CONFIG_REASON)"
   echo "gpus: $GPU_COUNT | $(gpu_summary)"
   echo "launch: $(quote_cmd "${TRAIN_CMD[@]}")"
   if [ "$SMOKE_STEPS" -gt 0 ]; then
@@ -128,7 +111,7 @@ SMOKE_CMD=("${LAUNCH[@]}" "$SMOKE_CONFIG" "--train.out_dir=$RUN_DIR/smoke" "--tr
   kv started "$(now_iso)"
   kv host "$(hostname 2>/dev/null || echo unknown)"
   kv config "$CONFIG"
-  kv config_reason "$reason"
+  kv config_reason "$CONFIG_REASON"
   kv config_sha256 "$(sha256sum "$CONFIG" | cut -d' ' -f1)"
   kv out_dir "$OUT_DIR"
   kv steps "$CFG_STEPS"
@@ -150,7 +133,7 @@ SMOKE_CMD=("${LAUNCH[@]}" "$SMOKE_CONFIG" "--train.out_dir=$RUN_DIR/smoke" "--tr
 } >"$RUN_INFO"
 
 log "run dir: $RUN_DIR"
-log "config: $CONFIG ($reason)"
+log "config: $CONFIG ($CONFIG_REASON)"
 log "out_dir: $OUT_DIR | resume: $RESUME_FROM"
 while IFS= read -r line; do
   case "$line" in "resume: keeping"* | "resume: note"* | *"global batch"*) log "$line" ;; esac

@@ -38,3 +38,13 @@ def kjv_bin(tmp_path_factory, corpus_path) -> Path:
     out = tmp_path_factory.mktemp("kjv_bin") / "kjv_byte"
     prepare(f"text:{corpus_path}", "byte", out, val_fraction=0.05, workers=1, text_sample_by="paragraph")
     return out
+
+
+@pytest.fixture(scope="session")
+def kjv_gpt2(tmp_path_factory, corpus_path) -> Path:
+    """The first 400 paragraphs of the corpus in GPT-2 tokens (a word-level tokenizer, for the needle test)."""
+    from train.data.preparation import prepare
+
+    out = tmp_path_factory.mktemp("kjv_gpt2") / "kjv_gpt2"
+    prepare(f"text:{corpus_path}", "gpt2", out, val_fraction=0.05, workers=1, text_sample_by="paragraph", max_docs=400)
+    return out

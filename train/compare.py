@@ -3,7 +3,7 @@ token budget.
 
     python -m train.compare CONFIG.yaml [--section.key=value ...] --out DIR [--arms nsa,dense,window]
         [--side_by_side] [--dense_from EARLIER_DIR] [--reuse_from EARLIER_DIR ...] [--eval_max_tokens N]
-        [--tasks hellaswag,arc_easy,... [--tasks_limit N]]
+        [--tasks hellaswag,arc_easy,... [--tasks_limit N]] [--needle 1,2,4 [--needle_trials N]] [--recall_probe]
     make compare CONFIG=configs/m7c_125m_80g.yaml OUT=artifacts/twin_m7c COMPARE_ARGS="--data.source=bin:data/DIR"
 
 Three arms, each the same config but for its attention: nsa (the config, nsa.gates: learned), dense (its twin:
@@ -14,7 +14,9 @@ with its gates pinned to the sliding-window branch; the YAML keeps only the nsa 
   nsa/, dense/, window/                ordinary out_dirs: resume, .HALT, the monitor and the handoff work as for any run
   logs/<arm>.log                       each arm's console output, appended by every launch
   report.json, report.md, report.png   train/analysis/compare_report.py: curves, whole-split scores, both gaps, verdict
-                                       (and, with --tasks, every arm's task scores: tasks_<name>.json in its out_dir)
+                                       (and, with --tasks, every arm's task scores: tasks_<name>.json in its out_dir;
+                                       with --needle, the needle test: needle_step<N>_S<S>.json; with a recall
+                                       corpus or --recall_probe, the recall probe: recall_step<N>.json)
 The arms train one after the other (each on one process: CPU, or the first visible GPU), or with
 --side_by_side one per GPU at the same time (as many at once as GPUs are visible). Then train.evaluate scores
 each on the whole validation split of the prepared directory (a bin: source: the split the trainer never
@@ -33,6 +35,7 @@ import sys
 from pathlib import Path
 
 from train.core.errors import UserError
+from train.evaluation.needle import TRIALS as NEEDLE_TRIALS
 from train.workflows.compare import ARMS, ArmFailed, compare_twins, select_arms
 
 
@@ -59,6 +62,13 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         "hellaswag,arc_easy,... or .jsonl paths); the report gives each with its standard error")
     p.add_argument("--tasks_limit", type=int, default=None,
                    help="docs per task: the same seeded subset for every arm (default: all)")
+    p.add_argument("--needle", default=None,
+                   help="the needle-in-a-haystack test on every arm at these multiples of train.seq_len (e.g. 1,2,4: "
+                        "up to 4x the training length; word-level tokenizers only)")
+    p.add_argument("--needle_trials", type=int, default=None, help=f"needle trials per depth (default {NEEDLE_TRIALS})")
+    p.add_argument("--recall_probe", action="store_true",
+                   help="the recall probe on every arm even when the data is no recall corpus (zero-shot: documents "
+                        "of seq_len tokens, distances in multiples of nsa.w; a recall corpus is always probed)")
     args, rest = p.parse_known_args(argv)
     strays = [a for a in rest if not (a.startswith("--") and "." in a.split("=", 1)[0])]
     if strays:
@@ -72,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         report, files = compare_twins(args.config, overrides, args.out, side_by_side=args.side_by_side,
                                       dense_from=args.dense_from, reuse_from=args.reuse_from,
                                       eval_max_tokens=args.eval_max_tokens, arms=select_arms(args.arms),
-                                      tasks=args.tasks, tasks_limit=args.tasks_limit)
+                                      tasks=args.tasks, tasks_limit=args.tasks_limit, needle=args.needle,
+                                      needle_trials=args.needle_trials, recall_probe=args.recall_probe)
     except (UserError, ArmFailed) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -152,6 +152,31 @@ gpu_summary() {
   printf '%s\n' "${parts[*]}"
 }
 
+# select_m7c_config (after detect_gpus): CONFIG from the largest visible GPU's memory unless the caller set it
+# (>= 75 GB: m7c_125m_80g, >= 35 GB: m7c_125m_40g, else m7c_125m_24g; no GPU: m7c_cpu), and CONFIG_REASON
+# shellcheck disable=SC2034  # CONFIG_REASON is read by the caller
+select_m7c_config() {
+  if [ -n "${CONFIG:-}" ]; then
+    CONFIG_REASON="forced by CONFIG"
+  elif [ "$GPU_COUNT" -eq 0 ]; then
+    CONFIG=configs/m7c_cpu.yaml
+    CONFIG_REASON="no GPU found: CPU config"
+  else
+    local gb bytes=$((GPU_MAX_MIB * 1048576))
+    gb=$(mib_to_gb "$GPU_MAX_MIB")
+    if [ "$bytes" -ge 75000000000 ]; then
+      CONFIG=configs/m7c_125m_80g.yaml
+      CONFIG_REASON="largest GPU ${GPU_MAX_MIB} MiB = ${gb} GB >= 75 GB"
+    elif [ "$bytes" -ge 35000000000 ]; then
+      CONFIG=configs/m7c_125m_40g.yaml
+      CONFIG_REASON="largest GPU ${GPU_MAX_MIB} MiB = ${gb} GB >= 35 GB"
+    else
+      CONFIG=configs/m7c_125m_24g.yaml
+      CONFIG_REASON="largest GPU ${GPU_MAX_MIB} MiB = ${gb} GB < 35 GB"
+    fi
+  fi
+}
+
 # launcher_for NPROC -> sets LAUNCH[]: python for 0/1 process, torchrun --standalone for more
 # shellcheck disable=SC2034  # LAUNCH is read by the caller
 launcher_for() {

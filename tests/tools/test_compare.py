@@ -211,6 +211,13 @@ def test_reused_arms_and_handoff_carries_the_report(compared, tmp_path):
     ("configs/nsa_twin_kjv.yaml", ["--nsa.gates=window"], "derives the window-only control from it"),
     ("configs/nsa_twin_kjv.yaml", ["--tasks", "no_such_task"], "no_such_task"),
     ("configs/nsa_twin_kjv.yaml", ["--tasks_limit", "5"], "--tasks_limit 5: a positive number of docs per task, with --tasks"),
+    ("configs/nsa_twin_kjv.yaml", ["--needle", "1,2"], "--needle: the needle test needs a word-level tokenizer"),
+    ("configs/nsa_twin_kjv.yaml", ["--needle", "1,x", "--data.tokenizer=gpt2"], "positive multiples of train.seq_len"),
+    ("configs/nsa_twin_kjv.yaml", ["--needle", "0", "--data.tokenizer=gpt2"], "positive multiples of train.seq_len"),
+    ("configs/nsa_twin_kjv.yaml", ["--needle", "2", "--data.tokenizer=gpt2", "--model.pos_emb=learned"],
+     "S=2048 is beyond the learned positions"),
+    ("configs/nsa_twin_kjv.yaml", ["--needle_trials", "3"], "--needle_trials 3: a positive number of trials per depth, with --needle"),
+    ("configs/nsa_twin_kjv.yaml", ["--recall_probe", "--nsa.w=512"], "--recall_probe: nsa.w=512 leaves no distance beyond"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, config, args, message):
     code, err = compare_in_process("--out", str(tmp_path / "c"), *args, config=config)
@@ -272,3 +279,40 @@ def test_on_a_recall_corpus_every_arm_takes_the_probe(tmp_path):
         assert recall[f"far_vs_{control}"] == (recall["arms"]["nsa"]["far_accuracy"] / far if far else None)
     md = (out / "report.md").read_text()
     assert "Recall probe" in md and "| 1-2w |" in md
+
+
+def test_needle_and_zero_shot_recall_are_read_back_from_every_arm(tmp_path, kjv_gpt2):
+    """--needle 1,2 and --recall_probe on natural text in GPT-2 tokens: each arm's needle_step<N>_S<S>.json (at 1x
+    and 2x the training length) and its zero-shot recall_step<N>.json (distances in multiples of nsa.w, documents
+    of seq_len - 1 tokens) are what the report carries."""
+    out = tmp_path / "twin"
+    res = compare("--out", str(out), f"--data.source=bin:{kjv_gpt2}", "--data.tokenizer=gpt2",
+                  "--model.vocab_size=50304", *TINY, "--train.seq_len=128", "--model.max_seq_len=128",
+                  "--eval_max_tokens", "2000", "--needle", "1,2", "--needle_trials", "1", "--recall_probe",
+                  "--arms", "nsa,dense")
+    assert "zero-shot, none trained on it" in res.stdout and "needle test on every arm at S = 128, 256" in res.stdout
+    report = json.loads((out / "report.json").read_text())
+    needle = report["needle"]
+    assert needle["lengths"] == [128, 256] and needle["multiples"] == [1.0, 2.0] and needle["trials"] == 1
+    assert list(needle["arms"]) == ["nsa", "dense"] and list(report["recall"]["arms"]) == ["nsa", "dense"]
+    for arm, by_length in needle["arms"].items():
+        for S in (128, 256):
+            written = json.loads((out / arm / f"needle_step4_S{S}.json").read_text())
+            assert written["S"] == S and written["trials"] == 1 and written["checkpoint"].startswith(str(out / arm))
+            assert by_length[str(S)]["mean_accuracy"] == written["mean_accuracy"]
+            assert by_length[str(S)]["by_depth"] == {str(r["depth"]): r["accuracy"] for r in written["results"]}
+            assert [r["trials"] for r in written["results"]] == [1] * 5
+    recall = report["recall"]
+    assert recall["trained_on_task"] is False
+    for arm, summary in recall["arms"].items():
+        written = json.loads((out / arm / "recall_step4.json").read_text())
+        assert written["spec"]["window"] == 32 and written["spec"]["doc_tokens"] == 127
+        assert written["spec"]["max_windows"] == 3 and summary["far_accuracy"] == written["far_accuracy"]
+        assert set(summary["buckets"]) == {"<1w", "1-2w", "2-4w"} and summary["far_items"] > 0
+    md = (out / "report.md").read_text()
+    assert "Needle in a haystack" in md and "| 256 | 2 |" in md and "zero-shot: no arm trained on the task" in md
+    again = compare("--out", str(out), f"--data.source=bin:{kjv_gpt2}", "--data.tokenizer=gpt2",
+                    "--model.vocab_size=50304", *TINY, "--train.seq_len=128", "--model.max_seq_len=128",
+                    "--eval_max_tokens", "2000", "--needle", "1,2", "--needle_trials", "1", "--recall_probe",
+                    "--arms", "nsa,dense")
+    assert json.loads((out / "report.json").read_text())["needle"] == needle and "nothing to train" in again.stdout

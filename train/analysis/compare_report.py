@@ -3,7 +3,9 @@
     report.json  arms (nsa, and the controls run: dense, window): params, steps, tokens, tokens/s, last train
                  loss, train and val curves, whole-split loss and bits/byte; nsa: its settings and gate /
                  selection statistics per logged step (with the selection health: sel_recall,
-                 sel_outside_window, gate_mean_*, and per layer under `<name>_layers`); the gaps; verdict
+                 sel_outside_window, gate_mean_*, and per layer under `<name>_layers`); the gaps; verdict;
+                 when asked for: recall (the probe per distance bucket, trained_on_task or zero-shot), tasks
+                 (downstream scores with standard errors), needle (accuracy per context length and depth)
     report.md    the same as tables, for people
     report.png   train and val loss of every arm in one plot; NSA gate shares over training
 Gaps, in percent (negative: NSA is better), None when that control did not run:
@@ -115,10 +117,13 @@ def _gap_pct(nsa: float | None, control: float | None) -> float | None:
 
 
 def build_report(out: Path, out_dirs: dict[str, Path], scores: dict[str, dict], recall: dict[str, dict] | None = None,
-                 tasks: dict[str, dict] | None = None) -> dict:
+                 tasks: dict[str, dict] | None = None, needle: dict[str, list[dict]] | None = None, *,
+                 trained_on_recall: bool = True) -> dict:
     """out_dirs, scores: per arm run (nsa and one or both controls), in ARMS order. recall: per arm, the recall
-    probe's result (train/evaluation/recall.py) when the data is a recall corpus. tasks: per arm, train.tasks'
-    result (train/evaluation/tasks_checkpoint.py) when the comparison names downstream tasks."""
+    probe's result (train/evaluation/recall.py) when the data is a recall corpus (trained_on_recall) or the
+    comparison asked for it zero-shot. tasks: per arm, train.tasks' result (train/evaluation/tasks_checkpoint.py)
+    when the comparison names downstream tasks. needle: per arm, the needle test's result at each context length
+    (train/evaluation/needle.py) when the comparison asked for it."""
     arms = {arm: arm_summary(path, scores[arm]) for arm, path in out_dirs.items()}
     nsa_cfg = (yaml.safe_load((out_dirs["nsa"] / CONFIG_YAML).read_text(encoding="utf-8")) or {})
     nsa_eval = arms["nsa"]["eval"]
@@ -139,8 +144,9 @@ def build_report(out: Path, out_dirs: dict[str, Path], scores: dict[str, dict], 
                 "over_time": nsa_over_time(out_dirs["nsa"])},
         **gaps,
         "verdict": verdict({c: gaps[keys[0]] for c, keys in GAP_KEYS.items() if c in arms}, nsa_eval["max_tokens"]),
-        **({"recall": recall_summary(recall)} if recall else {}),
+        **({"recall": {**recall_summary(recall), "trained_on_task": trained_on_recall}} if recall else {}),
         **({"tasks": tasks_summary(tasks)} if tasks else {}),
+        **({"needle": needle_summary(needle)} if needle else {}),
         "notes": notes,
     }
 
@@ -157,6 +163,18 @@ def recall_summary(recall: dict[str, dict]) -> dict:
         far = recall.get(control, {}).get("far_accuracy")
         out[f"far_vs_{control}"] = nsa_far / far if far else None
     return out
+
+
+def needle_summary(needle: dict[str, list[dict]]) -> dict:
+    """Per arm and context length S: the mean accuracy over depths, each depth's, the trials per depth and the
+    result file; the lengths as multiples of the training length."""
+    first = next(iter(needle.values()))
+    return {"lengths": [r["S"] for r in first], "multiples": [r["S"] / r["train_seq_len"] for r in first],
+            "trials": first[0]["trials"],
+            "arms": {arm: {str(r["S"]): {"mean_accuracy": r["mean_accuracy"],
+                                         "by_depth": {str(d["depth"]): d["accuracy"] for d in r["results"]},
+                                         "file": r["file"]} for r in results}
+                     for arm, results in needle.items()}}
 
 
 TASK_FIELDS = ("primary_metric", "primary", "primary_stderr", "acc", "acc_stderr", "acc_norm", "acc_norm_stderr",
@@ -235,6 +253,8 @@ def markdown(report: dict) -> str:
         lines += recall_markdown(report["recall"])
     if "tasks" in report:
         lines += tasks_markdown(report["tasks"])
+    if "needle" in report:
+        lines += needle_markdown(report["needle"])
     lines += [f"- {note}" for note in report["notes"]]
     return "\n".join(lines) + "\n"
 
@@ -243,7 +263,8 @@ def recall_markdown(recall: dict) -> list[str]:
     arms = recall["arms"]
     names = list(arms)
     buckets = list(next(iter(arms.values()))["buckets"])
-    lines = ["", f"Recall probe (accuracy of the answer, chance {next(iter(arms.values()))['chance']:.3f}; `<1w` lies "
+    how = "" if recall.get("trained_on_task", True) else "zero-shot: no arm trained on the task; "
+    lines = ["", f"Recall probe ({how}accuracy of the answer, chance {next(iter(arms.values()))['chance']:.3f}; `<1w` lies "
              "inside the window):", "", "| distance | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     for b in buckets:
         lines.append(f"| {b} | " + " | ".join(_fmt(arms[arm]["buckets"][b]["accuracy"], ".3f") for arm in names) + " |")
@@ -252,6 +273,18 @@ def recall_markdown(recall: dict) -> list[str]:
     shares = [f"{c} {recall[f'far_vs_{c}']:.1%}" for c in GAP_KEYS if recall.get(f"far_vs_{c}") is not None]
     if shares:
         lines += ["", "NSA's far accuracy as a share of: " + ", ".join(shares)]
+    return lines
+
+
+def needle_markdown(needle: dict) -> list[str]:
+    arms = needle["arms"]
+    names = list(arms)
+    lines = ["", f"Needle in a haystack (greedy decoding of the planted number; mean accuracy over depths, "
+             f"{needle['trials']} trials per depth):", "", "| S | x train length | " + " | ".join(names) + " |",
+             "|---" * (len(names) + 2) + "|"]
+    for S, multiple in zip(needle["lengths"], needle["multiples"]):
+        lines.append(f"| {S:,} | {multiple:g} | " + " | ".join(_fmt(arms[arm][str(S)]["mean_accuracy"], ".2f")
+                                                          for arm in names) + " |")
     return lines
 
 

@@ -20,11 +20,14 @@ from train.core.config import dump_config, load_config
 from train.core.env import one_gpu_environment
 from train.core.errors import ConfigError, UserError
 from train.evaluation.evaluate import EvalRequest, default_name, evaluate
+from train.evaluation.needle import TRIALS as NEEDLE_TRIALS
+from train.evaluation.needle import needle_checkpoint, refuse_byte_tokenizer
 from train.evaluation.recall import probe_checkpoint, recall_spec_of
 from train.evaluation.tasks_checkpoint import RESULT_FILE as TASKS_FILE
 from train.evaluation.tasks_checkpoint import TasksRequest, evaluate_tasks, task_specs
 from train.evaluation.tasks_checkpoint import default_name as tasks_name
 from train.evaluation.tasks_data import load_task
+from train.data.recall import RecallSpec
 
 # nsa: the config itself; its controls (the report's GAP_KEYS): dense (model.attention: dense, no nsa section)
 # and window (nsa.gates: window: the same layer with its gates pinned to the sliding-window branch)
@@ -246,14 +249,49 @@ def score_arm_tasks(out_dir: Path, specs: list[str], limit: int | None) -> dict:
     return evaluate_tasks(TasksRequest(checkpoint=out_dir, tasks=",".join(specs), limit=limit))
 
 
+def needle_lengths(spec: str, doc: dict) -> list[int]:
+    """--needle '1,2,4' -> the context lengths (multiples of the arms' train.seq_len) the needle test runs at;
+    UserError for a spelling, tokenizer or model the test cannot run with."""
+    try:
+        multiples = [float(m) for m in spec.split(",") if m.strip()]
+    except ValueError:
+        multiples = []
+    if not multiples or any(m <= 0 for m in multiples):
+        raise UserError(f"--needle {spec!r}: positive multiples of train.seq_len, comma separated (e.g. 1,2,4)")
+    refuse_byte_tokenizer(doc["data"]["tokenizer"], "--needle")
+    lengths = sorted({int(m * doc["train"]["seq_len"]) for m in multiples})
+    model = doc["model"]
+    if model.get("pos_emb") != "rope" and lengths[-1] > model["max_seq_len"]:
+        raise UserError(f"--needle {spec!r}: S={lengths[-1]} is beyond the learned positions "
+                        f"(model.max_seq_len {model['max_seq_len']})")
+    return lengths
+
+
+def zero_shot_recall_spec(doc: dict) -> RecallSpec:
+    """--recall_probe on data that is no recall corpus: probe documents as long as a training window, distances
+    in multiples of the NSA window (every arm is scored on the same documents, none trained on the task)."""
+    seq_len, window = doc["train"]["seq_len"], doc["nsa"]["w"]
+    doc_tokens = seq_len - 1  # + the EOS before the document
+    if doc_tokens < 2 * window:
+        raise UserError(f"--recall_probe: nsa.w={window} leaves no distance beyond the window inside a "
+                        f"{seq_len}-token window (it needs seq_len > 2 * nsa.w)")
+    spec = RecallSpec(window=window, doc_tokens=doc_tokens, max_windows=doc_tokens // window)
+    spec.validate()
+    return spec
+
+
 def compare_twins(config: Path, overrides: list[str], out: Path, *, side_by_side: bool = False,
                   dense_from: Path | None = None, reuse_from: list[Path] | tuple[Path, ...] = (),
                   eval_max_tokens: int | None = None, arms: tuple[str, ...] = ARMS,
-                  tasks: str | None = None, tasks_limit: int | None = None) -> tuple[dict, list[Path]]:
+                  tasks: str | None = None, tasks_limit: int | None = None, needle: str | None = None,
+                  needle_trials: int | None = None, recall_probe: bool = False) -> tuple[dict, list[Path]]:
     """Train (or resume) the arms `arms` (nsa and at least one control: select_arms), score them on the whole
     validation split, write the report. dense_from: reuse that comparison's dense arm (it must match);
     reuse_from: reuse every control arm that matches in one of these comparisons, train the others here.
     tasks: comma-separated downstream tasks (train.tasks) every arm is scored on, tasks_limit docs each.
+    needle: multiples of train.seq_len ('1,2,4') every arm takes the needle test at, needle_trials per depth (default
+    train/evaluation/needle.py's TRIALS).
+    recall_probe: every arm takes the recall probe even when the data is no recall corpus (zero-shot).
     Returns (report, files written). Raises UserError for bad input and ArmFailed when an arm's trainer fails."""
     gpus = 1
     if side_by_side:
@@ -274,7 +312,15 @@ def compare_twins(config: Path, overrides: list[str], out: Path, *, side_by_side
         raise UserError(f"--tasks_limit {tasks_limit}: a positive number of docs per task, with --tasks")
     for spec in specs:  # a task that does not exist is refused before any arm trains
         load_task(spec)
+    if needle_trials is not None and (needle is None or needle_trials < 1):
+        raise UserError(f"--needle_trials {needle_trials}: a positive number of trials per depth, with --needle")
     docs = arm_configs(config, overrides, out)
+    lengths = needle_lengths(needle, docs["nsa"]) if needle is not None else []
+    data_spec = docs["nsa"]["data"]["source"]
+    recall_spec = recall_spec_of(data_spec)
+    trained_on_recall = recall_spec is not None
+    if recall_probe and not trained_on_recall:
+        recall_spec = zero_shot_recall_spec(docs["nsa"])
     out_dirs = {arm: out / arm for arm in arms}
     if dense_from is not None:
         out_dirs["dense"] = reuse_dense(docs, dense_from)
@@ -284,12 +330,17 @@ def compare_twins(config: Path, overrides: list[str], out: Path, *, side_by_side
     paths = write_arm_configs(out, docs, arms)
     to_train = tuple(arm for arm in arms if out_dirs[arm] == out / arm and not _finished(arm, out_dirs[arm], docs[arm]))
     train_arms(paths, out, out_dirs, to_train, at_once=min(gpus, len(to_train)) or 1)
-    data_spec = docs["nsa"]["data"]["source"]
     scores = {arm: evaluate_arm(out_dirs[arm], data_spec, eval_max_tokens) for arm in arms}
     recall = None
-    if recall_spec_of(data_spec) is not None:  # a recall corpus: every arm takes the probe
-        print("compare: probing every arm with the recall task (train.recall score)", flush=True)
-        recall = {arm: probe_checkpoint(out_dirs[arm]) for arm in arms}
+    if recall_spec is not None:  # a recall corpus, or --recall_probe: every arm takes the probe
+        how = "its training task" if trained_on_recall else "zero-shot, none trained on it"
+        print(f"compare: probing every arm with the recall task ({how}; train.recall score)", flush=True)
+        recall = {arm: probe_checkpoint(out_dirs[arm], spec=recall_spec) for arm in arms}
+    needles = None
+    if lengths:
+        print(f"compare: the needle test on every arm at S = {', '.join(map(str, lengths))}", flush=True)
+        trials = needle_trials or NEEDLE_TRIALS
+        needles = {arm: [needle_checkpoint(out_dirs[arm], S=S, trials=trials) for S in lengths] for arm in arms}
     task_scores = {arm: score_arm_tasks(out_dirs[arm], specs, tasks_limit) for arm in arms} if specs else None
-    report = build_report(out, out_dirs, scores, recall, task_scores)
+    report = build_report(out, out_dirs, scores, recall, task_scores, needles, trained_on_recall=trained_on_recall)
     return report, write_report(out, report)

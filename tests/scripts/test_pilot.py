@@ -1,0 +1,75 @@
+"""scripts/pilot_m7c.sh: the M7C pilot's one command. DRY_RUN under a fake nvidia-smi shows the config chosen by
+VRAM and the prepare and compare commands it would run; a real run on a tiny config (CONFIG and PILOT_ARGS on
+this CPU) trains the arms and writes the report with the needle test and the zero-shot recall probe."""
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+
+from tests.scripts.helpers import A100_40, H100_80, run_script
+
+
+def dry(env) -> dict[str, str]:
+    res = run_script("pilot_m7c.sh", env | {"DRY_RUN": "1"}, timeout=60)
+    assert res.returncode == 0, res.stderr
+    return dict(line.split(": ", 1) for line in res.stdout.splitlines())
+
+
+@pytest.mark.parametrize("gpus, config, side_by_side", [
+    ([H100_80], "configs/m7c_125m_80g.yaml", False),
+    ([A100_40], "configs/m7c_125m_40g.yaml", False),
+    ([H100_80] * 8, "configs/m7c_125m_80g.yaml", True),  # the arms train at once, one GPU each
+])
+def test_dry_run_prepares_fineweb_and_compares_the_three_arms_with_every_probe(fake_smi, script_env, tmp_path,
+                                                                                gpus, config, side_by_side):
+    fields = dry(script_env(fake_smi(gpus), PILOT_DATA=str(tmp_path / "fw")))
+    assert fields["config"].startswith(config)
+    assert shlex.split(fields["prepare"])[1:] == ["-m", "train.data.prepare", "--source", "fineweb_edu", "--tokenizer",
+                                                  "gpt2", "--out", str(tmp_path / "fw"), "--max-docs", "200000"]
+    compare = " ".join(shlex.split(fields["compare"]))
+    assert f"-m train.compare {config} --out {tmp_path / 'artifacts' / 'pilot_m7c'} --arms nsa,dense,window" in compare
+    for part in (f"--data.source=bin:{tmp_path / 'fw'}", "--train.steps=3000", "--train.warmup_steps=300",
+                 "--recall_probe", "--needle 1,2,4", "--tasks hellaswag,arc_easy,arc_challenge,piqa,sciq,winogrande",
+                 "--tasks_limit 500"):
+        assert part in compare, part
+    assert ("--side_by_side" in compare) == side_by_side
+
+
+def test_a_prepared_directory_is_used_as_it_is_and_empty_knobs_drop_their_probe(fake_smi, script_env, tmp_path):
+    (tmp_path / "fw").mkdir()
+    (tmp_path / "fw" / "meta.json").write_text("{}")
+    fields = dry(script_env(fake_smi([H100_80]), PILOT_DATA=str(tmp_path / "fw"), PILOT_TASKS="", PILOT_NEEDLE=""))
+    assert "prepare" not in fields and fields["data"] == f"{tmp_path / 'fw'} (prepared)"
+    assert "--tasks" not in fields["compare"] and "--needle" not in fields["compare"]
+
+
+@pytest.mark.parametrize("env, message", [
+    ({}, "no GPU found: the pilot trains three 125M models on GPUs; set CONFIG"),
+    ({"CONFIG": "configs/none.yaml"}, "config configs/none.yaml not found"),
+    ({"CONFIG": "configs/nsa_twin_kjv.yaml", "PILOT_STEPS": "0"}, "PILOT_STEPS=0 must be a positive integer"),
+    ({"CONFIG": "configs/nsa_twin_kjv.yaml", "PILOT_WARMUP": "x"}, "PILOT_WARMUP=x must be a non-negative integer"),
+])
+def test_bad_settings_are_one_line_and_exit_2(script_env, tmp_path, env, message):
+    res = run_script("pilot_m7c.sh", script_env(**env, PILOT_DATA=str(tmp_path / "fw")), timeout=60)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1 and message in res.stderr, res.stderr
+    assert not (tmp_path / "artifacts").exists() and not (tmp_path / "fw").exists()
+
+
+def test_a_tiny_pilot_runs_for_real_and_writes_the_report(script_env, tmp_path, kjv_gpt2):
+    tiny = ("--data.tokenizer=gpt2 --model.vocab_size=50304 --model.dim=32 --model.n_layers=1 --model.n_heads=2 "
+            "--model.n_kv_heads=1 --model.head_dim=16 --model.ffn_dim=64 --train.seq_len=128 --model.max_seq_len=128 "
+            "--train.batch_size=2 --train.log_every=1 --train.eval_every=2 --train.eval_steps=1 --train.save_every=2 "
+            "--runtime.threads=1 --nsa.w=32")
+    env = script_env(CONFIG="configs/nsa_twin_kjv.yaml", PILOT_DATA=str(kjv_gpt2), PILOT_STEPS="2", PILOT_WARMUP="1",
+                     PILOT_TASKS="", PILOT_NEEDLE="1", PILOT_ARMS="nsa,window", PILOT_ARGS=tiny + " --needle_trials 1")
+    res = run_script("pilot_m7c.sh", env, timeout=400)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    out = tmp_path / "artifacts" / "pilot_m7c"
+    report = json.loads((out / "report.json").read_text())
+    assert list(report["arms"]) == ["nsa", "window"] and report["arms"]["nsa"]["step"] == 2
+    assert report["recall"]["trained_on_task"] is False and report["needle"]["lengths"] == [128]
+    for arm in ("nsa", "window"):
+        assert (out / arm / "needle_step2_S128.json").is_file() and (out / arm / "recall_step2.json").is_file()
+    assert "[pilot_m7c] comparing -> " in res.stdout and "Needle in a haystack" in (out / "report.md").read_text()
