@@ -1,7 +1,7 @@
 """The recall task (train/data/recall.py): make its corpus, probe a checkpoint with it.
 
     python -m train.recall make --out DIR --window W --seq_len T [--max_windows 8] [--tokenizer byte]
-        [--train_tokens 20000000] [--val_tokens 500000] [--seed 0] [--loss_on all|answers]
+        [--train_tokens 20000000] [--val_tokens 500000] [--seed 0] [--loss_on answers|all]
     python -m train.recall score CKPT_OR_RUN_DIR [--documents 64] [--seed S] [--device auto|cpu|cuda]
         [--window W --doc_tokens N]   (a checkpoint trained on other data)
         [--knockout sel[,cmp]]        (NSA: score with these branches' gates zeroed, the others as learned)
@@ -36,8 +36,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     make.add_argument("--train_tokens", type=int, default=20_000_000)
     make.add_argument("--val_tokens", type=int, default=500_000)
     make.add_argument("--seed", type=int, default=0)
-    make.add_argument("--loss_on", default="all", choices=LOSS_ON,
-                      help="answers: write loss masks so that training targets only the answers' tokens")
+    make.add_argument("--loss_on", default=LOSS_ON[0], choices=LOSS_ON,
+                      help="answers (default): loss masks, so that training targets only the answers' tokens; "
+                           "all: every token")
     score = sub.add_parser("score", help="probe a checkpoint")
     score.add_argument("checkpoint", type=Path)
     score.add_argument("--documents", type=int, default=64)

@@ -160,15 +160,16 @@ def test_knockout_scores_an_nsa_checkpoint_apart(tmp_path, capsys):
 
 
 def test_answers_only_loss_mask_reaches_the_batches(tmp_path, capsys):
-    """--loss_on answers: each split's mask marks exactly the answers' tokens, the sampler turns every other
-    target into IGNORE_INDEX, a run trains on it; a mask of the wrong size is refused in one line."""
+    """--loss_on answers (the default: no --loss_on here): each split's mask marks exactly the answers' tokens,
+    the sampler turns every other target into IGNORE_INDEX, a run trains on it; a mask of the wrong size is
+    refused in one line."""
     from nsa.loss import IGNORE_INDEX
     from train.data.memmap import MemmapStream
     from train.trainer.runner import run_training
 
     data = tmp_path / "recall"
     assert recall_main(["make", "--out", str(data), "--window", "8", "--seq_len", "32", "--max_windows", "3",
-                        "--train_tokens", "20000", "--val_tokens", "2000", "--loss_on", "answers"]) == 0
+                        "--train_tokens", "20000", "--val_tokens", "2000"]) == 0
     meta = json.loads((data / "meta.json").read_text())
     info = meta["splits"]["train"]
     tokens = np.fromfile(data / "train.bin", dtype=np.uint16)

@@ -152,14 +152,15 @@ def probe_document(rng: random.Random, spec: RecallSpec, encoder: RecallEncoder)
     return encoder.encode(document_lines(rng, max_lines(spec, encoder), spec, encoder.line_tokens))
 
 
-LOSS_ON = ("all", "answers")
+LOSS_ON = ("answers", "all")  # the first is the default: the setting the dense twin learns the task with
 
 
 def write_corpus(out, spec: RecallSpec, tokenizer, *, train_tokens: int, val_tokens: int, seed: int = 0,
-                 loss_on: str = "all") -> dict:
+                 loss_on: str = LOSS_ON[0]) -> dict:
     """A prepared directory (train.bin, val.bin, meta.json; docs/DATA.md) of recall documents, each followed by
-    EOS like prepare's; the splits come from different seeds. loss_on="answers" also writes each split's loss
-    mask (<split>.mask.bin: 1 on the answers' tokens only), so training sees only the recall targets.
+    EOS like prepare's; the splits come from different seeds. loss_on="answers" (the default) also writes each
+    split's loss mask (<split>.mask.bin: 1 on the answers' tokens only), so training sees only the recall
+    targets; "all" trains on every token (keys and values are random: noise the dense twin did not get past).
     Returns meta. `out` must not hold a meta.json."""
     if loss_on not in LOSS_ON:
         raise DataError(f"recall: loss_on must be one of {', '.join(LOSS_ON)}, got {loss_on!r}")
