@@ -149,3 +149,26 @@ def test_activation_and_loss_estimate_matches_a_measured_cpu_peak():
                          check=True, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["estimated"] == pytest.approx(got["measured"], rel=0.15), got
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_optimizer_state_is_what_the_built_optimizer_holds_after_a_step(optimizer):
+    """The estimate's optimizer bytes against the fp32 state tensors the trainer's own optimizer keeps after one
+    step (Muon: one momentum buffer for the hidden matrices, AdamW's two moments for the rest), NSA model."""
+    import torch
+
+    from nsa.model import Transformer
+    from train.trainer.optim import build_optimizer
+
+    cfg = load_config(None, ["--model.attention=nsa", "--model.dim=64", "--model.n_layers=2", "--model.n_heads=2",
+                             "--model.n_kv_heads=1", "--model.head_dim=32", "--model.ffn_dim=128",
+                             "--model.vocab_size=256", "--train.seq_len=64", "--nsa.l=8", "--nsa.d=4",
+                             "--nsa.l_sel=8", "--nsa.n_sel=3", "--nsa.w=16", f"--train.optimizer={optimizer}"])
+    model = Transformer(cfg.model)
+    opt = build_optimizer(model, cfg.train, "cpu")
+    idx = torch.randint(0, 256, (1, 64))
+    model(idx, targets=idx).backward()
+    opt.step()
+    held = sum(t.numel() * t.element_size() for state in opt.state.values() for t in state.values()
+               if torch.is_tensor(t) and t.dim() > 0)  # the moments / momentum, not the 0-dim step counts
+    assert estimate_memory(cfg, 1, cuda=False).optimizer == held

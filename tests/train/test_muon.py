@@ -16,7 +16,7 @@ from nsa.model import Transformer
 from train.core.config import dump_config, load_config
 from train.trainer.muon import ROW_SPLITS, MuonAdamW, SkippableMuon
 from train.trainer.optim import build_optimizer, set_lr, step_unless_nonfinite
-from train.trainer.param_groups import muon_names
+from train.core.param_groups import muon_names
 from train.trainer.runner import run_training
 
 from .helpers import (REPO, TINY_CLI, halt_while_step_runs, kill9_after, read_csv, read_jsonl,

@@ -1,10 +1,12 @@
-"""Peak memory per rank of a training run, from its config (no model is built).
+"""Peak memory per rank of a training run, from its config (no weights are allocated).
 
     peak = parameters + gradients + optimizer state + activations + loss path + workspace
 
 - parameters / gradients: fp32 master weights and fp32 gradients (4 bytes each); FSDP2 keeps 1/W of
   both, plus the unsharded compute copy of the blocks in flight.
-- optimizer: AdamW's two fp32 moments (8 bytes per parameter); ZeRO-1 and FSDP2 keep 1/W.
+- optimizer: AdamW's two fp32 moments (8 bytes per parameter); with train.optimizer=muon, Muon's parameters
+  (train/core/param_groups.py's rule, counted on a model built on the meta device) keep one fp32 momentum
+  buffer (4 bytes) and the rest AdamW's 8; ZeRO-1 and FSDP2 keep 1/W.
 - activations: what autograd saves, per layer and per token of a micro-batch (the formulas below,
   docs/MODELS.md "Memory"); with activation checkpointing every k-th block keeps only its fp32 input
   and one block's activations are alive again during its recomputation.
@@ -20,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from train.core.config import RunConfig
+from train.core.param_groups import muon_names
 
 GIB = 2**30
 # device memory as nvidia-smi reports it (MiB), by the names `--gpu` accepts
@@ -29,6 +32,7 @@ GPU_MIB = {
 }
 WORKSPACE_BYTES = 1.5 * GIB  # CUDA context + library workspaces
 SLACK = 0.05  # allocator fragmentation, as a fraction of everything else
+STATE_BYTES = {"adamw": 8, "muon": 4}  # fp32 optimizer state per parameter: AdamW's two moments, Muon's momentum
 
 
 @dataclass
@@ -96,6 +100,18 @@ def loss_bytes(cfg: RunConfig, tokens: int, act_bytes: int) -> float:
     return gradients + tokens * V * (act_bytes + 4 + 4)
 
 
+def muon_parameters(cfg: RunConfig) -> int:
+    """How many of the model's parameters Muon trains (train/core/param_groups.py), on the meta device."""
+    import torch
+
+    from nsa.model import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    sizes = dict(model.named_parameters())
+    return sum(sizes[name].numel() for name in muon_names(model))
+
+
 def estimate_memory(cfg: RunConfig, world_size: int = 1, *, cuda: bool = True) -> MemoryEstimate:
     """Peak bytes per rank for cfg on `world_size` ranks (cuda=False: CPU, no workspace, fp32 unless bf16)."""
     rt, t, m = cfg.runtime, cfg.train, cfg.model
@@ -112,7 +128,9 @@ def estimate_memory(cfg: RunConfig, world_size: int = 1, *, cuda: bool = True) -
         per_block = P / max(1, m.n_layers)
         params += 2 * per_block * act_bytes
         grads += per_block * 4
-    optimizer = 8 * P / (world_size if (sharded_states or zero1) else 1)
+    on_muon = muon_parameters(cfg) if t.optimizer == "muon" else 0
+    state = STATE_BYTES["adamw"] * (P - on_muon) + STATE_BYTES["muon"] * on_muon
+    optimizer = state / (world_size if (sharded_states or zero1) else 1)
     tokens = t.batch_size * t.seq_len
     per_layer = activation_bytes_per_token(cfg, act_bytes) * tokens
     per_layer_ckpt = 4 * m.dim * tokens  # the block's fp32 input
@@ -164,7 +182,8 @@ def verdict(cfg: RunConfig, world_size: int, gpu: str, capacity: float | None = 
     capacity = GPU_MIB[gpu] * 2**20 if capacity is None else capacity
     est = estimate_memory(cfg, world_size)
     fits = est.total <= capacity
-    out = {"gpu": gpu, "capacity_bytes": capacity, "world_size": world_size, "fits": fits, **est.as_dict()}
+    out = {"gpu": gpu, "capacity_bytes": capacity, "world_size": world_size, "fits": fits,
+           "optimizer_name": cfg.train.optimizer, **est.as_dict()}
     if not fits:
         out["fix"] = fit_advice(cfg, world_size, capacity)
     return out
@@ -176,7 +195,7 @@ def render_memory(v: dict) -> str:
         f"memory per rank on {v['gpu']} ({v['capacity_bytes'] / 1e9:.1f} GB), {v['world_size']} rank(s):",
         f"  parameters        {g(v['params'])}",
         f"  gradients         {g(v['grads'])}",
-        f"  optimizer (AdamW) {g(v['optimizer'])}",
+        f"  optimizer {'(' + {'adamw': 'AdamW', 'muon': 'Muon'}[v['optimizer_name']] + ')':7} {g(v['optimizer'])}",
         f"  activations       {g(v['activations'])}  (per layer {v['activations_per_layer'] / 1e9:.2f} GB; "
         f"checkpointed {v['activations_per_layer_checkpointed'] / 1e9:.3f} GB)",
         f"  loss path         {g(v['loss'])}",

@@ -36,7 +36,7 @@ from train.data import build_data
 from train.hf.importer import init_state_dict
 from train.observe.efficiency import Efficiency
 from train.trainer.optim import build_optimizer
-from train.trainer.param_groups import muon_names, split_summary
+from train.core.param_groups import muon_names, split_summary
 from train.trainer.safety import stale_halt_message
 from train.trainer.spikes import SpikeDetector
 from train.trainer.start_checks import BATCH_KEYS, resume_checks

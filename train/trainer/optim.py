@@ -1,5 +1,5 @@
 """The optimizer a run trains with (train.optimizer): AdamW, or Muon for the hidden matrices with AdamW for the rest
-(train/trainer/muon.py); which parameter goes where: train/trainer/param_groups.py. `set_lr` applies the schedule's
+(train/trainer/muon.py); which parameter goes where: train/core/param_groups.py. `set_lr` applies the schedule's
 value (train/trainer/lr_schedule.py); `step_unless_nonfinite` is the one way the loop steps."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from train.core.config import TrainConfig
 from train.trainer.muon import ADAMW, MUON, ROW_SPLITS, MuonAdamW
-from train.trainer.param_groups import adamw_groups, muon_names, muon_row_splits
+from train.core.param_groups import adamw_groups, muon_names, muon_row_splits
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig, device_type: str, zero1: bool = False) -> torch.optim.Optimizer:
