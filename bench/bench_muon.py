@@ -2,12 +2,13 @@
 
     PYTHONPATH=. .venv/bin/python bench/bench_muon.py [--config configs/nsa_twin_kjv.yaml] [--root artifacts/muon_kjv]
         [--lrs 1e-3 2e-3 4e-3] [--only adamw|muon ...] [--steps N] [--eval-every 25] [--eval-max-tokens N]
-        [--collect] [--json bench/results/muon_kjv.json]
+        [--seed S] [--collect] [--json bench/results/muon_kjv.json]
 
 Each (optimizer, lr) is one `python -m train.compare CONFIG --arms nsa,dense` under ROOT/<optimizer>_lr<lr>: the NSA
 config and its dense twin (model.attention=dense), the same data, seed and token budget (the config's train.steps, or
 --steps), train.lr=<lr> and train.eval_every=<E>; Muon runs take train.optimizer=muon with the config's other
 settings (muon_adjust_lr=match_rms_adamw: the same lr and weight decay as AdamW, so both sweep the same lrs).
+--seed S sets train.seed for every run (another seed: give it its own --root).
 train.compare scores each arm on the whole validation split of data/kjv_byte (prepared first if missing: the
 command in the config's header). A finished comparison is reused (the same command again resumes or skips it);
 --collect only reads what is there.
@@ -44,9 +45,9 @@ def run_name(optimizer: str, lr: float) -> str:
     return f"{optimizer}_lr{lr:g}"
 
 
-def overrides(optimizer: str, lr: float, steps: int | None, eval_every: int) -> list[str]:
+def overrides(optimizer: str, lr: float, steps: int | None, eval_every: int, seed: int | None = None) -> list[str]:
     args = [f"--train.optimizer={optimizer}", f"--train.lr={lr:g}", f"--train.eval_every={eval_every}"]
-    return args + ([f"--train.steps={steps}"] if steps else [])
+    return args + ([f"--train.steps={steps}"] if steps else []) + ([f"--train.seed={seed}"] if seed is not None else [])
 
 
 def compare(config: str, out: Path, args: list[str], eval_max_tokens: int | None) -> int:
@@ -187,6 +188,7 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=25, help="train.eval_every (capped at the run's steps)")
     ap.add_argument("--eval-max-tokens", type=int, default=None, help="score the first N validation tokens only "
                     "(smoke tests; default: the whole split)")
+    ap.add_argument("--seed", type=int, default=None, help="train.seed of every run (default: the config's)")
     ap.add_argument("--collect", action="store_true", help="only read the comparisons already under --root")
     ap.add_argument("--json", help="also write the JSON here (e.g. bench/results/muon_kjv.json)")
     args = ap.parse_args()
@@ -200,10 +202,11 @@ def main() -> None:
         for optimizer in args.only:
             for lr in args.lrs:
                 out = root / run_name(optimizer, lr)
-                if compare(args.config, out, overrides(optimizer, lr, args.steps, eval_every), args.eval_max_tokens):
+                if compare(args.config, out, overrides(optimizer, lr, args.steps, eval_every, args.seed),
+                           args.eval_max_tokens):
                     sys.exit(f"error: {out.name} failed (see {out / 'logs'})")
     runs = [run for optimizer in args.only for lr in args.lrs for run in collect_run(root, optimizer, lr)]
-    result = {"config": args.config, "root": str(root), "lrs": args.lrs, "steps": args.steps,
+    result = {"config": args.config, "root": str(root), "lrs": args.lrs, "steps": args.steps, "seed": args.seed,
               "eval_max_tokens": args.eval_max_tokens, "summary": summarize(runs),
               "optimizer_step_ms_1_thread": optimizer_step_ms(args.config), "runs": runs}
     print(json.dumps(result))
