@@ -13,9 +13,10 @@
 #      unless PILOT_DATA already holds a prepared directory (its meta.json);
 #   4. runs python -m train.compare CONFIG --out PILOT_OUT: the three arms train on the same tokens (one after the
 #      other on one GPU; side by side, one GPU each, on two or more), then each is scored on the whole validation
-#      split, on the recall probe zero-shot (--recall_probe), on the needle test at 1, 2 and 4 times the training
-#      length (--needle) and on the downstream tasks (--tasks). PILOT_OUT/report.md and report.json hold loss,
-#      retrieval, selection health over training, task scores and tokens/s for every arm.
+#      split, on the recall probe zero-shot in prose lines (--recall_probe --recall_format prose), on the needle
+#      test at 1, 2 and 4 times the training length (--needle) and on the downstream tasks (--tasks).
+#      PILOT_OUT/report.md and report.json hold loss, retrieval, selection health over training, task scores
+#      and tokens/s for every arm.
 # The same command again resumes the unfinished arms, reuses every finished score and rewrites the report.
 # Exit status: 0 done; 2 bad input (nothing written); otherwise train.data.prepare's or train.compare's.
 #
@@ -71,7 +72,7 @@ select_m7c_config
 PREPARE_CMD=("$PY" -m train.data.prepare --source fineweb_edu --tokenizer gpt2 --out "$PILOT_DATA"
              --max-docs "$PILOT_DOCS")
 COMPARE_CMD=("$PY" -m train.compare "$CONFIG" --out "$PILOT_OUT" --arms "$PILOT_ARMS" "--data.source=bin:$PILOT_DATA"
-             "--train.steps=$PILOT_STEPS" "--train.warmup_steps=$PILOT_WARMUP" --recall_probe)
+             "--train.steps=$PILOT_STEPS" "--train.warmup_steps=$PILOT_WARMUP" --recall_probe --recall_format prose)
 if [ -n "$PILOT_NEEDLE" ]; then COMPARE_CMD+=(--needle "$PILOT_NEEDLE"); fi
 if [ -n "$PILOT_TASKS" ]; then COMPARE_CMD+=(--tasks "$PILOT_TASKS" --tasks_limit "$PILOT_TASKS_LIMIT"); fi
 if [ "$GPU_COUNT" -ge 2 ]; then COMPARE_CMD+=(--side_by_side); fi

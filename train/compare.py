@@ -4,6 +4,7 @@ token budget.
     python -m train.compare CONFIG.yaml [--section.key=value ...] --out DIR [--arms nsa,dense,window]
         [--side_by_side] [--dense_from EARLIER_DIR] [--reuse_from EARLIER_DIR ...] [--eval_max_tokens N]
         [--tasks hellaswag,arc_easy,... [--tasks_limit N]] [--needle 1,2,4 [--needle_trials N]] [--recall_probe]
+        [--recall_format kv|prose]
     make compare CONFIG=configs/m7c_125m_80g.yaml OUT=artifacts/twin_m7c COMPARE_ARGS="--data.source=bin:data/DIR"
 
 Three arms, each the same config but for its attention: nsa (the config, nsa.gates: learned), dense (its twin:
@@ -69,6 +70,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--recall_probe", action="store_true",
                    help="the recall probe on every arm even when the data is no recall corpus (zero-shot: documents "
                         "of seq_len tokens, distances in multiples of nsa.w; a recall corpus is always probed)")
+    p.add_argument("--recall_format", default=None,
+                   help="the recall probe's lines: kv (qx=M) or prose (The code of qx is M.); default: the corpus's, "
+                        "or kv")
     args, rest = p.parse_known_args(argv)
     strays = [a for a in rest if not (a.startswith("--") and "." in a.split("=", 1)[0])]
     if strays:
@@ -83,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
                                       dense_from=args.dense_from, reuse_from=args.reuse_from,
                                       eval_max_tokens=args.eval_max_tokens, arms=select_arms(args.arms),
                                       tasks=args.tasks, tasks_limit=args.tasks_limit, needle=args.needle,
-                                      needle_trials=args.needle_trials, recall_probe=args.recall_probe)
+                                      needle_trials=args.needle_trials, recall_probe=args.recall_probe,
+                                      recall_format=args.recall_format)
     except (UserError, ArmFailed) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code

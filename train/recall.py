@@ -1,15 +1,18 @@
 """The recall task (train/data/recall.py): make its corpus, probe a checkpoint with it.
 
     python -m train.recall make --out DIR --window W --seq_len T [--max_windows 8] [--tokenizer byte]
-        [--train_tokens 20000000] [--val_tokens 500000] [--seed 0] [--loss_on answers|all]
+        [--train_tokens 20000000] [--val_tokens 500000] [--seed 0] [--loss_on answers|all] [--format kv|prose]
     python -m train.recall score CKPT_OR_RUN_DIR [--documents 64] [--seed S] [--device auto|cpu|cuda]
         [--window W --doc_tokens N]   (a checkpoint trained on other data)
         [--knockout sel[,cmp]]        (NSA: score with these branches' gates zeroed, the others as learned)
+        [--format kv|prose]           (lines in this format; default: the corpus's, or kv)
 
 `make` writes a prepared directory (train.bin, val.bin, meta.json with the task's spec) that any config reads
 as data.source: bin:DIR. `score` feeds probe documents (their own seed) and reports accuracy and answer loss
 per distance bucket, the window's own bucket apart from the far ones, with chance (1/26); it prints one JSON
-object and writes recall_step<N>.json beside the checkpoint. Bad input: one `error:` line, exit 2.
+object and writes recall_step<N>.json beside the checkpoint (recall_step<N>_prose.json for prose lines). Formats:
+kv (`qx=M` / `qx?M`) and prose (`The code of qx is M.` / `What is the code of qx? It is M.`), for models
+trained on natural text. Bad input: one `error:` line, exit 2.
 """
 from __future__ import annotations
 
@@ -19,9 +22,11 @@ import sys
 from pathlib import Path
 
 from train.core.errors import UserError
-from train.data.recall import LOSS_ON, RecallSpec, write_corpus
+from dataclasses import replace
+
+from train.data.recall import DEFAULT_FORMAT, FORMATS, LOSS_ON, RecallSpec, write_corpus
 from train.data.tokenizers import load_tokenizer
-from train.evaluation.recall import PROBE_SEED, probe_checkpoint
+from train.evaluation.recall import PROBE_SEED, corpus_spec, probe_checkpoint
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -36,6 +41,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     make.add_argument("--train_tokens", type=int, default=20_000_000)
     make.add_argument("--val_tokens", type=int, default=500_000)
     make.add_argument("--seed", type=int, default=0)
+    make.add_argument("--format", default=DEFAULT_FORMAT, choices=tuple(FORMATS), help="how lines are spelled")
     make.add_argument("--loss_on", default=LOSS_ON[0], choices=LOSS_ON,
                       help="answers (default): loss masks, so that training targets only the answers' tokens; "
                            "all: every token")
@@ -47,13 +53,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     score.add_argument("--window", type=int, default=None, help="with --doc_tokens: probe a model not trained on a recall corpus")
     score.add_argument("--doc_tokens", type=int, default=None)
     score.add_argument("--max_windows", type=int, default=8)
+    score.add_argument("--format", default=None, choices=tuple(FORMATS),
+                       help="probe lines in this format (default: the corpus's; kv with --window)")
     score.add_argument("--knockout", default="", help="NSA branches to switch off while scoring (comma list of "
                        "cmp, sel, win): their gates zeroed, the others as learned; written to recall_step<N>_without_*.json")
     return p.parse_args(argv)
 
 
-def spec_of(window, doc_tokens, max_windows) -> RecallSpec:
-    spec = RecallSpec(window=window, doc_tokens=doc_tokens, max_windows=max_windows)
+def spec_of(window, doc_tokens, max_windows, line_format: str = DEFAULT_FORMAT) -> RecallSpec:
+    spec = RecallSpec(window=window, doc_tokens=doc_tokens, max_windows=max_windows, format=line_format)
     try:
         spec.validate()
     except ValueError as exc:
@@ -71,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "make":
             if args.train_tokens < 1 or args.val_tokens < 1:
                 raise UserError("--train_tokens and --val_tokens must be >= 1")
-            spec = spec_of(args.window, args.seq_len - 1, args.max_windows)  # + the EOS before each document
+            spec = spec_of(args.window, args.seq_len - 1, args.max_windows, args.format)  # + the EOS before each document
             meta = write_corpus(args.out, spec, load_tokenizer(args.tokenizer), train_tokens=args.train_tokens,
                                 val_tokens=args.val_tokens, seed=args.seed, loss_on=args.loss_on)
             s = meta["splits"]
@@ -82,7 +90,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if (args.window is None) != (args.doc_tokens is None):
             raise UserError("--window and --doc_tokens go together")
-        spec = spec_of(args.window, args.doc_tokens, args.max_windows) if args.window is not None else None
+        spec = spec_of(args.window, args.doc_tokens, args.max_windows, args.format or DEFAULT_FORMAT) \
+            if args.window is not None else None
+        if spec is None and args.format is not None:  # the corpus's spec, in another format
+            spec = replace(corpus_spec(args.checkpoint), format=args.format)
         print(json.dumps(probe_checkpoint(args.checkpoint, spec=spec, documents=args.documents, seed=args.seed,
                                           device=args.device, knockout=_branches(args.knockout))))
     except UserError as exc:

@@ -31,7 +31,7 @@ def test_dry_run_prepares_fineweb_and_compares_the_three_arms_with_every_probe(f
     compare = " ".join(shlex.split(fields["compare"]))
     assert f"-m train.compare {config} --out {tmp_path / 'artifacts' / 'pilot_m7c'} --arms nsa,dense,window" in compare
     for part in (f"--data.source=bin:{tmp_path / 'fw'}", "--train.steps=3000", "--train.warmup_steps=300",
-                 "--recall_probe", "--needle 1,2,4", "--tasks hellaswag,arc_easy,arc_challenge,piqa,sciq,winogrande",
+                 "--recall_probe --recall_format prose", "--needle 1,2,4", "--tasks hellaswag,arc_easy,arc_challenge,piqa,sciq,winogrande",
                  "--tasks_limit 500"):
         assert part in compare, part
     assert ("--side_by_side" in compare) == side_by_side
@@ -69,7 +69,8 @@ def test_a_tiny_pilot_runs_for_real_and_writes_the_report(script_env, tmp_path, 
     out = tmp_path / "artifacts" / "pilot_m7c"
     report = json.loads((out / "report.json").read_text())
     assert list(report["arms"]) == ["nsa", "window"] and report["arms"]["nsa"]["step"] == 2
-    assert report["recall"]["trained_on_task"] is False and report["needle"]["lengths"] == [128]
+    assert report["recall"]["trained_on_task"] is False and report["recall"]["format"] == "prose"
+    assert report["needle"]["lengths"] == [128]
     for arm in ("nsa", "window"):
-        assert (out / arm / "needle_step2_S128.json").is_file() and (out / arm / "recall_step2.json").is_file()
+        assert (out / arm / "needle_step2_S128.json").is_file() and (out / arm / "recall_step2_prose.json").is_file()
     assert "[pilot_m7c] comparing -> " in res.stdout and "Needle in a haystack" in (out / "report.md").read_text()

@@ -218,6 +218,8 @@ def test_reused_arms_and_handoff_carries_the_report(compared, tmp_path):
      "S=2048 is beyond the learned positions"),
     ("configs/nsa_twin_kjv.yaml", ["--needle_trials", "3"], "--needle_trials 3: a positive number of trials per depth, with --needle"),
     ("configs/nsa_twin_kjv.yaml", ["--recall_probe", "--nsa.w=512"], "--recall_probe: nsa.w=512 leaves no distance beyond"),
+    ("configs/nsa_twin_kjv.yaml", ["--recall_probe", "--recall_format", "yaml"], "--recall_format 'yaml': one of kv, prose"),
+    ("configs/nsa_twin_kjv.yaml", ["--recall_format", "prose"], "--recall_format spells the recall probe's lines"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, config, args, message):
     code, err = compare_in_process("--out", str(tmp_path / "c"), *args, config=config)
@@ -283,13 +285,13 @@ def test_on_a_recall_corpus_every_arm_takes_the_probe(tmp_path):
 
 def test_needle_and_zero_shot_recall_are_read_back_from_every_arm(tmp_path, kjv_gpt2):
     """--needle 1,2 and --recall_probe on natural text in GPT-2 tokens: each arm's needle_step<N>_S<S>.json (at 1x
-    and 2x the training length) and its zero-shot recall_step<N>.json (distances in multiples of nsa.w, documents
-    of seq_len - 1 tokens) are what the report carries."""
+    and 2x the training length) and its zero-shot recall_step<N>_prose.json (prose lines, distances in multiples of
+    nsa.w, documents of seq_len - 1 tokens) are what the report carries; the same command again reuses them."""
     out = tmp_path / "twin"
     res = compare("--out", str(out), f"--data.source=bin:{kjv_gpt2}", "--data.tokenizer=gpt2",
                   "--model.vocab_size=50304", *TINY, "--train.seq_len=128", "--model.max_seq_len=128",
                   "--eval_max_tokens", "2000", "--needle", "1,2", "--needle_trials", "1", "--recall_probe",
-                  "--arms", "nsa,dense")
+                  "--recall_format", "prose", "--arms", "nsa,dense")
     assert "zero-shot, none trained on it" in res.stdout and "needle test on every arm at S = 128, 256" in res.stdout
     report = json.loads((out / "report.json").read_text())
     needle = report["needle"]
@@ -303,16 +305,16 @@ def test_needle_and_zero_shot_recall_are_read_back_from_every_arm(tmp_path, kjv_
             assert by_length[str(S)]["by_depth"] == {str(r["depth"]): r["accuracy"] for r in written["results"]}
             assert [r["trials"] for r in written["results"]] == [1] * 5
     recall = report["recall"]
-    assert recall["trained_on_task"] is False
+    assert recall["trained_on_task"] is False and recall["format"] == "prose"
     for arm, summary in recall["arms"].items():
-        written = json.loads((out / arm / "recall_step4.json").read_text())
-        assert written["spec"]["window"] == 32 and written["spec"]["doc_tokens"] == 127
+        written = json.loads((out / arm / "recall_step4_prose.json").read_text())
+        assert written["spec"]["window"] == 32 and written["spec"]["doc_tokens"] == 127 and written["format"] == "prose"
         assert written["spec"]["max_windows"] == 3 and summary["far_accuracy"] == written["far_accuracy"]
         assert set(summary["buckets"]) == {"<1w", "1-2w", "2-4w"} and summary["far_items"] > 0
     md = (out / "report.md").read_text()
-    assert "Needle in a haystack" in md and "| 256 | 2 |" in md and "zero-shot: no arm trained on the task" in md
+    assert "Needle in a haystack" in md and "| 256 | 2 |" in md and "zero-shot: no arm trained on the task; prose" in md
     again = compare("--out", str(out), f"--data.source=bin:{kjv_gpt2}", "--data.tokenizer=gpt2",
                     "--model.vocab_size=50304", *TINY, "--train.seq_len=128", "--model.max_seq_len=128",
                     "--eval_max_tokens", "2000", "--needle", "1,2", "--needle_trials", "1", "--recall_probe",
-                    "--arms", "nsa,dense")
+                    "--recall_format", "prose", "--arms", "nsa,dense")
     assert json.loads((out / "report.json").read_text())["needle"] == needle and "nothing to train" in again.stdout

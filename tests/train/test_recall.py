@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 import torch
 
+import re
+
 from train.data.recall import FACT, QUERY, VALUES, RecallEncoder, RecallSpec, corpus_document, probe_document
 from train.data.tokenizers import load_tokenizer
 from train.evaluation.recall import score_recall
@@ -40,6 +42,30 @@ def test_every_answer_is_its_facts_value_at_the_stated_distance(tokenizer):
             fact_value = doc.ids[start - distance:start - distance + n]
             assert tok.decode(fact_value.tolist()) == answer  # the distance points at the fact's value
             assert 0 < distance < SPEC.max_windows * SPEC.window + enc.line_tokens
+
+
+PROSE_FACT = re.compile(r"^The code of ([a-z]{2}) is ([A-Z])\.$")
+PROSE_QUERY = re.compile(r"^What is the code of ([a-z]{2})\? It is ([A-Z])\.$")
+
+
+@pytest.mark.parametrize("tokenizer", ["byte", "gpt2"])
+def test_prose_lines_answer_from_their_fact_at_the_stated_distance(tokenizer):
+    """format prose: every line is a fact or a query sentence; each answer (" M", its own tokens) is its fact's
+    value, and the distance points at the fact's value tokens."""
+    tok = load_tokenizer(tokenizer)
+    spec = RecallSpec(window=40, doc_tokens=511, max_windows=8, format="prose")
+    enc = RecallEncoder(tok, "prose")
+    rng = random.Random(5)
+    for doc in [probe_document(rng, spec, enc) for _ in range(3)] + [corpus_document(rng, spec, enc) for _ in range(10)]:
+        assert len(doc.ids) <= spec.doc_tokens
+        lines = tok.decode(doc.ids.tolist()).splitlines()
+        facts = dict(m.groups() for m in map(PROSE_FACT.match, lines) if m)
+        queries = [m.groups() for m in map(PROSE_QUERY.match, lines) if m]
+        assert len(facts) + len(queries) == len(lines) and len(queries) == len(doc.answer_start)
+        for (key, value), start, n, distance in zip(queries, doc.answer_start, doc.answer_len, doc.distance):
+            answer = tok.decode(doc.ids[start:start + n].tolist())
+            assert answer == " " + value == " " + facts[key]
+            assert tok.decode(doc.ids[start - distance:start - distance + n].tolist()) == answer
 
 
 def test_probe_documents_fill_every_bucket():
@@ -109,6 +135,11 @@ def test_make_train_and_score_end_to_end(tmp_path, capsys):
     assert written == result and result["step"] == 4
     assert set(result["buckets"]) == {"<1w", "1-2w", "2-4w"}
     assert sum(b["items"] for b in result["buckets"].values()) == result["far_items"] + result["buckets"]["<1w"]["items"]
+    assert recall_main(["score", str(out), "--documents", "4", "--device", "cpu", "--format", "prose"]) == 0
+    prose = json.loads(capsys.readouterr().out)  # the corpus's spec, its lines spelled in prose: a file of its own
+    assert prose["format"] == "prose" and prose["spec"] == {**result["spec"], "format": "prose"}
+    assert json.loads((out / "recall_step4_prose.json").read_text()) == prose and result["format"] == "kv"
+    assert json.loads((out / "recall_step4.json").read_text()) == written  # untouched
 
 
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):

@@ -35,6 +35,7 @@ from train.core.artifacts import (
     read_heartbeat,
     read_metrics,
 )
+from train.data.recall import DEFAULT_FORMAT
 from train.observe.telemetry import write_json_atomic
 
 TOOL = "train.compare"
@@ -144,7 +145,8 @@ def build_report(out: Path, out_dirs: dict[str, Path], scores: dict[str, dict], 
                 "over_time": nsa_over_time(out_dirs["nsa"])},
         **gaps,
         "verdict": verdict({c: gaps[keys[0]] for c, keys in GAP_KEYS.items() if c in arms}, nsa_eval["max_tokens"]),
-        **({"recall": {**recall_summary(recall), "trained_on_task": trained_on_recall}} if recall else {}),
+        **({"recall": {**recall_summary(recall), "trained_on_task": trained_on_recall,
+                       "format": recall["nsa"].get("format", DEFAULT_FORMAT)}} if recall else {}),
         **({"tasks": tasks_summary(tasks)} if tasks else {}),
         **({"needle": needle_summary(needle)} if needle else {}),
         "notes": notes,
@@ -263,7 +265,8 @@ def recall_markdown(recall: dict) -> list[str]:
     arms = recall["arms"]
     names = list(arms)
     buckets = list(next(iter(arms.values()))["buckets"])
-    how = "" if recall.get("trained_on_task", True) else "zero-shot: no arm trained on the task; "
+    how = ("" if recall.get("trained_on_task", True) else "zero-shot: no arm trained on the task; ") \
+        + f"{recall.get('format', DEFAULT_FORMAT)} lines; "
     lines = ["", f"Recall probe ({how}accuracy of the answer, chance {next(iter(arms.values()))['chance']:.3f}; `<1w` lies "
              "inside the window):", "", "| distance | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     for b in buckets:

@@ -1,9 +1,14 @@
 """The recall task: documents of key-value facts, each later asked for at a controlled distance.
 
-A document is lines of two kinds (five characters each with the byte tokenizer):
+A document is lines of two kinds, in one of FORMATS (RecallSpec.format):
 
-    qx=M      a fact: key "qx" (two lowercase letters, unique in the document) holds value "M" (A-Z)
-    qx?M      a query: the same key asked again; its value is the answer the model must recall
+    kv (five characters a line with the byte tokenizer)
+      qx=M                                   a fact: key "qx" (two lowercase letters, unique in the document)
+                                             holds value "M" (A-Z)
+      qx?M                                   a query: the same key asked again; its value is the answer
+    prose (sentences, for models trained on natural text)
+      The code of qx is M.                   a fact
+      What is the code of qx? It is M.       a query
 
 Every query's fact lies `distance` tokens before it (answer token to the fact's value token). Distances are
 drawn bucket first: the buckets are [1, w) (inside the sliding window) and [w, 2w), [2w, 4w), ... up to
@@ -11,8 +16,9 @@ drawn bucket first: the buckets are [1, w) (inside the sliding window) and [w, 2
 common as near ones. Lines that no query uses are facts never asked for (distractors). Keys are unique in a
 document, so every answer is determined by the document alone and chance is 1 / len(VALUES).
 
-Any tokenizer: each line is encoded as three segments (key and mark, value, newline) encoded separately and
-concatenated, so the answer's tokens are known exactly (with the byte tokenizer a line is 5 tokens).
+Any tokenizer: each line is encoded as three segments (the format's fact or query prefix with its key, the
+value, the line's end) encoded separately and concatenated, so the answer's tokens are known exactly (with the
+byte tokenizer a kv line is 5 tokens).
 
 Training documents (`corpus_document`) have a length drawn log-uniformly from 2 lines to the longest that
 fits `doc_tokens`: short documents teach the lookup where it is easy, long ones stretch it (a curriculum by
@@ -38,7 +44,28 @@ from train.data.preparation import EncodedDocuments, SplitWriter, build_meta
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 KEYS = tuple(a + b for a in LETTERS for b in LETTERS)  # 676
 VALUES = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
-FACT, QUERY = "=", "?"
+FACT, QUERY = "=", "?"  # the marks of document_lines' (key, mark, value) lines; kv's own spelling too
+
+
+@dataclass(frozen=True)
+class LineFormat:
+    """How a line is spelled: prefix (by mark, with the key), the value, the line's end."""
+
+    fact: str  # with {key}
+    query: str  # with {key}
+    value: str  # with {value}
+    end: str
+
+    def prefix(self, key: str, mark: str) -> str:
+        return (self.fact if mark == FACT else self.query).format(key=key)
+
+
+DEFAULT_FORMAT = "kv"
+FORMATS = {
+    "kv": LineFormat(fact="{key}=", query="{key}?", value="{value}", end="\n"),
+    "prose": LineFormat(fact="The code of {key} is", query="What is the code of {key}? It is", value=" {value}",
+                        end=".\n"),
+}
 META_KEY = "recall"  # meta.json of a recall corpus: its RecallSpec under this key
 
 
@@ -50,6 +77,7 @@ class RecallSpec:
     doc_tokens: int  # the longest document, in tokens (at most the training seq_len)
     max_windows: int = 8  # the farthest recall, in windows
     query_share: float = 0.5  # the share of a document's lines that try to become queries
+    format: str = DEFAULT_FORMAT  # how lines are spelled: a key of FORMATS
 
     def validate(self) -> None:
         if self.window < 1 or self.doc_tokens < 2 * LINE_TOKENS_MIN:
@@ -59,6 +87,8 @@ class RecallSpec:
             raise ValueError(f"recall: max_windows must be >= 1, got {self.max_windows}")
         if not 0 < self.query_share <= 0.5:
             raise ValueError(f"recall: query_share must be in (0, 0.5], got {self.query_share}")
+        if self.format not in FORMATS:
+            raise ValueError(f"recall: format must be one of {', '.join(FORMATS)}, got {self.format!r}")
 
     def buckets(self) -> list[tuple[int, int]]:
         """[lo, hi) distance ranges in tokens: inside the window, then doubling multiples of it."""
@@ -90,14 +120,18 @@ class EncodedRecall:
 
 
 class RecallEncoder:
-    """Token ids of lines, cached per segment (key+mark, value, newline) for one tokenizer."""
+    """Token ids of lines in one format, cached per segment (prefix with its key, value, end) for one tokenizer."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, line_format: str = DEFAULT_FORMAT):
         self.tokenizer = tokenizer
-        segments = [k + m for k in KEYS for m in (FACT, QUERY)] + list(VALUES) + ["\n"]
+        self.format = FORMATS[line_format]
+        f = self.format
+        prefixes = [f.prefix(k, m) for k in KEYS for m in (FACT, QUERY)]
+        values = [f.value.format(value=v) for v in VALUES]
+        segments = prefixes + values + [f.end]
         self._ids = dict(zip(segments, (list(ids) for ids in tokenizer.encode_batch(segments))))
-        self.line_tokens = max(len(self._ids[k + m]) for k in KEYS for m in (FACT, QUERY)) \
-            + max(len(self._ids[v]) for v in VALUES) + len(self._ids["\n"])  # the longest line
+        self.line_tokens = max(len(self._ids[p]) for p in prefixes) + max(len(self._ids[v]) for v in values) \
+            + len(self._ids[f.end])  # the longest line
 
     def encode(self, lines: list[tuple[str, str, str]]) -> EncodedRecall:
         """lines: (key, mark, value) -> ids and each query's answer span and distance."""
@@ -105,14 +139,15 @@ class RecallEncoder:
         value_at: dict[str, int] = {}
         starts, lens, distances = [], [], []
         for key, mark, value in lines:
-            ids += self._ids[key + mark]
+            ids += self._ids[self.format.prefix(key, mark)]
+            value_ids = self._ids[self.format.value.format(value=value)]
             if mark == FACT:
                 value_at[key] = len(ids)
             else:
                 starts.append(len(ids))
-                lens.append(len(self._ids[value]))
+                lens.append(len(value_ids))
                 distances.append(len(ids) - value_at[key])
-            ids += self._ids[value] + self._ids["\n"]
+            ids += value_ids + self._ids[self.format.end]
         return EncodedRecall(np.asarray(ids, dtype=np.int64), np.asarray(starts, dtype=np.int64),
                              np.asarray(lens, dtype=np.int64), np.asarray(distances, dtype=np.int64))
 
@@ -126,7 +161,7 @@ def document_lines(rng: random.Random, n_lines: int, spec: RecallSpec, line_toke
     buckets = [(max(1, lo // line_tokens), max(1, -(-hi // line_tokens))) for lo, hi in spec.buckets()]
     for _ in range(int(n_lines * spec.query_share * 2)):  # tries; collisions leave a slot a distractor
         lo, hi = rng.choice(buckets)  # in lines
-        if lo >= n_lines:
+        if lo >= min(hi, n_lines):  # beyond the document, or a bucket narrower than a line
             continue
         back = rng.randrange(lo, min(hi, n_lines))
         at = rng.randrange(back, n_lines)
@@ -169,7 +204,7 @@ def write_corpus(out, spec: RecallSpec, tokenizer, *, train_tokens: int, val_tok
     if (out / "meta.json").exists():
         raise DataError(f"{out} already holds a prepared dataset (meta.json); choose another --out")
     started = time.perf_counter()
-    encoder = RecallEncoder(tokenizer)
+    encoder = RecallEncoder(tokenizer, spec.format)
     dtype = np.dtype(dtype_for_vocab(tokenizer.n_vocab))
     out.mkdir(parents=True, exist_ok=True)
     splits, max_id = {}, -1

@@ -30,6 +30,7 @@ from train.checkpoint.io import (
 from train.core.errors import DataError, UserError
 from train.data.meta import read_meta
 from train.data.recall import (
+    DEFAULT_FORMAT,
     META_KEY,
     VALUES,
     RecallEncoder,
@@ -67,7 +68,7 @@ class _Tally:
 def score_recall(model: torch.nn.Module, tokenizer, spec: RecallSpec, *, documents: int = 64, batch_size: int = 8,
                  seed: int = PROBE_SEED, device: torch.device | str = "cpu") -> dict:
     """The recall report of `model` on `documents` probe documents: per bucket and pooled beyond the window."""
-    encoder = RecallEncoder(tokenizer)
+    encoder = RecallEncoder(tokenizer, spec.format)
     rng = random.Random(seed)
     docs = [probe_document(rng, spec, encoder) for _ in range(documents)]
     buckets = spec.buckets()
@@ -87,7 +88,7 @@ def score_recall(model: torch.nn.Module, tokenizer, spec: RecallSpec, *, documen
             for b in np.unique(which):
                 tallies[names[b]].add(hits[which == b], nll[which == b])
     far = _Tally(*(sum(getattr(tallies[name], f) for name in names[1:]) for f in ("hits", "items", "nll")))
-    return {"window": spec.window, "documents": documents, "seed": seed, "chance": 1 / len(VALUES),
+    return {"window": spec.window, "format": spec.format, "documents": documents, "seed": seed, "chance": 1 / len(VALUES),
             "buckets": {name: tally.row() for name, tally in tallies.items()},
             "near_accuracy": tallies[names[0]].row()["accuracy"], "far_accuracy": far.row()["accuracy"],
             "far_stderr": far.row()["stderr"], "far_answer_loss": far.row()["answer_loss"], "far_items": far.items}
@@ -121,37 +122,45 @@ def recall_spec_of(data_source: str) -> RecallSpec | None:
     return RecallSpec(**{k: v for k, v in raw[META_KEY].items() if k in RecallSpec.__dataclass_fields__})
 
 
-def result_name(step: int, knockout: tuple[str, ...] = ()) -> str:
-    """recall_step<N>.json, or recall_step<N>_without_<branches>.json for a probe with NSA branches knocked out."""
-    return f"recall_step{step}" + (f"_without_{'_'.join(sorted(knockout))}" if knockout else "") + ".json"
+def result_name(step: int, knockout: tuple[str, ...] = (), line_format: str = DEFAULT_FORMAT) -> str:
+    """recall_step<N>.json; recall_step<N>_without_<branches>.json for a probe with NSA branches knocked out;
+    _<format> before .json for lines in another format than kv."""
+    return (f"recall_step{step}" + (f"_without_{'_'.join(sorted(knockout))}" if knockout else "")
+            + (f"_{line_format}" if line_format != DEFAULT_FORMAT else "") + ".json")
+
+
+def corpus_spec(checkpoint) -> RecallSpec:
+    """The RecallSpec of the corpus a checkpoint (file or run directory) trained on; UserError when it is none."""
+    source = load_checkpoint(resolve_checkpoint(Path(checkpoint)))["config"]["data"]["source"]
+    spec = recall_spec_of(source)
+    if spec is None:
+        raise UserError(f"{checkpoint}: trained on {source}, not a recall corpus (python -m train.recall make); "
+                        f"pass --window and --doc_tokens to probe it anyway")
+    return spec
 
 
 def probe_checkpoint(checkpoint, *, spec: RecallSpec | None = None, documents: int = 64, seed: int = PROBE_SEED,
                      device: str = "auto", knockout: tuple[str, ...] = ()) -> dict:
     """Score a checkpoint (file or run directory) on the recall probe; write recall_step<N>.json beside it
-    (an earlier file of the same step, documents and seed is returned instead of scoring again).
-    spec None: the run's own corpus's (its data.source must be a recall corpus). knockout: NSA branches (cmp,
+    (result_name; an earlier file of the same checkpoint, documents, seed and spec is returned instead of scoring
+    again). spec None: the run's own corpus's (its data.source must be a recall corpus). knockout: NSA branches (cmp,
     sel, win) whose gates are zeroed while scoring (nsa.gate_health.knock_out), written to their own file."""
     if documents < 1:
         raise UserError(f"--documents must be >= 1, got {documents}")
     path = resolve_checkpoint(Path(checkpoint)).resolve()
     step = load_checkpoint(path)["step"]
-    done = path.parent / result_name(step, knockout)
+    spec = spec if spec is not None else corpus_spec(path)
+    done = path.parent / result_name(step, knockout, spec.format)
     if done.exists():
         try:
             prior = json.loads(done.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             prior = {}
-        if (prior.get("checkpoint"), prior.get("documents"), prior.get("seed")) == (str(path), documents, seed) \
-                and (spec is None or prior.get("spec") == spec.to_dict()):
+        if (prior.get("checkpoint"), prior.get("documents"), prior.get("seed"), prior.get("spec")) == \
+                (str(path), documents, seed, spec.to_dict()):
             return prior
     dev = pick_device(device)
     model, cfg = model_from_checkpoint(path, str(dev))
-    if spec is None:
-        spec = recall_spec_of(cfg["data"]["source"])
-        if spec is None:
-            raise UserError(f"{checkpoint}: trained on {cfg['data']['source']}, not a recall corpus "
-                            f"(python -m train.recall make); pass --window and --doc_tokens to probe it anyway")
     if spec.doc_tokens + 1 > model.cfg.max_seq_len:
         raise UserError(f"recall documents of {spec.doc_tokens} tokens do not fit the model's max_seq_len "
                         f"{model.cfg.max_seq_len}")
@@ -165,6 +174,6 @@ def probe_checkpoint(checkpoint, *, spec: RecallSpec | None = None, documents: i
     result.update(tool="train.recall", checkpoint=str(path), step=step, attention=cfg["model"]["attention"],
                   spec=spec.to_dict(), seconds=round(time.perf_counter() - started, 3),
                   **({"knockout": sorted(knockout)} if knockout else {}),
-                  file=str(path.parent / result_name(step, knockout)))
+                  file=str(done))
     write_json_atomic(Path(result["file"]), result)
     return result

@@ -27,7 +27,9 @@ from train.evaluation.tasks_checkpoint import RESULT_FILE as TASKS_FILE
 from train.evaluation.tasks_checkpoint import TasksRequest, evaluate_tasks, task_specs
 from train.evaluation.tasks_checkpoint import default_name as tasks_name
 from train.evaluation.tasks_data import load_task
-from train.data.recall import RecallSpec
+from dataclasses import replace
+
+from train.data.recall import DEFAULT_FORMAT, FORMATS, RecallSpec
 
 # nsa: the config itself; its controls (the report's GAP_KEYS): dense (model.attention: dense, no nsa section)
 # and window (nsa.gates: window: the same layer with its gates pinned to the sliding-window branch)
@@ -267,15 +269,16 @@ def needle_lengths(spec: str, doc: dict) -> list[int]:
     return lengths
 
 
-def zero_shot_recall_spec(doc: dict) -> RecallSpec:
+def zero_shot_recall_spec(doc: dict, line_format: str) -> RecallSpec:
     """--recall_probe on data that is no recall corpus: probe documents as long as a training window, distances
-    in multiples of the NSA window (every arm is scored on the same documents, none trained on the task)."""
+    in multiples of the NSA window, lines in `line_format` (every arm is scored on the same documents, none
+    trained on the task)."""
     seq_len, window = doc["train"]["seq_len"], doc["nsa"]["w"]
     doc_tokens = seq_len - 1  # + the EOS before the document
     if doc_tokens < 2 * window:
         raise UserError(f"--recall_probe: nsa.w={window} leaves no distance beyond the window inside a "
                         f"{seq_len}-token window (it needs seq_len > 2 * nsa.w)")
-    spec = RecallSpec(window=window, doc_tokens=doc_tokens, max_windows=doc_tokens // window)
+    spec = RecallSpec(window=window, doc_tokens=doc_tokens, max_windows=doc_tokens // window, format=line_format)
     spec.validate()
     return spec
 
@@ -284,7 +287,8 @@ def compare_twins(config: Path, overrides: list[str], out: Path, *, side_by_side
                   dense_from: Path | None = None, reuse_from: list[Path] | tuple[Path, ...] = (),
                   eval_max_tokens: int | None = None, arms: tuple[str, ...] = ARMS,
                   tasks: str | None = None, tasks_limit: int | None = None, needle: str | None = None,
-                  needle_trials: int | None = None, recall_probe: bool = False) -> tuple[dict, list[Path]]:
+                  needle_trials: int | None = None, recall_probe: bool = False,
+                  recall_format: str | None = None) -> tuple[dict, list[Path]]:
     """Train (or resume) the arms `arms` (nsa and at least one control: select_arms), score them on the whole
     validation split, write the report. dense_from: reuse that comparison's dense arm (it must match);
     reuse_from: reuse every control arm that matches in one of these comparisons, train the others here.
@@ -292,6 +296,7 @@ def compare_twins(config: Path, overrides: list[str], out: Path, *, side_by_side
     needle: multiples of train.seq_len ('1,2,4') every arm takes the needle test at, needle_trials per depth (default
     train/evaluation/needle.py's TRIALS).
     recall_probe: every arm takes the recall probe even when the data is no recall corpus (zero-shot).
+    recall_format: the probe's lines in this format (train/data/recall.py FORMATS; default: the corpus's, or kv).
     Returns (report, files written). Raises UserError for bad input and ArmFailed when an arm's trainer fails."""
     gpus = 1
     if side_by_side:
@@ -319,8 +324,14 @@ def compare_twins(config: Path, overrides: list[str], out: Path, *, side_by_side
     data_spec = docs["nsa"]["data"]["source"]
     recall_spec = recall_spec_of(data_spec)
     trained_on_recall = recall_spec is not None
+    if recall_format is not None and recall_format not in FORMATS:
+        raise UserError(f"--recall_format {recall_format!r}: one of {', '.join(FORMATS)}")
+    if recall_format is not None and not (recall_probe or trained_on_recall):
+        raise UserError("--recall_format spells the recall probe's lines: with --recall_probe or a recall corpus")
     if recall_probe and not trained_on_recall:
-        recall_spec = zero_shot_recall_spec(docs["nsa"])
+        recall_spec = zero_shot_recall_spec(docs["nsa"], recall_format or DEFAULT_FORMAT)
+    elif recall_spec is not None and recall_format is not None:
+        recall_spec = replace(recall_spec, format=recall_format)
     out_dirs = {arm: out / arm for arm in arms}
     if dense_from is not None:
         out_dirs["dense"] = reuse_dense(docs, dense_from)
