@@ -283,6 +283,23 @@ def zero_shot_recall_spec(doc: dict, line_format: str) -> RecallSpec:
     return spec
 
 
+def probe_spec(doc: dict, zero_shot: bool, line_format: str | None) -> tuple[RecallSpec | None, bool]:
+    """(the recall probe's spec, whether the arms trained on the task) for a comparison of `doc`'s arms: a recall
+    corpus's own spec (its lines in line_format when given); with zero_shot on other data, zero_shot_recall_spec;
+    else (None, False). UserError for a format that does not exist or has no probe to spell."""
+    spec = recall_spec_of(doc["data"]["source"])
+    trained = spec is not None
+    if line_format is not None and line_format not in FORMATS:
+        raise UserError(f"--recall_format {line_format!r}: one of {', '.join(FORMATS)}")
+    if line_format is not None and not (zero_shot or trained):
+        raise UserError("--recall_format spells the recall probe's lines: with --recall_probe or a recall corpus")
+    if zero_shot and not trained:
+        spec = zero_shot_recall_spec(doc, line_format or DEFAULT_FORMAT)
+    elif spec is not None and line_format is not None:
+        spec = replace(spec, format=line_format)
+    return spec, trained
+
+
 def compare_twins(config: Path, overrides: list[str], out: Path, *, side_by_side: bool = False,
                   dense_from: Path | None = None, reuse_from: list[Path] | tuple[Path, ...] = (),
                   eval_max_tokens: int | None = None, arms: tuple[str, ...] = ARMS,
@@ -322,16 +339,7 @@ def compare_twins(config: Path, overrides: list[str], out: Path, *, side_by_side
     docs = arm_configs(config, overrides, out)
     lengths = needle_lengths(needle, docs["nsa"]) if needle is not None else []
     data_spec = docs["nsa"]["data"]["source"]
-    recall_spec = recall_spec_of(data_spec)
-    trained_on_recall = recall_spec is not None
-    if recall_format is not None and recall_format not in FORMATS:
-        raise UserError(f"--recall_format {recall_format!r}: one of {', '.join(FORMATS)}")
-    if recall_format is not None and not (recall_probe or trained_on_recall):
-        raise UserError("--recall_format spells the recall probe's lines: with --recall_probe or a recall corpus")
-    if recall_probe and not trained_on_recall:
-        recall_spec = zero_shot_recall_spec(docs["nsa"], recall_format or DEFAULT_FORMAT)
-    elif recall_spec is not None and recall_format is not None:
-        recall_spec = replace(recall_spec, format=recall_format)
+    recall_spec, trained_on_recall = probe_spec(docs["nsa"], recall_probe, recall_format)
     out_dirs = {arm: out / arm for arm in arms}
     if dense_from is not None:
         out_dirs["dense"] = reuse_dense(docs, dense_from)
