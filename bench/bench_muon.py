@@ -19,7 +19,8 @@ tokens, val_loss: train.eval_steps held-out batches, the same batches in every r
 training tokens at which the run's val.csv loss first reaches the best AdamW run's (same arm) last val.csv loss,
 linearly interpolated between evaluations (null: never within the budget). The summary per arm gives the best
 run of each optimizer, Muon's tokens to AdamW's best as a fraction of the budget, and the step-time ratio
-Muon / AdamW (medians over the lrs; runs back to back on a shared CPU vary by several percent). Apart from the runs:
+Muon / AdamW (medians over the lrs both optimizers ran at, run under the same conditions; runs back to back on a
+shared CPU vary by several percent). Apart from the runs:
 the optimizer step alone on the NSA model, one thread (AdamW; Muon as torch steps it; Muon with the trainer's
 on-device skip path). Prints one JSON object; --json also writes it.
 """
@@ -128,7 +129,9 @@ def summarize(runs: list[dict]) -> dict:
             reached = tokens_to_reach(run["curve"], target)
             run["tokens_to_adamw_best"] = reached
             run["fraction_of_budget"] = reached / run["tokens"] if reached is not None else None
-        times = {opt: [r["dt_step_s"] for r in mine if r["optimizer"] == opt and r["dt_step_s"]] for opt in OPTIMIZERS}
+        paired = {r["lr"] for r in mine if r["optimizer"] == "adamw"} & {r["lr"] for r in mine if r["optimizer"] == "muon"}
+        times = {opt: [r["dt_step_s"] for r in mine if r["optimizer"] == opt and r["dt_step_s"] and r["lr"] in paired]
+                 for opt in OPTIMIZERS}
         median = {opt: statistics.median(t) if t else None for opt, t in times.items()}
         best = {opt: min((r for r in mine if r["optimizer"] == opt), key=lambda r: r["final_loss"], default=None)
                 for opt in OPTIMIZERS}
@@ -136,7 +139,7 @@ def summarize(runs: list[dict]) -> dict:
             "adamw_best_val_csv_loss": target, "adamw_best_val_csv_lr": best_adamw["lr"],
             "best_final_loss": {opt: (r["final_loss"], r["lr"]) if r else None for opt, r in best.items()},
             "muon_tokens_to_adamw_best": {f"{r['lr']:g}": r.get("tokens_to_adamw_best") for r in muon},
-            "dt_step_s_median": median,
+            "dt_step_s_median": median, "step_time_lrs": sorted(paired),
             "muon_step_time_ratio": median["muon"] / median["adamw"] if median["muon"] and median["adamw"] else None,
         }
     return out
