@@ -4,7 +4,7 @@ CONFIG ?= configs/train_showcase.yaml
 RUN ?=
 OUT ?=
 
-.PHONY: setup test test-reverse smoke smoke-nsa train pilot monitor tb bench handoff preflight compare clean
+.PHONY: setup test test-reverse test-random smoke smoke-nsa train pilot monitor tb bench handoff preflight compare clean
 
 setup:
 	bash scripts/prime_bootstrap.sh
@@ -15,7 +15,12 @@ test:  # two workers (pytest-xdist), one test file each at a time: the subproces
 # the suite's test files in reverse order in one process: every file runs after the ones it used to precede
 # (order independence: no test may depend on what an earlier file left in the process)
 test-reverse:
-	$(PY) -m pytest -q -p no:randomly -p no:xdist $$(find tests -name 'test_*.py' | sort -r)
+	$(PY) -m pytest -q -p no:xdist --file-order=reverse
+
+# the suite's test files in a seeded random order in one process (SEED=N reproduces an order; default: today's date)
+SEED ?= $(shell date +%Y%m%d)
+test-random:
+	$(PY) -m pytest -q -p no:xdist --file-order=random:$(SEED)
 
 STAMP := $(shell date +%Y%m%d_%H%M%S)
 

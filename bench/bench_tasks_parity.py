@@ -10,8 +10,9 @@ max_len: the run's seq_len) two ways:
   lm_eval    lm-evaluation-harness's HFLM(pretrained=export).loglikelihood on the same (context, continuation)
              requests: its tokenisation (_encode_pair), batching and log-softmax
 and reports per task the largest |difference| of per-request log-likelihoods and both accuracies (acc = argmax of
-the summed log-likelihood; acc_norm = lm-eval's: divided by the length in characters of the choice without its
-leading space). lm-eval is not a dependency of the product: install it apart, without its dependencies, e.g.
+the summed log-likelihood; acc_norm = lm-eval's: divided by the length in characters of the choice without one
+leading space, the product's own rule: tasks_metrics.norm_chars). lm-eval is not a dependency of the product:
+install it apart, without its dependencies, e.g.
 `pip install --target /tmp/lmeval_t --no-deps lm_eval accelerate`, and put that directory on PYTHONPATH. Prints one JSON
 object; --out writes it (bench/results/tasks_parity.json).
 """
@@ -32,6 +33,7 @@ from train.checkpoint.io import model_from_checkpoint, resolve_checkpoint
 from train.data.tokenizers import load_tokenizer
 from train.evaluation.tasks import score_tasks
 from train.evaluation.tasks_data import load_task
+from train.evaluation.tasks_metrics import norm_chars
 
 TASKS = "hellaswag,arc_easy,arc_challenge,piqa,sciq,winogrande"
 
@@ -48,7 +50,7 @@ def accuracies(task, doc_index: np.ndarray, loglik: list[np.ndarray]) -> dict:
     acc, acc_norm = [], []
     for i, ll in zip(doc_index, loglik):
         doc = task.docs[i]
-        lengths = np.array([len(cont.lstrip(" ")) or 1 for _, cont in doc.requests], dtype=np.float64)
+        lengths = np.array([max(norm_chars(cont), 1) for _, cont in doc.requests], dtype=np.float64)
         acc.append(int(np.argmax(ll)) == doc.gold)
         acc_norm.append(int(np.argmax(ll / lengths)) == doc.gold)
     return {"acc": float(np.mean(acc)), "acc_norm": float(np.mean(acc_norm))}

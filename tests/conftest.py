@@ -1,6 +1,8 @@
 """Shared fixtures. Tests may read ../shared (corpus, GPT-2 BPE files); the product never does."""
 from __future__ import annotations
 
+import os
+import random
 from pathlib import Path
 
 import pytest
@@ -8,6 +10,31 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--file-order", default="forward",
+                     help="the order test files run in: forward (default), reverse, or random:SEED (a seeded shuffle, "
+                          "reproducible: the same seed gives the same order); tests keep their order within a file")
+
+
+def pytest_collection_modifyitems(config, items):
+    order = config.getoption("--file-order")
+    if order == "forward":
+        return
+    files = list(dict.fromkeys(item.path for item in items))
+    if order == "reverse":
+        files.reverse()
+    elif order.startswith("random:") and order[7:].isdigit():
+        random.Random(int(order[7:])).shuffle(files)
+    else:
+        raise pytest.UsageError(f"--file-order={order!r}: expected forward, reverse or random:SEED")
+    rank = {path: i for i, path in enumerate(files)}
+    items.sort(key=lambda item: rank[item.path])  # stable: a file's tests keep their order
+
+
+def pytest_report_header(config):
+    return f"file order: {config.getoption('--file-order')}"
 
 
 @pytest.fixture(scope="session")
@@ -21,6 +48,76 @@ def corpus_path() -> Path:
     if not path.exists():
         pytest.fail(f"test corpus missing: {path} (../shared must sit beside the repo)")
     return path
+
+
+# environment variables that are not a test's to keep: pytest's own, and torch's inductor cache directory, which torch
+# writes into the environment (its default) the first time anything asks for it
+NOT_PROCESS_STATE = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR")
+
+
+def process_state() -> dict:
+    """What a test or an in-process library call must leave as it found it: torch's threads, default dtype,
+    deterministic-algorithm and matmul-precision settings, the environment, the working directory and Triton's
+    interpreter switch (a kernel module imported after a change would be built for the other mode)."""
+    state = {
+        "torch threads": torch.get_num_threads(),
+        "torch interop threads": torch.get_num_interop_threads(),
+        "torch default dtype": torch.get_default_dtype(),
+        "torch deterministic algorithms": (torch.are_deterministic_algorithms_enabled(),
+                                           torch.is_deterministic_algorithms_warn_only_enabled()),
+        "torch float32 matmul precision": torch.get_float32_matmul_precision(),
+        "torch grad mode": torch.is_grad_enabled(),
+        "environment": {k: v for k, v in os.environ.items() if k not in NOT_PROCESS_STATE},
+        "working directory": os.getcwd(),
+    }
+    try:
+        from triton import knobs
+    except ImportError:
+        return state
+    return state | {"triton interpreter": bool(knobs.runtime.interpret)}
+
+
+def state_changes(before: dict, after: dict) -> list[str]:
+    """One line per setting that differs (environment variables named one by one)."""
+    lines = []
+    for name in before:
+        if before[name] == after[name]:
+            continue
+        if name == "environment":
+            keys = sorted(k for k in before[name].keys() | after[name].keys() if before[name].get(k) != after[name].get(k))
+            lines += [f"environment variable {k}: {before[name].get(k)!r} -> {after[name].get(k)!r}" for k in keys]
+        else:
+            lines.append(f"{name}: {before[name]!r} -> {after[name]!r}")
+    return lines
+
+
+def restore_process_state(state: dict) -> None:
+    torch.set_num_threads(state["torch threads"])
+    torch.set_default_dtype(state["torch default dtype"])
+    torch.use_deterministic_algorithms(state["torch deterministic algorithms"][0],
+                                       warn_only=state["torch deterministic algorithms"][1])
+    torch.set_float32_matmul_precision(state["torch float32 matmul precision"])
+    torch.set_grad_enabled(state["torch grad mode"])
+    kept = {k: os.environ[k] for k in NOT_PROCESS_STATE if k in os.environ}
+    os.environ.clear()
+    os.environ.update(state["environment"] | kept)
+    os.chdir(state["working directory"])
+    if "triton interpreter" in state:
+        from triton import knobs
+
+        knobs.runtime.interpret = state["triton interpreter"]
+
+
+@pytest.fixture(autouse=True)
+def _process_state_unchanged(request):
+    """Fails the test that leaves process-global state changed (and puts it back, so the next test is not hit): a test
+    that passes only after another file changed such state (torch threads, say) cannot land."""
+    before = process_state()
+    yield
+    changes = state_changes(before, process_state())
+    if changes:
+        restore_process_state(before)
+        pytest.fail(f"{request.node.nodeid} left process state changed: " + "; ".join(changes), pytrace=False)
 
 
 @pytest.fixture(autouse=True)

@@ -8,6 +8,7 @@ describes each name below; tests/tools/test_artifacts_schema.py keeps the two in
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -27,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
         print(len(checkpoint_files(args.out_dir)))
     else:
         value = read_metrics(args.out_dir).get(args.key)
-        print("" if value is None else value)
+        print("" if value is None else json.dumps(value) if isinstance(value, (list, dict)) else value)
     return 0
 
 

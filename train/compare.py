@@ -15,7 +15,8 @@ with its gates pinned to the sliding-window branch; the YAML keeps only the nsa 
   nsa/, dense/, window/                ordinary out_dirs: resume, .HALT, the monitor and the handoff work as for any run
   logs/<arm>.log                       each arm's console output, appended by every launch
   report.json, report.md, report.png   train/analysis/compare_report.py: curves, whole-split scores, both gaps, verdict
-                                       (and, with --tasks, every arm's task scores: tasks_<name>.json in its out_dir;
+                                       (and, with --tasks, every arm's task scores: tasks_<name>.json in its out_dir,
+                                       and McNemar's paired test on the items both scored: tasks_<name>.items.jsonl;
                                        with --needle, the needle test: needle_step<N>_S<S>.json; with a recall
                                        corpus or --recall_probe, the recall probe: recall_step<N>.json)
 The arms train one after the other (each on one process: CPU, or the first visible GPU), or with

@@ -11,8 +11,10 @@ context, as lm-evaluation-harness tokenizes it (train/evaluation/tasks_scoring.p
 acc_per_char, acc_per_byte, acc_per_token (and acc_uncond with --uncond), each with its standard error, the
 task's primary metric, items, tokens, seconds, tokens/s (train/evaluation/tasks_metrics.py). --limit N scores
 the first N docs of a fixed seeded order, the same subset every time. Progress with an ETA goes to stderr. Prints
-one JSON object and writes it to tasks_<name>.json beside the checkpoint (a file of another checkpoint, or not
-written by this tool, is never replaced). Bad input: one `error:` line, exit 2, nothing written.
+one JSON object and writes it to tasks_<name>.json beside the checkpoint, and every item scored (its doc_id, gold,
+per-choice log-likelihoods and lengths, the prediction under each metric) to tasks_<name>.items.jsonl beside it
+(train/evaluation/tasks_items.py); a file of another checkpoint, or not written by this tool, is never replaced.
+Bad input: one `error:` line, exit 2, nothing written.
 """
 from __future__ import annotations
 

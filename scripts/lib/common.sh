@@ -376,7 +376,7 @@ log_to() {
 # Sets TRAIN_RC to the trainer's exit code, 3 when the run halted on an anomaly.
 run_logged_training() {
   local run_dir=$1 out_dir=$2 run_info=$3 final_status final_step
-  local started updated
+  local started updated restarts
   TRAIN_RC=0
   started=$(date +%s)
   # a SIGTERM to the whole job (a scheduler's preemption) stops the trainer gracefully; this shell
@@ -407,6 +407,8 @@ run_logged_training() {
   info "$run_info" final_step "$final_step"
   info "$run_info" final_status "$final_status"
   info "$run_info" last_checkpoint "$(newest_checkpoint "$out_dir")"
+  restarts=$(metrics_field "$out_dir" data_restarts)  # data.restart_on_change: where the data started afresh
+  if [ -n "$restarts" ] && [ "$restarts" != "[]" ]; then info "$run_info" data_restarts "$restarts"; fi
 }
 
 # metrics_field OUT_DIR KEY -> a top-level value of metrics.json (empty when absent; train/core/artifacts.py reads it)

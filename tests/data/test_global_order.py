@@ -195,6 +195,6 @@ def test_stream_resume_refusal_says_what_to_do():
     assert stream_resume_refusal(1, 1, 0, 1) is None  # one reader either way: the same positions
     msg = stream_resume_refusal(2, 4, 2, 2, checkpoint="out/checkpoint_step8.pt")
     assert msg.startswith("checkpoint out/checkpoint_step8.pt was written by 2 rank(s)")
-    assert "torchrun --nproc_per_node=2" in msg and "--data.num_workers=2" in msg and "new out_dir" in msg
+    assert "torchrun --nproc_per_node=2" in msg and "--data.num_workers=2" in msg and "--data.restart_on_change=true" in msg
     assert "\n" not in msg and ". " not in msg
     assert "data.num_workers=0" in stream_resume_refusal(2, 2, 0, 2)

@@ -16,6 +16,7 @@ import yaml
 from tests.conftest import REPO
 from train.analysis.compare_report import build_report, markdown
 from train.core.artifacts import read_csv, read_heartbeat
+from train.evaluation.tasks_items import paired_test, read_items
 
 TINY = ["--model.dim=32", "--model.n_layers=1", "--model.n_heads=2", "--model.n_kv_heads=1", "--model.head_dim=16",
         "--model.ffn_dim=64", "--train.steps=4", "--train.seq_len=64", "--train.batch_size=2", "--train.log_every=1",
@@ -267,7 +268,10 @@ def test_on_a_recall_corpus_every_arm_takes_the_probe(tmp_path):
         nsa, other = tasks["arms"]["nsa"][str(task)], tasks["arms"][control][str(task)]
         assert d["difference"] == nsa["primary"] - other["primary"]
         assert d["significant"] == (abs(d["difference"]) > 2 * (nsa["primary_stderr"] ** 2 + other["primary_stderr"] ** 2) ** 0.5)
-    assert "Downstream tasks" in (out / "report.md").read_text()
+        items = {arm: read_items(next((out / arm).glob("tasks_*.items.jsonl"))) for arm in ("nsa", control)}
+        assert d["mcnemar"] == paired_test(items["nsa"], items[control], str(task), nsa["primary_metric"])
+        assert d["mcnemar"]["items"] == 3
+    assert "Downstream tasks" in (out / "report.md").read_text() and "McNemar" in (out / "report.md").read_text()
     recall = report["recall"]
     assert list(recall["arms"]) == ["nsa", "dense", "window"]
     for arm, summary in recall["arms"].items():

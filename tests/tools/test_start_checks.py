@@ -11,9 +11,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.train.helpers import TINY_MODEL
 from train.core.config import load_config
+from train.core.errors import UserError
 from train.workflows.preflight import OK, run_preflight
 from train.trainer.start_checks import BatchSplit, fit_global_batch, start_checks
 
@@ -58,19 +60,83 @@ def snapshot(out: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.is_file() and p.name != ".lock"}
 
 
+def start_checks_refusal(out: Path, *args: str, world_size: int = 1) -> str:
+    with pytest.raises(UserError) as refused:
+        start_checks(load_config(CONFIG, BASE + [f"--train.out_dir={out}", *args]), world_size)
+    return str(refused.value)
+
+
+def assert_all_refuse_alike(out: Path, args: list[str], words: str) -> None:
+    """The launch exits 2 with one line; preflight fails with that line and start checks raise it, out_dir untouched."""
+    before = snapshot(out)
+    detail = refusal(preflight(out, *args))
+    assert words in detail
+    assert start_checks_refusal(out, *args) == detail
+    proc = launch(out, *args)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == f"error: {detail}"
+    assert snapshot(out) == before  # nothing rewritten: config.yaml, metrics.json, CSVs, checkpoints
+
+
+# every refusal the trainer makes before its first step when resuming a synthetic-data run
 @pytest.mark.parametrize("args, words", [
     (NSA + ["--train.steps=8"], "does not match the config's architecture"),  # dense checkpoint, NSA config
     (["--train.steps=2"], "train.steps=2 is below the step of checkpoint"),  # the run would "finish" at once
     (["--train.steps=8", "--data.tokenizer=byte"], "was trained on data.tokenizer=gpt2"),
-], ids=["architecture", "steps-below-checkpoint", "tokenizer"])
-def test_preflight_fails_with_the_line_the_launch_exits_2_with(dense_run, args, words):
-    before = snapshot(dense_run)
-    detail = refusal(preflight(dense_run, *args))
-    assert words in detail
-    proc = launch(dense_run, *args)
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1] == f"error: {detail}"
-    assert snapshot(dense_run) == before  # nothing rewritten: config.yaml, metrics.json, CSVs, checkpoints
+    (["--train.steps=8", "--train.seed=7"], "data state was saved with seed=1337 but this run has seed=7"),
+    (["--train.steps=8", "--train.lr_schedule=wsd", "--train.decay_steps=6", "--train.warmup_steps=1"],
+     "would decay steps 3..8, but checkpoint"),
+    (["--train.steps=8", "--train.optimizer=muon"], "was trained with train.optimizer=adamw"),
+    (["--train.steps=8", "--data.document_mask=true"], "data.document_mask=true needs data whose tokenizer has an EOS"),
+], ids=["architecture", "steps-below-checkpoint", "tokenizer", "data-seed", "wsd-horizon", "optimizer", "document-mask"])
+def test_preflight_and_start_checks_refuse_with_the_line_the_launch_exits_2_with(dense_run, args, words):
+    assert_all_refuse_alike(dense_run, args, words)
+
+
+@pytest.fixture(scope="module")
+def stream_run(tmp_path_factory, corpus_path) -> tuple[Path, str]:
+    """A real run on a text stream (byte tokens): 4 steps, checkpoint at step 4; and its source."""
+    root = tmp_path_factory.mktemp("stream")
+    paragraphs = corpus_path.read_text(encoding="utf-8").split("\n\n")[:400]
+    for i in range(4):
+        (root / f"part{i}.txt").write_text("\n\n".join(paragraphs[i::4]), encoding="utf-8")
+    source = f"text:{root}/part*.txt"
+    out = root / "out"
+    proc = launch(out, "--train.steps=4", f"--data.source={source}", "--data.tokenizer=byte",
+                  "--data.text_sample_by=paragraph")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return out, source
+
+
+# ... and a text-stream run, whose reader positions hold only for the same source, tokens, shapes and readers
+@pytest.mark.parametrize("change, words", [
+    (["--train.seq_len=16"], "data state was saved with seq_len=32 but this run has seq_len=16"),
+    (["--data.text_sample_by=paragraph", "--data.split_seed=3"], "was saved with split_seed=0 but this run has split_seed=3"),
+    (["--data.text_sample_by=paragraph", "--data.num_workers=2"], "a stream source's position is kept per rank and per worker"),
+    (["--data.source=text:{root}/part[01].txt", "--data.text_sample_by=paragraph"], "data state was saved with source="),
+], ids=["seq-len", "split-seed", "readers", "source"])
+def test_a_stream_resume_is_refused_alike_and_restart_on_change_starts_it_afresh(stream_run, change, words):
+    out, source = stream_run
+    common = ["--train.steps=8", "--data.tokenizer=byte", f"--data.source={source}"]
+    args = common + [arg.format(root=Path(source[5:]).parent) for arg in change]
+    assert_all_refuse_alike(out, args, words)
+
+
+def test_restart_on_change_starts_the_data_afresh_and_records_it(tmp_path):
+    out = tmp_path / "out"
+    assert launch(out, "--train.steps=4").returncode == 0
+    proc = launch(out, "--train.steps=6", "--train.seed=7", "--data.restart_on_change=true")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "data: starting the training data afresh (data.restart_on_change=true): data state was saved with " \
+           "seed=1337 but this run has seed=7" in proc.stdout
+    restarts = [{"step": 4, "reason": "data state was saved with seed=1337 but this run has seed=7"}]
+    assert json.loads((out / "metrics.json").read_text())["data_restarts"] == restarts
+    ckpt = torch.load(out / "checkpoint_step6.pt", weights_only=True, map_location="cpu")
+    assert ckpt["data_restarts"] == restarts
+    assert ckpt["data"][0]["seed"] == 7 and ckpt["data"][0]["step"] == 2  # the new stream's own two steps
+    again = launch(out, "--train.steps=8", "--train.seed=7", "--data.restart_on_change=true")  # same settings: exact
+    assert again.returncode == 0 and "afresh" not in again.stdout
+    assert json.loads((out / "metrics.json").read_text())["data_restarts"] == restarts
 
 
 def test_preflight_names_the_batch_split_a_resume_on_more_ranks_uses(dense_run):

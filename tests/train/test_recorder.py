@@ -223,3 +223,30 @@ def test_an_nsa_run_alerts_console_heartbeat_tensorboard_and_wandb(tmp_path, mon
     assert [e.step for e in events.Scalars("alerts/gate_entropy_low")] == [2]
     assert "alerts/gate_entropy_low/text_summary" in events.Tags()["tensors"]
     assert "gates/gate_entropy_mean" in events.Tags()["scalars"] and "train/loss" in events.Tags()["scalars"]
+
+
+def test_rows_moved_aside_keep_a_header_over_many_resumes(tmp_path):
+    """Rows a resume moves to training.csv.superseded are read back by csv.DictReader like the live file's: one
+    header line however many resumes moved rows there, and a headerless file of an older version gets one."""
+    from train.observe.telemetry import CsvLog
+
+    path = tmp_path / "training.csv"
+    moved = path.with_name("training.csv.superseded")
+
+    def log_steps(steps, resume_step):
+        log = CsvLog(path, TRAIN_FIELDS, resume_step)
+        for step in steps:
+            log.write({"step": step, "loss": 10.0 - step})
+        log.close()
+
+    log_steps(range(1, 7), None)
+    log_steps(range(5, 9), 4)  # a crash after step 6, resumed from 4: 5, 6 move aside
+    log_steps(range(3, 5), 2)  # resumed from 2: 3..8 move aside
+    assert [int(r["step"]) for r in read_csv(path)] == [1, 2, 3, 4]
+    assert [(int(r["step"]), float(r["loss"])) for r in read_csv(moved)] == [(s, 10.0 - s) for s in (5, 6, 3, 4, 5, 6, 7, 8)]
+    assert moved.read_text().count("step,loss") == 1
+
+    moved.write_text("9,1.5\n10,0.5\n")  # as an older version wrote it: rows, no header
+    log_steps([], 2)
+    assert [int(r["step"]) for r in read_csv(moved)] == [9, 10, 3, 4]
+    assert list(read_csv(moved)[0]) == TRAIN_FIELDS

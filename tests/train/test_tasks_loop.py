@@ -4,7 +4,6 @@ a resume keeps one row per step and task, the scoring is off the training clock,
 line before anything is written, and a run without tasks neither writes nor imports anything of them."""
 from __future__ import annotations
 
-import csv
 import json
 import math
 import subprocess
@@ -163,8 +162,7 @@ def test_resume_keeps_one_row_per_step_and_task(tmp_path, facts_bin, specs):
     assert run_training(loop_config(out, facts_bin, specs, *common)) == 0
     again = read_csv(out / TASKS_CSV)
     assert by_step(again) == expected_keys((4, 8, 12), names)
-    with open(out / (TASKS_CSV + ".superseded"), newline="") as f:  # rows moved aside, without a header
-        moved = [dict(zip(TASKS_FIELDS, line)) for line in csv.reader(f)]
+    moved = read_csv(out / (TASKS_CSV + ".superseded"))  # rows moved aside, under the live file's header
     assert by_step(moved) == expected_keys((12,), names)
     for a, b in zip(first, again):
         assert {k: v for k, v in a.items() if k != "seconds"} == {k: v for k, v in b.items() if k != "seconds"}

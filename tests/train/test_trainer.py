@@ -61,6 +61,22 @@ def test_checkpoint_holds_full_state(tmp_path):
     assert len(ck["optimizer"]["state"]) > 0 and len(ck["data"]) == 1
 
 
+def test_two_fresh_runs_write_the_same_rng_states(tmp_path):
+    """Python's and NumPy's generators are seeded from train.seed (per rank) as torch's is: the same command writes
+    the same RNG states, whatever the process drew before (here: two runs in one process, draws in between)."""
+    import random
+
+    import numpy as np
+
+    states = []
+    for name in ("a", "b"):
+        random.random(), np.random.random()  # what an earlier caller left behind must not matter
+        assert run_training(tiny_config(tmp_path / name, "--train.steps=2")) == 0
+        states.append(torch.load(tmp_path / name / "checkpoint_step2.pt", weights_only=True)["rng"])
+    for key in ("python", "numpy", "torch"):
+        assert repr(states[0][key]) == repr(states[1][key]), key
+
+
 @pytest.mark.parametrize("accum", [1, 2])
 def test_exact_resume_is_bit_identical(tmp_path, accum):
     """N steps, then resume for N more == 2N uninterrupted (losses, grad norms, weights)."""

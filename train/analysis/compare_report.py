@@ -5,7 +5,8 @@
                  selection statistics per logged step (with the selection health: sel_recall,
                  sel_outside_window, gate_mean_*, and per layer under `<name>_layers`); the gaps; verdict;
                  when asked for: recall (the probe per distance bucket, trained_on_task or zero-shot), tasks
-                 (downstream scores with standard errors), needle (accuracy per context length and depth)
+                 (downstream scores with standard errors; McNemar's paired test of NSA against each control on
+                 the items both scored, from their items files), needle (accuracy per context length and depth)
     report.md    the same as tables, for people
     report.png   train and val loss of every arm in one plot; NSA gate shares over training
 Gaps, in percent (negative: NSA is better), None when that control did not run:
@@ -36,6 +37,7 @@ from train.core.artifacts import (
     read_metrics,
 )
 from train.data.recall import DEFAULT_FORMAT
+from train.evaluation.tasks_items import paired_test, read_items
 from train.observe.telemetry import write_json_atomic
 
 TOOL = "train.compare"
@@ -187,9 +189,13 @@ SIGNIFICANT_Z = 2.0  # a difference counts when it exceeds this many standard er
 def tasks_summary(tasks: dict[str, dict]) -> dict:
     """Per arm and task the primary metric with its standard error; per task and control NSA's difference in the
     primary metric, its standard error sqrt(se_nsa^2 + se_control^2) and whether it exceeds SIGNIFICANT_Z of
-    them (on 500 items a 0.5-point difference does not)."""
+    them (on 500 items a 0.5-point difference does not); and, when both arms wrote items files, `mcnemar`:
+    McNemar's exact test on the primary metric over the items both scored (b: only NSA right, c: only the
+    control right; train/evaluation/tasks_items.py)."""
     arms = {arm: {name: {k: m.get(k) for k in TASK_FIELDS} for name, m in result["tasks"].items()}
             for arm, result in tasks.items()}
+    items = {arm: read_items(Path(result["items_file"])) for arm, result in tasks.items()
+             if result.get("items_file") and Path(result["items_file"]).is_file()}
     differences = {}
     for name, nsa in arms["nsa"].items():
         for control in GAP_KEYS:
@@ -198,8 +204,10 @@ def tasks_summary(tasks: dict[str, dict]) -> dict:
                 continue
             diff = nsa["primary"] - other["primary"]
             stderr = (nsa["primary_stderr"] ** 2 + other["primary_stderr"] ** 2) ** 0.5
-            differences.setdefault(name, {})[control] = {
-                "difference": diff, "stderr": stderr, "significant": bool(abs(diff) > SIGNIFICANT_Z * stderr)}
+            entry = {"difference": diff, "stderr": stderr, "significant": bool(abs(diff) > SIGNIFICANT_Z * stderr)}
+            if "nsa" in items and control in items:
+                entry["mcnemar"] = paired_test(items["nsa"], items[control], name, nsa["primary_metric"])
+            differences.setdefault(name, {})[control] = entry
     return {"arms": arms, "differences": differences,
             "step": {arm: result.get("step") for arm, result in tasks.items()},
             "limit": tasks["nsa"].get("limit")}
@@ -309,6 +317,14 @@ def tasks_markdown(tasks: dict) -> list[str]:
                          + (" (significant)" if d["significant"] else " (within noise)"))
         lines.append(f"| {name} | {nsa['primary_metric']} | {_fmt(nsa['chance'], '.3f')} | " + " | ".join(cells)
                      + " | " + " | ".join(diffs) + " |")
+    paired = [(name, control, d["mcnemar"]) for name, by_control in tasks["differences"].items()
+              for control, d in by_control.items() if "mcnemar" in d]
+    if paired:
+        lines += ["", "Paired on the items both arms scored (McNemar's exact test on the primary metric; b: items only "
+                  "NSA gets right, c: items only the control gets right):", "",
+                  "| task | control | metric | items | b | c | p |", "|---" * 7 + "|"]
+        lines += [f"| {name} | {control} | {m['metric']} | {m['items']:,} | {m['b']:,} | {m['c']:,} | "
+                  f"{m['p_value']:.3g} |" for name, control, m in paired]
     return lines
 
 

@@ -54,6 +54,10 @@ class DataConfig:
     # the first token of a document (after an EOS, or the file's start): every window then opens with a whole
     # document (docs/DATA.md "Window starts"; what the recall task needs: a far fact is never cut off)
     window_start: str = "any"
+    # resuming a checkpoint whose data state was saved under other data settings (seed, source, tokenizer, seq_len,
+    # world size of a stream, ...): false refuses the launch; true starts the training data afresh under the new
+    # settings (the step, weights and optimizer continue; recorded as data_restarts in metrics.json and checkpoints)
+    restart_on_change: bool = False
 
     @property
     def source_kind(self) -> str:

@@ -14,11 +14,17 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from train.core.data_config import DataConfig
+from train.core.data_config import DataConfig, resolve_document_mask
 from train.core.errors import DataError
 from train.data.memmap import MemmapStream
 from train.data.meta import dtype_for_vocab, read_meta, split_tokens
-from train.data.state import TRAIN_STREAM, VAL_STREAM, stream_resume_refusal  # noqa: F401 (re-exported)
+from train.data.state import (  # noqa: F401 (VAL_STREAM re-exported)
+    TRAIN_STREAM,
+    VAL_STREAM,
+    global_state_refusal,
+    identity_refusal,
+    stream_resume_refusal,
+)
 from train.data.synthetic import SyntheticStream
 from train.data.tensors import windows_to_xy
 
@@ -120,10 +126,12 @@ def check_data_source(cfg: DataConfig, *, vocab_size: int) -> str:
     cfg.validate()
     kind = cfg.source_kind
     if kind == "synthetic":
+        resolve_document_mask(cfg.document_mask, None, None)  # synthetic tokens have no EOS
         return "synthetic tokens"
     if kind == "bin":
         data_dir = Path(cfg.source[4:])
         meta, counts = _checked_bin(cfg, data_dir, vocab_size)
+        resolve_document_mask(cfg.document_mask, meta.eos_id, None)
         return f"{data_dir}: train {counts['train']:,} tokens, val {counts['val']:,} tokens ({meta.tokenizer})"
     where = "remote, not checked before the launch"
     if kind in ("text", "jsonl", "parquet"):
@@ -133,7 +141,37 @@ def check_data_source(cfg: DataConfig, *, vocab_size: int) -> str:
         if cfg.val_source and cfg.val_source.partition(":")[0] in ("text", "jsonl", "parquet"):
             local_files(cfg.val_source)
     tokenizer = _checked_tokenizer(cfg, vocab_size)
+    resolve_document_mask(cfg.document_mask, tokenizer.eos_id, None)
     return f"{cfg.source}: {where}, tokenizer {tokenizer.name}"
+
+
+def train_state_refusal(cfg: DataConfig, states: list, *, seq_len: int, batch_size: int, vocab_size: int, seed: int,
+                        world_size: int, saved_num_workers: int, checkpoint: str) -> str | None:
+    """Why the training stream this config builds on world_size ranks cannot continue from `states` (the data states,
+    one per rank, of `checkpoint`, written with data.num_workers=saved_num_workers), in the words its load_state_dict
+    would raise; None when it can. The launch's start checks decide with it before anything is built
+    (train/trainer/start_checks.py)."""
+    kind = cfg.source_kind
+    if kind in ("synthetic", "bin"):  # world-size-free: rank 0's state speaks for all
+        stream_kind = SyntheticStream.kind if kind == "synthetic" else MemmapStream.kind
+        return global_state_refusal(states[0], kind=stream_kind, seed=seed, stream=TRAIN_STREAM)
+    from train.data.stream import stream_identity
+
+    if refusal := stream_resume_refusal(len(states), world_size, saved_num_workers, cfg.num_workers, checkpoint=checkpoint):
+        return refusal
+    tokenizer_name = _checked_tokenizer(cfg, vocab_size).name
+    for rank, state in enumerate(states):
+        expected = stream_identity(source=cfg.source, role=_train_role(cfg), tokenizer_name=tokenizer_name,
+                                   seq_len=seq_len, batch_size=batch_size, rank=rank, world_size=world_size,
+                                   num_workers=cfg.num_workers, split_seed=cfg.split_seed, val_fraction=cfg.val_fraction)
+        if refusal := identity_refusal(state, expected):
+            return refusal
+    return None
+
+
+def _train_role(cfg: DataConfig) -> str:
+    """A stream's training reader takes every document when validation has its own source, else the unheld ones."""
+    return "all" if cfg.val_source else "train"
 
 
 def _checked_bin(cfg: DataConfig, data_dir: Path, vocab_size: int):
@@ -213,7 +251,7 @@ def _stream(cfg: DataConfig, *, seq_len, batch_size, vocab_size, seed, rank, wor
 
     def open_train():
         ds = open_documents(cfg.source, **open_args)
-        train = StreamBatches(ds, source=cfg.source, role="all" if cfg.val_source else "train", rank=rank,
+        train = StreamBatches(ds, source=cfg.source, role=_train_role(cfg), rank=rank,
                               num_workers=cfg.num_workers, **stream_args)
         train.prime()
         return ds, train

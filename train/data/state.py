@@ -17,15 +17,27 @@ from train.core.errors import DataError
 TRAIN_STREAM, VAL_STREAM = 0, 1
 
 
-def expect_state(state: dict, **expected) -> None:
-    """Raise DataError if `state` was saved by a stream with different identity fields."""
+RESTART_KEY = "data.restart_on_change"  # the override that starts the data fresh instead (docs/USE.md "Resuming")
+
+
+def identity_refusal(state, expected: dict) -> str | None:
+    """The one-line refusal for resuming a data state saved by a stream of another identity (seed, source, tokenizer,
+    sequence length, ...) than `expected`; None when every field matches. The trainer's start checks
+    (train/trainer/start_checks.py) and the streams' load_state_dict both ask this function."""
     if not isinstance(state, dict):
-        raise DataError(f"data state must be a dict, got {type(state).__name__}")
+        return f"data state must be a dict, got {type(state).__name__}"
     for key, want in expected.items():
         got = state.get(key)
         if got != want:
-            raise DataError(f"data state was saved with {key}={got!r} but this run has {key}={want!r}; "
-                            f"resume with the same data settings (or start the data stream fresh)")
+            return (f"data state was saved with {key}={got!r} but this run has {key}={want!r}; resume with the same data "
+                    f"settings, or set --{RESTART_KEY}=true to start the training data afresh under the new ones")
+    return None
+
+
+def expect_state(state: dict, **expected) -> None:
+    """Raise DataError if `state` was saved by a stream with different identity fields."""
+    if refusal := identity_refusal(state, expected):
+        raise DataError(refusal)
 
 
 def _split_text(global_batch, split) -> str:
@@ -35,24 +47,34 @@ def _split_text(global_batch, split) -> str:
     return str(global_batch)
 
 
+def global_state_refusal(state, *, kind: str, seed: int, stream: int) -> str | None:
+    """Why a world-size-free stream (kind, seed, stream) cannot continue from `state`, in one line; None when it can
+    (the global batch is checked apart: the trainer's start fits its split to the saved one)."""
+    if refusal := identity_refusal(state, {"kind": kind}):
+        return refusal
+    if "global_batch" not in state and ("rank" in state or "world_size" in state):
+        return (f"this {kind} data state was written before world-size-free data order (it is per rank, "
+                f"rank {state.get('rank')!r} of world_size {state.get('world_size', '?')!r}); resume it with the "
+                f"same world size on an older version of this code, or start a new out_dir")
+    if refusal := identity_refusal(state, {"seed": seed, "stream": stream}):
+        return refusal
+    step = state.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        return f"data state has step={step!r}; expected a non-negative integer (a damaged checkpoint?)"
+    return None
+
+
 def expect_global_state(state: dict, *, kind: str, seed: int, stream: int, global_batch: int, split: dict) -> int:
     """Check a world-size-free state against this stream; return the optimizer steps it consumed."""
-    expect_state(state, kind=kind)
-    if "global_batch" not in state and ("rank" in state or "world_size" in state):
-        raise DataError(f"this {kind} data state was written before world-size-free data order (it is per rank, "
-                        f"rank {state.get('rank')!r} of world_size {state.get('world_size', '?')!r}); resume it with the "
-                        f"same world size on an older version of this code, or start a new out_dir")
-    expect_state(state, seed=seed, stream=stream)
+    if refusal := global_state_refusal(state, kind=kind, seed=seed, stream=stream):
+        raise DataError(refusal)
     saved = state.get("global_batch")
     if saved != global_batch:
         raise DataError(f"data state was saved with global batch {_split_text(saved, state.get('split'))} but this run "
                         f"has global batch {_split_text(global_batch, split)}; choose train.batch_size, "
                         f"train.accumulate_grad_batches and the number of GPUs so that their product is {saved} again, "
                         f"or start a new out_dir")
-    step = state.get("step")
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise DataError(f"data state has step={step!r}; expected a non-negative integer (a damaged checkpoint?)")
-    return step
+    return state["step"]
 
 
 class GlobalBatchOrder:
@@ -119,4 +141,4 @@ def stream_resume_refusal(saved_world_size: int, world_size: int, saved_num_work
     return (f"{where} was written by {saved_world_size} rank(s) with data.num_workers={saved_num_workers} but this run "
             f"has {world_size} rank(s) with data.num_workers={num_workers}, and a stream source's position is kept per "
             f"rank and per worker; resume with `torchrun --nproc_per_node={saved_world_size} ...` and "
-            f"--data.num_workers={saved_num_workers}, or start a new out_dir")
+            f"--data.num_workers={saved_num_workers}, or set --{RESTART_KEY}=true to start the stream afresh")

@@ -92,6 +92,14 @@ def _as_is(item):
     return item
 
 
+def stream_identity(*, source: str, role: str, tokenizer_name: str, seq_len: int, batch_size: int, rank: int,
+                    world_size: int, num_workers: int, split_seed: int, val_fraction: float) -> dict:
+    """What a stream's saved state must match to be continued (its reader positions mean nothing otherwise)."""
+    return {"kind": "stream", "source": source, "role": role, "tokenizer": tokenizer_name, "seq_len": seq_len,
+            "batch_size": batch_size, "rank": rank, "world_size": world_size, "readers_per_rank": max(1, num_workers),
+            "split_seed": split_seed, "val_fraction": val_fraction}
+
+
 class StreamBatches:
     """BatchStream over a document stream (see module docstring)."""
 
@@ -107,9 +115,9 @@ class StreamBatches:
         self.reader_args = {"text_field": text_field, "keep": _Keep(role, split_seed, val_fraction),
                             "tokenizer_name": tokenizer_name, "seq_len": seq_len, "batch_size": batch_size,
                             "tokenize_batch_docs": tokenize_batch_docs}
-        self.identity = {"kind": "stream", "source": source, "role": role, "tokenizer": tokenizer_name,
-                         "seq_len": seq_len, "batch_size": batch_size, "rank": rank, "world_size": world_size,
-                         "readers_per_rank": self.readers_per_rank, "split_seed": split_seed, "val_fraction": val_fraction}
+        self.identity = stream_identity(source=source, role=role, tokenizer_name=tokenizer_name, seq_len=seq_len,
+                                        batch_size=batch_size, rank=rank, world_size=world_size,
+                                        num_workers=num_workers, split_seed=split_seed, val_fraction=val_fraction)
         self.positions = [dict(START) for _ in range(self.readers_per_rank)]
         self.next_reader = 0
         self.batches = 0

@@ -38,6 +38,7 @@ class TaskResult:
     metrics: dict  # JSON-ready: task, file, metrics and their stderr, primary, items, tokens, seconds, tokens_per_s
     doc_index: np.ndarray  # [D] indices into task.docs of the docs scored (the seeded subset, in its order)
     loglik: list[np.ndarray]  # [D][C_d] summed log-probability of each choice's continuation (nats)
+    tokens: list[np.ndarray]  # [D][C_d] continuation tokens scored (acc_per_token's length)
     uncond_loglik: list[np.ndarray] | None  # [D][C_d] the same given "Answer:" (scored with uncond=True)
 
 
@@ -158,4 +159,5 @@ def _result(task: Task, selected: np.ndarray, with_uncond: bool, shares: list[di
     metrics.update(uncond=with_uncond, requests=sum(d.n_choices for d in docs) * (2 if with_uncond else 1),
                    tokens=inputs, truncated=sum(s["truncated"] for s in shares), seconds=round(seconds, 3),
                    tokens_per_s=inputs / max(seconds, 1e-9))
-    return TaskResult(metrics=metrics, doc_index=selected, loglik=loglik, uncond_loglik=uncond if with_uncond else None)
+    return TaskResult(metrics=metrics, doc_index=selected, loglik=loglik, tokens=tokens,
+                      uncond_loglik=uncond if with_uncond else None)

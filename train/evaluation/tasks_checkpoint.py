@@ -1,4 +1,5 @@
-"""Score a checkpoint on downstream tasks and write tasks_<name>.json beside it: `python -m train.tasks`'s library.
+"""Score a checkpoint on downstream tasks and write tasks_<name>.json and tasks_<name>.items.jsonl (one line per
+item: train/evaluation/tasks_items.py) beside it: `python -m train.tasks`'s library.
 
     result = evaluate_tasks(TasksRequest(checkpoint=Path("artifacts/run"), tasks="hellaswag,arc_easy", limit=500))
 
@@ -6,8 +7,10 @@ Every input is checked before the model is loaded and before anything is written
 malformed file, a tokenizer that cannot be loaded: one UserError). The checkpoint's own tokenizer encodes; rows
 are at most the checkpoint's train.seq_len tokens (the context it was trained for; --max_len up to
 model.max_seq_len). bf16 autocast on CUDA, fp32 on CPU. Under torchrun (WORLD_SIZE > 1) every rank scores its
-share of the docs and rank 0 writes the file. A file of another checkpoint, or not written by this tool, is never
-replaced (pass --name). Progress with rate and ETA goes to stderr every PROGRESS_EVERY_S.
+share of the docs and rank 0 writes the files (the items file first, then the JSON that names it). A file of
+another checkpoint, or not written by this tool, is never replaced (pass --name): an items file only when the JSON
+beside it is this tool's for this checkpoint and names it. Progress with rate and ETA goes to stderr every
+PROGRESS_EVERY_S.
 """
 from __future__ import annotations
 
@@ -30,10 +33,13 @@ from train.data.tokenizers import load_tokenizer
 from train.evaluation.evaluate import NAME_RE, PROGRESS_EVERY_S, duration, pick_device
 from train.evaluation.tasks import default_batch_tokens, score_tasks
 from train.evaluation.tasks_data import SUBSET_SEED, is_path_spec, load_task
+from train.evaluation.tasks_items import item_lines, write_items
 from train.observe.telemetry import write_json_atomic
 
 TOOL = "train.tasks"  # marks the result files this tool may replace
 RESULT_FILE = "tasks_{name}.json"
+ITEMS_FILE = "tasks_{name}.items.jsonl"
+ANOTHER_NAME = "pass --name to write another file"
 
 
 @dataclass
@@ -66,21 +72,22 @@ def default_name(specs: list[str], limit: int | None, step: int) -> str:
     return re.sub(r"[^A-Za-z0-9.-]+", "_", f"{base}{f'_limit{limit}' if limit else ''}_step{step}").strip("_")[:100]
 
 
-def claim_result_file(path: Path, checkpoint: Path) -> None:
-    """Refuse to replace a file that is not this tool's result for this checkpoint."""
-    if not path.exists():
-        return
-    try:
-        prior = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        prior = None
-    if isinstance(prior, dict) and prior.get("tool") == TOOL:
-        if Path(str(prior.get("checkpoint"))).name == checkpoint.name:
-            return
-        owner = f"the task scores of {Path(str(prior.get('checkpoint'))).name}"
-    else:
-        owner = "a file this tool did not write"
-    raise UserError(f"{path} already holds {owner}; pass --name to write another file")
+def claim_result_files(path: Path, items: Path, checkpoint: Path) -> None:
+    """Refuse to replace a file that is not this tool's result for this checkpoint: the JSON at `path`, and the
+    items file unless that JSON names it."""
+    prior = {}
+    if path.exists():
+        try:
+            prior = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            prior = None
+        if not (isinstance(prior, dict) and prior.get("tool") == TOOL):
+            raise UserError(f"{path} already holds a file this tool did not write; {ANOTHER_NAME}")
+        if Path(str(prior.get("checkpoint"))).name != checkpoint.name:
+            raise UserError(f"{path} already holds the task scores of {Path(str(prior.get('checkpoint'))).name}; "
+                            f"{ANOTHER_NAME}")
+    if items.exists() and Path(str(prior.get("items_file"))).name != items.name:
+        raise UserError(f"{items} already holds a file this tool did not write; {ANOTHER_NAME}")
 
 
 def check_numbers(req: TasksRequest) -> None:
@@ -91,7 +98,8 @@ def check_numbers(req: TasksRequest) -> None:
 
 
 def evaluate_tasks(req: TasksRequest) -> dict:
-    """Score, write tasks_<name>.json beside the checkpoint (rank 0), return the result (every rank)."""
+    """Score, write tasks_<name>.items.jsonl and tasks_<name>.json beside the checkpoint (rank 0), return the result
+    (every rank)."""
     check_numbers(req)
     specs = task_specs(req.tasks)
     tasks = list({t.name: t for t in (load_task(s) for s in specs)}.values())  # hellaswag = hellaswag:rc_0shot once
@@ -103,7 +111,8 @@ def evaluate_tasks(req: TasksRequest) -> dict:
     if not NAME_RE.match(name):
         raise UserError(f"--name {name!r}: use letters, digits, '.', '_' and '-' (at most 100)")
     result_path = checkpoint.parent / RESULT_FILE.format(name=name)
-    claim_result_file(result_path, checkpoint)
+    items_path = checkpoint.parent / ITEMS_FILE.format(name=name)
+    claim_result_files(result_path, items_path, checkpoint)
     tokenizer = load_tokenizer(cfg["data"]["tokenizer"])  # DataError (a UserError) when it cannot be loaded
     world, rank, local_rank = launch_ranks()
     device = pick_device(req.device)
@@ -139,9 +148,10 @@ def evaluate_tasks(req: TasksRequest) -> dict:
         "precision": str(precision).removeprefix("torch."),
         "tasks": {name: r.metrics for name, r in results.items()},
         "tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": tokens / max(seconds, 1e-9),
-        "file": str(result_path),
+        "file": str(result_path), "items_file": str(items_path),
     }
     if rank == 0:
+        write_items(items_path, [line for task in tasks for line in item_lines(task, results[task.name])])
         write_json_atomic(result_path, result)
     return result
 

@@ -55,18 +55,37 @@ class CsvLog:
         later = [r for r in rows if r not in keep]
         if not later:
             return
-        with open(self.path.with_name(self.path.name + SUPERSEDED), "a", newline="") as f:
-            csv.DictWriter(f, fieldnames=self.fields, extrasaction="ignore").writerows(later)
+        self._append_superseded(later)
         self._rewrite(keep)
 
-    def _rewrite(self, keep: list[dict]) -> None:
-        """The file again with this log's header and `keep` (a column it lacked stays empty), atomically."""
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
+    def _append_superseded(self, rows: list[dict]) -> None:
+        """Rows moved aside go to `<name>.superseded`, a CSV with this log's header like the live file. One written
+        by an older version (another header, or none: its first line a row) is rewritten under this header first."""
+        path = self.path.with_name(self.path.name + SUPERSEDED)
+        if path.exists() and path.stat().st_size:
+            with open(path, newline="") as f:
+                header = next(csv.reader(f), [])
+            if header != self.fields:
+                with open(path, newline="") as f:
+                    headerless = header[:1] != self.fields[:1]  # every log's first column is `step`
+                    rows = list(csv.DictReader(f, fieldnames=self.fields if headerless else None)) + rows
+                self._rewrite(rows, path)
+                return
+            with open(path, "a", newline="") as f:
+                csv.DictWriter(f, fieldnames=self.fields, extrasaction="ignore").writerows(rows)
+            return
+        self._rewrite(rows, path)
+
+    def _rewrite(self, keep: list[dict], path: Path | None = None) -> None:
+        """`path` (default the log) again with this log's header and `keep` (a column it lacked stays empty),
+        atomically."""
+        path = path or self.path
+        tmp = path.with_name(f".{path.name}.tmp")
         with open(tmp, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=self.fields, extrasaction="ignore")
             w.writeheader()
             w.writerows(keep)
-        os.replace(tmp, self.path)
+        os.replace(tmp, path)
 
     def write(self, row: dict) -> None:
         self._w.writerow({k: _fmt(v) for k, v in row.items()})

@@ -5,11 +5,13 @@ from __future__ import annotations
 import copy
 import math
 import os
+import random
 import sys
 import time
 import uuid
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from nsa.model import Transformer
@@ -31,7 +33,7 @@ from train.core.distributed import (
     resolve_precision,
     wrap_model,
 )
-from train.core.errors import CheckpointError, ConfigError, UserError
+from train.core.errors import CheckpointError, ConfigError, DataError, UserError
 from train.data import build_data
 from train.hf.importer import init_state_dict
 from train.observe.efficiency import Efficiency
@@ -40,6 +42,15 @@ from train.core.param_groups import muon_names, split_summary
 from train.trainer.safety import stale_halt_message
 from train.trainer.spikes import SpikeDetector
 from train.trainer.start_checks import BATCH_KEYS, resume_checks
+
+
+def seed_host_and_torch_rngs(seed: int) -> None:
+    """Torch's, Python's and NumPy's global generators from one seed, so a checkpoint's saved RNG states are the same
+    on every fresh run of the same command (nothing in training draws from the host ones today; a resume restores
+    all three)."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
 
 
 def claim_out_dir(cfg: RunConfig, info: DistInfo) -> tuple[Path, OutDirLock | None, Path | None]:
@@ -72,7 +83,7 @@ def claim_out_dir(cfg: RunConfig, info: DistInfo) -> tuple[Path, OutDirLock | No
     return out, lock, Path(answer[1]) if answer[1] else None
 
 
-_USER_ERRORS = {cls.__name__: cls for cls in (ConfigError, CheckpointError, OutDirBusy, UserError)}
+_USER_ERRORS = {cls.__name__: cls for cls in (ConfigError, CheckpointError, DataError, OutDirBusy, UserError)}
 
 
 def _check_writable(out: Path) -> None:
@@ -86,26 +97,34 @@ def _check_writable(out: Path) -> None:
 
 
 SPIKE_SKIP_KEY = "spike_skip"  # the checkpoint's spike-skip window (SpikeDetector.state_dict), None when off
+DATA_RESTARTS_KEY = "data_restarts"  # [{step, reason}]: where the training data started afresh (data.restart_on_change)
 
 
 class Run:
     """What one training process holds: cfg, info (rank, device), out_dir and its lock, state (TrainState),
     raw_model (the Transformer), model (what trains: DDP / FSDP / compiled), optimizer, spikes (the spike-skip
     detector, None when off), data (DataBundle), writer (rank 0's AsyncWriter with train.async_checkpoint, else None),
-    efficiency (FLOPs report, MFU), resume_path / resumed, lineage, started (unix time)."""
+    efficiency (FLOPs report, MFU), resume_path / resumed, lineage, data_restarts (where the training data started
+    afresh, this resume's last), started (unix time)."""
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         self.info: DistInfo = init_distributed(cfg.runtime)
         self.is_main = self.info.is_main
         self.writer = AsyncWriter() if cfg.train.async_checkpoint and self.is_main else None
+        self._threads_before = torch.get_num_threads()  # restored by close(): an in-process run leaves none changed
         if cfg.runtime.threads and self.info.device.type == "cpu":
             torch.set_num_threads(cfg.runtime.threads)
         existed = Path(cfg.train.out_dir).exists()
-        self.out_dir, self.lock, self.resume_path = claim_out_dir(cfg, self.info)
+        try:
+            self.out_dir, self.lock, self.resume_path = claim_out_dir(cfg, self.info)
+        except BaseException:
+            torch.set_num_threads(self._threads_before)
+            raise
         try:
             self._build(cfg)
         except BaseException:
+            torch.set_num_threads(self._threads_before)
             if self.lock is not None:  # a failed start leaves the out_dir free at once, in-process too
                 self.lock.release()
                 if not existed:  # and a directory it created for nothing goes again
@@ -148,14 +167,20 @@ class Run:
         # memory-mapped: tensors are read from the file while copied in, never held twice
         ckpt = ckpt_io.load_checkpoint(self.resume_path) if self.resume_path else None
         self.resumed = ckpt is not None
+        self.data_restarts = list((ckpt or {}).get(DATA_RESTARTS_KEY) or [])
+        self.data_restart = None  # why this resume starts the training data afresh (data.restart_on_change)
         if self.resumed:  # the launch's start checks (train/trainer/start_checks.py); may re-split the global batch
-            for note in resume_checks(cfg, ckpt, self.resume_path, self.info.world_size):
+            decision = resume_checks(cfg, ckpt, self.resume_path, self.info.world_size)
+            for note in decision.notes:
                 if self.is_main:
                     print(note, flush=True)
+            self.data_restart = decision.data_restart
+            if decision.data_restart:
+                self.data_restarts.append({"step": int(ckpt["step"]), "reason": decision.data_restart})
         self.lineage = (ckpt or {}).get("lineage") or uuid.uuid4().hex
         if self.resumed:
             self._restore_weights(ckpt)
-        torch.manual_seed(cfg.train.seed + 1000 * self.info.rank)  # dropout streams differ per rank
+        seed_host_and_torch_rngs(cfg.train.seed + 1000 * self.info.rank)  # dropout streams differ per rank
         self.data = build_data(
             cfg.data, seq_len=cfg.train.seq_len, batch_size=cfg.train.batch_size, vocab_size=cfg.model.vocab_size,
             seed=cfg.train.seed, rank=self.info.rank, world_size=self.info.world_size,
@@ -231,7 +256,7 @@ class Run:
             if note and self.is_main:
                 print(note, flush=True)
         data_states = ck.get("data") or []
-        if data_states and not self.cfg.train.eval_only:  # evaluation reads held-out data only
+        if data_states and not self.cfg.train.eval_only and not self.data_restart:  # evaluation reads held-out data only
             if getattr(self.data.train, "any_world_size", False):  # a function of the global step: any world size
                 state = data_states[0]
                 if any(key in self.cfg.overrides for key in BATCH_KEYS):
@@ -260,6 +285,7 @@ class Run:
                 SPIKE_SKIP_KEY: self.spikes.state_dict() if self.spikes is not None else None,
                 "data": data_states, "rng_per_rank": rng_states,
                 "config": self.cfg.to_dict(), "world_size": self.info.world_size, "lineage": self.lineage,
+                DATA_RESTARTS_KEY: self.data_restarts,
                 ckpt_io.DOCUMENT_EOS_KEY: self.raw_model.document_eos_id,
             }
             path = self._write(state, wait)
@@ -297,3 +323,4 @@ class Run:
             self.data.close()
             if self.lock is not None:
                 self.lock.release()
+            torch.set_num_threads(self._threads_before)

@@ -12,9 +12,8 @@ from pathlib import Path
 from train.checkpoint import io as ckpt_io
 from train.checkpoint.run_dir import OutDirLock, StartPlan, plan_start
 from train.core.config import RunConfig
-from train.core.errors import CheckpointError, ConfigError
-from train.data.build import check_data_source
-from train.data.state import stream_resume_refusal
+from train.core.errors import CheckpointError, ConfigError, DataError
+from train.data.build import check_data_source, train_state_refusal
 from train.trainer.lr_schedule import resume_refusal, saved_train_config
 from train.trainer.optim import optimizer_resume_refusal
 from train.trainer.safety import stale_halt_message
@@ -75,17 +74,27 @@ def saved_global_batch(ckpt: dict) -> int:
     return int(train.get("batch_size", 1)) * int(train.get("accumulate_grad_batches", 1)) * int(ckpt.get("world_size", 1))
 
 
-def resume_checks(cfg: RunConfig, ckpt: dict, path: Path, world_size: int) -> list[str]:
-    """Everything that must hold to continue `ckpt` (loaded from path) with cfg on world_size ranks. Sets
-    cfg.train's batch keys to the split that keeps the global batch (fit_global_batch); returns the notes to
-    print. CheckpointError / ConfigError (one line) when the launch must not happen."""
+@dataclass
+class ResumeDecision:
+    """What resuming a checkpoint does: notes (one line each, to print) and data_restart: None when the training data
+    continues from the checkpoint's position, else why it starts afresh (data.restart_on_change)."""
+
+    notes: list[str]
+    data_restart: str | None = None
+
+
+def resume_checks(cfg: RunConfig, ckpt: dict, path: Path, world_size: int) -> ResumeDecision:
+    """Everything that must hold to continue `ckpt` (loaded from path) with cfg on world_size ranks: the one place
+    that decides the launch's refusals (the trainer, start checks and preflight call it). Sets cfg.train's batch keys
+    to the split that keeps the global batch (fit_global_batch). CheckpointError / ConfigError / DataError (one line)
+    when the launch must not happen."""
     if ckpt.get("imported_from"):  # written by train/hf/importer.py
         raise CheckpointError(f"checkpoint {path} holds imported weights only (no optimizer or data state) and cannot "
                               f"be resumed; start from it with train.init_from={path}")
     model = cfg.to_dict()
     ckpt_io.check_architecture(ckpt, model["model"] | {"nsa": model["nsa"]}, path)
     if cfg.train.eval_only:
-        return []
+        return ResumeDecision([])
     step = int(ckpt["step"])
     if cfg.train.steps < step:
         raise ConfigError(f"train.steps={cfg.train.steps} is below the step of checkpoint {path} ({step}); set "
@@ -102,19 +111,35 @@ def resume_checks(cfg: RunConfig, ckpt: dict, path: Path, world_size: int) -> li
         raise ConfigError(f"checkpoint {path} was trained on data.tokenizer={saved_tokenizer} but this run has "
                           f"data.tokenizer={cfg.data.tokenizer}; token ids would change meaning (set "
                           f"--data.tokenizer={saved_tokenizer}, or start a new out_dir)")
-    saved_states = ckpt.get("data") or []
-    if cfg.data.source_kind not in WORLD_SIZE_FREE_SOURCES and saved_states:
-        refusal = stream_resume_refusal(len(saved_states), world_size, saved_data.get("num_workers", 0),
-                                        cfg.data.num_workers, checkpoint=str(path))
-        if refusal:
-            raise CheckpointError(refusal)
-        return []
     t = cfg.train
-    explicit = any(key in cfg.overrides for key in BATCH_KEYS)
-    split, note = fit_global_batch(saved_global_batch(ckpt), BatchSplit(t.batch_size, t.accumulate_grad_batches, world_size),
-                                   explicit=explicit, checkpoint=str(path))
-    t.batch_size, t.accumulate_grad_batches = split.batch_size, split.accumulate
-    return [note] if note else []
+    notes = []
+    if cfg.data.source_kind in WORLD_SIZE_FREE_SOURCES or not ckpt.get("data"):
+        explicit = any(key in cfg.overrides for key in BATCH_KEYS)
+        split, note = fit_global_batch(saved_global_batch(ckpt), BatchSplit(t.batch_size, t.accumulate_grad_batches,
+                                                                            world_size),
+                                       explicit=explicit, checkpoint=str(path))
+        t.batch_size, t.accumulate_grad_batches = split.batch_size, split.accumulate
+        notes += [note] if note else []
+    restart = data_restart(cfg, ckpt, path, world_size)
+    if restart:
+        notes.append(f"data: starting the training data afresh (data.restart_on_change=true): {restart}")
+    return ResumeDecision(notes, restart)
+
+
+def data_restart(cfg: RunConfig, ckpt: dict, path: Path, world_size: int) -> str | None:
+    """None when the training data continues from the checkpoint's position; else what changed (the refusal that
+    data.restart_on_change=true overrides: the data then starts afresh). DataError when it is not set."""
+    states = ckpt.get("data") or []
+    if not states:  # an old checkpoint without a data state: the data starts afresh, as it always did
+        return None
+    t = cfg.train
+    refusal = train_state_refusal(cfg.data, states, seq_len=t.seq_len, batch_size=t.batch_size,
+                                  vocab_size=cfg.model.vocab_size, seed=t.seed, world_size=world_size,
+                                  saved_num_workers=ckpt["config"].get("data", {}).get("num_workers", 0),
+                                  checkpoint=str(path))
+    if refusal and not cfg.data.restart_on_change:
+        raise DataError(refusal)
+    return refusal.split("; ", 1)[0] if refusal else None  # what changed, without the advice
 
 
 def out_dir_checks(cfg: RunConfig) -> StartPlan:
@@ -138,7 +163,7 @@ def start_checks(cfg: RunConfig, world_size: int) -> list[str]:
     if plan.resume is not None:
         ckpt = ckpt_io.load_checkpoint(plan.resume)
         lines.append(f"resume: {plan.resume} (step {ckpt['step']})")
-        lines += resume_checks(cfg, ckpt, plan.resume, world_size)
+        lines += resume_checks(cfg, ckpt, plan.resume, world_size).notes
         del ckpt
     else:
         lines.append(f"resume: none, fresh start in {cfg.train.out_dir}")

@@ -236,7 +236,7 @@ def evaluate_arm(out_dir: Path, data_spec: str, max_tokens: int | None) -> dict:
 
 def score_arm_tasks(out_dir: Path, specs: list[str], limit: int | None) -> dict:
     """train.tasks on the arm's newest checkpoint (the same docs for every arm: the seeded subset of `limit`);
-    an earlier result for the same step, tasks and limit is reused."""
+    an earlier result for the same step, tasks and limit is reused when its items file is there."""
     step = read_metrics(out_dir).get("step")
     done = out_dir / TASKS_FILE.format(name=tasks_name(specs, limit, step))
     if done.exists():
@@ -244,7 +244,8 @@ def score_arm_tasks(out_dir: Path, specs: list[str], limit: int | None) -> dict:
             prior = json.loads(done.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             prior = {}
-        if prior.get("step") == step and prior.get("limit") == limit:
+        if prior.get("step") == step and prior.get("limit") == limit and prior.get("items_file") \
+                and Path(prior["items_file"]).is_file():
             print(f"compare: reusing {done}", flush=True)
             return prior
     print(f"compare: scoring {out_dir.name} on {', '.join(specs)} (train.tasks)", flush=True)

@@ -347,14 +347,14 @@ def _out_dir(cfg: RunConfig, add, gpus: int) -> None:
         return
     try:
         ckpt = ckpt_io.load_checkpoint(plan.resume)
-        notes = resume_checks(copy.deepcopy(cfg), ckpt, plan.resume, gpus)
+        notes = resume_checks(copy.deepcopy(cfg), ckpt, plan.resume, gpus).notes
     except UserError as exc:
         add(FAIL, "resume", str(exc))
         return
     add(OK, "out_dir", f"{out}: continuing from {plan.resume.name if resume == 'auto' else plan.resume} "
                        f"(step {ckpt['step']}, train.resume={'auto' if resume == 'auto' else 'PATH'})")
     add(OK, "resume", f"architecture, train.steps, tokenizer and data state fit {gpus} rank(s)"
-                      + (f"; {notes[0]}" if notes else ""))
+                      + "".join(f"; {note}" for note in notes))
 
 
 def _wandb_logged_in(env: dict) -> bool:
