@@ -196,7 +196,7 @@ class DenseAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [B, T, dim]
-        rope: tuple[torch.Tensor, torch.Tensor] | None = None,  # cos, sin: [T, hd/2] for x's positions
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,  # cos, sin [T or B, T, hd/2] for x's positions
         cache: KVCache | None = None,
         documents: Documents | None = None,  # packed documents of x (training / prefill from 0, no cache)
     ) -> torch.Tensor:  # [B, T, dim]

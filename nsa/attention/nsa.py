@@ -195,8 +195,9 @@ class NativeSparseAttention(nn.Module):
             ck = compress(self.compress_k, raw_k, raw_start, first, count, c.l, c.d)  # [B, H_kv, count, hd]
             cv = compress(self.compress_v, raw_v, raw_start, first, count, c.l, c.d)
         if rope is not None and count > 0:  # rotate compressed key i at position i*d + l - 1 (in x)
-            at = torch.arange(count, device=x.device) * c.d + (first * c.d + c.l - 1 - t0)
-            ck = apply_rotary(ck, rope[0][at], rope[1][at])
+            at = torch.arange(count, device=x.device) * c.d + (first * c.d + c.l - 1 - t0)  # [count]
+            # cos, sin [T, hd/2] or per row [B, T, hd/2]: index the T axis -> [count, hd/2] or [B, count, hd/2]
+            ck = apply_rotary(ck, rope[0][..., at, :], rope[1][..., at, :])
 
         sel_k, sel_v = br["sel"]
         win_k, win_v = br["win"]
