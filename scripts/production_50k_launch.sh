@@ -13,7 +13,7 @@
 # 3. scripts/run_2xa100_production.sh: launch_info.txt, then torchrun over every GPU with
 #    configs/m7c_125m_2xa100_production.yaml (auto-resume from the newest checkpoint).
 # Knobs: see scripts/lib/production.sh (DRY_RUN=1 = pre-flight only). Exit: 0 ok, 1 pre-flight
-# failure, 2 bad config, 3 anomaly halt, else the trainer's code.
+# failure, 2 bad config, 3 anomaly halt, 4 a file could not be written (full disk), else the trainer's code.
 set -euo pipefail
 
 SCRIPT_TAG=prod50k

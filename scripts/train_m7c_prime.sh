@@ -20,7 +20,8 @@
 #   6. trains; the trainer resumes from the newest complete checkpoint of the config's out_dir
 #      (train.resume=auto), keeping its global batch on another GPU count, and run.info records which one.
 # Exit status: 0 finished or gracefully stopped; 1 set-up / smoke failure; 2 bad input (config, data,
-# stale .HALT, a checkpoint that cannot continue); otherwise the trainer's (3 anomaly halt; 137 killed, ...).
+# stale .HALT, a checkpoint that cannot continue); otherwise the trainer's (3 anomaly halt; 4 a file could not be
+# written: a full disk, not relaunched; 137 killed, ...).
 # A crash is recorded as such: run.info final_status and metrics.json say `crashed (exit N at step S)`.
 #
 # Knobs (environment):
@@ -179,6 +180,10 @@ case "$train_rc" in
   0)
     finish 0
     log "done: $(metrics_field "$OUT_DIR" status) at step $(metrics_field "$OUT_DIR" step); run record $RUN_INFO"
+    ;;
+  4)  # a full disk: not relaunched (it would fail again); the checkpoints before it are intact
+    finish 4 "a file could not be written: $(write_failure_line "$RUN_DIR")"
+    die "training stopped: a file could not be written ($(write_failure_line "$RUN_DIR")); free disk space, then rerun the same command to resume" 4
     ;;
   3)
     finish 3 "anomaly halt: $(cat "$OUT_DIR/.anomaly_type" 2>/dev/null || echo see train.log)"

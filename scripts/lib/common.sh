@@ -373,7 +373,7 @@ log_to() {
 # RUN_DIR/train.log, then record this launch's final_step, final_status and last_checkpoint in RUN_INFO
 # (statuses: train/observe/run_status.py). A trainer that died without a word (kill -9, OOM) is recorded as
 # crashed, in metrics.json too; one that never wrote metrics.json in this launch "failed before training".
-# Sets TRAIN_RC to the trainer's exit code, 3 when the run halted on an anomaly.
+# Sets TRAIN_RC to the trainer's exit code, 3 when the run halted on an anomaly, 4 when a file could not be written.
 run_logged_training() {
   local run_dir=$1 out_dir=$2 run_info=$3 final_status final_step
   local started updated restarts
@@ -398,6 +398,7 @@ run_logged_training() {
     # status (written by this launch) says why: anomaly halt, or a graceful stop on SIGTERM/SIGINT
     case "$final_status" in
       anomaly) TRAIN_RC=3 ;;
+      write_failed) TRAIN_RC=4 ;;
       stopped) TRAIN_RC=0 ;;
       running) "$PY" -m train.run_status mark-crashed "$out_dir" "$TRAIN_RC" >/dev/null || true ;;
     esac
@@ -409,6 +410,11 @@ run_logged_training() {
   info "$run_info" last_checkpoint "$(newest_checkpoint "$out_dir")"
   restarts=$(metrics_field "$out_dir" data_restarts)  # data.restart_on_change: where the data started afresh
   if [ -n "$restarts" ] && [ "$restarts" != "[]" ]; then info "$run_info" data_restarts "$restarts"; fi
+}
+
+# write_failure_line RUN_DIR: the trainer's one line for a file it could not write (exit 4), from train.log
+write_failure_line() {
+  grep -h '^error: .*could not be written' "$1/train.log" 2>/dev/null | tail -n 1 | sed 's/^error: //'
 }
 
 # metrics_field OUT_DIR KEY -> a top-level value of metrics.json (empty when absent; train/core/artifacts.py reads it)

@@ -256,6 +256,8 @@ prod_launch() {
   info "$RUN_DIR/run.info" exit_code "$rc"
   if [ "$rc" -eq 3 ]; then
     die "training halted on an anomaly ($(cat "$OUT_DIR/.anomaly_type" 2>/dev/null || echo see train.log)); last good checkpoint kept in $OUT_DIR" 3
+  elif [ "$rc" -eq 4 ]; then
+    die "training stopped: a file could not be written ($(write_failure_line "$RUN_DIR")); free disk space, then rerun to resume" 4
   elif [ "$rc" -ne 0 ]; then
     die "training $(sed -n 's/^final_status: //p' "$RUN_DIR/run.info" | tail -n 1): see $RUN_DIR/train.log" "$rc"
   fi

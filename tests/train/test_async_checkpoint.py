@@ -169,7 +169,7 @@ def test_exact_resume_from_a_checkpoint_written_while_training_went_on(tmp_path)
     assert same_content(wa["model"], wb["model"]) and same_content(wa["optimizer"], wb["optimizer"])
 
 
-def test_a_write_that_fails_for_real_is_one_line_and_exit_2(tmp_path, capsys):
+def test_a_write_that_fails_for_real_is_one_line_and_exit_4(tmp_path, capsys):
     from train.__main__ import main
 
     out = tmp_path / "run"
@@ -180,9 +180,10 @@ def test_a_write_that_fails_for_real_is_one_line_and_exit_2(tmp_path, capsys):
     # the thread's temporary file for step 6 cannot be created: a directory holds its name (root writes through chmod)
     (out / f".checkpoint_step6.pt.tmp{os.getpid()}" / "x").mkdir(parents=True)
     capsys.readouterr()
-    assert main([*args, "--train.steps=12"]) == 2  # the failure surfaces at the save of step 9
+    assert main([*args, "--train.steps=12"]) == 4  # the failure surfaces at the save of step 9
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(err) == 1 and "asynchronous write of" in err[0] and "checkpoint_step6.pt" in err[0], err
+    assert "IsADirectoryError" in err[0] and "remove the cause" in err[0]  # not a full disk: no advice to free space
     assert not (out / "checkpoint_step6.pt").exists() and not writer_threads()
     assert os.readlink(out / LATEST) == "checkpoint_step3.pt"  # latest never moved to the failed write
     lock = OutDirLock(out)

@@ -65,6 +65,7 @@ class AsyncWriter:
     def __init__(self):
         self._thread: threading.Thread | None = None
         self._error: str | None = None
+        self._cause: BaseException | None = None  # the failed write's exception (an OSError: its errno says why)
 
     @property
     def in_flight(self) -> bool:
@@ -81,8 +82,8 @@ class AsyncWriter:
             self._thread.join()
             self._thread = None
         if self._error is not None:
-            error, self._error = self._error, None
-            raise CheckpointError(error)
+            error, cause, self._error, self._cause = self._error, self._cause, None, None
+            raise CheckpointError(error) from cause
 
     def _run(self, what: str, write: Callable[[], object]) -> None:
         try:
@@ -90,3 +91,4 @@ class AsyncWriter:
         except BaseException as exc:  # noqa: BLE001 - reported on the training thread, not lost with this one
             detail = " ".join(str(exc).split()) or type(exc).__name__
             self._error = f"the asynchronous write of {what} failed: {type(exc).__name__}: {detail}"
+            self._cause = exc

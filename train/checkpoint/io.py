@@ -74,10 +74,17 @@ def _fsync_dir(path: Path) -> None:
 
 
 def atomic_save(obj: dict, path: Path) -> None:
+    """obj to path whole (temporary name, fsync, rename) or not at all. A write the disk refuses (ENOSPC, EFBIG, a
+    quota) raises the OS's OSError, and the temporary file goes."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
-            torch.save(obj, f)
+            try:
+                torch.save(obj, _WholeWrites(f))
+            except RuntimeError as exc:  # torch's writer reports a failed write as a position mismatch
+                if isinstance(exc.__context__, OSError):
+                    raise exc.__context__ from None  # the OS's reason, which it carries along
+                raise
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -85,6 +92,24 @@ def atomic_save(obj: dict, path: Path) -> None:
         if tmp.exists():
             tmp.unlink()
     _fsync_dir(path.parent)
+
+
+class _WholeWrites:
+    """A file's write() that writes all it is given or raises: a short write (the disk filling up) is continued, so the
+    OS's error surfaces instead of a silently shorter count."""
+
+    def __init__(self, f):
+        self._f = f
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        done = 0
+        while done < len(view):
+            done += self._f.write(view[done:])
+        return done
+
+    def flush(self) -> None:
+        self._f.flush()
 
 
 def update_latest_link(out_dir: Path, target: Path) -> None:

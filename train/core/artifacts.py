@@ -48,9 +48,10 @@ TASKS_FIELDS = ["step", "tokens_seen", "task", "primary_metric", "primary", "pri
 TASK_SCALARS = ("primary", "acc", "acc_norm", "gold_loglik")  # TensorBoard / W&B: tasks/<task_label>/<name>
 TASK_SUFFIXES = (".jsonl.gz", ".jsonl")  # a task given as a path to a requests file
 
+WRITE_FAILED = "write_failed"  # a checkpoint or log could not be written (a full disk): exit 4, train/trainer/runner.py
 # heartbeat record kinds (field "kind"); every record also has ts, time, rank, step
 HEARTBEAT_KINDS = ("start", "train", "eval", "tasks", "eval_only", "checkpoint", "alert", "anomaly", "end", "watchdog",
-                   "stackdump", "profile", "sdpa_audit")
+                   "stackdump", "profile", "sdpa_audit", WRITE_FAILED)
 # NSA statistics a 'train' record carries (nsa/attention/gate_stats.py computes them under these names)
 GATE_STATS = ("gate_entropy_mean", "gate_entropy_min", "gate_max_mean", "gate_collapse_frac", "gate_saturated_frac",
               "gate_share_cmp", "gate_share_sel", "gate_share_win")
@@ -67,7 +68,7 @@ METRICS_FIELDS = ("status", "step", "steps", "tokens_seen", "last_loss", "last_t
                   "tasks")
 CRASH_FIELDS = ("exit_code", "crashed_at_step")  # added when a launcher records a crash (train/observe/run_status.py)
 CRASHED = "crashed"  # the trainer died without a word (a signal, the OOM killer); train/observe/run_status.py says so
-ENDED_STATUSES = ("finished", "stopped", "anomaly", CRASHED)
+ENDED_STATUSES = ("finished", "stopped", "anomaly", WRITE_FAILED, CRASHED)
 STATUSES = ("running",) + ENDED_STATUSES
 
 # ---- the runbooks' run dir (ARTIFACTS_DIR/train_runs/<name>_<timestamp>/) ---------------------------

@@ -19,5 +19,19 @@ class CheckpointError(UserError):
     pass
 
 
+class StorageError(UserError):
+    """A run's file could not be written: the disk (or a quota, or a file-size limit) is full. The trainer stops with
+    its own exit code, so a runner does not relaunch into the same full disk; what was written before is intact."""
+
+    exit_code = 4
+
+
+def storage_problem(exc: BaseException) -> str:
+    """One line for a failed write: the OS's reason (`[Errno 28] No space left on device`), or the exception's."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"[Errno {exc.errno}] {exc.strerror}"
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
 class ConversionError(UserError):
     """A model that cannot be exported to, or imported from, the Hugging Face format (train/hf/convert.py)."""

@@ -21,7 +21,7 @@ import torch
 
 from train.checkpoint import io as ckpt_io
 from train.checkpoint.train_state import TrainState
-from train.core.artifacts import METRICS_JSON, RUN_SUMMARY_NAME, TASKS_CSV, latest_task_rows, read_csv
+from train.core.artifacts import METRICS_JSON, RUN_SUMMARY_NAME, TASKS_CSV, WRITE_FAILED, latest_task_rows, read_csv
 from train.core.config import RunConfig
 from train.core.distributed import DistInfo
 from train.observe.efficiency import Efficiency
@@ -81,6 +81,8 @@ class RunSummary:
             self.write_run_summary()
         elif kind == "anomaly":
             self.write_metrics("anomaly")
+        elif kind == WRITE_FAILED:
+            self.write_metrics(WRITE_FAILED)
 
     def close(self) -> None:
         pass

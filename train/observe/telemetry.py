@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from train.core.artifacts import SUPERSEDED
+from train.core.errors import StorageError, storage_problem
 
 
 def _fmt(v):
@@ -88,18 +89,30 @@ class CsvLog:
         os.replace(tmp, path)
 
     def write(self, row: dict) -> None:
-        self._w.writerow({k: _fmt(v) for k, v in row.items()})
-        self._f.flush()
+        try:
+            self._w.writerow({k: _fmt(v) for k, v in row.items()})
+            self._f.flush()
+        except OSError as exc:  # a full disk: the rows already in the file stay whole
+            raise StorageError(f"{self.path} could not be written: {storage_problem(exc)}") from None
 
     def close(self) -> None:
-        self._f.close()
+        _close_flushed(self._f)
+
+
+def _close_flushed(f) -> None:
+    """Close a file every write of which was flushed at once: all that can still be pending is a write that already
+    failed (and raised StorageError), so a failure here is that one again."""
+    try:
+        f.close()
+    except OSError:
+        pass
 
 
 class Heartbeat:
     """One JSON object per line: ts (unix s), time (ISO), rank, step, kind, plus kind-specific fields."""
 
     def __init__(self, path: Path, rank: int):
-        self.rank = rank
+        self.rank, self.path = rank, path
         self._f = open(path, "a")
         self._lock = threading.Lock()  # the watchdog thread emits too
 
@@ -109,12 +122,15 @@ class Heartbeat:
                   "rank": self.rank, "step": step, "kind": kind}
         record.update({k: _json_safe(v) for k, v in fields.items()})
         with self._lock:
-            self._f.write(json.dumps(record) + "\n")
-            self._f.flush()
+            try:
+                self._f.write(json.dumps(record) + "\n")
+                self._f.flush()
+            except OSError as exc:
+                raise StorageError(f"{self.path} could not be written: {storage_problem(exc)}") from None
 
     def close(self) -> None:
         with self._lock:
-            self._f.close()
+            _close_flushed(self._f)
 
 
 def _json_safe(v):
@@ -140,6 +156,7 @@ class TensorBoard:
             print("[telemetry] tensorboard not installed: tb/ disabled", flush=True)
             return
         self._w = SummaryWriter(log_dir=str(log_dir))
+        self.log_dir = log_dir
 
     def scalars(self, step: int, values: dict[str, float | None]) -> None:
         if self._w is None:
@@ -147,21 +164,45 @@ class TensorBoard:
         for name, v in values.items():
             if v is not None and isinstance(v, (int, float)) and math.isfinite(v):
                 self._w.add_scalar(name, v, step)
-        self._w.flush()
+        self._flush()
 
     def text(self, step: int, tag: str, text: str) -> None:
         """Markdown text under `tag` (alerts, generated samples)."""
         if self._w is None:
             return
         self._w.add_text(tag, text, step)
-        self._w.flush()
+        self._flush()
+
+    def _flush(self) -> None:
+        try:
+            self._w.flush()  # its writer thread's failure is raised here
+        except OSError as exc:
+            writer, self._w = self._w, None  # a failed writer is not asked again
+            _close_quietly(writer)
+            raise StorageError(f"{self.log_dir} (TensorBoard events) could not be written: {storage_problem(exc)}") from None
 
     def close(self) -> None:
         if self._w is not None:
             self._w.close()
 
 
+def _close_quietly(writer) -> None:
+    try:
+        writer.close()
+    except OSError:
+        pass
+
+
 def write_json_atomic(path: Path, obj: dict) -> None:
+    write_text_atomic(path, json.dumps(obj, indent=2, default=str))
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """path holds text, or (a full disk) still holds what it held: StorageError, no partial file left."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=str))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise StorageError(f"{path} could not be written: {storage_problem(exc)}") from None

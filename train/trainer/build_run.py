@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import errno
 import math
 import os
 import random
@@ -26,17 +27,17 @@ from train.core.config import RunConfig, dump_config
 from train.core.data_config import resolve_document_mask
 from train.core.distributed import (
     DistInfo,
-    barrier,
     broadcast_from_main,
     gather_objects,
     init_distributed,
     resolve_precision,
     wrap_model,
 )
-from train.core.errors import CheckpointError, ConfigError, DataError, UserError
+from train.core.errors import CheckpointError, ConfigError, DataError, StorageError, UserError, storage_problem
 from train.data import build_data
 from train.hf.importer import init_state_dict
 from train.observe.efficiency import Efficiency
+from train.observe.telemetry import write_text_atomic
 from train.trainer.optim import build_optimizer
 from train.core.param_groups import muon_names, split_summary
 from train.trainer.safety import stale_halt_message
@@ -195,7 +196,7 @@ class Run:
         self.efficiency = Efficiency(cfg.model, cfg.train.seq_len, self.info.device, self.amp_dtype,
                                      self.info.world_size)
         if self.is_main and not cfg.train.eval_only:
-            (self.out_dir / CONFIG_YAML).write_text(dump_config(cfg))
+            write_text_atomic(self.out_dir / CONFIG_YAML, dump_config(cfg))
 
     def _compile(self, model):
         rt = self.cfg.runtime
@@ -272,11 +273,12 @@ class Run:
     def save(self, wait: bool = True) -> Path | None:
         """Collective: every rank's data position and RNG state, rank 0 writes the file (its path; None elsewhere).
         With train.async_checkpoint rank 0 stages the state to host memory and its writer thread writes the file;
-        wait=False returns once the state is staged (the path then names a file still being written)."""
+        wait=False returns once the state is staged (the path then names a file still being written). A write that
+        fails (this one, or the asynchronous one before it) raises StorageError on every rank."""
         data_states = gather_objects(self.data.train.state_dict(), self.info)
         rng_states = gather_objects(ckpt_io.rng_state(), self.info)
         model_state, optim_state = gather_states(self.raw_model, self.optimizer, self.is_main)
-        path = None
+        path, failure = None, None
         if self.is_main:
             state = {
                 "model": model_state, "optimizer": optim_state,
@@ -288,9 +290,26 @@ class Run:
                 DATA_RESTARTS_KEY: self.data_restarts,
                 ckpt_io.DOCUMENT_EOS_KEY: self.raw_model.document_eos_id,
             }
-            path = self._write(state, wait)
-        barrier(self.info)
+            try:
+                path = self._write(state, wait)
+            except (OSError, RuntimeError, CheckpointError) as exc:  # a full disk: ENOSPC, EFBIG, torch.save's writer
+                failure = self._write_failure(exc)
+        failure = broadcast_from_main(failure, self.info)  # every rank stops together, none waits in a barrier
+        if failure is not None:
+            raise StorageError(failure)
         return path
+
+    def _write_failure(self, exc: BaseException) -> str:
+        """The one line for a checkpoint that could not be written (this step's, or an earlier asynchronous one)."""
+        step = self.state.step
+        what = str(exc) if isinstance(exc, CheckpointError) else (
+            f"checkpoint {self.out_dir / checkpoint_name(step)} could not be written: {storage_problem(exc)}")
+        cause = exc.__cause__ if isinstance(exc, CheckpointError) else exc
+        full = isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+        kept = ckpt_io.latest_checkpoint(self.out_dir)
+        return (f"{what}; no partial file is left, {'the newest checkpoint ' + str(kept) if kept else 'no checkpoint'} "
+                f"is untouched; {'free space under ' + str(self.out_dir) if full else 'remove the cause'} and run the "
+                f"same command again to resume")
 
     def _write(self, state: dict, wait: bool) -> Path:
         step, train = self.state.step, self.cfg.train

@@ -5,18 +5,22 @@ sampling and checkpoints are off the training clock (train/trainer/clock.py), an
 (train.eval_tasks: loaded before the run starts, scored where it evaluates, train/trainer/tasks_eval.py); gc, profiler,
 watchdog, SDPA audit and alerts are hooks at fixed points of the step (train/trainer/hooks.py).
 
-Exit codes: 0 finished or stopped gracefully (HALT / SIGTERM / SIGINT / stop_after),
+Exit codes: 0 finished or stopped gracefully (HALT / SIGTERM / SIGINT / stop_after), 2 bad input (one line),
 3 halted on an anomaly (.anomaly_type written): repeated non-finite losses (the last good checkpoint intact, none
-written), or train.spike_skip_limit spike skips in a row (a checkpoint written: skipped steps changed no weights).
+written), or train.spike_skip_limit spike skips in a row (a checkpoint written: skipped steps changed no weights),
+4 a checkpoint, CSV, heartbeat or metrics.json could not be written (a full disk, a quota, a file-size limit): one
+line says which file and why; every rank stops at the same save; the checkpoints before it and latest.pt are
+untouched and no partial file is left; metrics.json says write_failed where the disk still takes it. The runners
+do not relaunch on it: free space, then run the same command to resume.
 """
 from __future__ import annotations
 
 import time
 
-from train.core.artifacts import ANOMALY
+from train.core.artifacts import ANOMALY, WRITE_FAILED
 from train.core.config import RunConfig
 from train.core.distributed import shutdown_distributed
-from train.core.errors import CheckpointError
+from train.core.errors import CheckpointError, StorageError
 from train.generation.sampling import TrainingSampler
 from train.observe.sinks import Recorder, open_sinks
 from train.observe.summary import RunSummary
@@ -45,6 +49,9 @@ def run_training(cfg: RunConfig) -> int:
         code = _eval_only(run, recorder, tasks) if cfg.train.eval_only else _train(run, recorder, tasks)
         clean = True
         return code
+    except StorageError as exc:  # exit 4 (StorageError.exit_code): every file written before it is intact
+        _record_write_failure(run, recorder, str(exc))
+        raise
     finally:
         try:
             if recorder is not None:
@@ -52,6 +59,16 @@ def run_training(cfg: RunConfig) -> int:
         finally:
             run.close()
             shutdown_distributed(clean_exit=clean)
+
+
+def _record_write_failure(run: Run, recorder: Recorder | None, message: str) -> None:
+    """Status write_failed in metrics.json and the heartbeat, where the disk still takes them (it may not)."""
+    if recorder is None:
+        return
+    try:
+        recorder.log(run.state.step, {"kind": WRITE_FAILED, "message": message})
+    except (OSError, StorageError):
+        pass  # the one-line error on stderr and exit code 4 still say it
 
 
 def open_recorder(run: Run) -> Recorder:
