@@ -50,9 +50,10 @@ def corpus_path() -> Path:
     return path
 
 
-# environment variables that are not a test's to keep: pytest's own, and torch's inductor cache directory, which torch
-# writes into the environment (its default) the first time anything asks for it
-NOT_PROCESS_STATE = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR")
+# environment variables that are not a test's to keep: pytest's own, and those torch's inductor writes for itself the
+# first time it runs (its cache directory, its own bookkeeping: TORCHINDUCTOR_CACHE_DIR, _TORCHINDUCTOR_...)
+def not_process_state(name: str) -> bool:
+    return name == "PYTEST_CURRENT_TEST" or name.startswith(("TORCHINDUCTOR_", "_TORCHINDUCTOR_"))
 
 
 def process_state() -> dict:
@@ -67,7 +68,7 @@ def process_state() -> dict:
                                            torch.is_deterministic_algorithms_warn_only_enabled()),
         "torch float32 matmul precision": torch.get_float32_matmul_precision(),
         "torch grad mode": torch.is_grad_enabled(),
-        "environment": {k: v for k, v in os.environ.items() if k not in NOT_PROCESS_STATE},
+        "environment": {k: v for k, v in os.environ.items() if not not_process_state(k)},
         "working directory": os.getcwd(),
     }
     try:
@@ -98,7 +99,7 @@ def restore_process_state(state: dict) -> None:
                                        warn_only=state["torch deterministic algorithms"][1])
     torch.set_float32_matmul_precision(state["torch float32 matmul precision"])
     torch.set_grad_enabled(state["torch grad mode"])
-    kept = {k: os.environ[k] for k in NOT_PROCESS_STATE if k in os.environ}
+    kept = {k: v for k, v in os.environ.items() if not_process_state(k)}
     os.environ.clear()
     os.environ.update(state["environment"] | kept)
     os.chdir(state["working directory"])

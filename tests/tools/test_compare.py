@@ -16,7 +16,8 @@ import yaml
 from tests.conftest import REPO
 from train.analysis.compare_report import build_report, markdown
 from train.core.artifacts import read_csv, read_heartbeat
-from train.evaluation.tasks_items import paired_test, read_items
+from train.analysis.paired import paired_test
+from train.core.artifacts import read_items
 
 TINY = ["--model.dim=32", "--model.n_layers=1", "--model.n_heads=2", "--model.n_kv_heads=1", "--model.head_dim=16",
         "--model.ffn_dim=64", "--train.steps=4", "--train.seq_len=64", "--train.batch_size=2", "--train.log_every=1",

@@ -31,7 +31,9 @@ from train.data.tokenizers import load_tokenizer
 from train.evaluation.tasks import score_tasks
 from train.evaluation.tasks_data import (UNCOND_OFFSET, available_tasks, load_task, select_docs, shard,
                                          tasks_root)
-from train.evaluation.tasks_items import mcnemar_exact, paired_test, read_items, write_items
+from train.analysis.paired import mcnemar_exact, paired_test
+from train.core.artifacts import read_items
+from train.evaluation.tasks_items import write_items
 from train.evaluation.tasks_metrics import METRICS
 from train.evaluation.tasks_scoring import encode_requests
 from train.tasks import main

@@ -34,10 +34,11 @@ from train.core.artifacts import (
     nsa_statistics,
     read_csv,
     read_heartbeat,
+    read_items,
     read_metrics,
 )
 from train.data.recall import DEFAULT_FORMAT
-from train.evaluation.tasks_items import paired_test, read_items
+from train.analysis.paired import paired_test
 from train.observe.telemetry import write_json_atomic
 
 TOOL = "train.compare"

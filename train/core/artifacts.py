@@ -10,6 +10,8 @@ import json
 import re
 from pathlib import Path
 
+from train.core.errors import UserError
+
 # ---- the trainer's out_dir ------------------------------------------------------------------------
 CONFIG_YAML = "config.yaml"  # the effective config (loads again with python -m train)
 TRAIN_CSV = "training.csv"  # one row per log interval
@@ -25,6 +27,7 @@ TB_DIR = "tb"  # TensorBoard events (rank 0)
 SAMPLES_JSONL = "samples.jsonl"  # train.sample_every: generated samples
 EVAL_JSON_GLOB = "eval_*.json"  # eval_step{N}.json (train.eval_only), eval_<name>.json (python -m train.evaluate)
 TASKS_JSON_GLOB = "tasks_*.json"  # tasks_<name>.json (python -m train.tasks, beside the checkpoint it scored)
+TASK_ITEM_KEYS = ("task", "doc_id", "gold", "pred")  # what every line of a tasks items file holds (read_items)
 POSTRUN_JSON = "postrun.json"
 CHECKPOINT_NAME = "checkpoint_step{step}.pt"
 CHECKPOINT_RE = re.compile(r"^checkpoint_step(\d+)\.pt$")
@@ -199,3 +202,24 @@ def nsa_layer_statistics(record: dict) -> dict[str, list[float]]:
 
 
 # ---- for the bash runbooks ------------------------------------------------------------------------
+
+
+def read_items(path: Path) -> list[dict]:
+    """A tasks items file's lines (train/evaluation/tasks_items.py writes them; docs/USE.md has the schema);
+    UserError naming the file (and the line) when it is not one."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path}: cannot be read ({type(exc).__name__}: {exc})") from None
+    lines = []
+    for number, raw in enumerate(text.splitlines(), start=1):
+        if not raw.strip():
+            continue
+        try:
+            line = json.loads(raw)
+        except ValueError as exc:
+            raise UserError(f"{path} line {number}: not JSON ({exc})") from None
+        if not isinstance(line, dict) or any(k not in line for k in TASK_ITEM_KEYS) or not isinstance(line["pred"], dict):
+            raise UserError(f"{path} line {number}: not a train.tasks item (needs {', '.join(TASK_ITEM_KEYS)})")
+        lines.append(line)
+    return lines
