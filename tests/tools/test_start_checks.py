@@ -66,15 +66,25 @@ def start_checks_refusal(out: Path, *args: str, world_size: int = 1) -> str:
     return str(refused.value)
 
 
-def assert_all_refuse_alike(out: Path, args: list[str], words: str) -> None:
+def launch_here(capsys, out: Path, *args: str) -> tuple[int, str, str]:
+    """`python -m train` in this process (its main(), as the command runs it): (exit code, stdout, stderr)."""
+    from train.__main__ import main
+
+    capsys.readouterr()
+    code = main([str(CONFIG), *BASE, f"--train.out_dir={out}", *args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def assert_all_refuse_alike(capsys, out: Path, args: list[str], words: str) -> None:
     """The launch exits 2 with one line; preflight fails with that line and start checks raise it, out_dir untouched."""
     before = snapshot(out)
     detail = refusal(preflight(out, *args))
     assert words in detail
     assert start_checks_refusal(out, *args) == detail
-    proc = launch(out, *args)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert proc.stderr.strip().splitlines()[-1] == f"error: {detail}"
+    code, _, err = launch_here(capsys, out, *args)
+    assert code == 2, err[-2000:]
+    assert err.strip().splitlines()[-1] == f"error: {detail}"
     assert snapshot(out) == before  # nothing rewritten: config.yaml, metrics.json, CSVs, checkpoints
 
 
@@ -89,8 +99,8 @@ def assert_all_refuse_alike(out: Path, args: list[str], words: str) -> None:
     (["--train.steps=8", "--train.optimizer=muon"], "was trained with train.optimizer=adamw"),
     (["--train.steps=8", "--data.document_mask=true"], "data.document_mask=true needs data whose tokenizer has an EOS"),
 ], ids=["architecture", "steps-below-checkpoint", "tokenizer", "data-seed", "wsd-horizon", "optimizer", "document-mask"])
-def test_preflight_and_start_checks_refuse_with_the_line_the_launch_exits_2_with(dense_run, args, words):
-    assert_all_refuse_alike(dense_run, args, words)
+def test_preflight_and_start_checks_refuse_with_the_line_the_launch_exits_2_with(dense_run, args, words, capsys):
+    assert_all_refuse_alike(capsys, dense_run, args, words)
 
 
 @pytest.fixture(scope="module")
@@ -115,27 +125,27 @@ def stream_run(tmp_path_factory, corpus_path) -> tuple[Path, str]:
     (["--data.text_sample_by=paragraph", "--data.num_workers=2"], "a stream source's position is kept per rank and per worker"),
     (["--data.source=text:{root}/part[01].txt", "--data.text_sample_by=paragraph"], "data state was saved with source="),
 ], ids=["seq-len", "split-seed", "readers", "source"])
-def test_a_stream_resume_is_refused_alike_and_restart_on_change_starts_it_afresh(stream_run, change, words):
+def test_a_stream_resume_is_refused_alike(stream_run, change, words, capsys):
     out, source = stream_run
     common = ["--train.steps=8", "--data.tokenizer=byte", f"--data.source={source}"]
     args = common + [arg.format(root=Path(source[5:]).parent) for arg in change]
-    assert_all_refuse_alike(out, args, words)
+    assert_all_refuse_alike(capsys, out, args, words)
 
 
-def test_restart_on_change_starts_the_data_afresh_and_records_it(tmp_path):
+def test_restart_on_change_starts_the_data_afresh_and_records_it(tmp_path, capsys):
     out = tmp_path / "out"
-    assert launch(out, "--train.steps=4").returncode == 0
-    proc = launch(out, "--train.steps=6", "--train.seed=7", "--data.restart_on_change=true")
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert launch_here(capsys, out, "--train.steps=4")[0] == 0
+    code, stdout, stderr = launch_here(capsys, out, "--train.steps=6", "--train.seed=7", "--data.restart_on_change=true")
+    assert code == 0, stderr[-2000:]
     assert "data: starting the training data afresh (data.restart_on_change=true): data state was saved with " \
-           "seed=1337 but this run has seed=7" in proc.stdout
+           "seed=1337 but this run has seed=7" in stdout
     restarts = [{"step": 4, "reason": "data state was saved with seed=1337 but this run has seed=7"}]
     assert json.loads((out / "metrics.json").read_text())["data_restarts"] == restarts
     ckpt = torch.load(out / "checkpoint_step6.pt", weights_only=True, map_location="cpu")
     assert ckpt["data_restarts"] == restarts
     assert ckpt["data"][0]["seed"] == 7 and ckpt["data"][0]["step"] == 2  # the new stream's own two steps
-    again = launch(out, "--train.steps=8", "--train.seed=7", "--data.restart_on_change=true")  # same settings: exact
-    assert again.returncode == 0 and "afresh" not in again.stdout
+    code, stdout, _ = launch_here(capsys, out, "--train.steps=8", "--train.seed=7", "--data.restart_on_change=true")
+    assert code == 0 and "afresh" not in stdout  # the same settings again: the data continues exactly
     assert json.loads((out / "metrics.json").read_text())["data_restarts"] == restarts
 
 
