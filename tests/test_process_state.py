@@ -1,0 +1,60 @@
+"""The suite's guard (tests/conftest.py): a test that leaves process-global state changed fails, named with what it
+changed, and the next test finds the state as it was. Caused for real: a pytest run over leaking tests."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+LEAKS = '''
+import os
+import torch
+
+
+def test_threads():
+    torch.set_num_threads(1 if torch.get_num_threads() != 1 else 2)
+
+
+def test_dtype():
+    torch.set_default_dtype(torch.float64)
+
+
+def test_environment():
+    os.environ["LEAKED_BY_A_TEST"] = "1"
+
+
+def test_working_directory(tmp_path):
+    os.chdir(tmp_path)
+
+
+def test_deterministic():
+    torch.use_deterministic_algorithms(True)
+
+
+def test_clean_after_them(tmp_path, monkeypatch):
+    assert torch.get_default_dtype() == torch.float32 and "LEAKED_BY_A_TEST" not in os.environ
+    assert not torch.are_deterministic_algorithms_enabled()
+    monkeypatch.setenv("SET_THE_RIGHT_WAY", "1")  # undone by monkeypatch: no leak
+    monkeypatch.chdir(tmp_path)
+'''
+
+
+def test_a_leaking_test_fails_and_the_next_one_finds_the_state_restored(tmp_path):
+    shutil.copy(REPO / "tests" / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / "test_leaks.py").write_text(LEAKS)
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                           "-o", "addopts=", str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    out = proc.stdout
+    assert proc.returncode == 1, out
+    for name, change in [("test_threads", "torch threads: "), ("test_dtype", "torch default dtype: torch.float32 -> "
+                         "torch.float64"), ("test_environment", "environment variable LEAKED_BY_A_TEST: None -> '1'"),
+                         ("test_working_directory", "working directory: "),
+                         ("test_deterministic", "torch deterministic algorithms: (False, False) -> (True, False)")]:
+        assert f"test_leaks.py::{name} left process state changed: {change}" in out, out
+    assert "6 passed, 5 errors" in out and "test_clean_after_them" not in out.split("short test summary")[-1], out
