@@ -1,9 +1,17 @@
-"""bench/gpu_acceptance.py's plumbing on CPU: the training configs it writes load, the dense twin is
-the same model without NSA, and the summary shows each number beside its goal."""
+"""bench/gpu_acceptance.py's plumbing on CPU: the training configs it writes load, the dense twin is the same model
+without NSA, the summary shows each number beside its goal, the first pass fits its budget, and the tiny first pass
+runs every item (or says why not) into a JSON lines file whose lines stay whole when the run is killed."""
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 from train.core.config import load_config
@@ -43,9 +51,55 @@ def test_launch_item_reports_counts_beside_the_budget(tmp_path):
     """The launches item runs anywhere (meta device): every T's count is printed beside its goal."""
     import argparse
 
-    item = ga.launches(argparse.Namespace(out=tmp_path))
+    item = ga.launches(argparse.Namespace(out=tmp_path, limit=ga.ITEM_LIMITS["launches"]))
     assert item["ok"], item
     assert [r["T"] for r in item["rows"]] == [2048, 8192, 32768, 65536]
     assert all(r["nsa"] <= ga.LAUNCH_BUDGET for r in item["rows"])
     text = ga.summary_markdown({"date": "d", "device_name": "cpu", "torch": "t", "items": {"launches": {**item, "seconds": 1}}})
     assert f"(goal <= {ga.LAUNCH_BUDGET} at every T)" in text and "65536: " in text and "(goal <= 1.25x)" in text
+
+
+def test_the_first_pass_fits_its_budget_and_each_item_keeps_its_share():
+    names = list(ga.FIRST_PASS)
+    limits, left = {}, ga.FIRST_PASS_BUDGET_S
+    for i, name in enumerate(names):  # every item using all of its time: the worst case
+        limits[name] = ga.first_pass_limits(left, names[i:])
+        left -= limits[name]
+    assert sum(limits.values()) <= ga.FIRST_PASS_BUDGET_S <= 600 - 30  # a 10-minute window, start-up aside
+    assert all(ga.FIRST_PASS[n][0] <= limits[n] <= ga.FIRST_PASS[n][1] for n in names), limits
+    assert ga.first_pass_limits(5, names[1:]) == ga.FIRST_PASS[names[1]][0]  # overrun: the floor, never less
+
+
+def first_pass(out: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen([sys.executable, "bench/gpu_acceptance.py", "--out", str(out), "--device", "cpu", "--tiny"],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def read_lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]  # every line whole, or this raises
+
+
+def test_the_tiny_first_pass_runs_every_item_and_a_kill_leaves_whole_lines(tmp_path):
+    proc = first_pass(tmp_path / "whole")
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output[-3000:]
+    lines = read_lines(tmp_path / "whole" / "acceptance.jsonl")
+    assert [line["item"] for line in lines] == ["start", *ga.FIRST_PASS]
+    for line in lines[1:]:
+        assert line["ok"] and (line.get("skipped") or line["seconds"] > 0 or line["item"] == "environment"), line
+    assert lines[2]["skipped"].startswith("needs CUDA")  # the CUDA tests, on CPU: skipped with the reason
+    summary = (tmp_path / "whole" / "summary.md").read_text()
+    assert all(f"## {name}: " in summary for name in ga.FIRST_PASS)
+    assert json.loads((tmp_path / "whole" / "acceptance.json").read_text())["items"].keys() == set(ga.FIRST_PASS)
+
+    seed = random.randrange(2**32)
+    moment = random.Random(seed).uniform(1.0, 12.0)  # a random moment of the run (it takes ~20 s here)
+    killed = first_pass(tmp_path / "killed")
+    time.sleep(moment)
+    os.killpg(killed.pid, signal.SIGKILL)
+    killed.communicate(timeout=60)
+    lines = read_lines(tmp_path / "killed" / "acceptance.jsonl")
+    items = [line["item"] for line in lines]
+    assert items == ["start", *ga.FIRST_PASS][:len(items)], (seed, moment, items)
