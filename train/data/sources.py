@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from train.core.errors import DataError
+from train.core.optional import require
 
 FINEWEB_EDU = "HuggingFaceFW/fineweb-edu"
 FINEWEB_EDU_DEFAULT_SUBSET = "sample-10BT"
@@ -39,7 +40,7 @@ def local_files(source: str) -> list[str]:
 
 def open_documents(source: str, *, subset: str | None, split: str, text_field: str, text_sample_by: str):
     """Open a stream source as a `datasets.IterableDataset` (nothing is downloaded yet)."""
-    import datasets
+    datasets = require("datasets")
 
     kind, _, arg = source.partition(":")
     if kind in LOCAL_BUILDERS:

