@@ -14,6 +14,7 @@ from nsa.attention.impl.compression import compression_group_probs, num_compress
 from nsa.attention.impl.selection import selection_block_scores
 
 try:
+    from tests.nsa.interpreter_probe import interpreter_loop_problem
     from nsa.attention.kernels import select_topk
 except ImportError as exc:  # triton not installed
     pytest.skip(f"triton is not importable ({exc})", allow_module_level=True)
@@ -22,6 +23,8 @@ DEV = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 if DEV.type == "cpu" and not select_topk.interpreter_active():
     pytest.skip("Triton's interpreter is off (TRITON_INTERPRET=1 must be set before triton is imported)",
                 allow_module_level=True)
+if reason := interpreter_loop_problem():  # tests/nsa/interpreter_probe.py: a Triton interpreter limit
+    pytest.skip(reason, allow_module_level=True)
 fused_select_blocks = select_topk.fused_select_blocks
 
 

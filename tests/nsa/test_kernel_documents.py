@@ -26,6 +26,7 @@ from nsa.attention.impl.block_select import select_by_score
 from nsa.attention.impl.compression import num_compressed
 
 try:
+    from tests.nsa.interpreter_probe import interpreter_loop_problem
     from nsa.attention.kernels import selected_attention as ts
     from nsa.attention.kernels.select_topk import fused_select_blocks
 except ImportError as exc:  # triton not installed
@@ -35,6 +36,8 @@ DEV = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 if DEV.type == "cpu" and not ts.interpreter_active():
     pytest.skip("Triton's interpreter is off (TRITON_INTERPRET=1 must be set before triton is imported)",
                 allow_module_level=True)
+if reason := interpreter_loop_problem():  # tests/nsa/interpreter_probe.py: a Triton interpreter limit
+    pytest.skip(reason, allow_module_level=True)
 
 ATOL = 1e-10  # float64
 HD = 16

@@ -22,6 +22,7 @@ from tests.nsa import _nsa_helpers as helpers
 from tests.nsa._nsa_helpers import sorted_blocks
 
 try:
+    from tests.nsa.interpreter_probe import interpreter_loop_problem
     from nsa.attention.kernels import selected_attention as ts
 except ImportError as exc:  # triton not installed (CUDA torch brings it; CPU machines: bootstrap installs it)
     pytest.skip(f"triton is not importable ({exc}); the Triton selection kernels are untested here", allow_module_level=True)
@@ -30,6 +31,8 @@ DEV = torch.device("cuda") if torch.cuda.is_available() else helpers.DEVICE
 if DEV.type == "cpu" and not ts.interpreter_active():
     pytest.skip("Triton's interpreter is off (TRITON_INTERPRET=1 must be set before the kernels are imported)",
                 allow_module_level=True)
+if reason := interpreter_loop_problem():  # tests/nsa/interpreter_probe.py: a Triton interpreter limit
+    pytest.skip(reason, allow_module_level=True)
 
 ATOL, RTOL = 2e-5, 1e-4  # fp32 against float64
 
