@@ -69,6 +69,10 @@ def skip_without_triton():
 
     if DEVICE.type == "cpu" and not interpreter_active():
         pytest.skip("Triton's interpreter is off (TRITON_INTERPRET=1 before triton is imported)")
+    from tests.nsa.interpreter_probe import interpreter_loop_problem
+
+    if reason := interpreter_loop_problem():  # a Triton interpreter limit, not the kernels'
+        pytest.skip(reason)
 
 
 @pytest.fixture(params=list(PATHS))
