@@ -349,7 +349,8 @@ def fused_select_blocks(
     _select_topk_kernel[grid](
         q, ck, out, f, *q.stride(), *ck.stride(), *f_strides, q_start, Tq, ck.shape[2], H_KV=H_kv, **meta,
         HAS_FRAME=frame is not None, num_stages=num_stages(q.dtype, hd),
-        # frames: left to itself ptxas caps the frame variant at 168 registers at hd 32 on sm_80 and spills
-        **({} if frame is None else dict(maxnreg=255)),
+        # left to itself ptxas caps the kernel at 168 registers at hd 32 and spills: the frame variant on sm_80
+        # (Triton 3.9), the plain one in bf16 on sm_90 (Triton 3.6); 255 lets it keep its state in registers
+        maxnreg=255,
     )
     return out
