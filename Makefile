@@ -4,7 +4,7 @@ CONFIG ?= configs/train_showcase.yaml
 RUN ?=
 OUT ?=
 
-.PHONY: setup test test-reverse test-random smoke smoke-nsa train pilot monitor tb bench handoff preflight compare clean
+.PHONY: setup test test-reverse test-random test-stack smoke smoke-nsa train pilot monitor tb bench handoff preflight compare clean
 
 setup:
 	bash scripts/prime_bootstrap.sh
@@ -20,6 +20,12 @@ test:
 # (order independence: no test may depend on what an earlier file left in the process)
 test-reverse:
 	$(PY) -m pytest -q -p no:xdist --file-order=reverse
+
+# the suite on another software stack, on CPU (scripts/test_stack.sh: builds .stacks/<STACK> once from the package
+# index; not part of CI; results in docs/STACKS.md)
+STACK ?= gpu-image
+test-stack:
+	bash scripts/test_stack.sh $(STACK)
 
 # the suite's test files in a seeded random order in one process (SEED=N reproduces an order; default: today's date)
 SEED ?= $(shell date +%Y%m%d)

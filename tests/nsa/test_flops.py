@@ -105,7 +105,11 @@ def test_causal_sdpa_is_counted_as_the_full_rectangle():
     from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
     shapes = ((B, H, S, hd), (B, H_kv, S, hd), (B, H_kv, S, hd))
-    assert sdpa_flop_count(*shapes) == core_forward
+    try:
+        forward = sdpa_flop_count(*shapes)
+    except AssertionError:  # torch 2.11's formula takes no grouped-query shapes (2.13's does); the count above held
+        pytest.skip(f"torch {torch.__version__}'s sdpa_flop_count refuses grouped-query shapes (H={H}, H_kv={H_kv})")
+    assert forward == core_forward
     assert sdpa_backward_flop_count((B, H, S, hd), *shapes) == 2.5 * core_forward
 
 
