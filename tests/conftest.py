@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,26 @@ def pytest_collection_modifyitems(config, items):
         raise pytest.UsageError(f"--file-order={order!r}: expected forward, reverse or random:SEED")
     rank = {path: i for i, path in enumerate(files)}
     items.sort(key=lambda item: rank[item.path])  # stable: a file's tests keep their order
+
+
+MISSING_PACKAGE = re.compile(r"([A-Za-z0-9_.-]+) is not installed: (.+?) needs it")  # train/core/optional.py's line
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test that failed because the product said an optional package is missing, and it is missing here (a stack
+    without `datasets`, say), is skipped with that line: it cannot run on this machine, and nothing else is hidden
+    (where the package is installed the product never says so)."""
+    outcome = yield
+    report = outcome.get_result()
+    if not report.failed or call.excinfo is None:
+        return
+    from train.core.optional import installed
+
+    found = MISSING_PACKAGE.search(str(call.excinfo.value)) or MISSING_PACKAGE.search(str(report.longrepr))
+    if found and not installed(found.group(1)):
+        report.outcome = "skipped"
+        report.longrepr = (str(item.path), item.location[1] or 0, f"Skipped: {found.group(0)} (not installed here)")
 
 
 def pytest_report_header(config):
