@@ -48,7 +48,8 @@ def pytest_runtest_makereport(item, call):
         return
     from train.core.optional import installed
 
-    found = MISSING_PACKAGE.search(str(call.excinfo.value)) or MISSING_PACKAGE.search(str(report.longrepr))
+    said = (str(call.excinfo.value), str(report.longrepr), report.capstderr, report.capstdout)  # a command's `error:`
+    found = next((m for text in said if (m := MISSING_PACKAGE.search(text))), None)
     if found and not installed(found.group(1)):
         report.outcome = "skipped"
         report.longrepr = (str(item.path), item.location[1] or 0, f"Skipped: {found.group(0)} (not installed here)")

@@ -47,6 +47,11 @@ def docs(corpus_path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def text_source(tmp_path_factory, docs) -> str:
+    """A text: source (read through `datasets`: where it is missing, the tests that read one skip)."""
+    from train.core.optional import OPTIONAL, installed
+
+    if not installed("datasets"):
+        pytest.skip(f"datasets is not installed: {OPTIONAL['datasets'][1]} needs it")
     root = tmp_path_factory.mktemp("texts")
     for i, doc in enumerate(docs):
         (root / f"doc{i}.txt").write_text(doc, encoding="utf-8")
