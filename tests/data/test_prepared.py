@@ -225,7 +225,8 @@ def test_single_document_file_warns_at_prepare_time_and_underscore_spellings_wor
                                         "--tokenizer=byte", "--workers=1", *args], capture_output=True, text=True,
                                        timeout=120)
     one_doc = run(f"--out={tmp_path / 'one'}")
-    assert one_doc.returncode == 0 and "val 519 tokens" in one_doc.stdout and "warning" not in one_doc.stderr
+    assert one_doc.returncode == 0, one_doc.stderr
+    assert "val 519 tokens" in one_doc.stdout and "warning" not in one_doc.stderr
     paragraphs = run(f"--out={tmp_path / 'para'}", "--text_sample_by=paragraph", "--val_fraction=0.5")
     assert paragraphs.returncode == 0 and "warning" not in paragraphs.stderr, paragraphs.stderr
     meta = read_meta(tmp_path / "para")
