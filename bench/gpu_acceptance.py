@@ -389,8 +389,8 @@ def main() -> int:
     args = parser.parse_args()
     import torch
 
-    items = {**FIRST_PASS_ITEMS, **ITEMS} if args.full else FIRST_PASS_ITEMS
-    names = args.only or list(items)
+    every = {**FIRST_PASS_ITEMS, **ITEMS}
+    names = args.only or list(every if args.full else FIRST_PASS_ITEMS)
     args.out.mkdir(parents=True, exist_ok=True)
     record = Record(args.out, {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "torch": torch.__version__,
                                "python": platform.python_version(), "device": args.device,
@@ -404,7 +404,7 @@ def main() -> int:
             args.limit = first_pass_limits(args.budget_s - (time.time() - started), [n for n in names[i:] if n in FIRST_PASS])
         t0 = time.time()
         try:
-            item = {**FIRST_PASS_ITEMS, **ITEMS}[name](args)
+            item = every[name](args)
         except Exception as exc:  # one item's failure must not lose the others' numbers
             item = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         item.update(seconds=round(time.time() - t0, 1), limit_s=round(args.limit))

@@ -6,7 +6,7 @@
 # A Python that already has torch (a GPU image's or a conda env's, given as PYTHON=...): the venv sees everything that
 # Python has (a .pth of its site-packages), its torch is never replaced, and only what is missing is installed; with
 # no network nothing is, the bootstrap still succeeds when the core (torch, numpy, pyyaml) is there, and each missing
-# optional package is one line saying what needs it (train/core/optional.py).
+# optional package is one line saying what needs it (python -m train.packages).
 #
 #   bash scripts/prime_bootstrap.sh            # set-up command of the README
 #   PYTHON=/usr/bin/python3 bash scripts/prime_bootstrap.sh     # over a Python with a preinstalled (CUDA) torch
@@ -143,6 +143,6 @@ except Exception:
     print("[bootstrap] triton: not installed (optional on CPU; Triton kernel tests skip)")
 PY
 # one line per optional package this machine lacks, and what needs it; no torch / numpy / pyyaml: nothing runs
-PYTHONPATH=. "$PY" -m train.core.optional | sed 's/^/[bootstrap] /' \
+PYTHONPATH=. "$PY" -m train.packages | sed 's/^/[bootstrap] /' \
   || { echo "[bootstrap] error: the core packages are missing (above); install them and run this again" >&2; exit 1; }
 log "ready: source $VENV/bin/activate"

@@ -35,5 +35,5 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 "$venv/bin/python" -c 'import platform, torch, triton, numpy
 print(f"[test_stack] python {platform.python_version()} | torch {torch.__version__} | triton {triton.__version__} | numpy {numpy.__version__}")'
-PYTHONPATH=. "$venv/bin/python" -m train.core.optional | sed 's/^/[test_stack] /'
+PYTHONPATH=. "$venv/bin/python" -m train.packages | sed 's/^/[test_stack] /'
 PYTHONPATH=. OMP_NUM_THREADS=1 "$venv/bin/python" -m pytest -q -n 2 --dist loadfile -rs "$@"

@@ -20,8 +20,8 @@ REPO = Path(__file__).resolve().parents[1]
 # entry of a lower layer.
 COMMANDS = ("train.__main__", "train.analyze", "train.artifacts", "train.compare", "train.env", "train.evaluate",
             "train.export_hf", "train.generate", "train.import_hf", "train.plan", "train.postrun", "train.preflight",
-            "train.recall", "train.run_dir", "train.run_status", "train.runs", "train.safety", "train.start_checks",
-            "train.tasks", "train.data.prepare", "train.data.prepare_sharded", "train.data.verify")
+            "train.packages", "train.recall", "train.run_dir", "train.run_status", "train.runs", "train.safety",
+            "train.start_checks", "train.tasks", "train.data.prepare", "train.data.prepare_sharded", "train.data.verify")
 LAYERS = (
     ("model config", ("nsa.config", "nsa.profiling"), "model and NSA config dataclasses; profiling ranges"),
     ("building blocks", ("nsa", "nsa.layers", "nsa.loss"), "norms, rotary embedding, MLP; the chunked loss"),

@@ -25,12 +25,12 @@ class StorageError(UserError):
 
     exit_code = 4
 
-
-def storage_problem(exc: BaseException) -> str:
-    """One line for a failed write: the OS's reason (`[Errno 28] No space left on device`), or the exception's."""
-    if isinstance(exc, OSError) and exc.strerror:
-        return f"[Errno {exc.errno}] {exc.strerror}"
-    return " ".join(str(exc).split()) or type(exc).__name__
+    @classmethod
+    def of(cls, what: str, exc: BaseException) -> "StorageError":
+        """`what could not be written: <the OS's reason>` (`[Errno 28] No space left on device`, or the exception's)."""
+        reason = (f"[Errno {exc.errno}] {exc.strerror}" if isinstance(exc, OSError) and exc.strerror
+                  else " ".join(str(exc).split()) or type(exc).__name__)
+        return cls(f"{what} could not be written: {reason}")
 
 
 class ConversionError(UserError):

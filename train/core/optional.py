@@ -1,7 +1,5 @@
 """The packages beyond the core (torch, numpy, pyyaml): what each one is needed for. The one place that the lazy
-imports (`require`) and the bootstrap's report of what a machine lacks (`python -m train.core.optional`) read.
-
-    python -m train.core.optional      one line per missing package and what needs it; exit 1 when the core is missing
+imports (`require`) and the report of what a machine lacks (`python -m train.packages`) read.
 
 A machine may lack any of them (a GPU image with a preinstalled torch and no network, say): everything else works,
 and the feature that needs a missing package says so in one line when it is used.
@@ -11,7 +9,6 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import importlib.util
-import sys
 
 from train.core.errors import UserError
 
@@ -61,16 +58,3 @@ def missing() -> tuple[list[str], list[str]]:
     lines = [f"missing: {dist} ({feature})" for dist, (_, feature) in OPTIONAL.items() if not installed(dist)]
     return core, lines
 
-
-def main() -> int:
-    core, lines = missing()
-    for line in lines:
-        print(line)
-    if core:
-        print(f"error: the core is missing {', '.join(core)}: nothing runs without it", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

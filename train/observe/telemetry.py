@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from train.core.artifacts import SUPERSEDED
-from train.core.errors import StorageError, storage_problem
+from train.core.errors import StorageError
 
 
 def _fmt(v):
@@ -93,15 +93,15 @@ class CsvLog:
             self._w.writerow({k: _fmt(v) for k, v in row.items()})
             self._f.flush()
         except OSError as exc:  # a full disk: the rows already in the file stay whole
-            raise StorageError(f"{self.path} could not be written: {storage_problem(exc)}") from None
+            raise StorageError.of(str(self.path), exc) from None
 
     def close(self) -> None:
-        _close_flushed(self._f)
+        _close_after_failed_write(self._f)
 
 
-def _close_flushed(f) -> None:
-    """Close a file every write of which was flushed at once: all that can still be pending is a write that already
-    failed (and raised StorageError), so a failure here is that one again."""
+def _close_after_failed_write(f) -> None:
+    """Close a file (or writer) every write of which was flushed at once: all that can still be pending is a write that
+    already failed (and raised StorageError), so a failure here is that one again."""
     try:
         f.close()
     except OSError:
@@ -126,11 +126,11 @@ class Heartbeat:
                 self._f.write(json.dumps(record) + "\n")
                 self._f.flush()
             except OSError as exc:
-                raise StorageError(f"{self.path} could not be written: {storage_problem(exc)}") from None
+                raise StorageError.of(str(self.path), exc) from None
 
     def close(self) -> None:
         with self._lock:
-            _close_flushed(self._f)
+            _close_after_failed_write(self._f)
 
 
 def _json_safe(v):
@@ -178,19 +178,12 @@ class TensorBoard:
             self._w.flush()  # its writer thread's failure is raised here
         except OSError as exc:
             writer, self._w = self._w, None  # a failed writer is not asked again
-            _close_quietly(writer)
-            raise StorageError(f"{self.log_dir} (TensorBoard events) could not be written: {storage_problem(exc)}") from None
+            _close_after_failed_write(writer)
+            raise StorageError.of(f"{self.log_dir} (TensorBoard events)", exc) from None
 
     def close(self) -> None:
         if self._w is not None:
             self._w.close()
-
-
-def _close_quietly(writer) -> None:
-    try:
-        writer.close()
-    except OSError:
-        pass
 
 
 def write_json_atomic(path: Path, obj: dict) -> None:
@@ -205,4 +198,4 @@ def write_text_atomic(path: Path, text: str) -> None:
         os.replace(tmp, path)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
-        raise StorageError(f"{path} could not be written: {storage_problem(exc)}") from None
+        raise StorageError.of(str(path), exc) from None

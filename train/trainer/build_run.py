@@ -33,7 +33,7 @@ from train.core.distributed import (
     resolve_precision,
     wrap_model,
 )
-from train.core.errors import CheckpointError, ConfigError, DataError, StorageError, UserError, storage_problem
+from train.core.errors import CheckpointError, ConfigError, DataError, StorageError, UserError
 from train.data import build_data
 from train.hf.importer import init_state_dict
 from train.observe.efficiency import Efficiency
@@ -303,7 +303,7 @@ class Run:
         """The one line for a checkpoint that could not be written (this step's, or an earlier asynchronous one)."""
         step = self.state.step
         what = str(exc) if isinstance(exc, CheckpointError) else (
-            f"checkpoint {self.out_dir / checkpoint_name(step)} could not be written: {storage_problem(exc)}")
+            str(StorageError.of(f"checkpoint {self.out_dir / checkpoint_name(step)}", exc)))
         cause = exc.__cause__ if isinstance(exc, CheckpointError) else exc
         full = isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
         kept = ckpt_io.latest_checkpoint(self.out_dir)
