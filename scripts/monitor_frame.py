@@ -31,7 +31,7 @@ from pathlib import Path
 
 from train.core.artifacts import (
     ANOMALY, CONFIG_YAML, CRASHED, GATE_STATS, HALT, HEARTBEAT_GLOB, RUN_INFO, SELECTION_HEALTH, SELECTION_STATS,
-    STACKDUMP_GLOB, TASKS_CSV, TRAIN_CSV, VAL_CSV, checkpoint_files, heartbeat_name, latest_task_rows,
+    STACKDUMP_GLOB, TASKS_CSV, TRAIN_CSV, VAL_CSV, WRITE_FAILED, checkpoint_files, heartbeat_name, latest_task_rows,
     nsa_layer_statistics, nsa_statistics, read_csv, read_heartbeat, read_kv, read_metrics, task_label,
 )
 from train.core.env import number, text
@@ -209,6 +209,9 @@ def build_frame(target: Path, *, window: int = 20, stale_s: float = 300.0, nvidi
         ckpts_now = checkpoint_files(out)
         resume = f"a relaunch resumes from {ckpts_now[-1][1].name}" if ckpts_now else "no checkpoint: a relaunch starts fresh"
         alerts.append(f"crashed: the trainer is gone ({status}); {resume}")
+    if run.status == WRITE_FAILED:  # exit 4: the trainer's one line, from its heartbeat record
+        said = next((b.get("message") for b in reversed(rank0) if b.get("kind") == WRITE_FAILED), None)
+        alerts.append(f"stopped: {said or 'a file could not be written (train.log has the line)'}")
     steps = metrics.get("steps") or config_steps(out / CONFIG_YAML)
     step = max([int(metrics.get("step") or 0)] + [int(r["step"]) for r in rows[-1:]]
                + [int(r.get("step") or 0) for r in rank0[-1:]])

@@ -41,4 +41,8 @@ def test_run_info_records_a_data_restart_and_a_full_disk(tmp_path, script_env):
     assert rc == "rc=4", (tmp_path / "full" / "train.log").read_text()[-2000:]
     assert info["final_status"] == "write_failed" and info["last_checkpoint"].endswith("checkpoint_step6.pt")
     log = (tmp_path / "full" / "train.log").read_text()
-    assert f"error: checkpoint {out / 'checkpoint_step8.pt'} could not be written: [Errno 27] File too large" in log
+    said = f"checkpoint {out / 'checkpoint_step8.pt'} could not be written: [Errno 27] File too large"
+    assert f"error: {said}" in log
+    frame = subprocess.run(["bash", "scripts/monitor_run.sh", "--once", str(out)], cwd=REPO, env=script_env(),
+                           capture_output=True, text=True, timeout=60).stdout
+    assert "status      write_failed" in frame and f"! stopped: {said}" in frame, frame
