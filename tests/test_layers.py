@@ -23,6 +23,7 @@ COMMANDS = ("train.__main__", "train.analyze", "train.artifacts", "train.compare
             "train.packages", "train.recall", "train.run_dir", "train.run_status", "train.runs", "train.safety",
             "train.start_checks", "train.tasks", "train.data.prepare", "train.data.prepare_sharded", "train.data.verify")
 LAYERS = (
+    ("machine", ("nsa.triton_support",), "what this machine's software can run: the Triton the kernels need"),
     ("model config", ("nsa.config", "nsa.profiling"), "model and NSA config dataclasses; profiling ranges"),
     ("building blocks", ("nsa", "nsa.layers", "nsa.loss"), "norms, rotary embedding, MLP; the chunked loss"),
     ("kernels", ("nsa.attention.kernels",), "Triton kernels and their launchers"),

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from nsa.attention.impl import block_select, compression, masked, segments, selection, window
 from nsa.attention.impl.flex import flex_compressed_attention, flex_window_attention, use_flex
+from nsa.triton_support import triton_unavailable
 
 KERNELS = ("auto", "triton", "torch")
 
@@ -40,13 +41,18 @@ KERNELS = ("auto", "triton", "torch")
 def resolve_kernel(kernel: str, device: torch.device) -> str:
     """NSAConfig.kernel -> "triton" or "torch" for tensors on `device`, decided at call time.
 
-    auto: Triton on CUDA tensors when triton imports, else the torch path. triton: CUDA tensors, or CPU
+    auto: Triton on CUDA tensors when a Triton the kernels support imports (nsa/triton_support.py), else
+    the torch path. triton: CUDA tensors, or CPU
     tensors when the Triton interpreter is on (TRITON_INTERPRET=1 before triton is imported).
     """
     if kernel == "torch" or (kernel == "auto" and device.type != "cuda"):
         return "torch"
     if kernel not in KERNELS:
         raise ValueError(f"nsa.kernel={kernel!r}; valid: {', '.join(KERNELS)}")
+    if problem := triton_unavailable():
+        if kernel == "auto":
+            return "torch"
+        raise RuntimeError(f"nsa.kernel='triton': {problem}")
     try:  # imports triton (only here: the package works without it)
         from nsa.attention.kernels import selected_attention as triton_selection
     except ImportError as exc:

@@ -61,7 +61,8 @@ def test_synthetic_is_learnable_by_a_small_model():
 
 
 def test_config_fields_are_simple_types():
-    simple = {"str", "int", "float", "bool", "str | None", "int | None", "float | None", "bool | None"}
+    simple = {"str", "int", "float", "bool", "str | None", "int | None", "float | None", "bool | None",
+              "list[dict] | None"}  # data.mixture / data.stages: YAML lists of mappings (train/core/mixture.py)
     for f in dataclasses.fields(DataConfig):
         assert str(f.type) in simple, f.name
         assert f.default is not dataclasses.MISSING

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from nsa.attention.kernels.interpreter import interpreter_active
+from nsa.triton_support import triton_unavailable
 
 
 @triton.jit
@@ -31,6 +32,8 @@ def _count_to_loaded_bound(bound_ptr, out_ptr):
 @functools.cache
 def interpreter_loop_problem() -> str | None:
     """None when the kernels can run here (compiled, or interpreted with runtime loop bounds); else why not."""
+    if problem := triton_unavailable():  # a Triton older than the kernels support
+        return problem
     if torch.cuda.is_available() or not interpreter_active():
         return None
     bound, out = torch.tensor([3], dtype=torch.int32), torch.zeros(1, dtype=torch.int32)

@@ -12,12 +12,15 @@ from tests.nsa._nsa_helpers import DEVICE, T_VALUES, make_input, make_layer, rop
 TOL = 1e-10
 
 
-@pytest.fixture(params=["flash", "matmul"])
+@pytest.fixture(params=["flash", "flash-expanded-heads", "matmul"])
 def backend(request, monkeypatch):
-    """Both selected-attention backends: PyTorch's CPU flash kernels and the portable matmul one."""
-    if request.param == "flash" and DEVICE.type != "cpu":
+    """Both selected-attention backends: PyTorch's CPU flash kernels and the portable matmul one; and the flash
+    kernels given expanded key heads, as on a torch whose kernels cannot take grouped-query shapes (torch 2.7)."""
+    if request.param.startswith("flash") and DEVICE.type != "cpu":
         pytest.skip("the flash-kernel backend is CPU only")
-    monkeypatch.setattr(partial, "use_flash_kernels", request.param == "flash")
+    monkeypatch.setattr(partial, "use_flash_kernels", request.param.startswith("flash"))
+    if request.param == "flash-expanded-heads":
+        monkeypatch.setattr(partial, "_flash_takes_gqa", lambda: False)
     return request.param
 
 

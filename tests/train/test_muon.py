@@ -14,10 +14,15 @@ import torch
 
 from nsa.model import Transformer
 from train.core.config import dump_config, load_config
-from train.trainer.muon import ROW_SPLITS, MuonAdamW, SkippableMuon
-from train.trainer.optim import build_optimizer, set_lr, step_unless_nonfinite
-from train.core.param_groups import muon_names
-from train.trainer.runner import run_training
+from train.core.versions import torch_refusal
+
+if refusal := torch_refusal("train.optimizer=muon"):  # an older torch refuses Muon: tests/tools/test_versions.py
+    pytest.skip(refusal, allow_module_level=True)
+
+from train.trainer.muon import ROW_SPLITS, MuonAdamW, SkippableMuon  # noqa: E402
+from train.trainer.optim import build_optimizer, set_lr, step_unless_nonfinite  # noqa: E402
+from train.core.param_groups import muon_names  # noqa: E402
+from train.trainer.runner import run_training  # noqa: E402
 
 from .helpers import (REPO, TINY_CLI, halt_while_step_runs, kill9_after, read_csv, read_jsonl,
                       run_reference_and_resume, tiny_config)

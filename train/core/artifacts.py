@@ -43,6 +43,21 @@ TRAIN_FIELDS = ["step", "loss", "lr", "toks_per_s", "grad_norm", "dt_step_s", "d
                 "skipped_steps", "spike_skipped_steps", "mfu", "tflops", "toks_per_s_per_gpu", "mem_alloc_mib", "mem_reserved_mib",
                 "interval_steps"]  # steps averaged in the row: < train.log_every marks a partial interval (a stop, a resume)
 VAL_FIELDS = ["step", "val_loss", "ppl"]
+# a data mixture adds, per source NAME (docs/ARTIFACTS.md): val.csv val_loss_NAME (its own validation split's mean
+# loss) and bpb_NAME (bits per byte, where the split records its text bytes), training.csv share_NAME (the share of
+# the rows so far that came from it); val_loss is then the sum of the sources' losses weighted as the current stage
+VAL_SOURCE_PREFIXES = ("val_loss_", "bpb_")
+SHARE_PREFIX = "share_"
+
+
+def val_fields(sources: tuple[str, ...] = ()) -> list[str]:
+    """val.csv's columns for a run over these mixture sources (none: a run without a mixture)."""
+    return VAL_FIELDS + [prefix + name for name in sources for prefix in VAL_SOURCE_PREFIXES]
+
+
+def train_fields(sources: tuple[str, ...] = ()) -> list[str]:
+    """training.csv's columns for a run over these mixture sources (none: a run without a mixture)."""
+    return TRAIN_FIELDS + [SHARE_PREFIX + name for name in sources]
 # tasks.csv: the scores of one task at one evaluation (train/evaluation/tasks_metrics.py defines them); tokens_seen is
 # the run's training tokens at that step
 TASKS_FIELDS = ["step", "tokens_seen", "task", "primary_metric", "primary", "primary_stderr", "acc", "acc_stderr",

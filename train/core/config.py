@@ -22,6 +22,8 @@ import yaml
 from nsa.config import WINDOW_FIELDS, ModelConfig, ModelConfigError, NSAConfig
 from train.core.data_config import DataConfig
 from train.core.errors import ConfigError, UserError
+from train.core.mixture import Mixture, parse_mixture
+from train.core.versions import torch_refusal
 
 
 LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
@@ -143,6 +145,8 @@ class TrainConfig:
     def _validate_optimizer(self) -> None:
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"train.optimizer={self.optimizer!r}; valid: {', '.join(OPTIMIZERS)}")
+        if self.optimizer == "muon" and (refusal := torch_refusal("train.optimizer=muon")):
+            raise ConfigError(refusal)
         if not 0 <= self.muon_momentum < 1:
             raise ConfigError(f"train.muon_momentum must be in [0, 1), got {self.muon_momentum}")
         if not 1 <= self.muon_ns_steps <= 99:  # torch.optim.Muon refuses 100 and more
@@ -362,10 +366,24 @@ def _as_names(value, where: str) -> list[str]:
     return [v.strip() for v in value]
 
 
+def _as_mappings(value, where: str) -> list[dict]:
+    """A list of mappings: a YAML list, or text (the command line) holding a YAML flow list ('[{a: 1}, {a: 2}]')."""
+    if isinstance(value, str):
+        try:
+            value = yaml.safe_load(value)
+        except yaml.YAMLError:
+            raise ConfigError(f"{where}: malformed list {value!r}; write [{{key: value, ...}}, ...]") from None
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        raise ConfigError(f"{where}: expected a list of mappings, got {value!r}")
+    return value
+
+
 def _coerce(value, annotation, where: str):
     """Check / convert one value against a dataclass field annotation (str, int, float, bool, X | None,
-    list[str])."""
+    list[str], list[dict])."""
     if typing.get_origin(annotation) is list:
+        if typing.get_args(annotation) == (dict,):
+            return _as_mappings(value, where)
         return _as_names(value, where)
     if isinstance(value, CliText):
         nullable_text = str in typing.get_args(annotation)
@@ -573,7 +591,7 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             raise ConfigError(f"{where}: model.attn_backend has no effect with model.attention='nsa' (it picks the "
                               "dense attention kernel; NSA's kernels are chosen by nsa.kernel)")
         data = DataConfig(**built["data"])
-        if data.source_kind == "bin":
+        if data.source_kind == "bin" or data.mixture is not None:  # a mixture takes bin: and synthetic sources
             ignored = sorted(set(sections["data"]) & set(STREAM_ONLY_DATA_KEYS))
             if ignored:
                 raise ConfigError(f"{where}: data.{ignored[0]} has no effect with a bin: source (prepared tokens are read "
@@ -601,12 +619,20 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
                           "ranks; Muon orthogonalizes whole matrices): use DDP (the default) or runtime.zero1=true")
     try:
         cfg.data.validate()
+        data_mixture(cfg)
     except (ValueError, UserError) as exc:
         raise ConfigError(f"{where}: {exc}") from None
     if cfg.model.pos_emb == "learned" and cfg.train.seq_len > cfg.model.max_seq_len:
         raise ConfigError(f"{where}: train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len="
                           f"{cfg.model.max_seq_len} (learned positions)")
     return cfg
+
+
+def data_mixture(cfg: RunConfig) -> Mixture:
+    """The run's data mixture (data.mixture and data.stages, or data.source as a mixture of one): the one parse that
+    the loader, the start checks, preflight and the plan use. DataError (one line) on a bad mixture."""
+    decay_start = cfg.train.wsd_decay()[0] if cfg.train.lr_schedule == "wsd" else None
+    return parse_mixture(cfg.data, steps=cfg.train.steps, decay_start=decay_start)
 
 
 def dump_config(cfg: RunConfig) -> str:
@@ -622,7 +648,7 @@ def dump_config(cfg: RunConfig) -> str:
         doc["model"].pop("attn_backend")
         if cfg.model.nsa.window_only:
             doc["nsa"] = {k: v for k, v in doc["nsa"].items() if k in WINDOW_FIELDS}
-    if cfg.data.source_kind == "bin":
+    if cfg.data.source_kind == "bin" or cfg.data.mixture is not None:
         for key in STREAM_ONLY_DATA_KEYS:
             doc["data"].pop(key)
     if cfg.model.pos_emb != "rope":

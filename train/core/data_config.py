@@ -58,15 +58,21 @@ class DataConfig:
     # world size of a stream, ...): false refuses the launch; true starts the training data afresh under the new
     # settings (the step, weights and optimizer continue; recorded as data_restarts in metrics.json and checkpoints)
     restart_on_change: bool = False
+    # weighted sources instead of data.source (docs/DATA.md "Mixtures"): a list of {name, source, weight} with optional
+    # window_start and max_epochs per source; all share data.tokenizer. null: data.source alone
+    mixture: list[dict] | None = None
+    # weights that change during the run: a list of {at: STEP or decay, weights: {name: weight}} (docs/DATA.md "Stages")
+    stages: list[dict] | None = None
 
     @property
     def source_kind(self) -> str:
         return self.source.split(":", 1)[0]
 
     def validate(self) -> None:
-        _check_source("data.source", self.source)
+        """The checks of the data section alone; a mixture is checked with the run's steps (train/core/mixture.py)."""
+        check_source("data.source", self.source)
         if self.val_source is not None:
-            _check_source("data.val_source", self.val_source)
+            check_source("data.val_source", self.val_source)
             if self.val_source.split(":", 1)[0] in ("synthetic", "bin"):
                 raise DataError(f"data.val_source must be a stream source (text:/jsonl:/parquet:/hf:/fineweb_edu), got {self.val_source!r}")
         tok = self.tokenizer
@@ -86,14 +92,14 @@ class DataConfig:
             raise DataError(f"data.first_batch_timeout_s must be > 0, got {self.first_batch_timeout_s}")
         if self.window_start not in WINDOW_STARTS:
             raise DataError(f"data.window_start must be one of {', '.join(WINDOW_STARTS)}, got {self.window_start!r}")
-        if self.window_start != "any" and self.source_kind != "bin":
+        if self.window_start != "any" and self.source_kind != "bin" and self.mixture is None:
             raise DataError(f"data.window_start={self.window_start} applies to bin: sources only (this one is "
                             f"{self.source_kind}); drop the key")
         if not self.text_field:
             raise DataError("data.text_field must not be empty")
 
 
-def _check_source(key: str, source: str) -> None:
+def check_source(key: str, source: str) -> None:
     kind, _, arg = source.partition(":")
     if kind not in SOURCE_KINDS:
         raise DataError(f"{key}={source!r}: unknown source kind {kind!r} (expected one of: synthetic, bin:DIR, fineweb_edu, text:GLOB, jsonl:GLOB, parquet:GLOB, hf:NAME)")

@@ -58,3 +58,14 @@ def missing() -> tuple[list[str], list[str]]:
     lines = [f"missing: {dist} ({feature})" for dist, (_, feature) in OPTIONAL.items() if not installed(dist)]
     return core, lines
 
+
+
+def installed_versions() -> dict[str, str]:
+    """{name: version} of Python and of torch / triton where installed (the names of train/core/versions.py)."""
+    import platform
+
+    found = {"python": platform.python_version()}
+    for dist in ("torch", "triton"):
+        if installed(dist):
+            found[dist] = importlib.metadata.version(dist)
+    return found

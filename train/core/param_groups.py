@@ -21,6 +21,10 @@ from __future__ import annotations
 import torch.nn as nn
 
 BLOCKS = "blocks."  # the transformer blocks' prefix (nsa/model.py: Transformer.blocks)
+ADAMW, MUON = "adamw", "muon"  # the optimizer a group is stepped by (its "optimizer" key, train/trainer/muon.py)
+# the attribute a fused matrix carries (set by train/trainer/optim.py from the modules' `muon_row_splits()`): the row
+# counts of the matrices it stacks, e.g. dense attention's qkv (q, k, v); Muon orthogonalises each one apart
+ROW_SPLITS = "muon_row_splits"
 
 
 def _qualified(prefix: str, name: str) -> str:

@@ -6,8 +6,10 @@ sources) that a first batch arrives within data.first_batch_timeout_s.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
+import zlib
 from pathlib import Path
 from typing import Protocol
 
@@ -15,6 +17,7 @@ import numpy as np
 import torch
 
 from train.core.data_config import DataConfig, resolve_document_mask
+from train.core.mixture import SINGLE, Mixture, MixtureSource
 from train.core.errors import DataError
 from train.data.memmap import MemmapStream
 from train.data.meta import dtype_for_vocab, read_meta, split_tokens
@@ -50,33 +53,53 @@ class BatchStream(Protocol):
 
 
 class DataBundle:
-    """train: BatchStream; val_batches(n): the same n held-out batches on every call."""
+    """train: BatchStream; val_batches(n, name): the same n held-out batches of validation source `name` on every call
+    (val_names: one per mixture source, in the mixture's order; a run without a mixture has the one name "data")."""
 
-    def __init__(self, train, val, info: dict, *, pin: bool = False):
-        self.train, self._val, self.info, self._pin = train, val, info, pin
-        self._val_windows: list[np.ndarray] = []
+    def __init__(self, train, val, info: dict, *, pin: bool = False, mixture: Mixture | None = None):
+        """mixture: the run's, when train draws from several sources (val then maps each name to its stream)."""
+        self.train, self.info, self._pin, self.mixture = train, info, pin, mixture
+        self._val = val if isinstance(val, dict) else {SINGLE: val}  # name -> stream
+        self._val_windows: dict[str, list[np.ndarray]] = {name: [] for name in self._val}
 
-    def val_batches(self, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        if hasattr(self._val, "batch_at"):  # stateless sources: recompute, nothing cached
-            return [self._val.batch_at(i) for i in range(n)]
-        while len(self._val_windows) < n:  # streams: read once, keep compact windows
-            x, y = self._val.next_batch()
-            self._val_windows.append(torch.cat([x, y[:, -1:]], dim=1).numpy().astype(np.int32))
-        return [windows_to_xy(w, self._pin) for w in self._val_windows[:n]]
+    @property
+    def val_names(self) -> tuple[str, ...]:
+        return tuple(self._val)
+
+    def val_batches(self, n: int, name: str = SINGLE) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        val, kept = self._val[name], self._val_windows[name]
+        if hasattr(val, "batch_at"):  # stateless sources: recompute, nothing cached
+            return [val.batch_at(i) for i in range(n)]
+        while len(kept) < n:  # streams: read once, keep compact windows
+            x, y = val.next_batch()
+            kept.append(torch.cat([x, y[:, -1:]], dim=1).numpy().astype(np.int32))
+        return [windows_to_xy(w, self._pin) for w in kept[:n]]
+
+    def shares(self) -> dict[str, float]:
+        """{source: share of the training rows so far} of a mixture (empty without one)."""
+        return self.train.shares() if self.mixture is not None else {}
+
+    def val_bytes_per_token(self, name: str) -> float | None:
+        """UTF-8 bytes per token of a mixture source's validation split (its meta.json), None where unknown."""
+        part = self.info.get("sources", {}).get(name, {})
+        tokens, text_bytes = part.get("val_tokens"), part.get("val_text_bytes")
+        return text_bytes / tokens if tokens and text_bytes else None
 
     def describe(self) -> dict:
         return dict(self.info)
 
     def close(self) -> None:
-        for stream in (self.train, self._val):
+        for stream in (self.train, *self._val.values()):
             if stream is not None:
                 stream.close()
 
 
 def build_data(cfg: DataConfig, *, seq_len: int, batch_size: int, vocab_size: int, seed: int,
-               rank: int = 0, world_size: int = 1, accumulate: int = 1, pin: bool = False) -> DataBundle:
+               rank: int = 0, world_size: int = 1, accumulate: int = 1, pin: bool = False,
+               mixture: Mixture | None = None) -> DataBundle:
     """batch_size is per rank and micro-batch; the global batch of one optimizer step is
-    batch_size x accumulate x world_size rows (accumulate = train.accumulate_grad_batches)."""
+    batch_size x accumulate x world_size rows (accumulate = train.accumulate_grad_batches). mixture: the run's
+    (train/core/config.py `data_mixture`), needed when the config has data.mixture."""
     cfg.validate()
     if seq_len < 1 or batch_size < 1 or vocab_size < 1 or accumulate < 1:
         raise DataError(f"seq_len, batch_size, vocab_size and accumulate must be >= 1, "
@@ -86,6 +109,12 @@ def build_data(cfg: DataConfig, *, seq_len: int, batch_size: int, vocab_size: in
     pin = bool(pin and cfg.pin_memory and torch.cuda.is_available())
     shape = dict(seq_len=seq_len, batch_size=batch_size, vocab_size=vocab_size, seed=seed, rank=rank,
                  world_size=world_size, accumulate=accumulate, pin=pin)
+    if cfg.mixture is not None:
+        if mixture is None:
+            raise ValueError("build_data: a config with data.mixture needs the parsed mixture (data_mixture(cfg))")
+        if not mixture.single:
+            return _mixture(cfg, mixture, **shape)
+        cfg = _source_config(cfg, mixture.sources[0])  # a mixture of one: that source's batches, as alone
     kind = cfg.source_kind
     if kind == "synthetic":
         return _synthetic(**shape)
@@ -104,6 +133,55 @@ def build_data(cfg: DataConfig, *, seq_len: int, batch_size: int, vocab_size: in
         return bundle
 
 
+def _source_config(cfg: DataConfig, source: MixtureSource) -> DataConfig:
+    """The data config of one mixture source read alone."""
+    return dataclasses.replace(cfg, source=source.source, window_start=source.window_start, mixture=None, stages=None)
+
+
+def source_seed(seed: int, name: str) -> int:
+    """A mixture source's own seed (its windows), from its name: two sources never share windows by accident, and
+    reordering the list keeps each source's windows."""
+    return seed ^ (zlib.crc32(name.encode()) << 16)
+
+
+def _mixture(cfg: DataConfig, mixture: Mixture, *, seq_len, batch_size, vocab_size, seed, rank, world_size, accumulate,
+             pin) -> DataBundle:
+    """Each source built as alone (its own seed, unpinned), drawn from per row by MixtureStream; validation per source."""
+    from train.data.mixture import MixtureStream
+
+    parts, vals, infos = [], {}, {}
+    try:
+        for source in mixture.sources:
+            part_cfg = _source_config(cfg, source)
+            part_shape = dict(seq_len=seq_len, batch_size=batch_size, vocab_size=vocab_size,
+                              seed=source_seed(seed, source.name), rank=rank, world_size=world_size,
+                              accumulate=accumulate, pin=False)
+            part = _synthetic(**part_shape) if source.kind == "synthetic" else _bin(part_cfg, Path(source.source[4:]),
+                                                                                  **part_shape)
+            parts.append(part.train)
+            vals[source.name] = part._val[SINGLE]
+            infos[source.name] = part.info
+        train = MixtureStream(mixture, parts, seq_len=seq_len, batch_size=batch_size, seed=seed, rank=rank,
+                              world_size=world_size, accumulate=accumulate, stream=TRAIN_STREAM, pin=pin)
+    except BaseException:
+        for stream in [*parts, *vals.values()]:
+            stream.close()
+        raise
+    sizes = {name: part_info.get("train_tokens") for name, part_info in infos.items()}
+    if refusal := mixture.epochs_refusal(mixture.plan(seq_len=seq_len, global_batch=train.global_batch,
+                                                      source_tokens=sizes)):
+        train.close()
+        for stream in vals.values():
+            stream.close()
+        raise DataError(refusal)
+    first = infos[mixture.sources[0].name]
+    info = {"source": "mixture", "kind": "mixture", "tokenizer": first.get("tokenizer"), "eos_id": first.get("eos_id"),
+            "vocab_size": vocab_size, "seq_len": seq_len, "sources": infos,
+            "weights": {n: w for n, w in zip(mixture.names, mixture.stages[0].weights)},
+            **_order_info(batch_size, rank, world_size, accumulate, True)}
+    return DataBundle(train, vals, info, pin=pin, mixture=mixture)
+
+
 def _order_info(batch_size, rank, world_size, accumulate, any_world_size: bool) -> dict:
     return {"batch_size": batch_size, "accumulate": accumulate, "rank": rank, "world_size": world_size,
             "global_batch": batch_size * accumulate * world_size, "any_world_size": any_world_size}
@@ -120,10 +198,16 @@ def _synthetic(*, seq_len, batch_size, vocab_size, seed, rank, world_size, accum
     return DataBundle(train, val, info, pin=pin)
 
 
-def check_data_source(cfg: DataConfig, *, vocab_size: int) -> str:
-    """The checks build_data makes before it reads a batch (files, metadata, tokenizer, vocabulary), reading
-    nothing else: the launch's start checks (train/trainer/start_checks.py). One line describing the source."""
+def check_data_source(cfg: DataConfig, *, vocab_size: int, mixture: Mixture | None = None, seq_len: int | None = None,
+                      global_batch: int | None = None) -> str:
+    """The checks build_data makes before it reads a batch (files, metadata, tokenizer, vocabulary; a mixture's every
+    source and its epochs when seq_len and global_batch are given), reading nothing else: the launch's start checks
+    (train/trainer/start_checks.py) and preflight. One line describing the source."""
     cfg.validate()
+    if cfg.mixture is not None and mixture is not None and not mixture.single:
+        return _check_mixture(cfg, mixture, vocab_size=vocab_size, seq_len=seq_len, global_batch=global_batch)
+    if cfg.mixture is not None and mixture is not None:
+        cfg = _source_config(cfg, mixture.sources[0])
     kind = cfg.source_kind
     if kind == "synthetic":
         resolve_document_mask(cfg.document_mask, None, None)  # synthetic tokens have no EOS
@@ -145,12 +229,39 @@ def check_data_source(cfg: DataConfig, *, vocab_size: int) -> str:
     return f"{cfg.source}: {where}, tokenizer {tokenizer.name}"
 
 
+def mixture_plan(cfg: DataConfig, mixture: Mixture, *, seq_len: int, global_batch: int, vocab_size: int) -> list[dict]:
+    """Tokens and epochs per source per stage (train/core/mixture.py `Mixture.plan`), each bin: source's size read from
+    its meta.json: train.plan and preflight print it."""
+    sizes = {s.name: _checked_bin(cfg, Path(s.source[4:]), vocab_size)[1]["train"]
+             for s in mixture.sources if s.kind == "bin"}
+    return mixture.plan(seq_len=seq_len, global_batch=global_batch, source_tokens=sizes)
+
+
+def _check_mixture(cfg: DataConfig, mixture: Mixture, *, vocab_size: int, seq_len: int | None,
+                   global_batch: int | None) -> str:
+    parts = [f"{source.name} ({check_data_source(_source_config(cfg, source), vocab_size=vocab_size)})"
+             for source in mixture.sources]
+    if seq_len and global_batch:
+        plan = mixture_plan(cfg, mixture, seq_len=seq_len, global_batch=global_batch, vocab_size=vocab_size)
+        if refusal := mixture.epochs_refusal(plan):
+            raise DataError(refusal)
+    return f"mixture of {len(mixture.sources)}: " + "; ".join(parts)
+
+
 def train_state_refusal(cfg: DataConfig, states: list, *, seq_len: int, batch_size: int, vocab_size: int, seed: int,
-                        world_size: int, saved_num_workers: int, checkpoint: str) -> str | None:
+                        world_size: int, saved_num_workers: int, checkpoint: str,
+                        mixture: Mixture | None = None) -> str | None:
     """Why the training stream this config builds on world_size ranks cannot continue from `states` (the data states,
     one per rank, of `checkpoint`, written with data.num_workers=saved_num_workers), in the words its load_state_dict
     would raise; None when it can. The launch's start checks decide with it before anything is built
     (train/trainer/start_checks.py)."""
+    if cfg.mixture is not None and mixture is not None and not mixture.single:
+        from train.data.mixture import MixtureStream
+
+        return global_state_refusal(states[0], kind=MixtureStream.kind, seed=seed, stream=TRAIN_STREAM,
+                                    mixture=mixture.identity())
+    if cfg.mixture is not None and mixture is not None:
+        cfg = _source_config(cfg, mixture.sources[0])
     kind = cfg.source_kind
     if kind in ("synthetic", "bin"):  # world-size-free: rank 0's state speaks for all
         stream_kind = SyntheticStream.kind if kind == "synthetic" else MemmapStream.kind
@@ -212,6 +323,7 @@ def _bin(cfg: DataConfig, data_dir: Path, *, seq_len, batch_size, vocab_size, se
             "token_dtype": meta.dtype, "tokenizer_vocab": meta.vocab_size, "max_token_id": meta.max_token_id,
             "vocab_size": vocab_size, "train_tokens": counts["train"], "val_tokens": counts["val"],
             "legacy_meta": meta.legacy, "seq_len": seq_len, "loss_mask": bool(masks["train"]),
+            "val_text_bytes": (meta.raw.get("splits", {}).get("val") or {}).get("text_bytes"),
             "window_start": cfg.window_start, **({"train_window_starts": len(train.starts), "val_window_starts": len(val.starts)}
                                                  if starts_eos is not None else {}), **_order_info(batch_size, rank, world_size, accumulate, True)}
     return DataBundle(train, val, info, pin=pin)

@@ -47,9 +47,23 @@ def _split_text(global_batch, split) -> str:
     return str(global_batch)
 
 
-def global_state_refusal(state, *, kind: str, seed: int, stream: int) -> str | None:
-    """Why a world-size-free stream (kind, seed, stream) cannot continue from `state`, in one line; None when it can
-    (the global batch is checked apart: the trainer's start fits its split to the saved one)."""
+def mixture_refusal(saved, want: dict) -> str | None:
+    """The one-line refusal for resuming a mixture's state under other sources or stages (train/core/mixture.py
+    `Mixture.identity`); None when they are the same."""
+    if saved == want:
+        return None
+    saved = saved if isinstance(saved, dict) else {}
+    old = [f"{s.get('name')} ({s.get('kind')})" for s in saved.get("sources", [])]
+    new = [f"{s['name']} ({s['kind']})" for s in want["sources"]]
+    what = (f"sources {', '.join(old) or '?'} -> {', '.join(new)}" if old != new
+            else "the same sources with other weights, stages or window starts")
+    return (f"data state was saved with another data mixture ({what}); resume with the same data.mixture and "
+            f"data.stages, or set --{RESTART_KEY}=true to start the training data afresh under the new ones")
+
+
+def global_state_refusal(state, *, kind: str, seed: int, stream: int, mixture: dict | None = None) -> str | None:
+    """Why a world-size-free stream (kind, seed, stream; a mixture's identity) cannot continue from `state`, in one
+    line; None when it can (the global batch is checked apart: the trainer's start fits its split to the saved one)."""
     if refusal := identity_refusal(state, {"kind": kind}):
         return refusal
     if "global_batch" not in state and ("rank" in state or "world_size" in state):
@@ -58,15 +72,18 @@ def global_state_refusal(state, *, kind: str, seed: int, stream: int) -> str | N
                 f"same world size on an older version of this code, or start a new out_dir")
     if refusal := identity_refusal(state, {"seed": seed, "stream": stream}):
         return refusal
+    if mixture is not None and (refusal := mixture_refusal(state.get("mixture"), mixture)):
+        return refusal
     step = state.get("step")
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         return f"data state has step={step!r}; expected a non-negative integer (a damaged checkpoint?)"
     return None
 
 
-def expect_global_state(state: dict, *, kind: str, seed: int, stream: int, global_batch: int, split: dict) -> int:
+def expect_global_state(state: dict, *, kind: str, seed: int, stream: int, global_batch: int, split: dict,
+                        mixture: dict | None = None) -> int:
     """Check a world-size-free state against this stream; return the optimizer steps it consumed."""
-    if refusal := global_state_refusal(state, kind=kind, seed=seed, stream=stream):
+    if refusal := global_state_refusal(state, kind=kind, seed=seed, stream=stream, mixture=mixture):
         raise DataError(refusal)
     saved = state.get("global_batch")
     if saved != global_batch:

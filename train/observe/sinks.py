@@ -45,13 +45,14 @@ from train.core.artifacts import (
     TASKS_FIELDS,
     TB_DIR,
     TRAIN_CSV,
-    TRAIN_FIELDS,
     VAL_CSV,
-    VAL_FIELDS,
+    VAL_SOURCE_PREFIXES,
     heartbeat_name,
     task_label,
+    train_fields,
+    val_fields,
 )
-from train.core.config import RunConfig
+from train.core.config import RunConfig, data_mixture
 from train.observe.telemetry import CsvLog, Heartbeat, TensorBoard
 
 NSA_PREFIXES = ("gate_", "sel_")  # gate and selection statistics (nsa/attention/gate_stats.py) in a train row
@@ -90,8 +91,10 @@ def scalars(row: dict) -> dict:
             else:
                 out[f"gates/{k}" if k.startswith(NSA_PREFIXES) else f"train/{k}"] = v
         return out
-    if kind == "eval":
-        return {"val/loss": row["val_loss"], "val/ppl": row["ppl"]}
+    if kind == "eval":  # a mixture's sources: val/loss_NAME, val/bpb_NAME
+        per_source = {f"val/{k[len('val_'):] if k.startswith('val_') else k}": v for k, v in row.items()
+                      if k.startswith(VAL_SOURCE_PREFIXES)}
+        return {"val/loss": row["val_loss"], "val/ppl": row["ppl"], **per_source}
     if kind == "tasks":
         return {f"tasks/{task_label(t['task'])}/{name}": t.get(name) for t in row["tasks"] for name in TASK_SCALARS}
     if kind == "alert":
@@ -270,8 +273,10 @@ def open_sinks(cfg: RunConfig, out_dir: Path, *, rank: int, resume_step: int | N
     sinks: list[Sink] = []
     try:
         if rank == 0 and not cfg.train.eval_only:
-            sinks += [CsvSink(out_dir / TRAIN_CSV, TRAIN_FIELDS, "train", resume_step),
-                      CsvSink(out_dir / VAL_CSV, VAL_FIELDS, "eval", resume_step)]
+            mixture = data_mixture(cfg)
+            sources = () if mixture.single else mixture.names
+            sinks += [CsvSink(out_dir / TRAIN_CSV, train_fields(sources), "train", resume_step),
+                      CsvSink(out_dir / VAL_CSV, val_fields(sources), "eval", resume_step)]
             if cfg.train.eval_tasks or (out_dir / TASKS_CSV).exists():  # resumed without tasks: its rows still move aside
                 sinks.append(CsvSink(out_dir / TASKS_CSV, TASKS_FIELDS, "tasks", resume_step, lines="tasks"))
             sinks.append(TensorBoardSink(out_dir / TB_DIR))

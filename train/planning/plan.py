@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import math
 
-from train.core.config import RunConfig
+from train.core.config import RunConfig, data_mixture
+from train.core.mixture import plan_lines
+from train.data.build import mixture_plan
 from train.core.errors import ConfigError
 
 
@@ -71,7 +73,18 @@ def make_plan(cfg: RunConfig, *, tokens: float | None = None, gpus: int = 1, tok
             plan["iterations_in_hours"] = math.floor(hours * 3600 / plan["s_per_iter"])
     elif hours is not None:
         raise ConfigError("--hours needs a throughput: --toks-per-s or --mfu with --peak-device")
+    mixture = data_mixture(cfg)
+    if not mixture.single:  # over the config's steps
+        plan["mixture"] = mixture_plan(cfg.data, mixture, seq_len=t.seq_len, vocab_size=cfg.model.vocab_size,
+                                       global_batch=t.batch_size * t.accumulate_grad_batches * gpus)
     return plan
+
+
+def _mixture_lines(plan: dict) -> list[str]:
+    if "mixture" not in plan:
+        return []
+    return ["  data mixture      tokens and epochs per source per stage (over the config's steps):"] + \
+        [f"    {line}" for line in plan_lines(plan["mixture"])]
 
 
 def render(plan: dict) -> str:
@@ -89,6 +102,7 @@ def render(plan: dict) -> str:
         f"attention/FFN {p['attention_to_ffn_ratio']:.2f})",
         f"  total FLOPs       {p['total_flops']:.3e}",
     ]
+    lines += _mixture_lines(p)
     if p.get("s_per_iter") is None:
         lines.append("  wall time         give --toks-per-s (measured) or --mfu with --peak-device")
         return "\n".join(lines)

@@ -23,7 +23,7 @@ from train.checkpoint.run_dir import OutDirBusy, OutDirLock, apply_start, drop_i
 from train.checkpoint.state_dicts import gather_states, load_states
 from train.checkpoint.train_state import TrainState
 from train.core.artifacts import CONFIG_YAML, checkpoint_name
-from train.core.config import RunConfig, dump_config
+from train.core.config import RunConfig, data_mixture, dump_config
 from train.core.data_config import resolve_document_mask
 from train.core.distributed import (
     DistInfo,
@@ -186,6 +186,7 @@ class Run:
             cfg.data, seq_len=cfg.train.seq_len, batch_size=cfg.train.batch_size, vocab_size=cfg.model.vocab_size,
             seed=cfg.train.seed, rank=self.info.rank, world_size=self.info.world_size,
             accumulate=cfg.train.accumulate_grad_batches, pin=self.info.device.type == "cuda",
+            mixture=data_mixture(cfg),
         )
         self._set_document_mask(ckpt)
         if self.resumed:

@@ -182,6 +182,7 @@ class Loop:
             "tokens_seen": state.tokens_seen, "skipped_steps": state.skipped_steps,
             "spike_skipped_steps": state.spike_skipped_steps,
             **self.efficiency.columns(toks_per_s), "interval_steps": self.i_steps, **gate,
+            **{f"share_{name}": share for name, share in self.data.shares().items()},
         }
         self._reset_interval()
         return row
@@ -189,16 +190,31 @@ class Loop:
     # ---- evaluation -------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> dict:
-        """Mean loss over train.eval_steps held-out batches (all ranks): the val.csv row {val_loss, ppl}."""
+        """Mean loss over train.eval_steps held-out batches (all ranks): the val.csv row {val_loss, ppl}. A mixture:
+        each source's own (val_loss_NAME, bpb_NAME) and val_loss = their sum weighted as the current stage."""
         model = self.raw_model  # DDP's wrapper adds nothing to a no-grad forward; FSDP2 shards in place
         model.eval()
-        total = torch.zeros((), device=self.device)
-        batches = self.data.val_batches(self.cfg.eval_steps)  # [(x [B, T], y [B, T])], the same every time
-        for x, y in batches:
-            with autocast_context(self.device, self.amp_dtype):
-                total += model(x.to(self.device), y.to(self.device)).float()
+        names = self.data.val_names
+        totals = torch.zeros(len(names), device=self.device)  # [sources]: summed batch losses
+        counts = []
+        for i, name in enumerate(names):
+            batches = self.data.val_batches(self.cfg.eval_steps, name)  # [(x [B, T], y [B, T])], the same every time
+            for x, y in batches:
+                with autocast_context(self.device, self.amp_dtype):
+                    totals[i] += model(x.to(self.device), y.to(self.device)).float()
+            counts.append(max(1, len(batches)))
         model.train()
-        val = all_reduce_mean(total / max(1, len(batches)), self.info).item()
+        losses = (all_reduce_mean(totals, self.info) / torch.tensor(counts, device=self.device)).tolist()  # one sync
+        row = {}
+        if len(names) == 1:
+            val = losses[0]
+        else:
+            weights = self.data.mixture.weights_at(self.state.step)
+            val = sum(w * loss for w, loss in zip(weights, losses))
+            for name, loss in zip(names, losses):
+                bytes_per_token = self.data.val_bytes_per_token(name)
+                row[f"val_loss_{name}"] = loss
+                row[f"bpb_{name}"] = loss / math.log(2) / bytes_per_token if bytes_per_token else float("nan")
         self.state.last_val_loss = val
         self.state.best_val_loss = min(self.state.best_val_loss, val)
-        return {"val_loss": val, "ppl": math.exp(min(val, 50.0))}
+        return {"val_loss": val, "ppl": math.exp(min(val, 50.0)), **row}

@@ -8,6 +8,9 @@ from its share of the groups (each rank owns whole parameters, so Muon sees whol
 fused AdamW over the "adamw" groups and `SkippableMuon` over the "muon" ones, both pointed at these groups and
 this state at each step (a `load_state_dict` replaces both).
 
+Needs torch.optim.Muon (torch >= 2.9): imported only when train.optimizer=muon, which the config refuses in one
+line on an older torch (train/core/versions.py).
+
 The skip path (a non-finite or spike-skipped step, train/trainer/optim.py `step_unless_nonfinite`): set
 `found_inf` (0-dim float tensor on the parameters' device, 1.0 = skip) before `step()`, as for fused AdamW. The
 AdamW part hands it to the fused kernel (no update, no step count); `SkippableMuon` computes the step out of place
@@ -17,12 +20,9 @@ A skipped step leaves weights, momentum buffers, AdamW moments and step counts b
 from __future__ import annotations
 
 import torch
-from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz  # torch >= 2.9 (train/core/versions.py)
 
-ADAMW, MUON = "adamw", "muon"
-# the attribute a fused matrix carries (set by train/trainer/optim.py from the modules' `muon_row_splits()`): the row
-# counts of the matrices it stacks, e.g. dense attention's qkv (q, k, v); Muon orthogonalises each one apart
-ROW_SPLITS = "muon_row_splits"
+from train.core.param_groups import ADAMW, MUON, ROW_SPLITS
 
 
 class SkippableMuon(torch.optim.Muon):

@@ -7,8 +7,7 @@ import torch
 import torch.nn as nn
 
 from train.core.config import TrainConfig
-from train.trainer.muon import ADAMW, MUON, ROW_SPLITS, MuonAdamW
-from train.core.param_groups import adamw_groups, muon_names, muon_row_splits
+from train.core.param_groups import ADAMW, MUON, ROW_SPLITS, adamw_groups, muon_names, muon_row_splits
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig, device_type: str, zero1: bool = False) -> torch.optim.Optimizer:
@@ -49,6 +48,8 @@ def muon_groups(model: nn.Module, cfg: TrainConfig, adamw: dict) -> list[dict]:
 
 
 def _build_muon(model: nn.Module, cfg: TrainConfig, adamw: dict, zero1: bool) -> torch.optim.Optimizer:
+    from train.trainer.muon import MuonAdamW  # torch >= 2.9, which the config checked (train/core/versions.py)
+
     groups = muon_groups(model, cfg, adamw)
     params = dict(model.named_parameters())
     for name, rows in muon_row_splits(model).items():  # Muon steps each stacked projection as its own matrix

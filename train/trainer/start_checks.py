@@ -11,7 +11,7 @@ from pathlib import Path
 
 from train.checkpoint import io as ckpt_io
 from train.checkpoint.run_dir import OutDirLock, StartPlan, plan_start
-from train.core.config import RunConfig
+from train.core.config import RunConfig, data_mixture
 from train.core.errors import CheckpointError, ConfigError, DataError
 from train.data.build import check_data_source, train_state_refusal
 from train.trainer.lr_schedule import resume_refusal, saved_train_config
@@ -136,7 +136,7 @@ def data_restart(cfg: RunConfig, ckpt: dict, path: Path, world_size: int) -> str
     refusal = train_state_refusal(cfg.data, states, seq_len=t.seq_len, batch_size=t.batch_size,
                                   vocab_size=cfg.model.vocab_size, seed=t.seed, world_size=world_size,
                                   saved_num_workers=ckpt["config"].get("data", {}).get("num_workers", 0),
-                                  checkpoint=str(path))
+                                  checkpoint=str(path), mixture=data_mixture(cfg))
     if refusal and not cfg.data.restart_on_change:
         raise DataError(refusal)
     return refusal.split("; ", 1)[0] if refusal else None  # what changed, without the advice
@@ -153,10 +153,18 @@ def out_dir_checks(cfg: RunConfig) -> StartPlan:
     return plan_start(out, cfg.train.resume, eval_only=cfg.train.eval_only)
 
 
+def launch_data_check(cfg: RunConfig, world_size: int) -> str:
+    """The launch's checks of its data (every source of a mixture, and the epochs its plan reads), reading only: one
+    line describing it, or UserError. start_checks and preflight both ask this."""
+    t = cfg.train
+    return check_data_source(cfg.data, vocab_size=cfg.model.vocab_size, mixture=data_mixture(cfg), seq_len=t.seq_len,
+                             global_batch=t.batch_size * t.accumulate_grad_batches * world_size)
+
+
 def start_checks(cfg: RunConfig, world_size: int) -> list[str]:
     """Every check of a launch with cfg on world_size ranks, reading only; the lines a launch would print
     (resume point, batch split, data, downstream tasks). UserError (one line) for the first refusal."""
-    data = f"data: {check_data_source(cfg.data, vocab_size=cfg.model.vocab_size)}"
+    data = f"data: {launch_data_check(cfg, world_size)}"
     tasks = LoopTasks.load(cfg)  # train.eval_tasks, read as the launch reads them before it claims the out_dir
     plan = out_dir_checks(cfg)
     lines = [note.split(": ", 1)[1] if note.startswith(("note: ", "warning: ")) else note for note in plan.notes]

@@ -320,12 +320,19 @@ def _out_dir(cfg: RunConfig, add, gpus: int) -> None:
     """The launch's own start checks (train/trainer/start_checks.py, the functions the trainer calls): stale .HALT,
     a live owner, the resume plan (not carried out), what resuming on `gpus` ranks needs, and train.eval_tasks."""
     from train.checkpoint import io as ckpt_io
-    from train.data.build import check_data_source
-    from train.trainer.start_checks import out_dir_checks, resume_checks
+    from train.core.config import data_mixture
+    from train.core.mixture import plan_lines
+    from train.data.build import mixture_plan
+    from train.trainer.start_checks import launch_data_check, out_dir_checks, resume_checks
 
     out, resume = Path(cfg.train.out_dir), cfg.train.resume
     try:
-        add(OK, "launch data checks", check_data_source(cfg.data, vocab_size=cfg.model.vocab_size))
+        add(OK, "launch data checks", launch_data_check(cfg, gpus))
+        if not (mixture := data_mixture(cfg)).single:
+            t = cfg.train
+            plan = mixture_plan(cfg.data, mixture, seq_len=t.seq_len, vocab_size=cfg.model.vocab_size,
+                                global_batch=t.batch_size * t.accumulate_grad_batches * gpus)
+            add(OK, "data mixture plan", "; ".join(plan_lines(plan)))
     except UserError as exc:
         add(FAIL, "launch data checks", str(exc))
     if cfg.train.eval_tasks:

@@ -6,6 +6,8 @@ selected and sliding-window branches (impl/compression.py, impl/selection.py, im
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from nsa.profiling import audit
@@ -23,6 +25,18 @@ def _use_flash(q: torch.Tensor) -> bool:
         use_flash_kernels and _FLASH_CPU is not None and q.device.type == "cpu"
         and q.dtype in (torch.float32, torch.float64, torch.bfloat16)
     )
+
+
+@functools.cache
+def _flash_takes_gqa() -> bool:
+    """Whether the CPU flash kernels take fewer key heads than query heads as they are. torch 2.7's do not: they
+    return garbage for grouped-query shapes (values of 1e34, NaN), so there the key heads are expanded first. Decided
+    once per process by a 2-head, 1-key-head call against the same call with the key head repeated."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 3, 4, generator=gen) for h in (2, 1, 1))
+    grouped = _FLASH_CPU(q, k, v, 0.0, False, scale=0.5)[0]
+    expanded = _FLASH_CPU(q, k.expand(1, 2, 3, 4), v.expand(1, 2, 3, 4), 0.0, False, scale=0.5)[0]
+    return bool(torch.allclose(grouped, expanded))
 
 
 def _expand_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -45,8 +59,10 @@ def attention_partial(q, k, v, mask, scale: float, site: str = "nsa.selected"):
     >= 1 key per row) in q's dtype, broadcastable to [N, Hq, L, S], or None
     -> out [N, Hq, L, E], lse [N, Hq, L] (float32 or wider)."""
     heads = q.shape[1]
-    if _use_flash(q):  # the CPU flash kernels take GQA (fewer key heads) as they are
+    if _use_flash(q):  # the CPU flash kernels take GQA (fewer key heads) as they are, where they can
         audit(site, "cpu_flash_kernel_with_lse", q, k)
+        if k.shape[1] != heads and not _flash_takes_gqa():
+            k, v = _expand_heads(k, heads), _expand_heads(v, heads)
         return _FLASH_CPU(q, k, v, 0.0, False, attn_mask=mask, scale=scale)
     audit(site, "matmul_softmax_with_lse", q, k)
     compute = torch.promote_types(q.dtype, torch.float32)
@@ -64,7 +80,11 @@ def attention_partial_backward(d_out, q, k, v, out, lse, mask, scale: float):
     full softmax restricted to these keys. Returns dq, dk, dv shaped like q, k, v (k, v: [N, Hk, S, E])."""
     heads, kv_heads = q.shape[1], k.shape[1]
     if _use_flash(q):  # GQA as it is: dk, dv come back with the key heads
-        return _FLASH_CPU_BWD(d_out, q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=scale)
+        if kv_heads == heads or _flash_takes_gqa():
+            return _FLASH_CPU_BWD(d_out, q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=scale)
+        dq, dk, dv = _FLASH_CPU_BWD(d_out, q, _expand_heads(k, heads), _expand_heads(v, heads), out, lse, 0.0, False,
+                                    attn_mask=mask, scale=scale)
+        return dq, _reduce_heads(dk, kv_heads), _reduce_heads(dv, kv_heads)
     k, v = _expand_heads(k, heads), _expand_heads(v, heads)
     compute = torch.promote_types(q.dtype, torch.float32)
     q, k, v, d_out, out = (t.to(compute) for t in (q, k, v, d_out, out))

@@ -1,0 +1,87 @@
+"""Batches drawn from a weighted mixture of world-size-free sources (bin: directories, synthetic), in the training
+process (the mixture as configured: train/core/mixture.py; docs/DATA.md "Mixtures").
+
+Global row g of optimizer step s draws from source j = the interval of the stage's cumulative weights that
+u = hash(seed, MIXTURE_STREAM, s, g) falls in (53 uniform bits), and reads what that source alone would put in that
+row: its own window of (s, g) (train/data/memmap.py). So the order is a pure function of (seed, step, row, weights),
+the same on any world size and batch split; the state is the step counter and resume is exact. A stage changes the
+weights from its first step on. Per source, its loss mask, EOS-based document masking and window starts apply as
+they would alone; every source's windows are independent of the choice of source (another hash stream).
+
+The realised rows per source are counted over each whole global batch (every rank counts the same), for the share
+logged beside the weights (`shares`).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from train.core.mixture import Mixture
+from train.data.memmap import row_hashes, stream_key
+from train.data.state import GlobalBatchOrder, expect_global_state
+
+MIXTURE_STREAM = 0x6D697874  # "mixt": the hash stream that picks a row's source (not a window stream)
+
+
+class MixtureStream(GlobalBatchOrder):
+    kind = "mixture"
+
+    def __init__(self, mixture: Mixture, parts: list[GlobalBatchOrder], *, seq_len: int, batch_size: int, seed: int,
+                 rank: int = 0, world_size: int = 1, accumulate: int = 1, stream: int, pin: bool = False):
+        self._init_order(batch_size=batch_size, rank=rank, world_size=world_size, accumulate=accumulate,
+                         seed=seed, stream=stream)
+        self.mixture, self.parts, self.seq_len, self.pin = mixture, parts, seq_len, pin
+        self._key = stream_key(seed, MIXTURE_STREAM ^ stream)
+        # per stage: cumulative shares scaled to 2**53, the last exactly 2**53, so u < 2**53 always lands in one
+        self._cuts = []
+        for stage in mixture.stages:
+            cum = np.cumsum(np.asarray(stage.weights, dtype=np.float64))
+            cum[-1] = 1.0
+            self._cuts.append((cum * float(1 << 53)).astype(np.uint64))
+        self._starts = [stage.start for stage in mixture.stages]
+        self.rows_per_source = np.zeros(len(parts), dtype=np.int64)  # over whole global batches of counted steps
+        self._counted_steps = 0
+
+    def sources_of(self, step: int, rows: np.ndarray) -> np.ndarray:
+        """[len(rows)] int64: the source index of each global row (uint64) of optimizer step `step`."""
+        stage = int(np.searchsorted(self._starts, step, side="right")) - 1
+        u = row_hashes(self._key, step, rows) >> np.uint64(11)  # 53 uniform bits
+        return np.searchsorted(self._cuts[stage], u, side="right").astype(np.int64)
+
+    def rows_batch(self, step: int, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        which = self.sources_of(step, rows)  # [B]
+        x = torch.empty(len(rows), self.seq_len, dtype=torch.int64)
+        y = torch.empty(len(rows), self.seq_len, dtype=torch.int64)
+        for j in np.unique(which):  # at most one gather per source
+            picked = np.flatnonzero(which == j)
+            xj, yj = self.parts[j].rows_batch(step, rows[picked])  # [b_j, T] each
+            index = torch.from_numpy(picked)
+            x[index], y[index] = xj, yj
+        return (x.pin_memory(), y.pin_memory()) if self.pin else (x, y)
+
+    def _count_until(self, step: int) -> None:
+        all_rows = np.arange(self.global_batch, dtype=np.uint64)
+        for s in range(self._counted_steps, step):
+            self.rows_per_source += np.bincount(self.sources_of(s, all_rows), minlength=len(self.parts))
+        self._counted_steps = max(self._counted_steps, step)
+
+    def shares(self) -> dict[str, float]:
+        """{source name: share of the rows of every whole optimizer step so far} (all ranks together)."""
+        self._count_until(self.step)
+        total = max(1, int(self.rows_per_source.sum()))
+        return {name: int(n) / total for name, n in zip(self.mixture.names, self.rows_per_source)}
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "mixture": self.mixture.identity()}
+
+    def load_state_dict(self, state: dict) -> None:
+        split = {"batch_size": self.batch_size, "accumulate": self.accumulate, "world_size": self.world_size}
+        step = expect_global_state(state, kind=self.kind, seed=self.seed, stream=self.stream,
+                                   global_batch=self.global_batch, split=split, mixture=self.mixture.identity())
+        self.calls = step * self.accumulate
+        self.rows_per_source[:] = 0
+        self._counted_steps = 0
+
+    def close(self) -> None:
+        for part in self.parts:
+            part.close()
