@@ -72,18 +72,29 @@ class MemmapStream(GlobalBatchOrder):
         """Window starts of this rank's k-th micro-batch (what batch_at(k) reads)."""
         return self.window_starts(*self.rows_at(k))
 
-    def rows_batch(self, step: int, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    def windows(self, step: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """(windows [B, T+1] in the file's dtype, excluded [B, T] bool: targets the loss mask drops, or None) of the
+        global rows `rows` of optimizer step `step`: one gather (two with a loss mask)."""
         at = self.window_starts(step, rows)[:, None] + self._span  # [B, T+1]
-        windows = self.tokens[at]  # one gather: [B, T+1], file dtype
-        x = torch.from_numpy(windows[:, :-1].astype(np.int64))
-        y = windows[:, 1:].astype(np.int64)
-        if self.mask is not None:
-            y[self.mask[at[:, 1:]] == 0] = IGNORE_INDEX  # [B, T]: targets the data excludes from the loss
-        y = torch.from_numpy(y)
-        return (x.pin_memory(), y.pin_memory()) if self.pin else (x, y)
+        excluded = self.mask[at[:, 1:]] == 0 if self.mask is not None else None
+        return self.tokens[at], excluded
+
+    def rows_batch(self, step: int, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        windows, excluded = self.windows(step, rows)  # [B, T+1] file dtype
+        return windows_to_batch(windows.astype(np.int64), excluded, self.pin)
 
     def close(self) -> None:
         self.tokens = self.mask = self.starts = None
+
+
+def windows_to_batch(windows: np.ndarray, excluded: np.ndarray | None, pin: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """int64 windows [B, T+1] (and the targets to exclude [B, T], or None) -> x, y [B, T] int64 tensors."""
+    x = torch.from_numpy(np.ascontiguousarray(windows[:, :-1]))
+    y = np.ascontiguousarray(windows[:, 1:])
+    if excluded is not None:
+        y[excluded] = IGNORE_INDEX  # targets the data excludes from the loss
+    y = torch.from_numpy(y)
+    return (x.pin_memory(), y.pin_memory()) if pin else (x, y)
 
 
 def document_starts(tokens: np.ndarray, eos_id: int, *, last: int, chunk: int = 1 << 24) -> np.ndarray:

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from train.core.mixture import Mixture
-from train.data.memmap import row_hashes, stream_key
+from train.data.memmap import MemmapStream, row_hashes, stream_key, windows_to_batch
 from train.data.state import GlobalBatchOrder, expect_global_state
 
 MIXTURE_STREAM = 0x6D697874  # "mixt": the hash stream that picks a row's source (not a window stream)
@@ -50,11 +50,21 @@ class MixtureStream(GlobalBatchOrder):
 
     def rows_batch(self, step: int, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         which = self.sources_of(step, rows)  # [B]
-        x = torch.empty(len(rows), self.seq_len, dtype=torch.int64)
-        y = torch.empty(len(rows), self.seq_len, dtype=torch.int64)
-        for j in np.unique(which):  # at most one gather per source
+        windows = np.empty((len(rows), self.seq_len + 1), dtype=np.int64)  # [B, T+1]
+        excluded = None  # [B, T] bool, where any source has a loss mask
+        synthetic = {}
+        for j in np.unique(which):  # one gather per source, straight into the batch
             picked = np.flatnonzero(which == j)
-            xj, yj = self.parts[j].rows_batch(step, rows[picked])  # [b_j, T] each
+            part = self.parts[j]
+            if not isinstance(part, MemmapStream):  # synthetic: its own rows as tensors
+                synthetic[j] = (picked, part.rows_batch(step, rows[picked]))
+                continue
+            windows[picked], part_excluded = part.windows(step, rows[picked])
+            if part_excluded is not None:
+                excluded = np.zeros((len(rows), self.seq_len), dtype=bool) if excluded is None else excluded
+                excluded[picked] = part_excluded
+        x, y = windows_to_batch(windows, excluded, pin=False)
+        for picked, (xj, yj) in synthetic.values():
             index = torch.from_numpy(picked)
             x[index], y[index] = xj, yj
         return (x.pin_memory(), y.pin_memory()) if self.pin else (x, y)
