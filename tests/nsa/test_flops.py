@@ -78,13 +78,18 @@ def test_v3_matches_flop_counter_on_manual_attention(name):
     assert report.flops_per_token == pytest.approx(counted, rel=0.03)
 
 
-def test_flop_counter_sees_no_attention_core_in_cpu_sdpa():
-    """Documents the CPU SDPA gap: only the projections, MLP and logits are counted there."""
+def test_flop_counter_on_cpu_sdpa_counts_no_attention_core_or_the_flash_formulas():
+    """Documents what torch's FlopCounterMode sees of CPU SDPA, which differs by torch version: torch 2.9 - 2.13 count
+    nothing of the attention core there (only the projections, MLP and logits); torch 2.7 and 2.15 count it with the
+    flash kernels' formulas: the core once forward and 2.5 times backward (QK^T recomputed), 3.5 cores in all."""
     cfg = ModelConfig(**SMALL["llama3"], attn_backend="sdpa")
     report = flops_per_token(cfg, cfg.max_seq_len, "v3")
     b = report.breakdown
     without_core = 3 * (report.forward_flops_per_token - b["norms"] - b["attn_scores"] - b["attn_values"])
-    assert counted_flops_per_token(cfg) == pytest.approx(without_core, rel=1e-9)
+    core = b["attn_scores"] + b["attn_values"]
+    counted = counted_flops_per_token(cfg)
+    assert counted == pytest.approx(without_core, rel=1e-9) or counted == pytest.approx(without_core + 3.5 * core,
+                                                                                        rel=1e-9), (counted, core)
 
 
 def test_causal_sdpa_is_counted_as_the_full_rectangle():

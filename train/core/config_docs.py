@@ -45,8 +45,9 @@ def rows() -> list[tuple[str, str, str, str]]:
 
 def alias_rows() -> list[tuple[str, str]]:
     """(flag, what it sets) for the source guides' flag spellings, no-op flags last."""
+    # a docstring as one line: its words joined (Python 3.13 strips docstrings' indentation, older ones keep it)
     out = [(f"--{alias}", f"`{target}`" if isinstance(target, str)
-            else (target.__doc__ or target.__name__.strip("_")).strip()) for alias, target in ALIASES.items()]
+            else " ".join((target.__doc__ or target.__name__.strip("_")).split())) for alias, target in ALIASES.items()]
     return out + [(f"--{flag}", f"nothing (accepted, a note is printed): {why}") for flag, why in NO_OP_FLAGS.items()]
 
 
