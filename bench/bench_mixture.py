@@ -2,8 +2,9 @@
 
     PYTHONPATH=. python bench/bench_mixture.py [--seconds 3] [--out bench/results/mixture_sampler.json]
 
-Three 32M-token bin: directories (uint16). Each measurement times next_batch() of batch 16 x 1024 for --seconds,
-alternating the arms in rounds so drift in the machine's speed falls on both alike:
+Three 32M-token bin: directories (uint16). Each measurement times next_batch() for --seconds at each batch shape
+(rows x seq_len: 16 x 1024, the data benchmark's, and 16 x 4096), alternating the arms in rounds so drift in the
+machine's speed falls on all alike:
 - one_source: data.source=bin:A (the path every run without a mixture takes)
 - mixture_2: A and B at 0.5 / 0.5;  mixture_3: A, B, C at 0.6 / 0.3 / 0.1 with a stage at step 1,000
 The ratio mixture / one source is the number the data-mixture issue asks for (at least 0.9).
@@ -24,7 +25,8 @@ from train.core.config import data_mixture, load_config
 from train.data.build import build_data
 from train.data.meta import FORMAT, FORMAT_VERSION
 
-TOKENS, SEQ, BATCH = 32 << 20, 1024, 16
+TOKENS = 32 << 20
+SHAPES = ((16, 1024), (16, 4096))  # rows per micro-batch x seq_len
 
 
 def write_dir(path: Path, seed: int) -> Path:
@@ -39,17 +41,18 @@ def write_dir(path: Path, seed: int) -> Path:
     return path
 
 
-def arm(args: list[str]):
+def arm(args: list[str], batch: int, seq: int):
     cfg = load_config(None, ["--data.tokenizer=gpt2", "--train.steps=100000", *args])
-    return build_data(cfg.data, seq_len=SEQ, batch_size=BATCH, vocab_size=50304, seed=0, mixture=data_mixture(cfg))
+    return build_data(cfg.data, seq_len=seq, batch_size=batch, vocab_size=50304, seed=0, mixture=data_mixture(cfg))
 
 
 def timed(bundle, seconds: float) -> float:
     bundle.train.next_batch()
+    x, _ = bundle.train.next_batch()
     count, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
         bundle.train.next_batch()
-        count += BATCH * SEQ
+        count += x.numel()
     return count / (time.perf_counter() - start)
 
 
@@ -60,26 +63,31 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/mixture_sampler.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    shapes = {}
     with tempfile.TemporaryDirectory() as tmp:
         a, b, c = (write_dir(Path(tmp) / name, i) for i, name in enumerate("abc"))
         arms = {
-            "one_source": arm([f"--data.source=bin:{a}"]),
-            "mixture_2": arm([f"--data.mixture=[{{name: a, source: 'bin:{a}', weight: 1}}, "
-                              f"{{name: b, source: 'bin:{b}', weight: 1}}]"]),
-            "mixture_3": arm([f"--data.mixture=[{{name: a, source: 'bin:{a}', weight: 0.6}}, "
-                              f"{{name: b, source: 'bin:{b}', weight: 0.3}}, {{name: c, source: 'bin:{c}', weight: 0.1}}]",
-                              "--data.stages=[{at: 1000, weights: {a: 0.2, b: 0.2, c: 0.6}}]"]),
+            "one_source": [f"--data.source=bin:{a}"],
+            "mixture_2": [f"--data.mixture=[{{name: a, source: 'bin:{a}', weight: 1}}, "
+                          f"{{name: b, source: 'bin:{b}', weight: 1}}]"],
+            "mixture_3": [f"--data.mixture=[{{name: a, source: 'bin:{a}', weight: 0.6}}, "
+                          f"{{name: b, source: 'bin:{b}', weight: 0.3}}, {{name: c, source: 'bin:{c}', weight: 0.1}}]",
+                          "--data.stages=[{at: 1000, weights: {a: 0.2, b: 0.2, c: 0.6}}]"],
         }
-        runs = {name: [] for name in arms}
-        for _ in range(args.rounds):
-            for name, bundle in arms.items():
-                runs[name].append(timed(bundle, args.seconds))
-    median = {name: float(np.median(v)) for name, v in runs.items()}
+        for batch, seq in SHAPES:
+            bundles = {name: arm(arm_args, batch, seq) for name, arm_args in arms.items()}
+            runs = {name: [] for name in arms}
+            for _ in range(args.rounds):
+                for name, bundle in bundles.items():
+                    runs[name].append(timed(bundle, args.seconds))
+            median = {name: float(np.median(v)) for name, v in runs.items()}
+            shapes[f"{batch}x{seq}"] = {
+                "tokens_per_s": runs, "median_tokens_per_s": median,
+                "ratio_vs_one_source": {n: median[n] / median["one_source"] for n in arms if n != "one_source"}}
     result = {
         "bench": "mixture_sampler", "date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
-        "threads": 1, "batch": [BATCH, SEQ], "file_tokens": TOKENS, "seconds_per_measurement": args.seconds,
-        "rounds": args.rounds, "tokens_per_s": runs, "median_tokens_per_s": median,
-        "ratio_vs_one_source": {name: median[name] / median["one_source"] for name in arms if name != "one_source"},
+        "threads": 1, "file_tokens": TOKENS, "seconds_per_measurement": args.seconds, "rounds": args.rounds,
+        "shapes": shapes,
     }
     text = json.dumps(result, indent=2)
     print(text)

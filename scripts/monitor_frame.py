@@ -31,7 +31,7 @@ from pathlib import Path
 
 from train.core.artifacts import (
     ANOMALY, CONFIG_YAML, CRASHED, GATE_STATS, HALT, HEARTBEAT_GLOB, RUN_INFO, SELECTION_HEALTH, SELECTION_STATS,
-    STACKDUMP_GLOB, TASKS_CSV, TRAIN_CSV, VAL_CSV, WRITE_FAILED, checkpoint_files, heartbeat_name, latest_task_rows,
+    SHARE_PREFIX, STACKDUMP_GLOB, TASKS_CSV, TRAIN_CSV, VAL_CSV, WRITE_FAILED, checkpoint_files, heartbeat_name, latest_task_rows,
     nsa_layer_statistics, nsa_statistics, read_csv, read_heartbeat, read_kv, read_metrics, task_label,
 )
 from train.core.env import number, text
@@ -167,6 +167,26 @@ def tasks_line(rows: list[dict]) -> str | None:
     return f"tasks       step {step}: " + " | ".join(parts)
 
 
+def mixture_line(val_rows: list[dict], train_rows: list[dict]) -> str | None:
+    """A data mixture's sources: each one's latest validation loss and bits per byte (val.csv) and its share of the
+    training rows so far (training.csv); None without a mixture."""
+    last_val = val_rows[-1] if val_rows else {}
+    last_train = train_rows[-1] if train_rows else {}
+    names = [k[len(SHARE_PREFIX):] for k in last_train if k.startswith(SHARE_PREFIX)]
+    names = names or [k[len("val_loss_"):] for k in last_val if k.startswith("val_loss_")]
+    if not names:
+        return None
+    parts = []
+    for name in names:
+        share = to_float(last_train.get(SHARE_PREFIX + name))
+        part = f"{name} {share:.1%} of rows" if share is not None else name
+        if f"val_loss_{name}" in last_val:
+            part += (f", val loss {fmt_num(to_float(last_val.get(f'val_loss_{name}')))} bpb "
+                     f"{fmt_num(to_float(last_val.get(f'bpb_{name}')))}")
+        parts.append(part)
+    return "sources     " + " | ".join(parts)
+
+
 def build_frame(target: Path, *, window: int = 20, stale_s: float = 300.0, nvidia_smi: str | None = "nvidia-smi",
                 now: float | None = None) -> tuple[str, list[str]]:
     """-> (frame text, alerts)."""
@@ -283,6 +303,8 @@ def build_frame(target: Path, *, window: int = 20, stale_s: float = 300.0, nvidi
                      f"ppl {fmt_num(to_float(v.get('ppl')), 2)} | best {fmt_num(best)}")
     else:
         lines.append("val         -")
+    if source_line := mixture_line(val_rows, rows):
+        lines.append(source_line)
     task_line = tasks_line(read_csv(out / TASKS_CSV))
     if task_line:
         lines.append(task_line)

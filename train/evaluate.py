@@ -1,6 +1,6 @@
 """Score a checkpoint on a whole data split: loss, perplexity, bits per token and per byte.
 
-    python -m train.evaluate CKPT_OR_RUN_DIR --data bin:DIR | text:GLOB | jsonl:GLOB [--split val|train]
+    python -m train.evaluate CKPT_OR_RUN_DIR --data bin:DIR | text:GLOB | jsonl:GLOB | mixture [--split val|train]
         [--seq_len N] [--stride S] [--batch_size B] [--device auto|cpu|cuda] [--max_tokens N] [--name NAME]
         [--text_field text] [--text_sample_by document|paragraph|line]
 
@@ -9,8 +9,9 @@ windows by default, a sliding window with --stride S for RoPE models. The data c
 train/evaluation/eval_data.py; the batch, unless --batch_size names it, from the model and the free memory
 (train/evaluation/eval_batch.py): the result does not depend on it. Progress with an ETA goes to stderr every
 PROGRESS_EVERY_S. Prints one JSON object and writes it to eval_<name>.json beside the checkpoint (a
-file of another checkpoint, or not written by this tool, is never replaced). Bad input: one `error:`
-line, exit 2.
+file of another checkpoint, or not written by this tool, is never replaced). --data mixture scores each source of
+the checkpoint's data.mixture that way (eval_<source's name>.json each) and prints their total weighted as the
+mixture is configured, with each source's result under "sources". Bad input: one `error:` line, exit 2.
 """
 from __future__ import annotations
 
@@ -20,14 +21,15 @@ import sys
 from pathlib import Path
 
 from train.core.errors import UserError
-from train.evaluation.evaluate import EvalRequest, evaluate
+from train.evaluation.evaluate import MIXTURE, EvalRequest, evaluate, evaluate_mixture
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m train.evaluate", description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint", type=Path, help="a checkpoint file or a run directory (its newest valid checkpoint)")
     p.add_argument("--data", required=True,
-                   help="bin:DIR (a prepared directory) | text:GLOB | jsonl:GLOB | parquet:GLOB")
+                   help="bin:DIR (a prepared directory) | text:GLOB | jsonl:GLOB | parquet:GLOB | mixture (each source "
+                        "of the checkpoint's data.mixture, and their total weighted as configured)")
     p.add_argument("--split", default=None, help="bin: only; train | val (default val)")
     p.add_argument("--seq_len", type=int, default=None,
                    help="window length in tokens (default: the checkpoint's train.seq_len)")
@@ -47,7 +49,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        result = evaluate(EvalRequest(**vars(args)))
+        request = EvalRequest(**vars(args))
+        result = evaluate_mixture(request) if args.data == MIXTURE else evaluate(request)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code

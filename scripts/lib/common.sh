@@ -217,7 +217,7 @@ t, r = cfg.train, cfg.runtime
 facts = {
     "OUT_DIR": t.out_dir, "STEPS": t.steps, "SAVE_EVERY": t.save_every, "KEEP_LAST": t.keep_last,
     "KEEP_ALL": int(t.keep_all_checkpoints), "PRECISION": r.precision, "RESUME": t.resume,
-    "SOURCE": cfg.data.source, "ATTENTION": cfg.model.attention,
+    "SOURCE": cfg.data.source, "ATTENTION": cfg.model.attention, "SEQ_LEN": t.seq_len, "NSA_W": cfg.model.nsa.w,
 }
 if os.environ.get("NSA_WANT_PARAMS") == "1":
     import torch

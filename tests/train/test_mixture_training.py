@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from train.core.config import load_config
 from train.core.errors import DataError
 from train.data.mixture import MixtureStream
 from train.trainer.runner import run_training
 
-from .helpers import TINY_CLI, kill9_after, read_csv, run_reference_and_resume, tiny_config
+from .helpers import REPO, TINY_CLI, kill9_after, read_csv, run_reference_and_resume, tiny_config
 
 MIX = ["--data.mixture=[{name: easy, source: synthetic, weight: 3}, {name: hard, source: synthetic, weight: 1}]",
        "--data.stages=[{at: 6, weights: {easy: 1, hard: 3}}]"]
@@ -41,6 +45,12 @@ def test_val_csv_has_each_sources_loss_and_the_weighted_total(tmp_path):
     train = read_csv(out / "training.csv")
     shares = [(float(r["share_easy"]), float(r["share_hard"])) for r in train]
     assert all(abs(a + b - 1) < 1e-12 for a, b in shares)
+    # the monitor shows each source: its share of the rows and its latest validation loss
+    frame = subprocess.run([sys.executable, "scripts/monitor_frame.py", str(out), "--stale-s", "100000"], cwd=REPO,
+                           capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+    line = next(line for line in frame.stdout.splitlines() if line.startswith("sources"))
+    assert f"easy {shares[-1][0]:.1%} of rows, val loss {float(val[-1]['val_loss_easy']):.4f}" in line, line
+    assert f"hard {shares[-1][1]:.1%} of rows" in line
 
 
 def test_halt_then_resume_across_a_stage_boundary_is_bit_for_bit(tmp_path, monkeypatch):
@@ -88,3 +98,85 @@ def test_a_resume_whose_mixture_changed_is_refused_before_anything_is_written(tm
     with pytest.raises(DataError, match="another data mixture"):
         run_training(tiny_config(out, *changed, "--train.steps=8"))
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != ".lock"} == before
+
+
+def byte_dir(path: Path, text: str) -> Path:
+    """A prepared bin: directory of `text` in byte tokens (one token per UTF-8 byte), the last tenth as val."""
+    import json
+
+    import numpy as np
+
+    from train.data.meta import FORMAT, FORMAT_VERSION
+
+    data = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
+    cut = len(data) * 9 // 10
+    path.mkdir(parents=True)
+    data[:cut].tofile(path / "train.bin")
+    data[cut:].tofile(path / "val.bin")
+    splits = {"train": {"file": "train.bin", "tokens": cut, "text_bytes": cut},
+              "val": {"file": "val.bin", "tokens": len(data) - cut, "text_bytes": len(data) - cut}}
+    (path / "meta.json").write_text(json.dumps({"format": FORMAT, "version": FORMAT_VERSION, "tokenizer": "byte",
+                                                "eos_id": 256, "vocab_size": 257, "dtype": "uint16",
+                                                "max_token_id": int(data.max()), "splits": splits}))
+    return path
+
+
+def test_bin_sources_get_bits_per_byte_and_train_evaluate_scores_the_mixture(tmp_path, corpus_path):
+    text = corpus_path.read_text(encoding="utf-8")
+    genesis, psalms = text[:200_000], text[len(text) // 2:len(text) // 2 + 200_000]
+    a, b = byte_dir(tmp_path / "genesis", genesis), byte_dir(tmp_path / "psalms", psalms)
+    out = tmp_path / "run"
+    mix = (f"--data.mixture=[{{name: genesis, source: 'bin:{a}', weight: 0.75}}, "
+           f"{{name: psalms, source: 'bin:{b}', weight: 0.25}}]")
+    assert run_training(tiny_config(out, "--data.tokenizer=byte", mix, "--train.steps=6", "--train.eval_every=3")) == 0
+    row = read_csv(out / "val.csv")[-1]
+    for name in ("genesis", "psalms"):  # one byte per token: bits per byte = loss / ln 2 (val.csv keeps 6 digits)
+        assert float(row[f"bpb_{name}"]) == pytest.approx(float(row[f"val_loss_{name}"]) / math.log(2), rel=1e-5)
+    cmd = [sys.executable, "-m", "train.evaluate", str(out), "--data", "mixture",
+           "--device", "cpu"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    import json
+
+    result = json.loads(proc.stdout)
+    assert set(result["sources"]) == {"genesis", "psalms"}
+    parts = result["sources"]
+    assert result["loss"] == pytest.approx(0.75 * parts["genesis"]["loss"] + 0.25 * parts["psalms"]["loss"], rel=1e-12)
+    assert result["bits_per_byte"] == pytest.approx(0.75 * parts["genesis"]["bits_per_byte"]
+                                                    + 0.25 * parts["psalms"]["bits_per_byte"], rel=1e-12)
+    assert parts["genesis"]["loss"] != parts["psalms"]["loss"]
+    # a run on one source: --data mixture is one line, exit 2
+    single = tmp_path / "single"
+    assert run_training(tiny_config(single, "--data.tokenizer=byte", f"--data.source=bin:{a}", "--train.steps=2")) == 0
+    proc = subprocess.run([*cmd[:3], str(single), *cmd[4:]], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2 and "not a data.mixture" in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+
+
+def test_a_bin_mixture_resumed_on_two_ranks_trains_like_one_rank(tmp_path, corpus_path):
+    """Global batch 8: one rank x 8 for 16 steps, against one rank for steps 1-8 resumed on two gloo ranks x 4 for
+    9-16 over a stage boundary at 10. The same global batches give the one-rank losses to the 1-vs-2-rank tolerance of
+    tests/train/test_distributed.py, and the data states agree."""
+    text = corpus_path.read_text(encoding="utf-8")
+    a, b = byte_dir(tmp_path / "a", text[:150_000]), byte_dir(tmp_path / "b", text[-150_000:])
+    args = ["--model.vocab_size=320", "--model.dim=32", "--model.n_layers=1", "--model.n_heads=2", "--model.ffn_dim=64",
+            "--train.seq_len=16", "--train.steps=16", "--train.log_every=1", "--train.warmup_steps=2",
+            "--train.eval_every=0", "--runtime.device=cpu", "--runtime.threads=1", "--data.tokenizer=byte",
+            f"--data.mixture=[{{name: a, source: 'bin:{a}', weight: 0.5}}, {{name: b, source: 'bin:{b}', weight: 0.5}}]",
+            "--data.stages=[{at: 10, weights: {a: 0.1, b: 0.9}}]"]
+    one, moved = tmp_path / "one", tmp_path / "moved"
+    assert run_training(load_config(None, [*args, f"--train.out_dir={one}", "--train.batch_size=8"])) == 0
+    assert run_training(load_config(None, [*args, f"--train.out_dir={moved}", "--train.batch_size=8",
+                                           "--train.stop_after=8"])) == 0
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "train", *args,
+           "--train.batch_size=4", f"--train.out_dir={moved}"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    x, y = (read_csv(out / "training.csv") for out in (one, moved))
+    assert [r["step"] for r in x] == [r["step"] for r in y] == [str(s) for s in range(1, 17)]
+    assert max(abs(float(p["loss"]) - float(q["loss"])) for p, q in zip(x, y)) < 1e-5
+    assert [r["share_a"] for r in x] == [r["share_a"] for r in y]  # the same rows from each source, step by step
+    ca, cb = (torch.load(out / "checkpoint_step16.pt", weights_only=True) for out in (one, moved))
+    assert ca["data"][0]["step"] == cb["data"][0]["step"] == 16 and ca["data"][0]["mixture"] == cb["data"][0]["mixture"]

@@ -80,6 +80,9 @@ def arm_summary(out_dir: Path, score: dict) -> dict:
         "val_loss": _floats(val_rows, "val_loss"),
         "eval": {k: score.get(k) for k in ("split", "tokens", "loss", "bits_per_token", "bits_per_byte", "step",
                                            "file", "max_tokens")},
+        # a data mixture: each source's own whole-split loss and bits per byte (eval is their weighted sum)
+        "eval_sources": {name: {k: result.get(k) for k in ("tokens", "loss", "bits_per_byte")}
+                         for name, result in (score.get("sources") or {}).items()},
     }
 
 
@@ -235,6 +238,10 @@ def markdown(report: dict) -> str:
     for label, key, spec in (("whole-split tokens", "tokens", ","), ("whole-split loss", "loss", ".4f"),
                              ("bits/byte", "bits_per_byte", ".4f")):
         lines.append(f"| {label} | " + " | ".join(_fmt(a[arm]["eval"][key], spec) for arm in names) + " |")
+    for source in a[names[0]].get("eval_sources", {}):  # a data mixture: the whole-split figures weighted, and each
+        for label, key in (("loss", "loss"), ("bits/byte", "bits_per_byte")):
+            lines.append(f"| {source}: {label} | " + " | ".join(
+                _fmt(a[arm]["eval_sources"].get(source, {}).get(key), ".4f") for arm in names) + " |")
     gaps = []
     for control, (loss_key, bpb_key) in GAP_KEYS.items():
         if control in a:

@@ -575,6 +575,7 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         sections[section][leaf] = value
         origins[section][leaf] = origin
     _one_decay_length(sections["train"], origins["train"])
+    _one_data_choice(sections["data"], origins["data"])
     built = {name: _build(cls, sections[name], f"{where}: {name}", name, origins[name])
              for name, cls in SECTIONS.items()}
     try:
@@ -626,6 +627,17 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         raise ConfigError(f"{where}: train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len="
                           f"{cfg.model.max_seq_len} (learned positions)")
     return cfg
+
+
+def _one_data_choice(data: dict, cli: dict[str, str]) -> None:
+    """The command line's choice of data replaces the file's: --data.mixture drops the file's data.source, and
+    --data.source drops the file's data.mixture and data.stages (set both in one place and the mixture refuses)."""
+    if "mixture" in cli and "source" not in cli:
+        data.pop("source", None)
+    if "source" in cli and "mixture" not in cli:
+        data.pop("mixture", None)
+        if "stages" not in cli:
+            data.pop("stages", None)
 
 
 def data_mixture(cfg: RunConfig) -> Mixture:

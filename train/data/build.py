@@ -66,6 +66,10 @@ class DataBundle:
     def val_names(self) -> tuple[str, ...]:
         return tuple(self._val)
 
+    def val_stream(self, name: str = SINGLE):
+        """The validation stream of `name` itself (a mixture builds each source as alone and takes its stream)."""
+        return self._val[name]
+
     def val_batches(self, n: int, name: str = SINGLE) -> list[tuple[torch.Tensor, torch.Tensor]]:
         val, kept = self._val[name], self._val_windows[name]
         if hasattr(val, "batch_at"):  # stateless sources: recompute, nothing cached
@@ -109,12 +113,9 @@ def build_data(cfg: DataConfig, *, seq_len: int, batch_size: int, vocab_size: in
     pin = bool(pin and cfg.pin_memory and torch.cuda.is_available())
     shape = dict(seq_len=seq_len, batch_size=batch_size, vocab_size=vocab_size, seed=seed, rank=rank,
                  world_size=world_size, accumulate=accumulate, pin=pin)
-    if cfg.mixture is not None:
-        if mixture is None:
-            raise ValueError("build_data: a config with data.mixture needs the parsed mixture (data_mixture(cfg))")
-        if not mixture.single:
-            return _mixture(cfg, mixture, **shape)
-        cfg = _source_config(cfg, mixture.sources[0])  # a mixture of one: that source's batches, as alone
+    if (alone := _alone(cfg, mixture)) is None:
+        return _mixture(cfg, mixture, **shape)
+    cfg = alone
     kind = cfg.source_kind
     if kind == "synthetic":
         return _synthetic(**shape)
@@ -138,6 +139,16 @@ def _source_config(cfg: DataConfig, source: MixtureSource) -> DataConfig:
     return dataclasses.replace(cfg, source=source.source, window_start=source.window_start, mixture=None, stages=None)
 
 
+def _alone(cfg: DataConfig, mixture: Mixture | None) -> DataConfig | None:
+    """The config of the one source this data reads (data.source, or a mixture of one: batches exactly as alone); None
+    for a mixture of several. mixture: the run's (train/core/config.py `data_mixture`), needed with data.mixture."""
+    if cfg.mixture is None:
+        return cfg
+    if mixture is None:
+        raise ValueError("a config with data.mixture needs its parsed mixture (train/core/config.py data_mixture)")
+    return _source_config(cfg, mixture.sources[0]) if mixture.single else None
+
+
 def source_seed(seed: int, name: str) -> int:
     """A mixture source's own seed (its windows), from its name: two sources never share windows by accident, and
     reordering the list keeps each source's windows."""
@@ -149,6 +160,10 @@ def _mixture(cfg: DataConfig, mixture: Mixture, *, seq_len, batch_size, vocab_si
     """Each source built as alone (its own seed, unpinned), drawn from per row by MixtureStream; validation per source."""
     from train.data.mixture import MixtureStream
 
+    plan = mixture_plan(cfg, mixture, seq_len=seq_len, global_batch=batch_size * accumulate * world_size,
+                        vocab_size=vocab_size)
+    if refusal := mixture.epochs_refusal(plan):
+        raise DataError(refusal)
     parts, vals, infos = [], {}, {}
     try:
         for source in mixture.sources:
@@ -159,7 +174,7 @@ def _mixture(cfg: DataConfig, mixture: Mixture, *, seq_len, batch_size, vocab_si
             part = _synthetic(**part_shape) if source.kind == "synthetic" else _bin(part_cfg, Path(source.source[4:]),
                                                                                   **part_shape)
             parts.append(part.train)
-            vals[source.name] = part._val[SINGLE]
+            vals[source.name] = part.val_stream()
             infos[source.name] = part.info
         train = MixtureStream(mixture, parts, seq_len=seq_len, batch_size=batch_size, seed=seed, rank=rank,
                               world_size=world_size, accumulate=accumulate, stream=TRAIN_STREAM, pin=pin)
@@ -167,13 +182,6 @@ def _mixture(cfg: DataConfig, mixture: Mixture, *, seq_len, batch_size, vocab_si
         for stream in [*parts, *vals.values()]:
             stream.close()
         raise
-    sizes = {name: part_info.get("train_tokens") for name, part_info in infos.items()}
-    if refusal := mixture.epochs_refusal(mixture.plan(seq_len=seq_len, global_batch=train.global_batch,
-                                                      source_tokens=sizes)):
-        train.close()
-        for stream in vals.values():
-            stream.close()
-        raise DataError(refusal)
     first = infos[mixture.sources[0].name]
     info = {"source": "mixture", "kind": "mixture", "tokenizer": first.get("tokenizer"), "eos_id": first.get("eos_id"),
             "vocab_size": vocab_size, "seq_len": seq_len, "sources": infos,
@@ -204,10 +212,9 @@ def check_data_source(cfg: DataConfig, *, vocab_size: int, mixture: Mixture | No
     source and its epochs when seq_len and global_batch are given), reading nothing else: the launch's start checks
     (train/trainer/start_checks.py) and preflight. One line describing the source."""
     cfg.validate()
-    if cfg.mixture is not None and mixture is not None and not mixture.single:
+    if (alone := _alone(cfg, mixture)) is None:
         return _check_mixture(cfg, mixture, vocab_size=vocab_size, seq_len=seq_len, global_batch=global_batch)
-    if cfg.mixture is not None and mixture is not None:
-        cfg = _source_config(cfg, mixture.sources[0])
+    cfg = alone
     kind = cfg.source_kind
     if kind == "synthetic":
         resolve_document_mask(cfg.document_mask, None, None)  # synthetic tokens have no EOS
@@ -255,13 +262,12 @@ def train_state_refusal(cfg: DataConfig, states: list, *, seq_len: int, batch_si
     one per rank, of `checkpoint`, written with data.num_workers=saved_num_workers), in the words its load_state_dict
     would raise; None when it can. The launch's start checks decide with it before anything is built
     (train/trainer/start_checks.py)."""
-    if cfg.mixture is not None and mixture is not None and not mixture.single:
+    if (alone := _alone(cfg, mixture)) is None:
         from train.data.mixture import MixtureStream
 
         return global_state_refusal(states[0], kind=MixtureStream.kind, seed=seed, stream=TRAIN_STREAM,
                                     mixture=mixture.identity())
-    if cfg.mixture is not None and mixture is not None:
-        cfg = _source_config(cfg, mixture.sources[0])
+    cfg = alone
     kind = cfg.source_kind
     if kind in ("synthetic", "bin"):  # world-size-free: rank 0's state speaks for all
         stream_kind = SyntheticStream.kind if kind == "synthetic" else MemmapStream.kind

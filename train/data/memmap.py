@@ -44,14 +44,16 @@ class MemmapStream(GlobalBatchOrder):
         if self.n_starts < 1:
             raise DataError(f"{self.path} holds {n_tokens} tokens, fewer than one window of seq_len+1={seq_len + 1} "
                             f"tokens; use a smaller train.seq_len or prepare more data")
-        self.tokens = np.memmap(self.path, dtype=dtype, mode="r", shape=(n_tokens,))
+        # a plain ndarray view of the mapping: indexing a np.memmap builds a memmap subclass per result (measurable at
+        # these batch sizes); the view reads the same pages
+        self.tokens = np.asarray(np.memmap(self.path, dtype=dtype, mode="r", shape=(n_tokens,)))
         self.mask = None
         if loss_mask is not None:
             size = Path(loss_mask).stat().st_size if Path(loss_mask).is_file() else None
             if size != n_tokens:
                 raise DataError(f"{loss_mask}: a loss mask of {size if size is not None else 'no'} bytes for {n_tokens} "
                                 f"tokens in {self.path.name} (one byte per token); prepare the directory again")
-            self.mask = np.memmap(loss_mask, dtype=np.uint8, mode="r", shape=(n_tokens,))
+            self.mask = np.asarray(np.memmap(loss_mask, dtype=np.uint8, mode="r", shape=(n_tokens,)))
         self.starts = None  # [n] int64 window starts at documents, or None: any token
         if document_starts_eos is not None:
             self.starts = document_starts(self.tokens, document_starts_eos, last=self.n_starts - 1)
@@ -63,7 +65,11 @@ class MemmapStream(GlobalBatchOrder):
 
     def window_starts(self, step: int, rows: np.ndarray) -> np.ndarray:
         """Window start (int64) of each global row in `rows` (uint64) of optimizer step `step`."""
-        draws = row_hashes(self._key, step, rows)  # modulo bias < n_starts / 2**64: negligible
+        return self.starts_of(row_hashes(self._key, step, rows))
+
+    def starts_of(self, draws: np.ndarray) -> np.ndarray:
+        """Window starts (int64) for uniform 64-bit draws (uint64): one per row."""
+        # modulo bias < n_starts / 2**64: negligible
         if self.starts is not None:
             return self.starts[(draws % np.uint64(len(self.starts))).astype(np.int64)]
         return self.lo + (draws % np.uint64(self.n_starts)).astype(np.int64)
@@ -72,25 +78,26 @@ class MemmapStream(GlobalBatchOrder):
         """Window starts of this rank's k-th micro-batch (what batch_at(k) reads)."""
         return self.window_starts(*self.rows_at(k))
 
-    def windows(self, step: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-        """(windows [B, T+1] in the file's dtype, excluded [B, T] bool: targets the loss mask drops, or None) of the
-        global rows `rows` of optimizer step `step`: one gather (two with a loss mask)."""
-        at = self.window_starts(step, rows)[:, None] + self._span  # [B, T+1]
+    def windows(self, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """(windows [B, T+1] in the file's dtype, excluded [B, T] bool: targets the loss mask drops, or None) that
+        begin at `starts` ([B] int64): one gather (two with a loss mask)."""
+        at = starts[:, None] + self._span  # [B, T+1]
         excluded = self.mask[at[:, 1:]] == 0 if self.mask is not None else None
         return self.tokens[at], excluded
 
     def rows_batch(self, step: int, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        windows, excluded = self.windows(step, rows)  # [B, T+1] file dtype
-        return windows_to_batch(windows.astype(np.int64), excluded, self.pin)
+        windows, excluded = self.windows(self.window_starts(step, rows))  # [B, T+1] file dtype
+        return windows_to_batch(windows, excluded, self.pin)
 
     def close(self) -> None:
         self.tokens = self.mask = self.starts = None
 
 
 def windows_to_batch(windows: np.ndarray, excluded: np.ndarray | None, pin: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """int64 windows [B, T+1] (and the targets to exclude [B, T], or None) -> x, y [B, T] int64 tensors."""
-    x = torch.from_numpy(np.ascontiguousarray(windows[:, :-1]))
-    y = np.ascontiguousarray(windows[:, 1:])
+    """Windows [B, T+1] of any integer dtype (and the targets to exclude [B, T], or None) -> x, y [B, T] int64 tensors
+    (one conversion each)."""
+    x = torch.from_numpy(windows[:, :-1].astype(np.int64))
+    y = windows[:, 1:].astype(np.int64)
     if excluded is not None:
         y[excluded] = IGNORE_INDEX  # targets the data excludes from the loss
     y = torch.from_numpy(y)
@@ -111,12 +118,18 @@ def _u64(value: int) -> np.uint64:
 
 
 def splitmix64(x):
-    """SplitMix64 finalizer (Steele et al.): a fast, well-mixed 64-bit hash; works on scalars and arrays."""
-    with np.errstate(over="ignore"):
-        x = x + np.uint64(0x9E3779B97F4A7C15)
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return x ^ (x >> np.uint64(31))
+    """SplitMix64 finalizer (Steele et al.): a fast, well-mixed 64-bit hash; works on scalars and arrays (uint64)."""
+    if isinstance(x, np.ndarray):  # arrays wrap on overflow silently; np.errstate costs more than the hash at B = 16
+        return _splitmix64(x)
+    with np.errstate(over="ignore"):  # numpy scalars warn on overflow
+        return _splitmix64(x)
+
+
+def _splitmix64(x):
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
 
 
 def stream_key(seed: int, stream: int) -> np.uint64:

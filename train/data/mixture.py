@@ -2,16 +2,22 @@
 process (the mixture as configured: train/core/mixture.py; docs/DATA.md "Mixtures").
 
 Global row g of optimizer step s draws from source j = the interval of the stage's cumulative weights that
-u = hash(seed, MIXTURE_STREAM, s, g) falls in (53 uniform bits), and reads what that source alone would put in that
-row: its own window of (s, g) (train/data/memmap.py). So the order is a pure function of (seed, step, row, weights),
-the same on any world size and batch split; the state is the step counter and resume is exact. A stage changes the
-weights from its first step on. Per source, its loss mask, EOS-based document masking and window starts apply as
-they would alone; every source's windows are independent of the choice of source (another hash stream).
+u = hash(seed, MIXTURE_STREAM, s, g) falls in (its top 53 bits), and reads the window of source j that u picks among
+that source's window starts (u mod their count: train/data/memmap.py `starts_of`; any token, or document starts with
+window_start=document). Given the source, u is uniform over an interval of at least weight x 2**64 values, so u mod
+n is uniform to within n / (weight x 2**64): the window does not depend on the choice of source. So the order is a
+pure function of (seed, step, row, weights), the same on any world size and batch split; the state is the step
+counter and resume is exact. A stage changes the weights from its first step on. Per source, its loss mask and
+window starts apply as they would alone, and the trainer's EOS-based document masking sees each row's tokens as they
+are. One hash per row, one gather per source drawn, into a batch kept in the sources' dtype: bench/bench_mixture.py.
+Synthetic sources generate their rows from their own seed (train/data/build.py `source_seed`).
 
 The realised rows per source are counted over each whole global batch (every rank counts the same), for the share
 logged beside the weights (`shares`).
 """
 from __future__ import annotations
+
+import bisect
 
 import numpy as np
 import torch
@@ -21,8 +27,6 @@ from train.data.memmap import MemmapStream, row_hashes, stream_key, windows_to_b
 from train.data.state import GlobalBatchOrder, expect_global_state
 
 MIXTURE_STREAM = 0x6D697874  # "mixt": the hash stream that picks a row's source (not a window stream)
-
-
 class MixtureStream(GlobalBatchOrder):
     kind = "mixture"
 
@@ -39,32 +43,39 @@ class MixtureStream(GlobalBatchOrder):
             cum[-1] = 1.0
             self._cuts.append((cum * float(1 << 53)).astype(np.uint64))
         self._starts = [stage.start for stage in mixture.stages]
+        # the batch's dtype: the sources' own when they agree (one conversion to int64 at the end), else int64
+        dtypes = {part.tokens.dtype for part in parts if isinstance(part, MemmapStream)}
+        self._dtype = dtypes.pop() if len(dtypes) == 1 else np.dtype(np.int64)
         self.rows_per_source = np.zeros(len(parts), dtype=np.int64)  # over whole global batches of counted steps
         self._counted_steps = 0
 
     def sources_of(self, step: int, rows: np.ndarray) -> np.ndarray:
         """[len(rows)] int64: the source index of each global row (uint64) of optimizer step `step`."""
-        stage = int(np.searchsorted(self._starts, step, side="right")) - 1
-        u = row_hashes(self._key, step, rows) >> np.uint64(11)  # 53 uniform bits
-        return np.searchsorted(self._cuts[stage], u, side="right").astype(np.int64)
+        return self._pick(step, row_hashes(self._key, step, rows))
+
+    def _pick(self, step: int, hashes: np.ndarray) -> np.ndarray:
+        cuts = self._cuts[bisect.bisect_right(self._starts, step) - 1]  # the stage of `step`
+        return np.searchsorted(cuts, hashes >> np.uint64(11), side="right")  # top 53 bits -> source index
 
     def rows_batch(self, step: int, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        which = self.sources_of(step, rows)  # [B]
-        windows = np.empty((len(rows), self.seq_len + 1), dtype=np.int64)  # [B, T+1]
-        excluded = None  # [B, T] bool, where any source has a loss mask
-        synthetic = {}
-        for j in np.unique(which):  # one gather per source, straight into the batch
+        hashes = row_hashes(self._key, step, rows)  # [B] uint64
+        which = self._pick(step, hashes)  # [B]
+        windows = np.empty((len(rows), self.seq_len + 1), dtype=self._dtype)  # [B, T+1]
+        excluded = None  # [B, T] bool, where a source has a loss mask
+        synthetic = []
+        for j, part in enumerate(self.parts):  # one gather per source drawn, straight into the batch
             picked = np.flatnonzero(which == j)
-            part = self.parts[j]
-            if not isinstance(part, MemmapStream):  # synthetic: its own rows as tensors
-                synthetic[j] = (picked, part.rows_batch(step, rows[picked]))
+            if not len(picked):
                 continue
-            windows[picked], part_excluded = part.windows(step, rows[picked])
+            if not isinstance(part, MemmapStream):  # synthetic: its own rows, as tensors
+                synthetic.append((picked, part.rows_batch(step, rows[picked])))
+                continue
+            windows[picked], part_excluded = part.windows(part.starts_of(hashes[picked]))
             if part_excluded is not None:
                 excluded = np.zeros((len(rows), self.seq_len), dtype=bool) if excluded is None else excluded
                 excluded[picked] = part_excluded
         x, y = windows_to_batch(windows, excluded, pin=False)
-        for picked, (xj, yj) in synthetic.values():
+        for picked, (xj, yj) in synthetic:
             index = torch.from_numpy(picked)
             x[index], y[index] = xj, yj
         return (x.pin_memory(), y.pin_memory()) if self.pin else (x, y)

@@ -16,7 +16,7 @@ import math
 import re
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +24,9 @@ import torch
 
 from train.checkpoint.io import load_checkpoint, model_from_checkpoint, resolve_checkpoint
 from train.core.distributed import autocast_context, resolve_precision
+from train.core.data_config import DataConfig
 from train.core.errors import UserError
+from train.core.mixture import parse_mixture
 from train.evaluation.eval_batch import batch_size_for
 from train.evaluation.eval_data import DOCUMENT_KINDS, data_kind, load_eval_tokens
 from train.evaluation.scoring import count_windows, score_stream
@@ -39,7 +41,7 @@ PROGRESS_EVERY_S = 5.0
 class EvalRequest:
     """What to score; None picks the default the command line documents (`python -m train.evaluate --help`)."""
     checkpoint: Path  # a checkpoint file or a run directory (its newest valid checkpoint)
-    data: str  # bin:DIR | text:GLOB | jsonl:GLOB | parquet:GLOB
+    data: str  # bin:DIR | text:GLOB | jsonl:GLOB | parquet:GLOB | mixture (evaluate_mixture)
     split: str | None = None  # bin: only; train | val (default val)
     seq_len: int | None = None  # default: the checkpoint's train.seq_len
     stride: int | None = None  # default seq_len (non-overlapping windows)
@@ -111,6 +113,45 @@ def pick_device(requested: str) -> torch.device:
 def bits_per_byte(nll_sum: float, text_bytes: int | None) -> float | None:
     """Summed nats over the scored targets / (UTF-8 bytes of the text x ln 2)."""
     return nll_sum / (text_bytes * math.log(2)) if text_bytes else None
+
+
+MIXTURE = "mixture"  # --data mixture: each source of the checkpoint's own data.mixture
+
+
+def mixture_sources(config: dict) -> dict[str, tuple[str, float]]:
+    """{source name: (its bin: spec, its weight)} of a checkpoint config's data.mixture (the first stage's weights: the
+    mixture as configured); UserError when it was trained on one source."""
+    data = config.get("data") or {}
+    if not data.get("mixture"):
+        raise UserError(f"--data {MIXTURE}: the checkpoint was trained on data.source={data.get('source')!r}, not a "
+                        f"data.mixture; give --data bin:DIR")
+    known = {f for f in DataConfig.__dataclass_fields__}
+    data_cfg = replace(DataConfig(**{k: v for k, v in data.items() if k in known}), stages=None)
+    mixture = parse_mixture(data_cfg, steps=config["train"]["steps"], decay_start=None)
+    return {s.name: (s.source, w) for s, w in zip(mixture.sources, mixture.stages[0].weights)}
+
+
+def weighted_result(results: dict[str, dict], weights: dict[str, float]) -> dict:
+    """Several sources' results as one: loss, bits per token and bits per byte weighted (bits per byte only when every
+    source records its bytes), tokens summed, each source's own result under "sources"."""
+    first = next(iter(results.values()))
+    bpb = [r.get("bits_per_byte") for r in results.values()]
+    return {"split": first.get("split"), "step": first.get("step"), "max_tokens": first.get("max_tokens"),
+            "tokens": sum(r["tokens"] for r in results.values()),
+            "loss": sum(weights[n] * r["loss"] for n, r in results.items()),
+            "bits_per_token": sum(weights[n] * r["bits_per_token"] for n, r in results.items()),
+            "bits_per_byte": None if None in bpb else sum(weights[n] * r["bits_per_byte"] for n, r in results.items()),
+            "weights": weights, "sources": results}
+
+
+def evaluate_mixture(args: EvalRequest) -> dict:
+    """--data mixture: every source of the checkpoint's data.mixture scored as `evaluate` scores one (its own
+    eval_<name>.json each, named <name>_<source> with --name), and their weighted_result."""
+    checkpoint = resolve_checkpoint(args.checkpoint).resolve()
+    sources = mixture_sources(load_checkpoint(checkpoint)["config"])
+    results = {name: evaluate(replace(args, data=spec, name=f"{args.name}_{name}" if args.name else None))
+               for name, (spec, _) in sources.items()}
+    return weighted_result(results, {name: w for name, (_, w) in sources.items()})
 
 
 def evaluate(args: EvalRequest) -> dict:

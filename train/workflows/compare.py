@@ -16,10 +16,10 @@ import yaml
 
 from train.analysis.compare_report import GAP_KEYS, build_report, write_report
 from train.core.artifacts import read_metrics
-from train.core.config import dump_config, load_config
+from train.core.config import RunConfig, data_mixture, dump_config, load_config
 from train.core.env import one_gpu_environment
 from train.core.errors import ConfigError, UserError
-from train.evaluation.evaluate import EvalRequest, default_name, evaluate
+from train.evaluation.evaluate import EvalRequest, default_name, evaluate, weighted_result
 from train.evaluation.needle import TRIALS as NEEDLE_TRIALS
 from train.evaluation.needle import needle_checkpoint, refuse_byte_tokenizer
 from train.evaluation.recall import probe_checkpoint, recall_spec_of
@@ -62,9 +62,9 @@ def arm_configs(config: Path, overrides: list[str], out: Path) -> dict[str, dict
     if cfg.model.nsa.window_only:
         raise ConfigError(f"{config}: nsa.gates is 'window'; train.compare takes an NSA config (nsa.gates: learned) "
                           "and derives the window-only control from it")
-    if cfg.data.source_kind != "bin":
+    if any(source.kind != "bin" for source in data_mixture(cfg).sources):
         raise ConfigError(f"{config}: data.source={cfg.data.source!r}; train.compare scores every arm on the whole "
-                          "validation split of a prepared directory: --data.source=bin:DIR "
+                          "validation split of a prepared directory (of each, for a data.mixture): --data.source=bin:DIR "
                           "(python -m train.data.prepare --source text:FILE --out DIR)")
     twin = copy.deepcopy(cfg)
     twin.model.attention = "dense"  # dump_config leaves out the nsa section of a dense model
@@ -217,6 +217,22 @@ class ArmFailed(Exception):
         self.exit_code = code if code > 0 else 1
 
 
+def eval_sources(cfg: RunConfig) -> dict[str, tuple[str, float]]:
+    """{source name: (its bin: spec, its weight)} the arms are scored on: data.source alone (weight 1), or every
+    source of data.mixture with its first stage's weight (the mixture as configured)."""
+    mixture = data_mixture(cfg)
+    return {s.name: (s.source, w) for s, w in zip(mixture.sources, mixture.stages[0].weights)}
+
+
+def evaluate_sources(out_dir: Path, sources: dict[str, tuple[str, float]], max_tokens: int | None) -> dict:
+    """evaluate_arm on each source's whole validation split; one source: its result as it is, several: their
+    weighted_result (train/evaluation/evaluate.py, as train.evaluate --data mixture gives)."""
+    results = {name: evaluate_arm(out_dir, spec, max_tokens) for name, (spec, _) in sources.items()}
+    if len(results) == 1:
+        return next(iter(results.values()))
+    return weighted_result(results, {name: w for name, (_, w) in sources.items()})
+
+
 def evaluate_arm(out_dir: Path, data_spec: str, max_tokens: int | None) -> dict:
     """train.evaluate on the arm's newest checkpoint, whole validation split; an earlier result for the
     same step and token limit is reused."""
@@ -288,8 +304,9 @@ def probe_spec(doc: dict, zero_shot: bool, line_format: str | None) -> tuple[Rec
     """(the recall probe's spec, whether the arms trained on the task) for a comparison of `doc`'s arms: a recall
     corpus's own spec (its lines in line_format when given); with zero_shot on other data, zero_shot_recall_spec;
     else (None, False). UserError for a format that does not exist or has no probe to spell."""
-    spec = recall_spec_of(doc["data"]["source"])
-    trained = spec is not None
+    data = [entry["source"] for entry in doc["data"].get("mixture") or []] or [doc["data"]["source"]]
+    spec = next((found for source in data if (found := recall_spec_of(source))), None)
+    trained = spec is not None  # a recall corpus is the data, or one source of its mixture
     if line_format is not None and line_format not in FORMATS:
         raise UserError(f"--recall_format {line_format!r}: one of {', '.join(FORMATS)}")
     if line_format is not None and not (zero_shot or trained):
@@ -339,7 +356,7 @@ def compare_twins(config: Path, overrides: list[str], out: Path, *, side_by_side
         raise UserError(f"--needle_trials {needle_trials}: a positive number of trials per depth, with --needle")
     docs = arm_configs(config, overrides, out)
     lengths = needle_lengths(needle, docs["nsa"]) if needle is not None else []
-    data_spec = docs["nsa"]["data"]["source"]
+    sources = eval_sources(load_config(config, overrides))
     recall_spec, trained_on_recall = probe_spec(docs["nsa"], recall_probe, recall_format)
     out_dirs = {arm: out / arm for arm in arms}
     if dense_from is not None:
@@ -350,7 +367,7 @@ def compare_twins(config: Path, overrides: list[str], out: Path, *, side_by_side
     paths = write_arm_configs(out, docs, arms)
     to_train = tuple(arm for arm in arms if out_dirs[arm] == out / arm and not _finished(arm, out_dirs[arm], docs[arm]))
     train_arms(paths, out, out_dirs, to_train, at_once=min(gpus, len(to_train)) or 1)
-    scores = {arm: evaluate_arm(out_dirs[arm], data_spec, eval_max_tokens) for arm in arms}
+    scores = {arm: evaluate_sources(out_dirs[arm], sources, eval_max_tokens) for arm in arms}
     recall = None
     if recall_spec is not None:  # a recall corpus, or --recall_probe: every arm takes the probe
         how = "its training task" if trained_on_recall else "zero-shot, none trained on it"
