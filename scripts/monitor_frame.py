@@ -30,9 +30,10 @@ import time
 from pathlib import Path
 
 from train.core.artifacts import (
-    ANOMALY, CONFIG_YAML, CRASHED, GATE_STATS, HALT, HEARTBEAT_GLOB, RUN_INFO, SELECTION_HEALTH, SELECTION_STATS,
-    SHARE_PREFIX, STACKDUMP_GLOB, TASKS_CSV, TRAIN_CSV, VAL_CSV, WRITE_FAILED, checkpoint_files, heartbeat_name, latest_task_rows,
-    nsa_layer_statistics, nsa_statistics, read_csv, read_heartbeat, read_kv, read_metrics, task_label,
+    ANOMALY, BPB_PREFIX, CONFIG_YAML, CRASHED, GATE_STATS, HALT, HEARTBEAT_GLOB, RUN_INFO, SELECTION_HEALTH,
+    SELECTION_STATS, SHARE_PREFIX, STACKDUMP_GLOB, TASKS_CSV, TRAIN_CSV, VAL_CSV, VAL_LOSS_PREFIX, WRITE_FAILED,
+    checkpoint_files, heartbeat_name, latest_task_rows, nsa_layer_statistics, nsa_statistics, read_csv, read_heartbeat,
+    read_kv, read_metrics, task_label,
 )
 from train.core.env import number, text
 from train.observe.run_status import run_status
@@ -173,16 +174,16 @@ def mixture_line(val_rows: list[dict], train_rows: list[dict]) -> str | None:
     last_val = val_rows[-1] if val_rows else {}
     last_train = train_rows[-1] if train_rows else {}
     names = [k[len(SHARE_PREFIX):] for k in last_train if k.startswith(SHARE_PREFIX)]
-    names = names or [k[len("val_loss_"):] for k in last_val if k.startswith("val_loss_")]
+    names = names or [k[len(VAL_LOSS_PREFIX):] for k in last_val if k.startswith(VAL_LOSS_PREFIX)]
     if not names:
         return None
     parts = []
     for name in names:
         share = to_float(last_train.get(SHARE_PREFIX + name))
         part = f"{name} {share:.1%} of rows" if share is not None else name
-        if f"val_loss_{name}" in last_val:
-            part += (f", val loss {fmt_num(to_float(last_val.get(f'val_loss_{name}')))} bpb "
-                     f"{fmt_num(to_float(last_val.get(f'bpb_{name}')))}")
+        if VAL_LOSS_PREFIX + name in last_val:
+            part += (f", val loss {fmt_num(to_float(last_val.get(VAL_LOSS_PREFIX + name)))} bpb "
+                     f"{fmt_num(to_float(last_val.get(BPB_PREFIX + name)))}")
         parts.append(part)
     return "sources     " + " | ".join(parts)
 

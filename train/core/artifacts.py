@@ -46,8 +46,8 @@ VAL_FIELDS = ["step", "val_loss", "ppl"]
 # a data mixture adds, per source NAME (docs/ARTIFACTS.md): val.csv val_loss_NAME (its own validation split's mean
 # loss) and bpb_NAME (bits per byte, where the split records its text bytes), training.csv share_NAME (the share of
 # the rows so far that came from it); val_loss is then the sum of the sources' losses weighted as the current stage
-VAL_SOURCE_PREFIXES = ("val_loss_", "bpb_")
-SHARE_PREFIX = "share_"
+VAL_LOSS_PREFIX, BPB_PREFIX, SHARE_PREFIX = "val_loss_", "bpb_", "share_"
+VAL_SOURCE_PREFIXES = (VAL_LOSS_PREFIX, BPB_PREFIX)
 
 
 def val_fields(sources: tuple[str, ...] = ()) -> list[str]:

@@ -24,7 +24,7 @@ import torch.nn as nn
 from nsa.gate_health import gate_health, selection_health, set_gate_stats
 from nsa.profiling import nvtx_range
 from train.checkpoint.train_state import TrainState
-from train.core.artifacts import layer_key
+from train.core.artifacts import BPB_PREFIX, SHARE_PREFIX, VAL_LOSS_PREFIX, layer_key
 from train.core.config import TrainConfig
 from train.core.distributed import DistInfo, all_reduce_mean, autocast_context, no_sync
 from train.observe.efficiency import Efficiency
@@ -182,7 +182,7 @@ class Loop:
             "tokens_seen": state.tokens_seen, "skipped_steps": state.skipped_steps,
             "spike_skipped_steps": state.spike_skipped_steps,
             **self.efficiency.columns(toks_per_s), "interval_steps": self.i_steps, **gate,
-            **{f"share_{name}": share for name, share in self.data.shares().items()},
+            **{SHARE_PREFIX + name: share for name, share in self.data.shares().items()},
         }
         self._reset_interval()
         return row
@@ -213,8 +213,8 @@ class Loop:
             val = sum(w * loss for w, loss in zip(weights, losses))
             for name, loss in zip(names, losses):
                 bytes_per_token = self.data.val_bytes_per_token(name)
-                row[f"val_loss_{name}"] = loss
-                row[f"bpb_{name}"] = loss / math.log(2) / bytes_per_token if bytes_per_token else float("nan")
+                row[VAL_LOSS_PREFIX + name] = loss
+                row[BPB_PREFIX + name] = loss / math.log(2) / bytes_per_token if bytes_per_token else float("nan")
         self.state.last_val_loss = val
         self.state.best_val_loss = min(self.state.best_val_loss, val)
         return {"val_loss": val, "ppl": math.exp(min(val, 50.0)), **row}
