@@ -203,3 +203,58 @@ def test_sources_of_two_tokenizers_or_too_many_epochs_are_refused_alike_by_launc
                                env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, cuda=False)
         assert any(f.detail == str(err.value) for f in report.failures), report.render()
         assert not out.exists()
+
+
+# ---- a stream source in the mixture ------------------------------------------------------------------------------
+
+def stream_mixture_args(dirs, jsonl_dir: Path, steps: int = 100) -> list[str]:
+    return ["--data.tokenizer=byte", "--model.vocab_size=100032", f"--train.steps={steps}",
+            f"--data.mixture=[{{name: kjv, source: 'jsonl:{jsonl_dir}/*.jsonl', weight: 1}}, "
+            f"{{name: code, source: 'bin:{dirs['code']}', weight: 1}}]", "--data.tokenize_batch_docs=4",
+            "--data.val_fraction=0.2"]  # 40 chapters: a fifth held out for validation
+
+
+def test_a_stream_source_fills_its_rows_in_reading_order_and_resumes_exactly(dirs, docs, tmp_path):
+    from tests.data.conftest import write_jsonl
+    from train.data.build import train_state_refusal
+
+    write_jsonl(tmp_path / "kjv", docs, n_files=2)
+    cfg = load_config(None, stream_mixture_args(dirs, tmp_path / "kjv"))
+    data = bundle(cfg, batch_size=4)
+    assert not data.train.any_world_size and data.val_names == ("kjv", "code")
+    for step in range(10):
+        x, _ = data.train.next_batch()
+        chosen = data.train.sources_of(step, np.arange(4, dtype=np.uint64))
+        for row, j in zip(x, chosen):  # byte tokens (< 257) from the stream, ids >= 30,000 from the bin: directory
+            assert (int(row.max()) < 257) == (data.mixture.names[j] == "kjv")
+    state = data.train.state_dict()
+    assert set(state["streams"]) == {"kjv"} and state["step"] == 10
+    after = [data.train.next_batch() for _ in range(10)]
+    resumed = bundle(cfg, batch_size=4)
+    resumed.train.load_state_dict(state)
+    for (x, y), (rx, ry) in zip(after, (resumed.train.next_batch() for _ in range(10))):
+        assert torch.equal(x, rx) and torch.equal(y, ry)
+    # its validation: the stream's hashed-out documents
+    vx, _ = data.val_batches(1, "kjv")[0]
+    assert int(vx.max()) < 257
+    # another world size: the stream's one-line refusal, as a stream alone gives
+    refusal = train_state_refusal(cfg.data, [state], seq_len=T, batch_size=2, vocab_size=100032, seed=5,
+                                  world_size=2, saved_num_workers=0, checkpoint="ck.pt", mixture=data_mixture(cfg))
+    assert refusal and "was written by 1 rank(s)" in refusal and "\n" not in refusal
+    assert train_state_refusal(cfg.data, [state], seq_len=T, batch_size=4, vocab_size=100032, seed=5, world_size=1,
+                               saved_num_workers=0, checkpoint="ck.pt", mixture=data_mixture(cfg)) is None
+    for bundle_ in (data, resumed):
+        bundle_.close()
+
+
+def test_stream_sources_refuse_max_epochs_and_bin_sources_refuse_a_val_source(dirs, tmp_path):
+    bad = [
+        (f"[{{name: a, source: 'jsonl:{tmp_path}/*.jsonl', weight: 1, max_epochs: 2}}]", "max_epochs needs a bin: source"),
+        (f"[{{name: a, source: 'bin:{dirs['web']}', weight: 1, val_source: 'jsonl:x.jsonl'}}]",
+         "validates on its own val split"),
+        (f"[{{name: a, source: 'jsonl:{tmp_path}/*.jsonl', weight: 1, val_source: 'bin:{dirs['web']}'}}]",
+         "val_source must be a stream source"),
+    ]
+    for mixture, words in bad:
+        with pytest.raises(ConfigError, match=words):
+            load_config(None, ["--data.tokenizer=byte", f"--data.mixture={mixture}"])

@@ -180,3 +180,29 @@ def test_a_bin_mixture_resumed_on_two_ranks_trains_like_one_rank(tmp_path, corpu
     assert [r["share_a"] for r in x] == [r["share_a"] for r in y]  # the same rows from each source, step by step
     ca, cb = (torch.load(out / "checkpoint_step16.pt", weights_only=True) for out in (one, moved))
     assert ca["data"][0]["step"] == cb["data"][0]["step"] == 16 and ca["data"][0]["mixture"] == cb["data"][0]["mixture"]
+
+
+def test_a_mixture_with_a_stream_source_resumes_bit_for_bit_after_kill9(tmp_path, corpus_path):
+    """A jsonl stream beside a bin: directory: killed with SIGKILL after its step-60 checkpoint and resumed with the
+    same command, every logged loss and the final weights and data state (the stream's reader position too) are those
+    of the uninterrupted run."""
+    from tests.data.conftest import write_jsonl
+
+    text = corpus_path.read_text(encoding="utf-8")
+    chapters = text.split("\n\n")
+    write_jsonl(tmp_path / "kjv", [f"{h}\n{b}" for h, b in zip(chapters[0::2], chapters[1::2])][:300], n_files=3)
+    psalms = byte_dir(tmp_path / "psalms", text[len(text) // 2:len(text) // 2 + 100_000])
+    args = [*TINY_CLI, "--data.tokenizer=byte", "--data.val_fraction=0.05", "--data.tokenize_batch_docs=4",
+            f"--data.mixture=[{{name: kjv, source: 'jsonl:{tmp_path / 'kjv'}/*.jsonl', weight: 1}}, "
+            f"{{name: psalms, source: 'bin:{psalms}', weight: 1}}]", "--data.stages=[{at: 100, weights: {kjv: 1}}]",
+            "--train.steps=150", "--train.warmup_steps=5", "--train.save_every=10", "--train.eval_every=50"]
+    reference, out = tmp_path / "reference", tmp_path / "killed"
+    assert 60 <= kill9_after(args, out, "checkpoint_step60.pt") < 150
+    run_reference_and_resume(args, reference, out)
+    keys = ("step", "loss", "grad_norm", "lr", "share_kjv", "share_psalms")
+    assert [tuple(r[k] for k in keys) for r in read_csv(out / "training.csv")] == \
+        [tuple(r[k] for k in keys) for r in read_csv(reference / "training.csv")]
+    assert read_csv(out / "val.csv") == read_csv(reference / "val.csv")
+    assert same_weights(reference / "checkpoint_step150.pt", out / "checkpoint_step150.pt")  # data states included
+    state = torch.load(out / "checkpoint_step150.pt", weights_only=True)["data"][0]
+    assert state["streams"]["kjv"]["batches"] > 0

@@ -592,7 +592,7 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             raise ConfigError(f"{where}: model.attn_backend has no effect with model.attention='nsa' (it picks the "
                               "dense attention kernel; NSA's kernels are chosen by nsa.kernel)")
         data = DataConfig(**built["data"])
-        if data.source_kind == "bin" or data.mixture is not None:  # a mixture takes bin: and synthetic sources
+        if (data.source_kind == "bin" or data.mixture is not None) and not data.reads_streams:
             ignored = sorted(set(sections["data"]) & set(STREAM_ONLY_DATA_KEYS))
             if ignored:
                 raise ConfigError(f"{where}: data.{ignored[0]} has no effect with a bin: source (prepared tokens are read "
@@ -660,7 +660,7 @@ def dump_config(cfg: RunConfig) -> str:
         doc["model"].pop("attn_backend")
         if cfg.model.nsa.window_only:
             doc["nsa"] = {k: v for k, v in doc["nsa"].items() if k in WINDOW_FIELDS}
-    if cfg.data.source_kind == "bin" or cfg.data.mixture is not None:
+    if (cfg.data.source_kind == "bin" or cfg.data.mixture is not None) and not cfg.data.reads_streams:
         for key in STREAM_ONLY_DATA_KEYS:
             doc["data"].pop(key)
     if cfg.model.pos_emb != "rope":

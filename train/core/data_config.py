@@ -68,6 +68,13 @@ class DataConfig:
     def source_kind(self) -> str:
         return self.source.split(":", 1)[0]
 
+    @property
+    def reads_streams(self) -> bool:
+        """Whether data.source, or a source of data.mixture, is a stream (the stream-only keys below apply)."""
+        kinds = [str(e.get("source", "")).split(":", 1)[0] for e in self.mixture if isinstance(e, dict)] \
+            if self.mixture else [self.source_kind]
+        return any(kind not in ("bin", "synthetic") for kind in kinds)
+
     def validate(self) -> None:
         """The checks of the data section alone; a mixture is checked with the run's steps (train/core/mixture.py)."""
         check_source("data.source", self.source)

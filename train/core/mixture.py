@@ -23,14 +23,15 @@ SOURCE_KEYS = ("name", "source", "weight", "val_source", "window_start", "max_ep
 STAGE_KEYS = ("at", "weights")
 DECAY = "decay"  # a stage that begins with the WSD decay (the usual cooldown mix)
 SINGLE = "data"  # the name of data.source when there is no mixture
+WORLD_SIZE_FREE = ("bin", "synthetic")  # source kinds whose batches are a function of (step, row): any world size
 
 
 @dataclass(frozen=True)
 class MixtureSource:
     name: str
-    source: str  # bin:DIR | synthetic (the syntax of data.source)
+    source: str  # the syntax of data.source: bin:DIR | synthetic | a stream (text:, jsonl:, parquet:, hf:, fineweb_edu)
     weight: float  # before normalising; the first stage's share is weight / sum(weights)
-    val_source: str | None = None  # a separate validation source (stream sources only)
+    val_source: str | None = None  # a stream source's separate validation source (else its hashed-out documents)
     window_start: str = "any"  # bin: sources: any | document (data.window_start, per source)
     max_epochs: float | None = None  # refuse a plan that reads more than this many epochs of the source
 
@@ -55,6 +56,11 @@ class Mixture:
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(s.name for s in self.sources)
+
+    @property
+    def any_world_size(self) -> bool:
+        """Every source is a function of (step, row): resume on any world size (a stream's position is per rank)."""
+        return all(s.kind in WORLD_SIZE_FREE for s in self.sources)
 
     @property
     def single(self) -> bool:
@@ -159,9 +165,6 @@ def _parse_source(i: int, entry, data: DataConfig) -> MixtureSource:
         raise DataError(f"{where}.source: expected text such as bin:DIR, got {source!r}")
     check_source(f"{where}.source", source)
     kind = source.split(":", 1)[0]
-    if kind not in ("bin", "synthetic"):
-        raise DataError(f"{where}.source={source!r}: a mixture takes bin: and synthetic sources; prepare a stream source "
-                        f"first (python -m train.data.prepare --source {source} ...) and name its directory")
     weight = _number(entry["weight"], f"{where}.weight")
     if weight < 0:
         raise DataError(f"{where}.weight must be >= 0, got {entry['weight']!r}")
@@ -173,9 +176,20 @@ def _parse_source(i: int, entry, data: DataConfig) -> MixtureSource:
     max_epochs = entry.get("max_epochs")
     if max_epochs is not None and not _number(max_epochs, f"{where}.max_epochs") > 0:
         raise DataError(f"{where}.max_epochs must be a positive number, got {max_epochs!r}")
-    if entry.get("val_source") is not None:
-        raise DataError(f"{where}.val_source: a bin: or synthetic source validates on its own val split; drop the key")
-    return MixtureSource(name, source, weight, None, window_start,
+    if max_epochs is not None and kind != "bin":
+        raise DataError(f"{where}.max_epochs needs a bin: source (the size of a {kind} source is not known before it "
+                        f"is read); drop the key")
+    val_source = entry.get("val_source")
+    if val_source is not None:
+        if kind in WORLD_SIZE_FREE:
+            raise DataError(f"{where}.val_source: a bin: or synthetic source validates on its own val split; drop the key")
+        if not isinstance(val_source, str):
+            raise DataError(f"{where}.val_source: expected text such as jsonl:GLOB, got {val_source!r}")
+        check_source(f"{where}.val_source", val_source)
+        if val_source.split(":", 1)[0] in WORLD_SIZE_FREE:
+            raise DataError(f"{where}.val_source must be a stream source (text:/jsonl:/parquet:/hf:/fineweb_edu), "
+                            f"got {val_source!r}")
+    return MixtureSource(name, source, weight, val_source, window_start,
                          None if max_epochs is None else float(max_epochs))
 
 

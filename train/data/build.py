@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from train.core.data_config import DataConfig, resolve_document_mask
-from train.core.mixture import SINGLE, Mixture, MixtureSource
+from train.core.mixture import SINGLE, WORLD_SIZE_FREE, Mixture, MixtureSource
 from train.core.errors import DataError
 from train.data.memmap import MemmapStream
 from train.data.meta import dtype_for_vocab, read_meta, split_tokens
@@ -136,7 +136,8 @@ def build_data(cfg: DataConfig, *, seq_len: int, batch_size: int, vocab_size: in
 
 def _source_config(cfg: DataConfig, source: MixtureSource) -> DataConfig:
     """The data config of one mixture source read alone."""
-    return dataclasses.replace(cfg, source=source.source, window_start=source.window_start, mixture=None, stages=None)
+    return dataclasses.replace(cfg, source=source.source, val_source=source.val_source, window_start=source.window_start,
+                               mixture=None, stages=None)
 
 
 def _alone(cfg: DataConfig, mixture: Mixture | None) -> DataConfig | None:
@@ -171,8 +172,12 @@ def _mixture(cfg: DataConfig, mixture: Mixture, *, seq_len, batch_size, vocab_si
             part_shape = dict(seq_len=seq_len, batch_size=batch_size, vocab_size=vocab_size,
                               seed=source_seed(seed, source.name), rank=rank, world_size=world_size,
                               accumulate=accumulate, pin=False)
-            part = _synthetic(**part_shape) if source.kind == "synthetic" else _bin(part_cfg, Path(source.source[4:]),
-                                                                                  **part_shape)
+            if source.kind == "synthetic":
+                part = _synthetic(**part_shape)
+            elif source.kind == "bin":
+                part = _bin(part_cfg, Path(source.source[4:]), **part_shape)
+            else:  # a stream: one row per next_batch(), read as the mixture picks its rows
+                part = _stream(part_cfg, **{**part_shape, "batch_size": 1})
             parts.append(part.train)
             vals[source.name] = part.val_stream()
             infos[source.name] = part.info
@@ -265,24 +270,41 @@ def train_state_refusal(cfg: DataConfig, states: list, *, seq_len: int, batch_si
     if (alone := _alone(cfg, mixture)) is None:
         from train.data.mixture import MixtureStream
 
-        return global_state_refusal(states[0], kind=MixtureStream.kind, seed=seed, stream=TRAIN_STREAM,
-                                    mixture=mixture.identity())
+        refusal = global_state_refusal(states[0], kind=MixtureStream.kind, seed=seed, stream=TRAIN_STREAM,
+                                       mixture=mixture.identity())
+        if refusal or mixture.any_world_size:
+            return refusal
+        streams = {s.name: _source_config(cfg, s) for s in mixture.sources if s.kind not in WORLD_SIZE_FREE}
+        return _streams_refusal(cfg, states, streams, seq_len=seq_len, batch_size=1, vocab_size=vocab_size,
+                                world_size=world_size, saved_num_workers=saved_num_workers, checkpoint=checkpoint)
     cfg = alone
     kind = cfg.source_kind
-    if kind in ("synthetic", "bin"):  # world-size-free: rank 0's state speaks for all
+    if kind in WORLD_SIZE_FREE:  # rank 0's state speaks for all
         stream_kind = SyntheticStream.kind if kind == "synthetic" else MemmapStream.kind
         return global_state_refusal(states[0], kind=stream_kind, seed=seed, stream=TRAIN_STREAM)
+    return _streams_refusal(cfg, states, {None: cfg}, seq_len=seq_len, batch_size=batch_size, vocab_size=vocab_size,
+                            world_size=world_size, saved_num_workers=saved_num_workers, checkpoint=checkpoint)
+
+
+def _streams_refusal(cfg: DataConfig, states: list, streams: dict[str | None, DataConfig], *, seq_len: int,
+                     batch_size: int, vocab_size: int, world_size: int, saved_num_workers: int,
+                     checkpoint: str) -> str | None:
+    """Whether stream sources (name -> its config; None: the run's one source, whose state is the rank's whole
+    state) continue from the ranks' `states`: the same world size and readers, and each stream's identity."""
     from train.data.stream import stream_identity
 
     if refusal := stream_resume_refusal(len(states), world_size, saved_num_workers, cfg.num_workers, checkpoint=checkpoint):
         return refusal
-    tokenizer_name = _checked_tokenizer(cfg, vocab_size).name
-    for rank, state in enumerate(states):
-        expected = stream_identity(source=cfg.source, role=_train_role(cfg), tokenizer_name=tokenizer_name,
-                                   seq_len=seq_len, batch_size=batch_size, rank=rank, world_size=world_size,
-                                   num_workers=cfg.num_workers, split_seed=cfg.split_seed, val_fraction=cfg.val_fraction)
-        if refusal := identity_refusal(state, expected):
-            return refusal
+    for name, stream_cfg in streams.items():
+        tokenizer_name = _checked_tokenizer(stream_cfg, vocab_size).name
+        for rank, state in enumerate(states):
+            expected = stream_identity(source=stream_cfg.source, role=_train_role(stream_cfg),
+                                       tokenizer_name=tokenizer_name, seq_len=seq_len, batch_size=batch_size, rank=rank,
+                                       world_size=world_size, num_workers=stream_cfg.num_workers,
+                                       split_seed=stream_cfg.split_seed, val_fraction=stream_cfg.val_fraction)
+            saved = state if name is None else ((state or {}).get("streams") or {}).get(name)
+            if refusal := identity_refusal(saved, expected):
+                return refusal
     return None
 
 

@@ -12,6 +12,12 @@ window starts apply as they would alone, and the trainer's EOS-based document ma
 are. One hash per row, one gather per source drawn, into a batch kept in the sources' dtype: bench/bench_mixture.py.
 Synthetic sources generate their rows from their own seed (train/data/build.py `source_seed`).
 
+A stream source (text:, jsonl:, parquet:, hf:, fineweb_edu) gives the rows it is picked for in the order it reads
+them: its StreamBatches yields one row per next_batch(), and its reader positions join the state under "streams".
+Which rows it fills is still the pure function above; what they hold is the stream's next windows, so a mixture
+with a stream resumes exactly at the same world size and data.num_workers, and refuses another in one line (as a
+stream alone does).
+
 The realised rows per source are counted over each whole global batch (every rank counts the same), for the share
 logged beside the weights (`shares`).
 """
@@ -28,6 +34,9 @@ from train.data.state import GlobalBatchOrder, expect_global_state
 
 MIXTURE_STREAM = 0x6D697874  # "mixt": the hash stream that picks a row's source (not a window stream)
 class MixtureStream(GlobalBatchOrder):
+    """parts: one per mixture source, in its order: MemmapStream / SyntheticStream (world-size-free) or StreamBatches
+    built with batch_size 1."""
+
     kind = "mixture"
 
     def __init__(self, mixture: Mixture, parts: list[GlobalBatchOrder], *, seq_len: int, batch_size: int, seed: int,
@@ -35,6 +44,7 @@ class MixtureStream(GlobalBatchOrder):
         self._init_order(batch_size=batch_size, rank=rank, world_size=world_size, accumulate=accumulate,
                          seed=seed, stream=stream)
         self.mixture, self.parts, self.seq_len, self.pin = mixture, parts, seq_len, pin
+        self.any_world_size = mixture.any_world_size  # a stream source's position is per rank
         self._key = stream_key(seed, MIXTURE_STREAM ^ stream)
         # per stage: cumulative shares scaled to 2**53, the last exactly 2**53, so u < 2**53 always lands in one
         self._cuts = []
@@ -67,8 +77,12 @@ class MixtureStream(GlobalBatchOrder):
             picked = np.flatnonzero(which == j)
             if not len(picked):
                 continue
-            if not isinstance(part, MemmapStream):  # synthetic: its own rows, as tensors
+            if isinstance(part, GlobalBatchOrder) and not isinstance(part, MemmapStream):  # synthetic: its rows
                 synthetic.append((picked, part.rows_batch(step, rows[picked])))
+                continue
+            if not isinstance(part, MemmapStream):  # a stream: its next rows, one [1, T] batch each, in order
+                rows_read = [part.next_batch() for _ in picked]
+                synthetic.append((picked, (torch.cat([r[0] for r in rows_read]), torch.cat([r[1] for r in rows_read]))))
                 continue
             windows[picked], part_excluded = part.windows(part.starts_of(hashes[picked]))
             if part_excluded is not None:
@@ -92,13 +106,21 @@ class MixtureStream(GlobalBatchOrder):
         total = max(1, int(self.rows_per_source.sum()))
         return {name: int(n) / total for name, n in zip(self.mixture.names, self.rows_per_source)}
 
+    def _streams(self) -> dict[str, object]:
+        """{name: part} of the stream sources (their positions are per rank: resume needs the same world size)."""
+        return {name: part for name, part in zip(self.mixture.names, self.parts)
+                if not isinstance(part, GlobalBatchOrder)}
+
     def state_dict(self) -> dict:
-        return {**super().state_dict(), "mixture": self.mixture.identity()}
+        streams = {name: part.state_dict() for name, part in self._streams().items()}
+        return {**super().state_dict(), "mixture": self.mixture.identity(), **({"streams": streams} if streams else {})}
 
     def load_state_dict(self, state: dict) -> None:
         split = {"batch_size": self.batch_size, "accumulate": self.accumulate, "world_size": self.world_size}
         step = expect_global_state(state, kind=self.kind, seed=self.seed, stream=self.stream,
                                    global_batch=self.global_batch, split=split, mixture=self.mixture.identity())
+        for name, part in self._streams().items():  # each raises the stream's one-line refusal on another identity
+            part.load_state_dict((state.get("streams") or {}).get(name))
         self.calls = step * self.accumulate
         self.rows_per_source[:] = 0
         self._counted_steps = 0
