@@ -45,6 +45,12 @@ def test_val_csv_has_each_sources_loss_and_the_weighted_total(tmp_path):
     train = read_csv(out / "training.csv")
     shares = [(float(r["share_easy"]), float(r["share_hard"])) for r in train]
     assert all(abs(a + b - 1) < 1e-12 for a, b in shares)
+    # the run summary's evaluations carry each source's loss too
+    import json
+
+    summary = json.loads(next(out.glob("run_*.json")).read_text())
+    assert [e["val_loss_hard"] for e in summary["eval_steps"]] == pytest.approx([float(r["val_loss_hard"]) for r in val],
+                                                                             rel=1e-5)
     # the monitor shows each source: its share of the rows and its latest validation loss
     frame = subprocess.run([sys.executable, "scripts/monitor_frame.py", str(out), "--stale-s", "100000"], cwd=REPO,
                            capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})

@@ -21,7 +21,8 @@ import torch
 
 from train.checkpoint import io as ckpt_io
 from train.checkpoint.train_state import TrainState
-from train.core.artifacts import METRICS_JSON, RUN_SUMMARY_NAME, TASKS_CSV, WRITE_FAILED, latest_task_rows, read_csv
+from train.core.artifacts import (METRICS_JSON, RUN_SUMMARY_NAME, TASKS_CSV, VAL_SOURCE_PREFIXES, WRITE_FAILED,
+                                  latest_task_rows, read_csv)
 from train.core.config import RunConfig
 from train.core.distributed import DistInfo
 from train.observe.efficiency import Efficiency
@@ -66,7 +67,8 @@ class RunSummary:
         if kind == "train":
             self.history.append({"step": step, **fields(row)})
         elif kind == "eval":
-            self.evals.append({"iter": step, "val_loss": row["val_loss"], "ppl": row["ppl"]})
+            per_source = {k: v for k, v in row.items() if k.startswith(VAL_SOURCE_PREFIXES)}  # a data mixture's
+            self.evals.append({"iter": step, "val_loss": row["val_loss"], "ppl": row["ppl"], **per_source})
         elif kind == "tasks":
             for scores in row["tasks"]:
                 self.task_evals.append({"iter": step, "tokens_seen": row.get("tokens_seen"), **scores})
