@@ -92,11 +92,11 @@ def kill9_after(args: list[str], out: Path, checkpoint: str) -> int:
     step its training.csv logged. AssertionError when the run finished before the kill."""
     proc = spawn(*args, f"--train.out_dir={out}")
     try:
-        wait_for(lambda: (out / checkpoint).exists(), what=checkpoint)
+        wait_for(lambda: (out / checkpoint).exists() or proc.poll() is not None, what=checkpoint)
     finally:
         proc.kill()
-        proc.communicate(timeout=30)
-    assert proc.returncode == -9, "the run finished before the kill"
+        _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == -9, f"the run ended before the kill (exit {proc.returncode}): {stderr[-2000:]}"
     return max(int(r["step"]) for r in read_csv(out / "training.csv"))
 
 

@@ -13,8 +13,8 @@ import re
 
 # what is tested: (oldest, newest) of each
 SUPPORTED = {
-    "python": ("3.10", "3.12"),
-    "torch": ("2.9.1", "2.13.0"),  # torch 2.7.1 (the production launch plan's) is not: docs/STACKS.md
+    "python": ("3.10", "3.13"),
+    "torch": ("2.9.1", "2.15.0"),  # torch 2.7.1 (the production launch plan's) is not: docs/STACKS.md
     "triton": ("3.5.1", "3.9.0"),  # the Triton kernels (nsa/triton_support.py); below it NSA runs its torch path
 }
 # feature (as the config names it) -> (the oldest torch that has it, what it is)
