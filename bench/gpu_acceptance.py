@@ -108,7 +108,7 @@ def cuda_tests(args) -> dict:
     if args.device != "cuda":
         return {"ok": True, "skipped": "needs CUDA (on CPU the suite runs these kernels in Triton's interpreter)"}
     files = CUDA_TESTS_FULL if args.full else CUDA_TESTS_FIRST
-    code, out = run([PY, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", *files], args.limit)
+    code, out = run([PY, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", *files], args.limit)
     tail = [line for line in out.strip().splitlines() if " passed" in line or " failed" in line or "error" in line]
     failed = [line for line in out.splitlines() if line.startswith(("FAILED ", "ERROR "))]
     return {"ok": code == 0, "exit": code, "result": tail[-1] if tail else out[-500:], "failed": failed[:20]}

@@ -73,9 +73,14 @@ def corpus_path() -> Path:
 
 
 # environment variables that are not a test's to keep: pytest's own, and those torch's inductor writes for itself the
-# first time it runs (its cache directory, its own bookkeeping: TORCHINDUCTOR_CACHE_DIR, _TORCHINDUCTOR_...)
+# first time it runs (its cache directory, its own bookkeeping: TORCHINDUCTOR_CACHE_DIR, _TORCHINDUCTOR_...; on CUDA
+# also Triton's cache directory and the ptxas it ships, first seen on an H200 with torch 2.11)
+INDUCTOR_SETS = ("TRITON_CACHE_DIR", "TRITON_PTXAS_PATH")
+
+
 def not_process_state(name: str) -> bool:
-    return name == "PYTEST_CURRENT_TEST" or name.startswith(("TORCHINDUCTOR_", "_TORCHINDUCTOR_"))
+    return (name == "PYTEST_CURRENT_TEST" or name in INDUCTOR_SETS
+            or name.startswith(("TORCHINDUCTOR_", "_TORCHINDUCTOR_")))
 
 
 def process_state() -> dict:

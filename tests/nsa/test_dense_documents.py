@@ -60,7 +60,9 @@ def alone(attend, q, k, v, rows):
 
 
 def grads(out, *xs, seed=1):
-    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=out.dtype)
+    # drawn in float64 whatever out's dtype (randn's draws differ by dtype), on the CPU generator whatever its device
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    w = w.to(out.device, out.dtype)
     return torch.autograd.grad((out * w).sum(), xs)
 
 

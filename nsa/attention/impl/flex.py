@@ -78,16 +78,27 @@ def _run_flex(site: str, q, k, v, block_mask: BlockMask) -> torch.Tensor:
     compiled wrapper (dynamic=False: one kernel per shape; offsets live in the mask_mod's captured tensors, so
     a new chunk offset reuses it). Devices outside COMPILE_DEVICES (CPU forward tests) run the unfused path."""
     gqa = q.shape[1] != k.shape[1]
+    options = _kernel_options(q, k)
     audit(site, "flex_attention", q, k)
     if torch.compiler.is_compiling():
-        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=gqa, kernel_options=options)
     if q.device.type not in COMPILE_DEVICES:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-            return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+            return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=gqa, kernel_options=options)
     if COMPILE_BACKEND not in _compiled_flex:
         _compiled_flex[COMPILE_BACKEND] = torch.compile(flex_attention, dynamic=False, backend=COMPILE_BACKEND)
-    return _compiled_flex[COMPILE_BACKEND](q, k, v, block_mask=block_mask, enable_gqa=gqa)
+    return _compiled_flex[COMPILE_BACKEND](q, k, v, block_mask=block_mask, enable_gqa=gqa, kernel_options=options)
+
+
+def _kernel_options(q: torch.Tensor, k: torch.Tensor) -> dict | None:
+    """Inductor lowers a query shorter than 128 to its flex-decoding kernel, whose row tile is the next power of
+    two of Tq * (H / H_kv); when that tile exceeds the mask's 128-row block, every config is rejected and the
+    compile fails with NoValidChoicesError (torch 2.9 - 2.15; first met on an H200: 33 queries x 4 heads per key
+    head). Such shapes go to the main flex kernel, which takes any length; decode steps (Tq * groups <= 128)
+    keep the decoding kernel."""
+    rows_per_tile = q.shape[2] * (q.shape[1] // k.shape[1])
+    return {"FORCE_USE_FLEX_ATTENTION": True} if q.shape[2] < BLOCK < rows_per_tile else None
 
 
 def _compressed_mask_mod(q_start: torch.Tensor, l: int, d: int):
