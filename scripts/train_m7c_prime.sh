@@ -174,7 +174,7 @@ fi
 # ---- training ------------------------------------------------------------------------------------
 info "$RUN_INFO" train_start "$(now_iso)"
 log "training -> $RUN_DIR/train.log (stop gracefully: touch $OUT_DIR/.HALT or Ctrl-C)"
-run_logged_training "$RUN_DIR" "$OUT_DIR" "$RUN_INFO"
+run_training_through_outages "$RUN_DIR" "$OUT_DIR" "$RUN_INFO"
 train_rc=$TRAIN_RC
 case "$train_rc" in
   0)
@@ -184,6 +184,10 @@ case "$train_rc" in
   4)  # a full disk: not relaunched (it would fail again); the checkpoints before it are intact
     finish 4 "a file could not be written: $(write_failure_line "$RUN_DIR")"
     die "training stopped: a file could not be written ($(write_failure_line "$RUN_DIR")); free disk space, then rerun the same command to resume" 4
+    ;;
+  75)  # the data stayed unreachable through DATA_OUTAGE_RESUMES resumes; the checkpoint of the last stop is intact
+    finish 75 "data outage: $(data_outage_line "$RUN_DIR")"
+    die "training stopped: the data stayed unreachable ($(data_outage_line "$RUN_DIR")) through ${DATA_OUTAGE_RESUMES:-6} resumes; rerun the same command to resume from $(newest_checkpoint "$OUT_DIR")" 75
     ;;
   3)
     finish 3 "anomaly halt: $(cat "$OUT_DIR/.anomaly_type" 2>/dev/null || echo see train.log)"

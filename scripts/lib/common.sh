@@ -399,7 +399,8 @@ run_logged_training() {
     case "$final_status" in
       anomaly) TRAIN_RC=3 ;;
       write_failed) TRAIN_RC=4 ;;
-      stopped) TRAIN_RC=0 ;;
+      stopped)  # a graceful stop, or every rank stopped together on a data outage (exit 75, a checkpoint written)
+        if [ "$(metrics_field "$out_dir" stop_reason)" = "data outage" ]; then TRAIN_RC=75; else TRAIN_RC=0; fi ;;
       running) "$PY" -m train.run_status mark-crashed "$out_dir" "$TRAIN_RC" >/dev/null || true ;;
     esac
   fi
@@ -410,6 +411,33 @@ run_logged_training() {
   info "$run_info" last_checkpoint "$(newest_checkpoint "$out_dir")"
   restarts=$(metrics_field "$out_dir" data_restarts)  # data.restart_on_change: where the data started afresh
   if [ -n "$restarts" ] && [ "$restarts" != "[]" ]; then info "$run_info" data_restarts "$restarts"; fi
+}
+
+# run_training_through_outages RUN_DIR OUT_DIR RUN_INFO: run_logged_training, and after a data outage (TRAIN_RC 75: a
+# stream source stayed unreachable past data.retry_max / data.retry_max_s and every rank stopped after the same step
+# with a checkpoint) wait DATA_OUTAGE_WAIT_S seconds (default 300) and run the same command again, which resumes from
+# that checkpoint; at most DATA_OUTAGE_RESUMES times (default 6; 0: never). Each outage is a data_outage line in
+# RUN_INFO. TRAIN_RC as run_logged_training sets it: 75 when the last launch met an outage too.
+run_training_through_outages() {
+  local run_dir=$1 out_dir=$2 run_info=$3 resumes=0
+  local wait_s=${DATA_OUTAGE_WAIT_S:-300} most=${DATA_OUTAGE_RESUMES:-6}
+  while :; do
+    run_logged_training "$run_dir" "$out_dir" "$run_info"
+    [ "$TRAIN_RC" -eq 75 ] || return 0
+    if [ "$resumes" -ge "$most" ]; then
+      info "$run_info" data_outage "$(data_outage_line "$run_dir"); not resumed: DATA_OUTAGE_RESUMES=$most spent"
+      return 0
+    fi
+    resumes=$((resumes + 1))
+    info "$run_info" data_outage "$(data_outage_line "$run_dir"); resume $resumes of $most in ${wait_s}s"
+    log "data outage at step $(metrics_field "$out_dir" step): $(data_outage_line "$run_dir"); resuming in ${wait_s}s ($resumes of $most)"
+    sleep "$wait_s"
+  done
+}
+
+# data_outage_line RUN_DIR: the trainer's one line for a data outage, from train.log
+data_outage_line() {
+  grep -h '^data outage on rank' "$1/train.log" 2>/dev/null | tail -n 1 | sed 's/^data outage on rank [0-9]*: //'
 }
 
 # write_failure_line RUN_DIR: the trainer's one line for a file it could not write (exit 4), from train.log

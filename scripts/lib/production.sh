@@ -250,12 +250,14 @@ prod_launch() {
   lock_out_dir "$OUT_DIR"
   info "$RUN_DIR/run.info" train_start "$(now_iso)"
   log "training -> $RUN_DIR/train.log | monitor: bash scripts/monitor_production_50k.sh | stop: touch $OUT_DIR/.HALT"
-  run_logged_training "$RUN_DIR" "$OUT_DIR" "$RUN_DIR/run.info"
+  run_training_through_outages "$RUN_DIR" "$OUT_DIR" "$RUN_DIR/run.info"
   local rc=$TRAIN_RC
   info "$RUN_DIR/run.info" end "$(now_iso)"
   info "$RUN_DIR/run.info" exit_code "$rc"
   if [ "$rc" -eq 3 ]; then
     die "training halted on an anomaly ($(cat "$OUT_DIR/.anomaly_type" 2>/dev/null || echo see train.log)); last good checkpoint kept in $OUT_DIR" 3
+  elif [ "$rc" -eq 75 ]; then
+    die "training stopped: the data stayed unreachable ($(data_outage_line "$RUN_DIR")) through ${DATA_OUTAGE_RESUMES:-6} resumes; rerun to resume" 75
   elif [ "$rc" -eq 4 ]; then
     die "training stopped: a file could not be written ($(write_failure_line "$RUN_DIR")); free disk space, then rerun to resume" 4
   elif [ "$rc" -ne 0 ]; then

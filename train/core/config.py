@@ -40,6 +40,9 @@ class TrainConfig:
     out_dir: str = "artifacts/run"  # every artefact of the run (docs/ARTIFACTS.md)
     steps: int = 1000  # optimizer steps; the LR schedule's horizon
     stop_after: int = 0  # stop (checkpoint, exit 0) after this many steps in this invocation; 0 = never
+    # each rank's heartbeat 'train' record carries batch_digest: a hash of the tokens it trained on in the interval
+    # (a check that a resume or a retried read replays the data exactly; one hash of each batch on the host)
+    batch_digest: bool = False
     seed: int = 1337  # model init, data order and dropout derive from it
     seq_len: int = 1024  # tokens per training sequence
     batch_size: int = 8  # micro-batch per rank
@@ -327,7 +330,8 @@ ALIASES: dict[str, object] = {
 # data keys that only stream sources read (a bin: source reads prepared tokens in-process)
 STREAM_ONLY_DATA_KEYS = ("subset", "split", "text_field", "text_sample_by", "val_fraction", "val_source", "split_seed",
                          "num_workers", "persistent_workers", "prefetch_factor", "tokenize_batch_docs",
-                         "synthetic_on_fail", "first_batch_timeout_s")
+                         "synthetic_on_fail", "first_batch_timeout_s", "retry_max", "retry_max_s", "read_timeout_s",
+                         "spool_dir")
 
 # seed flags accepted as documented no-ops: flag -> why nothing needs to happen (printed as a note)
 NO_OP_FLAGS: dict[str, str] = {

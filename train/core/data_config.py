@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 from train.core.errors import DataError
 
+# seconds a rank waits in the ranks' host-side agreements (stop votes; train/core/distributed.py's control group)
+AGREEMENT_TIMEOUT_S = 1800.0
 WINDOW_STARTS = ("any", "document")
 SOURCE_KINDS = ("synthetic", "bin", "fineweb_edu", "text", "jsonl", "parquet", "hf")
 TEXT_SAMPLE_BY = ("document", "paragraph", "line")
@@ -47,6 +49,16 @@ class DataConfig:
     synthetic_on_fail: bool = False
     # seconds allowed for the first training batch of a stream source
     first_batch_timeout_s: float = 120.0
+    # stream sources, a read that fails transiently (refused / reset connection, timeout, HTTP 429 / 5xx, truncated
+    # body) is retried with exponential backoff and jitter: at most this many failures in a row without progress ...
+    retry_max: int = 8
+    # ... and at most this many seconds since the outage's first failure; then every rank stops together with a
+    # checkpoint and exit code 75 (docs/DATA.md "Remote sources"; must stay below the ranks' agreement timeout)
+    retry_max_s: float = 600.0
+    # a read of a remote file that receives nothing for this many seconds is a stall (retried)
+    read_timeout_s: float = 60.0
+    # where remote shards are copied while they are read (removed after); null: the system's temp directory
+    spool_dir: str | None = None
     # attend within documents only (EOS opens a document; docs/NSA.md "Documents"): null = on for a new run
     # whose tokenizer has an EOS, and as the checkpoint was trained when resuming; true / false force it
     document_mask: bool | None = None
@@ -97,6 +109,15 @@ class DataConfig:
             raise DataError(f"data.tokenize_batch_docs must be >= 1, got {self.tokenize_batch_docs}")
         if not self.first_batch_timeout_s > 0:
             raise DataError(f"data.first_batch_timeout_s must be > 0, got {self.first_batch_timeout_s}")
+        if self.retry_max < 0:
+            raise DataError(f"data.retry_max must be >= 0, got {self.retry_max}")
+        if not self.read_timeout_s > 0:
+            raise DataError(f"data.read_timeout_s must be > 0, got {self.read_timeout_s}")
+        if not 0 <= self.retry_max_s + self.read_timeout_s <= AGREEMENT_TIMEOUT_S * 0.8:
+            raise DataError(f"data.retry_max_s + data.read_timeout_s = {self.retry_max_s + self.read_timeout_s:g}s must be "
+                            f"within 0 .. {AGREEMENT_TIMEOUT_S * 0.8:g}s: the other ranks wait at most "
+                            f"{AGREEMENT_TIMEOUT_S:g}s for a rank whose reads are failing before the run fails instead of "
+                            f"stopping with a checkpoint")
         if self.window_start not in WINDOW_STARTS:
             raise DataError(f"data.window_start must be one of {', '.join(WINDOW_STARTS)}, got {self.window_start!r}")
         if self.window_start != "any" and self.source_kind != "bin" and self.mixture is None:

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from train.core.config import RuntimeConfig
+from train.core.data_config import AGREEMENT_TIMEOUT_S
 from train.core.env import launch_ranks
 from train.core.errors import ConfigError
 
@@ -47,11 +49,14 @@ def init_distributed(runtime: RuntimeConfig) -> DistInfo:
     device = resolve_device(runtime.device, local_rank)
     control = None
     if world > 1:
+        agreement = timedelta(seconds=AGREEMENT_TIMEOUT_S)
         if not dist.is_initialized():
             backend = "nccl" if device.type == "cuda" else "gloo"
-            dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
-        # stop votes and start-up decisions travel as CPU tensors: no device sync, no NCCL stream
-        control = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+            dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None,
+                                    **({"timeout": agreement} if backend == "gloo" else {}))
+        # stop votes and start-up decisions travel as CPU tensors: no device sync, no NCCL stream. A rank whose data
+        # reads are failing joins its vote within data.retry_max_s (checked against this timeout at config time)
+        control = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo", timeout=agreement)
     return DistInfo(rank, world, local_rank, device, control)
 
 
@@ -140,7 +145,7 @@ def gather_objects(obj, info: DistInfo) -> list:
     if not info.enabled:
         return [obj]
     out = [None] * info.world_size
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=info.control_group)  # over the CPU group: no device sync
     return out
 
 

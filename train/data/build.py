@@ -83,6 +83,35 @@ class DataBundle:
         """{source: share of the training rows so far} of a mixture (empty without one)."""
         return self.train.shares() if self.mixture is not None else {}
 
+    def reading_ahead(self, micro_batches: int) -> "DataBundle":
+        """This bundle with its training stream read one optimizer step ahead (train/data/lookahead.py): what a stream
+        source needs for its ranks to stop together when the data is unreachable."""
+        from train.data.lookahead import Lookahead
+
+        self.train = Lookahead(self.train, micro_batches)
+        return self
+
+    @property
+    def reads_ahead(self) -> bool:
+        """Whether the training stream is read one step ahead (a stream source is in it)."""
+        return hasattr(self.train, "read_ahead")
+
+    def read_ahead(self) -> str | None:
+        """Read the next step's micro-batches now (streams; nothing to do for bin: and synthetic sources): the one line
+        of a data outage, or None."""
+        return self.train.read_ahead() if hasattr(self.train, "read_ahead") else None
+
+    def retry_counts(self) -> dict | None:
+        """This rank's read retries of its stream sources, training and validation together (None when it reads no
+        stream): retries, stalls, wait_s, last_error."""
+        counts = [c for c in (getattr(s, "retry_counts", lambda: None)() for s in (self.train, *self._val.values()))
+                  if c is not None]
+        if not counts:
+            return None
+        return {"retries": sum(c["retries"] for c in counts), "stalls": sum(c["stalls"] for c in counts),
+                "wait_s": sum(c["wait_s"] for c in counts),
+                "last_error": next((c["last_error"] for c in counts if c["last_error"]), "")}
+
     def val_bytes_per_token(self, name: str) -> float | None:
         """UTF-8 bytes per token of a mixture source's validation split (its meta.json), None where unknown."""
         part = self.info.get("sources", {}).get(name, {})
@@ -114,7 +143,8 @@ def build_data(cfg: DataConfig, *, seq_len: int, batch_size: int, vocab_size: in
     shape = dict(seq_len=seq_len, batch_size=batch_size, vocab_size=vocab_size, seed=seed, rank=rank,
                  world_size=world_size, accumulate=accumulate, pin=pin)
     if (alone := _alone(cfg, mixture)) is None:
-        return _mixture(cfg, mixture, **shape)
+        bundle = _mixture(cfg, mixture, **shape)
+        return bundle.reading_ahead(accumulate) if not mixture.any_world_size else bundle
     cfg = alone
     kind = cfg.source_kind
     if kind == "synthetic":
@@ -124,7 +154,7 @@ def build_data(cfg: DataConfig, *, seq_len: int, batch_size: int, vocab_size: in
     from train.data.sources import StreamUnavailable
 
     try:
-        return _stream(cfg, **shape)
+        return _stream(cfg, **shape).reading_ahead(accumulate)
     except StreamUnavailable as e:
         if not cfg.synthetic_on_fail:
             raise
@@ -231,14 +261,30 @@ def check_data_source(cfg: DataConfig, *, vocab_size: int, mixture: Mixture | No
         return f"{data_dir}: train {counts['train']:,} tokens, val {counts['val']:,} tokens ({meta.tokenizer})"
     where = "remote, not checked before the launch"
     if kind in ("text", "jsonl", "parquet"):
-        from train.data.sources import local_files
-
-        where = f"{len(local_files(cfg.source))} file(s)"
+        where = f"{len(_stream_files(cfg, cfg.source))} file(s)"
         if cfg.val_source and cfg.val_source.partition(":")[0] in ("text", "jsonl", "parquet"):
-            local_files(cfg.val_source)
+            _stream_files(cfg, cfg.val_source)
     tokenizer = _checked_tokenizer(cfg, vocab_size)
     resolve_document_mask(cfg.document_mask, tokenizer.eos_id, None)
     return f"{cfg.source}: {where}, tokenizer {tokenizer.name}"
+
+
+def _stream_files(cfg: DataConfig, source: str) -> list[str]:
+    """The files of a text:/jsonl:/parquet: source: a local glob's matches, or its URLs each looked up once (a
+    malformed URL, an unknown protocol, a missing package, a missing file: one line)."""
+    from train.data.remote import expand_urls, is_remote, split_urls
+    from train.data.sources import local_files
+
+    kind, _, arg = source.partition(":")
+    if is_remote(arg):
+        return expand_urls(split_urls(source), retry_policy(cfg), f"{kind}:")
+    return local_files(source)
+
+
+def retry_policy(cfg: DataConfig):
+    from train.data.remote import RetryPolicy
+
+    return RetryPolicy(retry_max=cfg.retry_max, retry_max_s=cfg.retry_max_s, read_timeout_s=cfg.read_timeout_s)
 
 
 def mixture_plan(cfg: DataConfig, mixture: Mixture, *, seq_len: int, global_batch: int, vocab_size: int) -> list[dict]:
@@ -383,11 +429,13 @@ def _stream(cfg: DataConfig, *, seq_len, batch_size, vocab_size, seed, rank, wor
     from train.data.stream import StreamBatches
 
     tokenizer = _checked_tokenizer(cfg, vocab_size)
-    open_args = dict(subset=cfg.subset, split=cfg.split, text_field=cfg.text_field, text_sample_by=cfg.text_sample_by)
+    policy = retry_policy(cfg)
+    open_args = dict(subset=cfg.subset, split=cfg.split, text_field=cfg.text_field, text_sample_by=cfg.text_sample_by,
+                     policy=policy, spool_dir=cfg.spool_dir)
     stream_args = dict(tokenizer_name=tokenizer.name, text_field=cfg.text_field, split_seed=cfg.split_seed,
                        val_fraction=cfg.val_fraction, seq_len=seq_len, batch_size=batch_size,
                        tokenize_batch_docs=cfg.tokenize_batch_docs, world_size=world_size, pin=pin,
-                       persistent_workers=cfg.persistent_workers, prefetch_factor=cfg.prefetch_factor)
+                       persistent_workers=cfg.persistent_workers, prefetch_factor=cfg.prefetch_factor, retry=policy)
 
     def open_train():
         ds = open_documents(cfg.source, **open_args)

@@ -100,11 +100,21 @@ class MixtureStream(GlobalBatchOrder):
             self.rows_per_source += np.bincount(self.sources_of(s, all_rows), minlength=len(self.parts))
         self._counted_steps = max(self._counted_steps, step)
 
-    def shares(self) -> dict[str, float]:
-        """{source name: share of the rows of every whole optimizer step so far} (all ranks together)."""
-        self._count_until(self.step)
+    def shares(self, until: int | None = None) -> dict[str, float]:
+        """{source name: share of the rows of every whole optimizer step so far, or before step `until`} (all ranks
+        together)."""
+        self._count_until(self.step if until is None else until)
         total = max(1, int(self.rows_per_source.sum()))
         return {name: int(n) / total for name, n in zip(self.mixture.names, self.rows_per_source)}
+
+    def retry_counts(self) -> dict | None:
+        """The read retries of this rank's stream sources together (None without one)."""
+        counts = [part.retry_counts() for part in self._streams().values()]
+        if not counts:
+            return None
+        return {"retries": sum(c["retries"] for c in counts), "stalls": sum(c["stalls"] for c in counts),
+                "wait_s": sum(c["wait_s"] for c in counts),
+                "last_error": next((c["last_error"] for c in counts if c["last_error"]), "")}
 
     def _streams(self) -> dict[str, object]:
         """{name: part} of the stream sources (their positions are per rank: resume needs the same world size)."""

@@ -21,6 +21,7 @@ import numpy as np
 
 from train.core.errors import DataError
 from train.data.meta import FORMAT, FORMAT_VERSION, dtype_for_vocab
+from train.data.remote import Retrier, RetryPolicy
 from train.data.sources import ReaderPlan, is_held_out, iter_documents, open_documents
 from train.data.tokenizers import load_tokenizer
 
@@ -134,7 +135,8 @@ def document_chunks(source: str, *, subset: str | None, split: str, text_field: 
                     max_docs: int | None = None):
     """The source's documents, read once in order, as lists of up to CHUNK_DOCS texts (what prepare tokenizes)."""
     ds = open_documents(source, subset=subset, split=split, text_field=text_field, text_sample_by=text_sample_by)
-    documents = iter_documents(ds, ReaderPlan.make(ds.n_shards, 1, 0), text_field, keep=lambda text: True, once=True)
+    documents = iter_documents(ds, ReaderPlan.make(ds.n_shards, 1, 0), text_field, keep=lambda text: True, once=True,
+                               retrier=Retrier(RetryPolicy()))  # remote files: read through faults (remote.py)
     return _chunks(documents, max_docs)
 
 

@@ -28,6 +28,7 @@ from train.data.preparation import (
     hold_out_tail,
     no_text_error,
 )
+from train.data.remote import Retrier, RetryPolicy
 from train.data.sources import ReaderPlan, iter_documents, open_documents
 from train.data.tokenizers import load_tokenizer
 
@@ -79,7 +80,7 @@ def _tokenize_shard(job: dict) -> dict:
     ds = open_documents(p["source"], subset=p["subset"], split=p["split"], text_field=p["text_field"],
                         text_sample_by=p["text_sample_by"])
     documents = iter_documents(ds, ReaderPlan(tuple(range(lo, hi)), 1, 0), p["text_field"],
-                               keep=lambda text: True, once=True)
+                               keep=lambda text: True, once=True, retrier=Retrier(RetryPolicy(), seed=i))
     writers = {s: SplitWriter(shards, f"shard_{i}.{s}", np.dtype(p["dtype"])) for s in SPLIT_NAMES}
     for chunk in _chunks(documents, None):
         for split, part in _tokenize_chunk(chunk).items():

@@ -5,8 +5,11 @@
     text:GLOB     -> load_dataset("text", data_files=..., sample_by=document|paragraph|line, streaming=True)
     jsonl:GLOB    -> load_dataset("json", data_files=..., streaming=True)      (field data.text_field)
     parquet:GLOB  -> load_dataset("parquet", data_files=..., streaming=True)   (column data.text_field)
+    text:/jsonl:/parquet:URL[,URL...] -> remote.RemoteFiles: each file spooled when read, then the same builder
 
-A shard is one data file (ds.shard(n_shards, i)); a position is (shard, document index in it).
+A shard is one data file (ds.shard(n_shards, i)); a position is (shard, document index in it). With a Retrier,
+a transient read failure reopens the shard at the document it stopped before (remote.py: the budget, the counts);
+nothing is read twice or skipped.
 Readers (rank x DataLoader worker) split the shards, or the documents when there are fewer
 shards than readers, so they are disjoint and together complete. Validation documents are
 those whose keyed hash falls below val_fraction; training skips exactly those.
@@ -20,6 +23,8 @@ from typing import Iterator
 
 from train.core.errors import DataError
 from train.core.optional import require
+from train.data.remote import (RemoteFiles, Retrier, RetryPolicy, configure_hub_retries, expand_urls, is_remote,
+                               split_urls)
 
 FINEWEB_EDU = "HuggingFaceFW/fineweb-edu"
 FINEWEB_EDU_DEFAULT_SUBSET = "sample-10BT"
@@ -38,11 +43,17 @@ def local_files(source: str) -> list[str]:
     return files
 
 
-def open_documents(source: str, *, subset: str | None, split: str, text_field: str, text_sample_by: str):
-    """Open a stream source as a `datasets.IterableDataset` (nothing is downloaded yet)."""
+def open_documents(source: str, *, subset: str | None, split: str, text_field: str, text_sample_by: str,
+                   policy: RetryPolicy | None = None, spool_dir: str | None = None):
+    """Open a stream source as a `datasets.IterableDataset`, or remote.RemoteFiles for URLs (nothing is downloaded
+    yet; remote files are looked up once, with `policy`'s retries)."""
     datasets = require("datasets")
 
     kind, _, arg = source.partition(":")
+    if kind in LOCAL_BUILDERS and is_remote(arg):
+        urls = expand_urls(split_urls(source), policy or RetryPolicy(), f"{kind}:")
+        extra = {"sample_by": text_sample_by} if kind == "text" else {}
+        return RemoteFiles(urls, LOCAL_BUILDERS[kind], extra, text_field, policy or RetryPolicy(), spool_dir)
     if kind in LOCAL_BUILDERS:
         files = local_files(source)
         extra = {"sample_by": text_sample_by} if kind == "text" else {}
@@ -52,6 +63,7 @@ def open_documents(source: str, *, subset: str | None, split: str, text_field: s
             raise DataError(f"{source}: cannot read as {kind} ({_first_line(e)})") from None
         return ds if kind == "text" else _check_text_field(ds, source, text_field)
     name, config = (FINEWEB_EDU, subset or FINEWEB_EDU_DEFAULT_SUBSET) if kind == "fineweb_edu" else (arg, subset)
+    configure_hub_retries(policy or RetryPolicy())
     try:
         ds = datasets.load_dataset(name, name=config, split=split, streaming=True)
     except Exception as e:
@@ -107,27 +119,36 @@ class Position:
 
 
 def iter_documents(ds, plan: ReaderPlan, text_field: str, keep, start: Position = Position(),
-                   read_batch: int = 256, once: bool = False) -> Iterator[tuple[Position, str]]:
+                   read_batch: int = 256, once: bool = False, retrier: Retrier | None = None
+                   ) -> Iterator[tuple[Position, str]]:
     """Yield (position, text) for the plan's kept documents from `start` on, forever (epochs repeat) or `once`.
 
     Reads with ds.iter(batch_size): unlike iter(ds) it does not re-shard itself inside a
-    DataLoader worker (the plan already decided what this reader owns).
+    DataLoader worker (the plan already decided what this reader owns). retrier: transient read failures reopen the
+    shard at the next unread document (None: the first failure is StreamUnavailable).
     """
     epoch, shard_idx, first_doc = start.epoch, start.shard, start.doc
     full_pass = start == Position(epoch, 0, 0)
     while True:
         kept_any = False
         for shard_idx in range(shard_idx, len(plan.shards)):
-            shard = ds.shard(num_shards=ds.n_shards, index=plan.shards[shard_idx]) if ds.n_shards > 1 else ds
-            if first_doc:
-                shard = shard.skip(first_doc)
             doc = first_doc
-            for texts in _read_texts(shard, text_field, read_batch, plan.shards[shard_idx]):
-                for text in texts:
-                    if doc % plan.stride == plan.phase and text and keep(text):
-                        kept_any = True
-                        yield Position(epoch, shard_idx, doc), text
-                    doc += 1
+            while True:  # (re)open the shard at `doc`: after a transient failure, the document it stopped before
+                shard = _open_shard(ds, plan.shards[shard_idx], doc, retrier)
+                try:
+                    for texts in _read_texts(shard, text_field, read_batch, plan.shards[shard_idx], retrier is None):
+                        for text in texts:
+                            if doc % plan.stride == plan.phase and text and keep(text):
+                                kept_any = True
+                                yield Position(epoch, shard_idx, doc), text
+                            doc += 1
+                        if retrier is not None:
+                            retrier.progressed()
+                    break
+                except DataError:
+                    raise
+                except Exception as e:
+                    retrier.failed(e, f"data shard {plan.shards[shard_idx]} at document {doc}")
             first_doc = 0
         if once:
             return
@@ -138,8 +159,16 @@ def iter_documents(ds, plan: ReaderPlan, text_field: str, keep, start: Position 
         epoch, shard_idx, full_pass = epoch + 1, 0, True
 
 
-def _read_texts(shard, text_field: str, read_batch: int, shard_id: int) -> Iterator[list[str]]:
-    """Batches of texts of one shard; a read failure (network, corrupt file) becomes StreamUnavailable."""
+def _open_shard(ds, shard_id: int, doc: int, retrier: Retrier | None):
+    shard = ds.shard(num_shards=ds.n_shards, index=shard_id) if ds.n_shards > 1 else ds
+    if isinstance(shard, RemoteFiles) and retrier is not None:
+        shard = shard.with_retrier(retrier)  # the spool's retries count against the same budget
+    return shard.skip(doc) if doc else shard
+
+
+def _read_texts(shard, text_field: str, read_batch: int, shard_id: int, wrap: bool) -> Iterator[list[str]]:
+    """Batches of texts of one shard. wrap: a read failure (network, corrupt file) becomes StreamUnavailable at once;
+    else it reaches the caller's retrier as it is."""
     batches = shard.iter(batch_size=read_batch)
     while True:
         try:
@@ -149,5 +178,7 @@ def _read_texts(shard, text_field: str, read_batch: int, shard_id: int) -> Itera
         except DataError:
             raise
         except Exception as e:
+            if not wrap:
+                raise
             raise StreamUnavailable(f"reading data shard {shard_id} failed: {_first_line(e)}") from None
         yield batch[text_field]

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from train.core.errors import DataError
 from train.data.meta import dtype_for_vocab
 from train.data.packing import WindowPacker
+from train.data.remote import DataOutage, Retrier, RetryPolicy, RetryStats
 from train.data.sources import Position, ReaderPlan, StreamUnavailable, is_held_out, iter_documents
 from train.data.state import expect_state
 from train.data.tensors import windows_to_xy
@@ -30,14 +31,16 @@ START = {"epoch": 0, "shard": 0, "doc": 0, "offset": 0}
 
 
 def read_windows(ds, *, plan: ReaderPlan, text_field: str, keep, tokenizer_name: str, seq_len: int,
-                 batch_size: int, tokenize_batch_docs: int, start: dict) -> Iterator[tuple[np.ndarray, dict]]:
-    """Yield ([batch_size, seq_len + 1] windows, reader state after them), forever."""
+                 batch_size: int, tokenize_batch_docs: int, start: dict, retrier: Retrier | None = None
+                 ) -> Iterator[tuple[np.ndarray, dict]]:
+    """Yield ([batch_size, seq_len + 1] windows, reader state after them), forever. retrier: transient read failures
+    are retried from the same document (sources.iter_documents)."""
     tokenizer = load_tokenizer(tokenizer_name)
     eos, dtype = tokenizer.eos_id, np.dtype(dtype_for_vocab(tokenizer.n_vocab))
     packer = WindowPacker(seq_len)
     cursor = Position(start["epoch"], start["shard"], start["doc"])
     skip_first = start["offset"]
-    documents = iter_documents(ds, plan, text_field, keep, cursor)
+    documents = iter_documents(ds, plan, text_field, keep, cursor, retrier=retrier)
     while True:
         windows = []
         while len(windows) < batch_size:
@@ -74,18 +77,23 @@ class _ReaderDataset(IterableDataset):
     """One reader per DataLoader worker (or the only reader in-process)."""
 
     def __init__(self, ds, *, readers_per_rank: int, rank: int, world_size: int, first_reader: int,
-                 starts: list[dict], **reader_args):
+                 starts: list[dict], retry: RetryPolicy | None, counts: list[dict], **reader_args):
         self.ds, self.readers_per_rank, self.rank, self.world_size = ds, readers_per_rank, rank, world_size
         self.first_reader, self.starts, self.reader_args = first_reader, starts, reader_args
+        self.retry, self.counts = retry, counts
 
     def __iter__(self):
         info = get_worker_info()
         reader = (self.first_reader + (info.id if info else 0)) % self.readers_per_rank
         n_readers = self.world_size * self.readers_per_rank
-        plan = ReaderPlan.make(self.ds.n_shards, n_readers, self.rank * self.readers_per_rank + reader)
-        for windows, state in read_windows(self.ds, plan=plan, start=self.starts[reader], **self.reader_args):
+        global_reader = self.rank * self.readers_per_rank + reader
+        plan = ReaderPlan.make(self.ds.n_shards, n_readers, global_reader)
+        stats = RetryStats(**{k: v for k, v in self.counts[reader].items() if k != "last_error"})
+        retrier = Retrier(self.retry, stats, seed=global_reader) if self.retry is not None else None
+        for windows, state in read_windows(self.ds, plan=plan, start=self.starts[reader], retrier=retrier,
+                                           **self.reader_args):
             x, y = windows_to_xy(windows, pin=False)
-            yield x, y, reader, state
+            yield x, y, reader, state, stats.as_dict()
 
 
 def _as_is(item):
@@ -107,8 +115,9 @@ class StreamBatches:
 
     def __init__(self, ds, *, source: str, role: str, tokenizer_name: str, text_field: str, split_seed: int,
                  val_fraction: float, seq_len: int, batch_size: int, tokenize_batch_docs: int, rank: int,
-                 world_size: int, num_workers: int, pin: bool, persistent_workers: bool, prefetch_factor: int):
-        self.ds, self.source, self.role = ds, source, role
+                 world_size: int, num_workers: int, pin: bool, persistent_workers: bool, prefetch_factor: int,
+                 retry: RetryPolicy | None = None):
+        self.ds, self.source, self.role, self.retry = ds, source, role, retry
         self.rank, self.world_size, self.num_workers, self.pin = rank, world_size, num_workers, pin
         self.readers_per_rank = max(1, num_workers)
         self.loader_args = {"persistent_workers": persistent_workers, "prefetch_factor": prefetch_factor}
@@ -119,6 +128,7 @@ class StreamBatches:
                                         batch_size=batch_size, rank=rank, world_size=world_size,
                                         num_workers=num_workers, split_seed=split_seed, val_fraction=val_fraction)
         self.positions = [dict(START) for _ in range(self.readers_per_rank)]
+        self.counts = [RetryStats().as_dict() for _ in range(self.readers_per_rank)]  # each reader's retries so far
         self.next_reader = 0
         self.batches = 0
         self._loader = None
@@ -128,7 +138,7 @@ class StreamBatches:
     def _start(self) -> None:
         dataset = _ReaderDataset(self.ds, readers_per_rank=self.readers_per_rank, rank=self.rank, world_size=self.world_size,
                                  first_reader=self.next_reader, starts=[dict(p) for p in self.positions],
-                                 **self.reader_args)
+                                 retry=self.retry, counts=[dict(c) for c in self.counts], **self.reader_args)
         if self.num_workers == 0:
             self._iter = iter(dataset)
             return
@@ -143,15 +153,24 @@ class StreamBatches:
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         item, self._peeked = (self._peeked or self._fetch()), None
-        x, y, reader, state = item
+        x, y, reader, state, counts = item
         if reader != self.next_reader:
             raise RuntimeError(f"stream batches out of order: got reader {reader}, expected {self.next_reader}")
-        self.positions[reader] = state
+        self.positions[reader], self.counts[reader] = state, counts
         self.next_reader = (reader + 1) % self.readers_per_rank
         self.batches += 1
         if self.pin and self.num_workers == 0:
             x, y = x.pin_memory(), y.pin_memory()
         return x, y
+
+    def retry_counts(self) -> dict:
+        """This rank's read retries so far, its readers together: retries, stalls, wait_s, last_error."""
+        total = RetryStats()
+        for c in self.counts:
+            total.retries, total.stalls, total.wait_s = total.retries + c["retries"], total.stalls + c["stalls"], \
+                total.wait_s + c["wait_s"]
+            total.last_error = c["last_error"] or total.last_error
+        return total.as_dict()
 
     def _fetch(self):
         if self._iter is None:
@@ -163,7 +182,7 @@ class StreamBatches:
 
     def state_dict(self) -> dict:
         return {**self.identity, "readers": [dict(p) for p in self.positions], "next_reader": self.next_reader,
-                "batches": self.batches}
+                "batches": self.batches, "retry_counts": [dict(c) for c in self.counts]}
 
     def load_state_dict(self, state: dict) -> None:
         expect_state(state, **self.identity)
@@ -174,6 +193,9 @@ class StreamBatches:
         self.positions = [{k: int(r[k]) for k in START} for r in readers]
         self.next_reader = int(state["next_reader"])
         self.batches = int(state["batches"])
+        counts = state.get("retry_counts")  # absent in checkpoints written before retries were counted
+        if isinstance(counts, list) and len(counts) == self.readers_per_rank:
+            self.counts = [dict(c) for c in counts]
 
     def close(self) -> None:
         it, self._iter, self._loader, self._peeked = self._iter, None, None, None
@@ -187,7 +209,7 @@ def _unwrap_worker_error(e: Exception) -> Exception:
     if isinstance(e, DataError) and len(lines) <= 1:
         return e
     last = lines[-1] if lines else type(e).__name__
-    for error_type in (StreamUnavailable, DataError):
+    for error_type in (DataOutage, StreamUnavailable, DataError):
         for prefix in (f"{error_type.__module__}.{error_type.__name__}: ", f"{error_type.__name__}: "):
             if last.startswith(prefix):
                 return error_type(last[len(prefix):])

@@ -15,6 +15,7 @@ is computed in `log()` from copies the last step's forward kept, off the trainin
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 
@@ -26,7 +27,7 @@ from nsa.profiling import nvtx_range
 from train.checkpoint.train_state import TrainState
 from train.core.artifacts import BPB_PREFIX, SHARE_PREFIX, VAL_LOSS_PREFIX, layer_key
 from train.core.config import TrainConfig
-from train.core.distributed import DistInfo, all_reduce_mean, autocast_context, no_sync
+from train.core.distributed import DistInfo, all_reduce_mean, autocast_context, gather_objects, no_sync
 from train.observe.efficiency import Efficiency
 from train.trainer.clock import TrainingClock
 from train.trainer.lr_schedule import lr_at
@@ -87,6 +88,7 @@ class Loop:
         self.i_loss, self.i_ok, self.i_skipped, self.i_norm = zero(), zero(), zero(), zero()  # 0-dim, on device
         self.i_spiked = zero() if self.spikes is not None else None
         self.i_fetch_s, self.i_steps = 0.0, 0
+        self.digest = hashlib.blake2b(digest_size=8) if self.cfg.batch_digest else None
 
     def step(self, collect_stats: bool) -> None:
         """One optimizer step over train.accumulate_grad_batches micro-batches. collect_stats: record NSA
@@ -99,6 +101,8 @@ class Loop:
             t0 = time.perf_counter()
             with nvtx_range("fetch"):
                 x, y = self.data.train.next_batch()  # [B, T] int64 each; y = x shifted by one token
+                if self.digest is not None:
+                    self.digest.update(x.contiguous().numpy())
                 x = x.to(self.device, non_blocking=True)
                 y = y.to(self.device, non_blocking=True)
             self.i_fetch_s += time.perf_counter() - t0
@@ -183,9 +187,28 @@ class Loop:
             "spike_skipped_steps": state.spike_skipped_steps,
             **self.efficiency.columns(toks_per_s), "interval_steps": self.i_steps, **gate,
             **{SHARE_PREFIX + name: share for name, share in self.data.shares().items()},
+            **self._retry_columns(),
+            **({"batch_digest": self.digest.hexdigest()} if self.digest is not None else {}),
         }
         self._reset_interval()
         return row
+
+    def _retry_columns(self) -> dict:
+        """Stream sources: the read retries so far (data_retries, data_stalls: every rank's summed; data_wait_s: the
+        longest any rank waited in all; data_retries_by_rank), gathered over the CPU group at the log interval only.
+        This rank's own retry in the heartbeat: data_last_error."""
+        counts = self.data.retry_counts()
+        if counts is None:
+            return {}
+        mine = [float(counts["retries"]), float(counts["stalls"]), float(counts["wait_s"])]
+        every = gather_objects(mine, self.info)  # [world][3]
+        return {"data_retries": int(sum(r[0] for r in every)), "data_stalls": int(sum(r[1] for r in every)),
+                "data_wait_s": max(r[2] for r in every), "data_retries_by_rank": [int(r[0]) for r in every],
+                **({"data_last_error": counts["last_error"]} if counts["last_error"] else {})}
+
+    def read_ahead(self) -> str | None:
+        """Read the next step's batches before the stop vote (train/data/lookahead.py): a data outage's one line."""
+        return self.data.read_ahead()
 
     # ---- evaluation -------------------------------------------------------------------------
     @torch.no_grad()

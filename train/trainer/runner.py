@@ -11,10 +11,13 @@ written), or train.spike_skip_limit spike skips in a row (a checkpoint written: 
 4 a checkpoint, CSV, heartbeat or metrics.json could not be written (a full disk, a quota, a file-size limit): one
 line says which file and why; every rank stops at the same save; the checkpoints before it and latest.pt are
 untouched and no partial file is left; metrics.json says write_failed where the disk still takes it. The runners
-do not relaunch on it: free space, then run the same command to resume.
+do not relaunch on it: free space, then run the same command to resume. 75 (EXIT_DATA_OUTAGE) a stream source stayed
+unreachable past data.retry_max / data.retry_max_s on some rank: every rank stopped after the same step and the
+checkpoint was written; the runners wait and resume (docs/RUNBOOK.md "Data outages").
 """
 from __future__ import annotations
 
+import sys
 import time
 
 from train.core.artifacts import ANOMALY, WRITE_FAILED
@@ -30,10 +33,12 @@ from train.trainer.clock import TrainingClock
 from train.trainer.hooks import training_hooks
 from train.trainer.loop import GateStats, Loop
 from train.trainer.safety import StopFlags
-from train.trainer.stop import StopVote, early_signal
+from train.trainer.stop import DATA_OUTAGE, StopVote, early_signal
 from train.trainer.tasks_eval import LoopTasks
 
 EXIT_ANOMALY = 3
+EXIT_DATA_OUTAGE = 75  # EX_TEMPFAIL: the data was unreachable past data.retry_max / retry_max_s; a checkpoint was written
+# and the runner resumes after a wait (scripts/lib/common.sh; docs/RUNBOOK.md "Data outages")
 
 
 def run_training(cfg: RunConfig) -> int:
@@ -133,6 +138,9 @@ def _train(run: Run, recorder: Recorder, tasks: LoopTasks | None) -> int:
                   f"{'resumed at step ' + str(state.step) if run.resumed else 'fresh start'}", flush=True)
             if tasks is not None:
                 print(f"tasks: {tasks.describe()}; scored every {cfg.eval_every} steps, off the clock", flush=True)
+        if run.data.reads_ahead and cfg.eval_every:  # stream sources: the held-out batches read now, at the start,
+            for name in run.data.val_names:  # so no evaluation waits on the network in the middle of the run
+                run.data.val_batches(cfg.eval_steps, name)
         if cfg.eval_at_start and state.step == 0 and cfg.eval_every:
             with clock.off_the_clock():
                 recorder.log(state.step, {"kind": "eval", **loop.evaluate()})
@@ -147,6 +155,10 @@ def _train(run: Run, recorder: Recorder, tasks: LoopTasks | None) -> int:
             local = flags.reason if flags.should_stop() else early_signal()
             if local is None and cfg.stop_after and state.step - start_step >= cfg.stop_after:
                 local = "stop_after"
+            if local is None and state.step < cfg.steps and (outage := loop.read_ahead()) is not None:
+                local = DATA_OUTAGE  # this rank cannot read the next step: every rank stops here, with a checkpoint
+                recorder.log(state.step, {"kind": "data_outage", "message": outage})
+                print(f"data outage on rank {run.info.rank}: {outage}", file=sys.stderr, flush=True)
             reason = vote.decide(local)  # collective: every rank stops after the same step
             if log_now or reason is not None:
                 row = loop.log()  # the interval's host sync
@@ -176,6 +188,8 @@ def _train(run: Run, recorder: Recorder, tasks: LoopTasks | None) -> int:
                 break
         _save(run, recorder)  # .HALT stays in place: the operator removes it before resuming (documented)
         recorder.log(state.step, {"kind": "end", "reason": state.stop_reason or "finished"})
+        if state.stop_reason == DATA_OUTAGE:
+            return EXIT_DATA_OUTAGE
     finally:
         try:
             hooks.close(state.step)
