@@ -188,6 +188,27 @@ def mixture_line(val_rows: list[dict], train_rows: list[dict]) -> str | None:
     return "sources     " + " | ".join(parts)
 
 
+def data_reads_line(beats: dict) -> str | None:
+    """Stream sources: each rank's retried reads so far and the time it waited (its latest heartbeat 'train' record),
+    'data        retries 7 (stalls 1, waited 12s) | rank0 3 | rank1 4 | last: <the last failure>'; None without."""
+    last = {}
+    for path, records in beats.items():
+        rec = next((r for r in reversed(records) if r.get("kind") == "train" and "data_retries" in r), None)
+        if rec is not None:
+            last[path.stem.replace("heartbeat_rank", "")] = rec
+    if not last:
+        return None
+    newest = max(last.values(), key=lambda r: r.get("step", 0))
+    by_rank = newest.get("data_retries_by_rank") or []
+    parts = [f"retries {newest.get('data_retries', 0)} (stalls {newest.get('data_stalls', 0)}, waited "
+             f"{fmt_dur(float(newest.get('data_wait_s') or 0.0))})"]
+    parts += [f"rank{rank} {n}" for rank, n in enumerate(by_rank)]
+    errors = [r.get("data_last_error") for r in last.values() if r.get("data_last_error")]
+    if errors:
+        parts.append(f"last: {errors[-1]}")
+    return "data        " + " | ".join(parts)
+
+
 def build_frame(target: Path, *, window: int = 20, stale_s: float = 300.0, nvidia_smi: str | None = "nvidia-smi",
                 now: float | None = None) -> tuple[str, list[str]]:
     """-> (frame text, alerts)."""
@@ -306,6 +327,12 @@ def build_frame(target: Path, *, window: int = 20, stale_s: float = 300.0, nvidi
         lines.append("val         -")
     if source_line := mixture_line(val_rows, rows):
         lines.append(source_line)
+    if data := data_reads_line(beats):
+        lines.append(data)
+    outage = next((r for r in reversed(session) if r.get("kind") == "data_outage"), None)  # this launch's
+    if outage is not None and run.status != "running":
+        alerts.append(f"data outage at step {outage.get('step')}: {outage.get('message')}; every rank stopped with a "
+                      f"checkpoint (exit 75) and the runner resumes after DATA_OUTAGE_WAIT_S")
     task_line = tasks_line(read_csv(out / TASKS_CSV))
     if task_line:
         lines.append(task_line)

@@ -11,7 +11,8 @@ accepts connections). Ranges (bytes=a-b, bytes=a-) are served as 206. Faults:
 - 503, 429: that status
 - stall: nothing for stall_s seconds, then the connection is closed
 - refuse: the connection is closed unanswered and the server accepts nothing for refuse_s seconds (connection refused)
-down() stops accepting for good. Bounded: the server stops by itself after lifetime_s.
+down() stops accepting until up(); arm() (with armed=False) starts the schedule at a moment the test picks. Bounded:
+the server stops by itself after lifetime_s.
 """
 from __future__ import annotations
 
@@ -26,12 +27,13 @@ FAULTS = ("drop", "truncate", "503", "429", "stall", "refuse")
 
 class FaultServer:
     def __init__(self, files: dict[str, bytes], faults: list[str] = (), every: int = 1, stall_s: float = 1.0,
-                 refuse_s: float = 10.0, lifetime_s: float = 300.0, first: int | None = None):
+                 refuse_s: float = 10.0, lifetime_s: float = 300.0, first: int | None = None, armed: bool = True):
         assert all(f in FAULTS for f in faults), faults
         self.files, self.faults, self.every = dict(files), list(faults), max(1, every)
         self.first = every if first is None else first  # the GET number of the first fault
         self.stall_s, self.refuse_s, self.lifetime_s = stall_s, refuse_s, lifetime_s
         self.gets = 0
+        self.armed = armed  # faults count GETs from arm() on (a test arms the server at a moment of the run)
         self.injected: list[tuple[int, str]] = []  # (GET number, fault)
         self.bytes_sent = 0
         self._lock = threading.Lock()
@@ -63,9 +65,20 @@ class FaultServer:
         self._close_listener()
 
     def down(self) -> None:
-        """Accept nothing from now on (every connection is refused)."""
+        """Accept nothing from now on (every connection is refused), until up()."""
         self._down.set()
         self._close_listener()
+
+    def up(self) -> None:
+        """Accept connections again, on the same port."""
+        self._down.clear()
+        if self._server is None and not self._closed.is_set():
+            self._listen()
+
+    def arm(self) -> None:
+        """Start the fault schedule now: the next GET is number 1."""
+        with self._lock:
+            self.gets, self.armed = 0, True
 
     def _listen(self) -> None:
         handler = type("Handler", (_Handler,), {"owner": self})
@@ -93,6 +106,8 @@ class FaultServer:
 
     def _next_fault(self) -> tuple[int, str | None]:
         with self._lock:
+            if not self.armed:
+                return 0, None
             self.gets += 1
             n = self.gets
             k = (n - self.first) // self.every if n >= self.first and (n - self.first) % self.every == 0 else -1

@@ -331,6 +331,7 @@ ALIASES: dict[str, object] = {
 STREAM_ONLY_DATA_KEYS = ("subset", "split", "text_field", "text_sample_by", "val_fraction", "val_source", "split_seed",
                          "num_workers", "persistent_workers", "prefetch_factor", "tokenize_batch_docs",
                          "synthetic_on_fail", "first_batch_timeout_s", "retry_max", "retry_max_s", "read_timeout_s",
+                         "retry_backoff_s",
                          "spool_dir")
 
 # seed flags accepted as documented no-ops: flag -> why nothing needs to happen (printed as a note)

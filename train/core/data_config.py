@@ -57,6 +57,8 @@ class DataConfig:
     retry_max_s: float = 600.0
     # a read of a remote file that receives nothing for this many seconds is a stall (retried)
     read_timeout_s: float = 60.0
+    # the first retry waits up to this many seconds (full jitter), each further failure in a row twice as long, at most 30
+    retry_backoff_s: float = 0.5
     # where remote shards are copied while they are read (removed after); null: the system's temp directory
     spool_dir: str | None = None
     # attend within documents only (EOS opens a document; docs/NSA.md "Documents"): null = on for a new run
@@ -111,6 +113,8 @@ class DataConfig:
             raise DataError(f"data.first_batch_timeout_s must be > 0, got {self.first_batch_timeout_s}")
         if self.retry_max < 0:
             raise DataError(f"data.retry_max must be >= 0, got {self.retry_max}")
+        if not self.retry_backoff_s >= 0:
+            raise DataError(f"data.retry_backoff_s must be >= 0, got {self.retry_backoff_s}")
         if not self.read_timeout_s > 0:
             raise DataError(f"data.read_timeout_s must be > 0, got {self.read_timeout_s}")
         if not 0 <= self.retry_max_s + self.read_timeout_s <= AGREEMENT_TIMEOUT_S * 0.8:

@@ -21,6 +21,8 @@ OPTIONAL = {
     "transformers": ("transformers", "hf: tokenizers and the Hugging Face export / import"),
     "datasets": ("datasets", "stream sources (text:, jsonl:, parquet:, hf:, fineweb_edu) and preparing from them"),
     "pyarrow": ("pyarrow", "parquet: sources"),
+    "fsspec": ("fsspec", "remote stream sources (URLs: https://, s3://, hf://, ...)"),
+    "aiohttp": ("aiohttp", "https:// and http:// stream sources (fsspec's HTTP filesystem)"),
     "tensorboard": ("tensorboard", "TensorBoard event files (tb/)"),
     "matplotlib": ("matplotlib", "the plots of analyze, compare and handoff"),
     "tqdm": ("tqdm", "the progress bars of prepare"),

@@ -284,7 +284,8 @@ def _stream_files(cfg: DataConfig, source: str) -> list[str]:
 def retry_policy(cfg: DataConfig):
     from train.data.remote import RetryPolicy
 
-    return RetryPolicy(retry_max=cfg.retry_max, retry_max_s=cfg.retry_max_s, read_timeout_s=cfg.read_timeout_s)
+    return RetryPolicy(retry_max=cfg.retry_max, retry_max_s=cfg.retry_max_s, read_timeout_s=cfg.read_timeout_s,
+                       backoff_base_s=cfg.retry_backoff_s)
 
 
 def mixture_plan(cfg: DataConfig, mixture: Mixture, *, seq_len: int, global_batch: int, vocab_size: int) -> list[dict]:

@@ -37,6 +37,7 @@ from pathlib import Path
 from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 from train.core.errors import DataError
+from train.core.optional import require
 
 CHUNK_BYTES = 8 << 20  # one ranged read; a failure costs at most this much again
 BACKOFF_BASE_S = 0.5
@@ -104,10 +105,7 @@ def check_url(prefix: str, url: str) -> None:
 
 def filesystem_class(protocol: str, shown: str):
     """fsspec's filesystem class for `protocol`; one line when fsspec does not know it or its package is missing."""
-    try:
-        import fsspec
-    except ImportError:
-        raise DataError(f"{shown}: remote sources need fsspec (pip install fsspec)") from None
+    fsspec = require("fsspec")
     from fsspec.registry import known_implementations
 
     if protocol not in known_implementations and protocol not in fsspec.registry:
@@ -127,7 +125,7 @@ def open_filesystem(url: str, read_timeout_s: float):
     protocol = urlsplit(url).scheme
     options: dict = {}
     if protocol in ("http", "https"):
-        import aiohttp
+        aiohttp = require("aiohttp")
 
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=read_timeout_s, sock_read=read_timeout_s)
         options = {"client_kwargs": {"timeout": timeout, "trust_env": True}}
