@@ -19,18 +19,16 @@ import io
 import json
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from tests.fault_http import FaultServer
+from train.core.config import load_config
+from train.data import remote
+from train.data.build import build_data
 
-from tests.fault_http import FaultServer  # noqa: E402
-from train.core.config import load_config  # noqa: E402
-from train.data import remote  # noqa: E402
-from train.data.build import build_data  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 CORPUS = REPO.parent / "shared" / "corpus" / "kjv.txt"
 SEQ, ROWS = 1024, 8

@@ -174,3 +174,16 @@ def test_a_server_down_stops_every_rank_together_and_the_runner_resumes_it(tmp_p
         {(0, step), (1, step)}  # both ranks stopped after the same step
     assert "data_outage" in info.read_text() and "resume 1 of 2" in info.read_text()
     assert trained(out) == reference  # and the resumed run is the run without the outage
+
+
+def test_a_url_that_answers_404_at_start_is_one_line_and_exit_2_with_nothing_written(tmp_path, shards):
+    out = tmp_path / "never"
+    with FaultServer(shards) as server:
+        source = f"parquet:{server.url('shard00.parquet')},{server.url('gone.parquet')}"
+        done = subprocess.run([sys.executable, "-m", "train", *ARGS, f"--data.source={source}",
+                               f"--train.out_dir={out}"], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert lines == [f"error: parquet:{server.url('gone.parquet')}: HTTP 404 Not Found (not retried: the file is "
+                     f"missing, refused or malformed)"], done.stderr[-2000:]
+    assert not out.exists()
