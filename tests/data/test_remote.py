@@ -71,13 +71,16 @@ def test_documents_over_faults_are_the_fault_free_documents_and_prepare_equals_d
                                   read_batch=8, retrier=Retrier(FAST, stats)))
         return got, stats
 
+    left = tmp_path / "spool" / f"{2**22 + 12345}-spool-left"  # a copy whose process is gone (a kill -9)
+    left.mkdir(parents=True)
+    (left / "part00.parquet").write_bytes(b"partial")
     local, _ = read(f"parquet:{tmp_path / 'disk'}/*.parquet")
     with FaultServer(files, faults=["drop", "503", "truncate", "stall"], every=1, stall_s=1.0) as server:
         remote_docs, stats = read(url_source(server, files))
         prepared = prepare(url_source(server, files), "byte", tmp_path / "from_urls", val_fraction=0.1)
     assert remote_docs == local and len(local) == len(docs)  # positions (shard, document) and texts
     assert stats.retries >= 4
-    assert not any((tmp_path / "spool").iterdir())  # every local copy removed after its shard
+    assert not any((tmp_path / "spool").iterdir())  # every local copy removed after its shard, the dead one's too
     on_disk = prepare(f"parquet:{tmp_path / 'disk'}/*.parquet", "byte", tmp_path / "from_disk", val_fraction=0.1)
     for split in ("train", "val"):
         assert (tmp_path / "from_urls" / f"{split}.bin").read_bytes() == (tmp_path / "from_disk" / f"{split}.bin").read_bytes()

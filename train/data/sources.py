@@ -24,7 +24,7 @@ from typing import Iterator
 from train.core.errors import DataError
 from train.core.optional import require
 from train.data.remote import (RemoteFiles, Retrier, RetryPolicy, configure_hub_retries, expand_urls, is_remote,
-                               split_urls)
+                               remove_stale_spools, split_urls, spool_root)
 
 FINEWEB_EDU = "HuggingFaceFW/fineweb-edu"
 FINEWEB_EDU_DEFAULT_SUBSET = "sample-10BT"
@@ -52,6 +52,7 @@ def open_documents(source: str, *, subset: str | None, split: str, text_field: s
     kind, _, arg = source.partition(":")
     if kind in LOCAL_BUILDERS and is_remote(arg):
         urls = expand_urls(split_urls(source), policy or RetryPolicy(), f"{kind}:")
+        remove_stale_spools(spool_root(spool_dir))  # copies left by processes killed while reading
         extra = {"sample_by": text_sample_by} if kind == "text" else {}
         return RemoteFiles(urls, LOCAL_BUILDERS[kind], extra, text_field, policy or RetryPolicy(), spool_dir)
     if kind in LOCAL_BUILDERS:
