@@ -6,6 +6,8 @@
         [--window W --doc_tokens N]   (a checkpoint trained on other data)
         [--knockout sel[,cmp]]        (NSA: score with these branches' gates zeroed, the others as learned)
         [--format kv|prose]           (lines in this format; default: the corpus's, or kv)
+        [--lengths 1 2 4 8]           (documents at these multiples of the training length; buckets extended)
+        [--rope_scale F|length] [--rope_theta B|ntk]   (a RoPE change for scoring only: interpolation, base)
 
 `make` writes a prepared directory (train.bin, val.bin, meta.json with the task's spec) that any config reads
 as data.source: bin:DIR. `score` feeds probe documents (their own seed) and reports accuracy and answer loss
@@ -26,7 +28,7 @@ from dataclasses import replace
 
 from train.data.recall import DEFAULT_FORMAT, FORMATS, LOSS_ON, RecallSpec, write_corpus
 from train.data.tokenizers import load_tokenizer
-from train.evaluation.recall import PROBE_SEED, corpus_spec, probe_checkpoint
+from train.evaluation.recall import PROBE_SEED, RopeAtLength, corpus_spec, probe_checkpoint
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -57,6 +59,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                        help="probe lines in this format (default: the corpus's; kv with --window)")
     score.add_argument("--knockout", default="", help="NSA branches to switch off while scoring (comma list of "
                        "cmp, sel, win): their gates zeroed, the others as learned; written to recall_step<N>_without_*.json")
+    score.add_argument("--lengths", type=int, nargs="+", default=[1],
+                       help="probe documents at these multiples of the training length (1 2 4 8), the distance buckets "
+                            "extended to each; written to recall_step<N>_x<M>.json")
+    score.add_argument("--rope_scale", default=None, help="score with RoPE positions interpolated by this factor, or "
+                       "'length' (by each length multiple): what a dense user does before training long")
+    score.add_argument("--rope_theta", default=None, help="score with this RoPE base, or 'ntk' (NTK-aware: the base "
+                       "times multiple^(hd/(hd-2)))")
     return p.parse_args(argv)
 
 
@@ -67,6 +76,18 @@ def spec_of(window, doc_tokens, max_windows, line_format: str = DEFAULT_FORMAT) 
     except ValueError as exc:
         raise UserError(str(exc)) from None
     return spec
+
+
+def _rope_value(text: str | None, word: str, flag: str) -> float | str | None:
+    if text is None or text == word:
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        raise UserError(f"{flag} takes a number or {word!r}, got {text!r}") from None
+    if not value > 0:
+        raise UserError(f"{flag} must be > 0, got {value}")
+    return value
 
 
 def _branches(text: str) -> tuple[str, ...]:
@@ -94,8 +115,18 @@ def main(argv: list[str] | None = None) -> int:
             if args.window is not None else None
         if spec is None and args.format is not None:  # the corpus's spec, in another format
             spec = replace(corpus_spec(args.checkpoint), format=args.format)
-        print(json.dumps(probe_checkpoint(args.checkpoint, spec=spec, documents=args.documents, seed=args.seed,
-                                          device=args.device, knockout=_branches(args.knockout))))
+        rope = RopeAtLength(scale=_rope_value(args.rope_scale, "length", "--rope_scale"),
+                            theta=_rope_value(args.rope_theta, "ntk", "--rope_theta"))
+        reports = [probe_checkpoint(args.checkpoint, spec=spec, documents=args.documents, seed=args.seed,
+                                    device=args.device, knockout=_branches(args.knockout), length=m, rope=rope)
+                   for m in args.lengths]
+        if len(reports) == 1:
+            print(json.dumps(reports[0]))
+        else:  # one object: the far accuracy and each bucket's by length
+            print(json.dumps({"checkpoint": reports[0]["checkpoint"], "step": reports[0]["step"],
+                              "training_length": reports[0]["training_length"],
+                              "lengths": {str(r["length_multiple"]): {k: r[k] for k in (
+                                  "far_accuracy", "far_stderr", "near_accuracy", "buckets", "file")} for r in reports}}))
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code

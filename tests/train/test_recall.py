@@ -112,6 +112,23 @@ def test_scoring_is_exact_per_bucket():
     assert window_only["far_answer_loss"] > perfect["far_answer_loss"]
 
 
+@pytest.mark.parametrize("multiple", [2, 4])
+def test_scoring_beyond_the_training_length_is_exact_per_bucket(multiple):
+    """Documents `multiple` times the training length, buckets extended to them: a full-reach oracle still scores 1
+    in every bucket, one that sees only the window scores 0 in every far bucket, the new far ones included."""
+    tok = load_tokenizer("byte")
+    spec = SPEC.at_length(multiple)
+    assert spec.doc_tokens == multiple * 256 - 1 and spec.buckets()[-1][1] >= spec.doc_tokens // 2
+    perfect = score_recall(_Oracle(tok, reach=10**9), tok, spec, documents=4, batch_size=4)
+    window_only = score_recall(_Oracle(tok, reach=SPEC.window - 1), tok, spec, documents=4, batch_size=4)
+    new = [name for name in perfect["buckets"] if name not in score_recall(_Oracle(tok, 10**9), tok, SPEC,
+                                                                            documents=1)["buckets"]]
+    assert new and all(perfect["buckets"][name]["items"] > 0 for name in new)  # the longer distances are probed
+    assert all(b["accuracy"] == 1.0 for b in perfect["buckets"].values())
+    assert window_only["near_accuracy"] == 1.0 and window_only["far_accuracy"] == 0.0
+    assert all(window_only["buckets"][name]["accuracy"] == 0.0 for name in new)
+
+
 def test_make_train_and_score_end_to_end(tmp_path, capsys):
     data = tmp_path / "recall"
     assert recall_main(["make", "--out", str(data), "--window", "8", "--seq_len", "32", "--max_windows", "3",
@@ -140,6 +157,30 @@ def test_make_train_and_score_end_to_end(tmp_path, capsys):
     assert prose["format"] == "prose" and prose["spec"] == {**result["spec"], "format": "prose"}
     assert json.loads((out / "recall_step4_prose.json").read_text()) == prose and result["format"] == "kv"
     assert json.loads((out / "recall_step4.json").read_text()) == written  # untouched
+    # beyond the training length (32): documents 2x and 4x as long (4x passes the model's max_seq_len of 64, which
+    # RoPE does not need), the distance buckets extended to them; each length its own file
+    assert recall_main(["score", str(out), "--documents", "4", "--device", "cpu", "--lengths", "1", "2", "4"]) == 0
+    by_length = json.loads(capsys.readouterr().out)
+    assert by_length["training_length"] == 32 and set(by_length["lengths"]) == {"1", "2", "4"}
+    assert by_length["lengths"]["1"]["buckets"] == written["buckets"]  # length 1 is the probe above (its file reused)
+    x4 = json.loads((out / "recall_step4_x4.json").read_text())
+    assert x4["spec"]["doc_tokens"] == 127 and x4["length_multiple"] == 4
+    assert set(x4["buckets"]) == {"<1w", "1-2w", "2-4w", "4-8w", "8-16w"}
+    assert sum(b["items"] for b in x4["buckets"].values()) > sum(b["items"] for b in written["buckets"].values())
+    # a RoPE change for scoring only: positions interpolated by the length multiple, in a file of its own
+    assert recall_main(["score", str(out), "--documents", "4", "--device", "cpu", "--lengths", "4",
+                        "--rope_scale", "length"]) == 0
+    scaled = json.loads(capsys.readouterr().out)
+    assert scaled["rope_overrides"] == {"rope_scale": 4.0} and scaled["file"].endswith("recall_step4_x4_scalelength.json")
+    assert [b["answer_loss"] for b in scaled["buckets"].values()] != [b["answer_loss"] for b in x4["buckets"].values()]
+    # learned positions end at max_seq_len: one line, nothing written
+    learned = tmp_path / "learned"
+    assert run_training(tiny_config(learned, f"--data.source=bin:{data}", "--data.tokenizer=byte", "--train.steps=2",
+                                    "--model.pos_emb=learned", "--data.window_start=document")) == 0
+    capsys.readouterr()
+    assert recall_main(["score", str(learned), "--documents", "2", "--device", "cpu", "--lengths", "4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "learned positions end there" in err and "\n" not in err and not list(learned.glob("recall_*.json"))
 
 
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
@@ -152,7 +193,6 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "not a recall corpus" in err and "\n" not in err
     assert recall_main(["score", str(out), "--window", "8"]) == 2
-    assert recall_main(["score", str(out), "--window", "8", "--doc_tokens", "200", "--device", "cpu"]) == 2  # > max_seq_len
     assert recall_main(["make", "--out", str(tmp_path / "x"), "--window", "0", "--seq_len", "32"]) == 2
     assert not (tmp_path / "x").exists()
     capsys.readouterr()

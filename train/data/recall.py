@@ -32,7 +32,7 @@ import math
 import os
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -99,6 +99,17 @@ class RecallSpec:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def at_length(self, multiple: int) -> "RecallSpec":
+        """The probe at `multiple` times the training length: documents of multiple x (doc_tokens + 1) - 1 tokens
+        (the + 1: the EOS before each), distance buckets doubling on up to the longest document (never fewer than
+        this spec's). multiple 1: this spec."""
+        if multiple < 1:
+            raise ValueError(f"recall: a length multiple must be >= 1, got {multiple}")
+        if multiple == 1:
+            return self
+        doc_tokens = multiple * (self.doc_tokens + 1) - 1
+        return replace(self, doc_tokens=doc_tokens, max_windows=max(self.max_windows, doc_tokens // self.window))
 
 
 LINE_TOKENS_MIN = 3  # key+mark, value, newline: one token each at least

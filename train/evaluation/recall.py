@@ -122,11 +122,39 @@ def recall_spec_of(data_source: str) -> RecallSpec | None:
     return RecallSpec(**{k: v for k, v in raw[META_KEY].items() if k in RecallSpec.__dataclass_fields__})
 
 
-def result_name(step: int, knockout: tuple[str, ...] = (), line_format: str = DEFAULT_FORMAT) -> str:
+def result_name(step: int, knockout: tuple[str, ...] = (), line_format: str = DEFAULT_FORMAT, length: int = 1,
+                rope: str = "") -> str:
     """recall_step<N>.json; recall_step<N>_without_<branches>.json for a probe with NSA branches knocked out;
-    _<format> before .json for lines in another format than kv."""
+    _<format> before .json for lines in another format than kv; _x<M> for documents M times the training length;
+    _<rope> for a RoPE changed at scoring time (RopeAtLength.tag)."""
     return (f"recall_step{step}" + (f"_without_{'_'.join(sorted(knockout))}" if knockout else "")
-            + (f"_{line_format}" if line_format != DEFAULT_FORMAT else "") + ".json")
+            + (f"_{line_format}" if line_format != DEFAULT_FORMAT else "") + (f"_x{length}" if length != 1 else "")
+            + (f"_{rope}" if rope else "") + ".json")
+
+
+@dataclass(frozen=True)
+class RopeAtLength:
+    """A RoPE change made only for scoring at a longer length (what a user of a dense model does before any
+    training at that length): scale: linear position interpolation by this factor, or "length" (by the length
+    multiple); theta: this RoPE base, or "ntk" (NTK-aware: base x multiple^(hd / (hd - 2))). None: as trained."""
+
+    scale: float | str | None = None
+    theta: float | str | None = None
+
+    def overrides(self, model_cfg: dict, multiple: int) -> dict:
+        out = {}
+        if self.scale is not None:
+            out["rope_scale"] = float(multiple if self.scale == "length" else self.scale) * model_cfg.get("rope_scale", 1.0)
+        if self.theta is not None:
+            base = float(model_cfg.get("rope_theta", 10000.0))
+            hd = model_cfg.get("head_dim") or model_cfg["dim"] // model_cfg["n_heads"]
+            out["rope_theta"] = base * multiple ** (hd / (hd - 2)) if self.theta == "ntk" else float(self.theta)
+        return out
+
+    @property
+    def tag(self) -> str:
+        return "_".join(part for part in (f"scale{self.scale}" if self.scale is not None else "",
+                                          f"theta{self.theta}" if self.theta is not None else "") if part)
 
 
 def corpus_spec(checkpoint) -> RecallSpec:
@@ -140,17 +168,24 @@ def corpus_spec(checkpoint) -> RecallSpec:
 
 
 def probe_checkpoint(checkpoint, *, spec: RecallSpec | None = None, documents: int = 64, seed: int = PROBE_SEED,
-                     device: str = "auto", knockout: tuple[str, ...] = ()) -> dict:
+                     device: str = "auto", knockout: tuple[str, ...] = (), length: int = 1,
+                     rope: RopeAtLength = RopeAtLength()) -> dict:
     """Score a checkpoint (file or run directory) on the recall probe; write recall_step<N>.json beside it
     (result_name; an earlier file of the same checkpoint, documents, seed and spec is returned instead of scoring
     again). spec None: the run's own corpus's (its data.source must be a recall corpus). knockout: NSA branches (cmp,
-    sel, win) whose gates are zeroed while scoring (nsa.gate_health.knock_out), written to their own file."""
+    sel, win) whose gates are zeroed while scoring (nsa.gate_health.knock_out), written to their own file.
+    length: probe documents this many times the training length (spec.doc_tokens + 1), distance buckets extended to
+    them (RecallSpec.at_length); a RoPE model is scored at any length (its max_seq_len raised for the probe), learned
+    positions only within theirs. rope: a RoPE change made for scoring only."""
     if documents < 1:
         raise UserError(f"--documents must be >= 1, got {documents}")
+    if length < 1:
+        raise UserError(f"--lengths must be >= 1, got {length}")
     path = resolve_checkpoint(Path(checkpoint)).resolve()
     step = load_checkpoint(path)["step"]
-    spec = spec if spec is not None else corpus_spec(path)
-    done = path.parent / result_name(step, knockout, spec.format)
+    base = spec if spec is not None else corpus_spec(path)
+    spec = base.at_length(length)
+    done = path.parent / result_name(step, knockout, spec.format, length, rope.tag)
     if done.exists():
         try:
             prior = json.loads(done.read_text(encoding="utf-8"))
@@ -160,10 +195,14 @@ def probe_checkpoint(checkpoint, *, spec: RecallSpec | None = None, documents: i
                 (str(path), documents, seed, spec.to_dict()):
             return prior
     dev = pick_device(device)
-    model, cfg = model_from_checkpoint(path, str(dev))
+    stored = load_checkpoint(path)["config"]["model"]
+    overrides = rope.overrides(stored, length)
+    if stored.get("pos_emb", "rope") == "rope" and spec.doc_tokens + 1 > stored["max_seq_len"]:
+        overrides["max_seq_len"] = spec.doc_tokens + 1  # RoPE: positions beyond training are computed, not learned
+    model, cfg = model_from_checkpoint(path, str(dev), **overrides)
     if spec.doc_tokens + 1 > model.cfg.max_seq_len:
         raise UserError(f"recall documents of {spec.doc_tokens} tokens do not fit the model's max_seq_len "
-                        f"{model.cfg.max_seq_len}")
+                        f"{model.cfg.max_seq_len} (learned positions end there)")
     started = time.perf_counter()
     try:
         with knock_out(model, knockout):
@@ -172,7 +211,9 @@ def probe_checkpoint(checkpoint, *, spec: RecallSpec | None = None, documents: i
     except ValueError as exc:  # a branch name or a model knock_out refuses
         raise UserError(f"--knockout: {exc}") from None
     result.update(tool="train.recall", checkpoint=str(path), step=step, attention=cfg["model"]["attention"],
-                  spec=spec.to_dict(), seconds=round(time.perf_counter() - started, 3),
+                  spec=spec.to_dict(), length_multiple=length, training_length=base.doc_tokens + 1,
+                  **({"rope_overrides": {k: v for k, v in overrides.items() if k != "max_seq_len"}} if rope.tag else {}),
+                  seconds=round(time.perf_counter() - started, 3),
                   **({"knockout": sorted(knockout)} if knockout else {}),
                   file=str(done))
     write_json_atomic(Path(result["file"]), result)
