@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -82,6 +83,24 @@ class Transformer(nn.Module):
         for module in self.modules():
             if module is not self and hasattr(module, "reset_extra_parameters"):
                 module.reset_extra_parameters()
+
+    def set_positions(self, rope_theta: float, rope_scale: float) -> None:
+        """The RoPE base and linear interpolation from now on (a sequence-length stage: train short, then long);
+        the weights are untouched. The model's cfg becomes a copy that says so (the run's config stays as given)."""
+        if self.rope is None:
+            raise ValueError("set_positions needs pos_emb=rope")
+        device = self.rope.inv_freq.device
+        self.rope = RotaryEmbedding(self.cfg.head_dim, rope_theta, rope_scale).to(device)
+        self.cfg = dataclasses.replace(self.cfg, rope_theta=rope_theta, rope_scale=rope_scale)
+
+    def set_window(self, w: int) -> None:
+        """NSA's sliding window from now on (its other geometry and the weights unchanged); a dense model has none."""
+        nsa = dataclasses.replace(self.cfg.nsa, w=w)
+        nsa.validate()
+        for blk in self.blocks:
+            if hasattr(blk.attn, "branches"):  # an NSA layer reads its geometry from its cfg
+                blk.attn.cfg = nsa
+        self.cfg = dataclasses.replace(self.cfg, nsa=nsa)
 
     def num_params(self, include_embeddings: bool = True) -> int:
         """Unique parameters (a tied head counts once). Without embeddings: no token/position tables."""

@@ -60,10 +60,11 @@ def val_fields(sources: tuple[str, ...] = ()) -> list[str]:
 RETRY_FIELDS = ["data_retries", "data_stalls", "data_wait_s"]
 
 
-def train_fields(sources: tuple[str, ...] = (), streams: bool = False) -> list[str]:
+def train_fields(sources: tuple[str, ...] = (), streams: bool = False, staged: bool = False) -> list[str]:
     """training.csv's columns for a run over these mixture sources (none: a run without a mixture); streams: a stream
-    source is read (its retry counts)."""
-    return TRAIN_FIELDS + [SHARE_PREFIX + name for name in sources] + (RETRY_FIELDS if streams else [])
+    source is read (its retry counts); staged: train.seq_stages (the step's seq_len)."""
+    return (TRAIN_FIELDS + [SHARE_PREFIX + name for name in sources] + (RETRY_FIELDS if streams else [])
+            + (["seq_len"] if staged else []))
 # tasks.csv: the scores of one task at one evaluation (train/evaluation/tasks_metrics.py defines them); tokens_seen is
 # the run's training tokens at that step
 TASKS_FIELDS = ["step", "tokens_seen", "task", "primary_metric", "primary", "primary_stderr", "acc", "acc_stderr",
@@ -75,7 +76,7 @@ TASK_SUFFIXES = (".jsonl.gz", ".jsonl")  # a task given as a path to a requests 
 WRITE_FAILED = "write_failed"  # a checkpoint or log could not be written (a full disk): exit 4, train/trainer/runner.py
 # heartbeat record kinds (field "kind"); every record also has ts, time, rank, step
 HEARTBEAT_KINDS = ("start", "train", "eval", "tasks", "eval_only", "checkpoint", "alert", "anomaly", "end", "watchdog",
-                   "stackdump", "profile", "sdpa_audit", "data_outage", WRITE_FAILED)
+                   "stackdump", "profile", "sdpa_audit", "data_outage", "stage", WRITE_FAILED)
 # NSA statistics a 'train' record carries (nsa/attention/gate_stats.py computes them under these names)
 GATE_STATS = ("gate_entropy_mean", "gate_entropy_min", "gate_max_mean", "gate_collapse_frac", "gate_saturated_frac",
               "gate_share_cmp", "gate_share_sel", "gate_share_win")

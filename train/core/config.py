@@ -85,6 +85,10 @@ class TrainConfig:
     # thread writes the file while training goes on; one write in flight at most; the final save, .HALT, SIGTERM and
     # errors wait for it (docs/RUNBOOK.md "Asynchronous checkpoints")
     async_checkpoint: bool = False
+    # sequence-length stages after the first (this section's seq_len, batch_size and the model's RoPE / nsa.w): a list of
+    # {at: STEP, seq_len, batch_size, rope_theta, rope_scale, nsa_w}; tokens per step kept unless a stage sets its
+    # batch_size (train/core/seq_stages.py, docs/USE.md "Long context"). null: one stage
+    seq_stages: list[dict] | None = None
     resume: str = "auto"  # auto | none | PATH to a checkpoint
     init_from: str = ""  # fresh starts only: initial weights from hf:DIR (a Hugging Face model directory) or PATH to one of our checkpoints (weights only)
     nonfinite_skip_limit: int = 3  # non-finite steps skipped before the run halts
@@ -631,6 +635,14 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     if cfg.model.pos_emb == "learned" and cfg.train.seq_len > cfg.model.max_seq_len:
         raise ConfigError(f"{where}: train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len="
                           f"{cfg.model.max_seq_len} (learned positions)")
+    if cfg.train.seq_stages:
+        from train.core.seq_stages import seq_stages
+
+        seq_stages(cfg, where)
+        if cfg.data.reads_streams or cfg.data.mixture is not None:
+            raise ConfigError(f"{where}: train.seq_stages need one bin: or synthetic source (a global step's rows are "
+                              f"then a function of the step at any seq_len); prepare the stream (python -m "
+                              f"train.data.prepare) or train one stage per run with train.init_from")
     return cfg
 
 

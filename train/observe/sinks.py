@@ -275,7 +275,7 @@ def open_sinks(cfg: RunConfig, out_dir: Path, *, rank: int, resume_step: int | N
         if rank == 0 and not cfg.train.eval_only:
             mixture = data_mixture(cfg)
             sources = () if mixture.single else mixture.names
-            sinks += [CsvSink(out_dir / TRAIN_CSV, train_fields(sources, cfg.data.reads_streams), "train", resume_step),
+            sinks += [CsvSink(out_dir / TRAIN_CSV, train_fields(sources, cfg.data.reads_streams, bool(cfg.train.seq_stages)), "train", resume_step),
                       CsvSink(out_dir / VAL_CSV, val_fields(sources), "eval", resume_step)]
             if cfg.train.eval_tasks or (out_dir / TASKS_CSV).exists():  # resumed without tasks: its rows still move aside
                 sinks.append(CsvSink(out_dir / TASKS_CSV, TASKS_FIELDS, "tasks", resume_step, lines="tasks"))

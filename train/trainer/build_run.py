@@ -34,6 +34,7 @@ from train.core.distributed import (
     wrap_model,
 )
 from train.core.errors import CheckpointError, ConfigError, DataError, StorageError, UserError
+from train.core.seq_stages import SeqStage, seq_stages, stage_at
 from train.data import build_data
 from train.hf.importer import init_state_dict
 from train.observe.efficiency import Efficiency
@@ -182,22 +183,56 @@ class Run:
         if self.resumed:
             self._restore_weights(ckpt)
         seed_host_and_torch_rngs(cfg.train.seed + 1000 * self.info.rank)  # dropout streams differ per rank
-        self.data = build_data(
-            cfg.data, seq_len=cfg.train.seq_len, batch_size=cfg.train.batch_size, vocab_size=cfg.model.vocab_size,
-            seed=cfg.train.seed, rank=self.info.rank, world_size=self.info.world_size,
-            accumulate=cfg.train.accumulate_grad_batches, pin=self.info.device.type == "cuda",
-            mixture=data_mixture(cfg),
-        )
+        # train.seq_stages: the stage of the step this launch starts at (the batch split above is this world size's)
+        self.stages = seq_stages(cfg)
+        self.stage = stage_at(self.stages, int(ckpt["step"]) if ckpt is not None else 0)
+        self.data = self._build_data(self.stage)
+        self._apply_model_stage(self.stage)
         self._set_document_mask(ckpt)
         if self.resumed:
             self._restore_progress(ckpt)
         del ckpt  # the mapping of the file is dropped; the state lives in the model now
         model = self.raw_model if fsdp else wrap_model(self.raw_model, self.info, cfg.runtime, self.amp_dtype)
         self.model = self._compile(model)
-        self.efficiency = Efficiency(cfg.model, cfg.train.seq_len, self.info.device, self.amp_dtype,
+        self.efficiency = Efficiency(cfg.model, self.stage.seq_len, self.info.device, self.amp_dtype,
                                      self.info.world_size)
         if self.is_main and not cfg.train.eval_only:
             write_text_atomic(self.out_dir / CONFIG_YAML, dump_config(cfg))
+
+    # ---- sequence-length stages (train.seq_stages) --------------------------------------------------------------
+    def _build_data(self, stage: SeqStage):
+        cfg = self.cfg
+        return build_data(
+            cfg.data, seq_len=stage.seq_len, batch_size=stage.batch_size, vocab_size=cfg.model.vocab_size,
+            seed=cfg.train.seed, rank=self.info.rank, world_size=self.info.world_size,
+            accumulate=stage.accumulate, pin=self.info.device.type == "cuda", mixture=data_mixture(cfg),
+        )
+
+    def _apply_model_stage(self, stage: SeqStage) -> None:
+        """The stage's RoPE and NSA window on the model (nothing for a stage that keeps them)."""
+        model_cfg = self.raw_model.cfg
+        if self.raw_model.rope is not None and (stage.rope_theta, stage.rope_scale) != (model_cfg.rope_theta,
+                                                                                        model_cfg.rope_scale):
+            self.raw_model.set_positions(stage.rope_theta, stage.rope_scale)
+        if stage.nsa_w is not None and stage.nsa_w != model_cfg.nsa.w:
+            self.raw_model.set_window(stage.nsa_w)
+
+    def stage_for(self, step: int) -> SeqStage:
+        return stage_at(self.stages, step)
+
+    def enter_stage(self, stage: SeqStage) -> None:
+        """From optimizer step stage.at on: the data at the stage's seq_len and batch split, positioned at that step
+        (bin: / synthetic rows are a function of the step), the model's RoPE and window, MFU at the new length.
+        A compiled model compiles again once, for the new shapes."""
+        self.data.close()
+        self.data = self._build_data(stage)
+        self.data.train.load_state_dict({**self.data.train.state_dict(), "step": stage.at})
+        self._apply_model_stage(stage)
+        if self.cfg.runtime.compile:
+            torch._dynamo.reset()  # one compilation per stage, static shapes inside it
+        self.efficiency = Efficiency(self.cfg.model, stage.seq_len, self.info.device, self.amp_dtype,
+                                     self.info.world_size)
+        self.stage = stage
 
     def _compile(self, model):
         rt = self.cfg.runtime

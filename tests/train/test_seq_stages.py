@@ -1,0 +1,140 @@
+"""Sequence-length stages (train.seq_stages, train/core/seq_stages.py): each stage trains at its own length with the
+tokens per step kept, the model takes its RoPE and window (equal to a model built with them), resume across a stage
+boundary is exact after .HALT and kill -9 and on another world size, and a plan that cannot work is one line before
+anything is written."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from nsa.config import ModelConfig, NSAConfig
+from nsa.model import Transformer
+from train.core.config import load_config
+from train.core.errors import ConfigError
+from train.trainer.runner import run_training
+
+from .helpers import REPO, TINY_CLI, cli, halt_while_step_runs, kill9_after, read_csv, read_jsonl, tiny_config
+from .test_mixture_training import byte_dir
+
+STAGES = "--train.seq_stages=[{at: 4, seq_len: 64, rope_theta: 40000}, {at: 7, seq_len: 128, rope_scale: 2.0}]"
+STAGED = ["--model.max_seq_len=128", STAGES, "--train.steps=10", "--train.log_every=1", "--train.eval_every=5"]
+
+
+def test_each_stage_trains_at_its_length_with_the_tokens_per_step_kept(tmp_path):
+    out = tmp_path / "run"
+    assert run_training(tiny_config(out, *STAGED)) == 0  # seq 32 x 4 rows: 128 tokens a step
+    rows = read_csv(out / "training.csv")
+    assert [int(r["seq_len"]) for r in rows] == [32] * 4 + [64] * 3 + [128] * 3
+    assert [int(r["tokens_seen"]) for r in rows] == [128 * s for s in range(1, 11)]
+    stages = [r for r in read_jsonl(out / "heartbeat_rank0.jsonl") if r["kind"] == "stage"]
+    assert [(r["step"], r["seq_len"], r["batch_size"], r["rope_theta"], r["rope_scale"]) for r in stages] == \
+        [(4, 64, 2, 40000.0, 1.0), (7, 128, 1, 40000.0, 2.0)]
+    ckpt = torch.load(out / "checkpoint_step10.pt", weights_only=False)
+    assert ckpt["config"]["model"]["rope_theta"] == 10000.0  # the run's config stays as given: the stages say the rest
+    assert ckpt["data"][0]["global_batch"] == 1 and ckpt["data"][0]["step"] == 10
+
+
+@pytest.mark.parametrize("attention", ["dense", "nsa"])
+def test_a_models_stage_equals_a_model_built_with_it(attention):
+    nsa = NSAConfig(l=8, d=4, l_sel=8, n_sel=3, w=8)
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=128,
+                      attention=attention, nsa=nsa)
+    torch.manual_seed(0)
+    model = Transformer(cfg).eval()
+    x = torch.randint(0, 64, (2, 96))
+    before = model(x)
+    model.set_positions(40000.0, 2.0)
+    if attention == "nsa":
+        model.set_window(16)
+    after = model(x)
+    built = Transformer(ModelConfig(**{**cfg.__dict__, "rope_theta": 40000.0, "rope_scale": 2.0,
+                                       "nsa": NSAConfig(**{**nsa.__dict__, "w": 16 if attention == "nsa" else 8})}))
+    built.load_state_dict(model.state_dict())
+    torch.testing.assert_close(after, built.eval()(x), rtol=0, atol=0)
+    assert not torch.allclose(before, after)  # the change reaches the output
+    assert cfg.rope_theta == 10000.0 and cfg.nsa.w == 8  # the config it was built from is left as it was
+
+
+def test_halt_then_resume_across_a_stage_boundary_is_bit_for_bit(tmp_path, monkeypatch):
+    full, split = tmp_path / "full", tmp_path / "split"
+    assert run_training(tiny_config(full, *STAGED)) == 0
+    original = halt_while_step_runs(monkeypatch, split, step=6)  # in the second stage
+    assert run_training(tiny_config(split, *STAGED)) == 0
+    monkeypatch.setattr("train.data.synthetic.SyntheticStream.next_batch", original)
+    (split / ".HALT").unlink()
+    assert run_training(tiny_config(split, *STAGED)) == 0  # steps 7-10: over the boundary at 7
+    keys = ("step", "loss", "grad_norm", "seq_len")
+    assert [tuple(r[k] for k in keys) for r in read_csv(split / "training.csv")] == \
+        [tuple(r[k] for k in keys) for r in read_csv(full / "training.csv")]
+    a, b = (torch.load(d / "checkpoint_step10.pt", weights_only=True) for d in (full, split))
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+
+
+def test_kill9_resumes_across_a_stage_boundary_bit_for_bit(tmp_path):
+    args = [*TINY_CLI, "--train.batch_size=4", "--model.max_seq_len=64", "--train.steps=60", "--train.save_every=10",
+            "--train.warmup_steps=2",
+            "--train.seq_stages=[{at: 25, seq_len: 32}, {at: 40, seq_len: 64, rope_theta: 20000}]"]
+    reference, out = tmp_path / "reference", tmp_path / "killed"
+    assert 20 <= kill9_after(args, out, "checkpoint_step20.pt") < 60
+    for target in (reference, out):
+        done = cli(*args, f"--train.out_dir={target}")
+        assert done.returncode == 0, done.stderr[-2000:]
+    keys = ("step", "loss", "grad_norm", "seq_len")
+    assert [tuple(r[k] for k in keys) for r in read_csv(out / "training.csv")] == \
+        [tuple(r[k] for k in keys) for r in read_csv(reference / "training.csv")]
+    assert sorted({int(r["seq_len"]) for r in read_csv(out / "training.csv")}) == [16, 32, 64]
+
+
+def test_a_bin_run_resumed_on_two_ranks_across_a_stage_trains_like_one_rank(tmp_path, corpus_path):
+    """Global batch 8 x 16 tokens: one rank for 16 steps, against one rank for steps 1-6 resumed on two gloo ranks
+    over the stage at 8 (seq 32, 4 rows): the same global batches, losses within the 1-vs-2-rank tolerance."""
+    data = byte_dir(tmp_path / "kjv", corpus_path.read_text(encoding="utf-8")[:200_000])
+    args = ["--model.vocab_size=320", "--model.dim=32", "--model.n_layers=1", "--model.n_heads=2", "--model.ffn_dim=64",
+            "--model.max_seq_len=32", "--train.seq_len=16", "--train.steps=16", "--train.log_every=1",
+            "--train.warmup_steps=2", "--train.eval_every=0", "--runtime.device=cpu", "--runtime.threads=1",
+            "--data.tokenizer=byte", f"--data.source=bin:{data}", "--train.seq_stages=[{at: 8, seq_len: 32}]"]
+    one, moved = tmp_path / "one", tmp_path / "moved"
+    assert run_training(load_config(None, [*args, f"--train.out_dir={one}", "--train.batch_size=8"])) == 0
+    assert run_training(load_config(None, [*args, f"--train.out_dir={moved}", "--train.batch_size=8",
+                                           "--train.stop_after=6"])) == 0
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "train", *args,
+           "--train.batch_size=4", f"--train.out_dir={moved}"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    x, y = (read_csv(out / "training.csv") for out in (one, moved))
+    assert [r["seq_len"] for r in x] == [r["seq_len"] for r in y] == ["16"] * 8 + ["32"] * 8
+    assert max(abs(float(p["loss"]) - float(q["loss"])) for p, q in zip(x, y)) < 1e-5
+    assert [r["tokens_seen"] for r in x] == [r["tokens_seen"] for r in y]
+
+
+@pytest.mark.parametrize("stages, message", [
+    ("[{at: 12, seq_len: 64}]", "at=12 must be a step after the stage before's (0) and before train.steps=10"),
+    ("[{at: 5, seq_len: 64}, {at: 5, seq_len: 128}]", "train.seq_stages[1]: at=5 must be a step after"),
+    ("[{at: 5, seq_len: 48}]", "tokens per step cannot be kept"),
+    ("[{at: 5, seq_len: 64, window: 8}]", "unknown key 'window'"),
+    ("[{at: 5, seq_len: 64, nsa_w: 16}]", "nsa_w needs model.attention: nsa"),
+    ("LEARNED", "seq_len 128 is above the learned positions (model.max_seq_len=64)"),
+    ("STREAM", "train.seq_stages need one bin: or synthetic source"),
+])
+def test_a_stage_plan_that_cannot_work_is_one_line(tmp_path, stages, message):
+    extra = []
+    if stages == "LEARNED":
+        stages, extra = "[{at: 5, seq_len: 128}]", ["--model.pos_emb=learned"]
+    if stages == "STREAM":
+        stages, extra = "[{at: 5, seq_len: 64}]", ["--data.source=text:/nowhere/*.txt"]
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")
+                       .replace("]", r"\]")) as caught:
+        tiny_config(tmp_path / "never", "--train.steps=10", f"--train.seq_stages={stages}", *extra)
+    assert "\n" not in str(caught.value)
+
+
+def test_the_trainer_refuses_a_bad_plan_with_exit_2_and_writes_nothing(tmp_path):
+    out = tmp_path / "never"
+    done = cli(*TINY_CLI, "--train.steps=10", "--train.seq_stages=[{at: 10, seq_len: 32}]", f"--train.out_dir={out}")
+    assert done.returncode == 2 and "train.seq_stages[0]: at=10" in done.stderr
+    assert not out.exists()
