@@ -138,3 +138,26 @@ def test_the_trainer_refuses_a_bad_plan_with_exit_2_and_writes_nothing(tmp_path)
     done = cli(*TINY_CLI, "--train.steps=10", "--train.seq_stages=[{at: 10, seq_len: 32}]", f"--train.out_dir={out}")
     assert done.returncode == 2 and "train.seq_stages[0]: at=10" in done.stderr
     assert not out.exists()
+
+
+def test_preflight_and_the_plan_give_each_stage_its_line(tmp_path):
+    """Memory per stage against the GPU: a stage whose micro-batch outgrows it fails by its own line (the first
+    stage's line passes); train.plan prints each stage's steps, split and tokens."""
+    from train.core.seq_stages import seq_stages, stage_config
+    from train.planning.memory import estimate_memory
+    from train.planning.plan import make_plan, render
+    from train.workflows.preflight import FAIL, run_preflight
+
+    cfg = tiny_config(tmp_path / "run", "--model.max_seq_len=4096", "--train.steps=10",
+                      "--train.seq_stages=[{at: 5, seq_len: 4096, batch_size: 64}]")
+    first, second = (estimate_memory(stage_config(cfg, s), 1).total for s in seq_stages(cfg))
+    assert second > first * 1.2
+    result = run_preflight(cfg, gpus=1, cuda=True, gpu_bytes=int((first + second) / 2), env={},
+                           free_bytes=lambda p: 1 << 50)
+    lines = {c.name: c for c in result.checks if c.name.startswith("gpu memory")}
+    assert set(lines) == {"gpu memory (from step 0, seq_len 32)", "gpu memory (from step 5, seq_len 4096)"}
+    assert lines["gpu memory (from step 0, seq_len 32)"].status != FAIL
+    assert lines["gpu memory (from step 5, seq_len 4096)"].status == FAIL and not result.ok
+    text = render(make_plan(cfg))
+    assert "steps 0-5: seq_len 32, 4 x 1 rows per rank, 640 tokens" in text
+    assert "steps 5-10: seq_len 4096, 64 x 1 rows per rank, 1,310,720 tokens" in text and "tokens per step changed" in text

@@ -23,6 +23,7 @@ the stage. One parse (`seq_stages`) for the trainer, the start checks, preflight
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, replace
 
 from train.core.errors import ConfigError
@@ -126,6 +127,34 @@ def _int(raw: dict, key: str, name: str) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"{name}: {key} must be a whole number, got {value!r}")
     return value
+
+
+def stage_config(cfg, stage: SeqStage):
+    """A copy of RunConfig `cfg` as the stage trains: its seq_len and batch split, RoPE and NSA window (what the memory
+    planner and preflight measure per stage)."""
+    out = copy.deepcopy(cfg)
+    out.train.seq_len, out.train.batch_size, out.train.accumulate_grad_batches = \
+        stage.seq_len, stage.batch_size, stage.accumulate
+    out.train.seq_stages = None
+    out.model.rope_theta, out.model.rope_scale = stage.rope_theta, stage.rope_scale
+    if stage.nsa_w is not None:
+        out.model.nsa.w = stage.nsa_w
+    return out
+
+
+def stage_lines(stages: list[SeqStage], steps: int, world_size: int) -> list[str]:
+    """One line per stage: its steps, split and tokens (train.plan, preflight)."""
+    lines = []
+    for i, stage in enumerate(stages):
+        end = stages[i + 1].at if i + 1 < len(stages) else steps
+        tokens = (end - stage.at) * stage.rows_per_rank() * stage.seq_len * world_size
+        lines.append(f"steps {stage.at}-{end}: seq_len {stage.seq_len}, {stage.batch_size} x {stage.accumulate} rows "
+                     f"per rank, {tokens:,} tokens" + (f", rope_theta {stage.rope_theta:g}" if i == 0 or
+                                                       stage.rope_theta != stages[i - 1].rope_theta else "")
+                     + (f", rope_scale {stage.rope_scale:g}" if stage.rope_scale != 1 else "")
+                     + (f", nsa.w {stage.nsa_w}" if stage.nsa_w is not None else "")
+                     + ("" if stage.tokens_kept else " (its own batch_size: tokens per step changed)"))
+    return lines
 
 
 def stage_at(stages: list[SeqStage], step: int) -> SeqStage:

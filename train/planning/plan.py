@@ -73,11 +73,22 @@ def make_plan(cfg: RunConfig, *, tokens: float | None = None, gpus: int = 1, tok
             plan["iterations_in_hours"] = math.floor(hours * 3600 / plan["s_per_iter"])
     elif hours is not None:
         raise ConfigError("--hours needs a throughput: --toks-per-s or --mfu with --peak-device")
+    if t.seq_stages:  # train.seq_stages: each stage's steps, split and tokens
+        from train.core.seq_stages import seq_stages, stage_lines
+
+        plan["seq_stages"] = stage_lines(seq_stages(cfg), t.steps, gpus)
     mixture = data_mixture(cfg)
     if not mixture.single:  # over the config's steps
         plan["mixture"] = mixture_plan(cfg.data, mixture, seq_len=t.seq_len, vocab_size=cfg.model.vocab_size,
                                        global_batch=t.batch_size * t.accumulate_grad_batches * gpus)
     return plan
+
+
+def _stage_lines(plan: dict) -> list[str]:
+    if "seq_stages" not in plan:
+        return []
+    return ["  seq stages        (train.seq_stages; the lines above are the first stage's):"] + \
+        [f"    {line}" for line in plan["seq_stages"]]
 
 
 def _mixture_lines(plan: dict) -> list[str]:
@@ -102,7 +113,7 @@ def render(plan: dict) -> str:
         f"attention/FFN {p['attention_to_ffn_ratio']:.2f})",
         f"  total FLOPs       {p['total_flops']:.3e}",
     ]
-    lines += _mixture_lines(p)
+    lines += _stage_lines(p) + _mixture_lines(p)
     if p.get("s_per_iter") is None:
         lines.append("  wall time         give --toks-per-s (measured) or --mfu with --peak-device")
         return "\n".join(lines)

@@ -242,20 +242,31 @@ def _loader(cfg: RunConfig, add) -> None:
 # ---- model / optimizer -----------------------------------------------------------------------
 
 def _gpu_memory(cfg: RunConfig, add, gpus: int, gpu_bytes: int | None) -> None:
-    """Peak memory per rank (train/planning/memory.py) against the detected GPU; FAIL with the knob that fixes it."""
+    """Peak memory per rank (train/planning/memory.py) against the detected GPU, one line per sequence-length stage
+    (train.seq_stages); FAIL with the knob that fixes it."""
+    if not cfg.train.seq_stages:
+        return _stage_memory(cfg, add, gpus, gpu_bytes, "gpu memory")
+    from train.core.seq_stages import seq_stages, stage_config
+
+    for stage in seq_stages(cfg):
+        _stage_memory(stage_config(cfg, stage), add, gpus, gpu_bytes,
+                      f"gpu memory (from step {stage.at}, seq_len {stage.seq_len})")
+
+
+def _stage_memory(cfg: RunConfig, add, gpus: int, gpu_bytes: int | None, name: str) -> None:
     from train.planning.memory import estimate_memory, verdict
 
     if gpu_bytes is None:
         need = estimate_memory(cfg, gpus).total
-        add(OK, "gpu memory", f"needs {need / 1e9:.1f} GB per rank (no CUDA here to compare; "
+        add(OK, name, f"needs {need / 1e9:.1f} GB per rank (no CUDA here to compare; "
                               f"python -m train.plan CONFIG --gpu NAME)")
         return
     v = verdict(cfg, gpus, "detected GPU", capacity=gpu_bytes)
     if v["fits"]:
-        add(OK, "gpu memory", f"needs {v['total'] / 1e9:.1f} GB per rank of {gpu_bytes / 1e9:.1f} GB")
+        add(OK, name, f"needs {v['total'] / 1e9:.1f} GB per rank of {gpu_bytes / 1e9:.1f} GB")
         return
     fix = v["fix"] or "a larger GPU, more GPUs with --use_fsdp=true, or a smaller model"
-    add(FAIL, "gpu memory", f"does not fit: needs {v['total'] / 1e9:.1f} GB per rank, the GPU has "
+    add(FAIL, name, f"does not fit: needs {v['total'] / 1e9:.1f} GB per rank, the GPU has "
                             f"{gpu_bytes / 1e9:.1f} GB; fix: {fix}")
 
 
