@@ -376,7 +376,7 @@ log_to() {
 # Sets TRAIN_RC to the trainer's exit code, 3 when the run halted on an anomaly, 4 when a file could not be written.
 run_logged_training() {
   local run_dir=$1 out_dir=$2 run_info=$3 final_status final_step
-  local started updated restarts
+  local started updated restarts extended
   TRAIN_RC=0
   started=$(date +%s)
   # a SIGTERM to the whole job (a scheduler's preemption) stops the trainer gracefully; this shell
@@ -409,6 +409,8 @@ run_logged_training() {
   info "$run_info" final_step "$final_step"
   info "$run_info" final_status "$final_status"
   info "$run_info" last_checkpoint "$(newest_checkpoint "$out_dir")"
+  extended=$(metrics_field "$out_dir" extended_from)  # train.extend_from: the checkpoint this run continues, longer
+  if [ -n "$extended" ]; then info "$run_info" extended_from "$extended"; fi
   restarts=$(metrics_field "$out_dir" data_restarts)  # data.restart_on_change: where the data started afresh
   if [ -n "$restarts" ] && [ "$restarts" != "[]" ]; then info "$run_info" data_restarts "$restarts"; fi
 }

@@ -4,6 +4,7 @@ boundary is exact after .HALT and kill -9 and on another world size, and a plan 
 anything is written."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -161,3 +162,33 @@ def test_preflight_and_the_plan_give_each_stage_its_line(tmp_path):
     text = render(make_plan(cfg))
     assert "steps 0-5: seq_len 32, 4 x 1 rows per rank, 640 tokens" in text
     assert "steps 5-10: seq_len 4096, 64 x 1 rows per rank, 1,310,720 tokens" in text and "tokens per step changed" in text
+
+
+def test_a_finished_run_extends_to_a_longer_context_with_its_lineage(tmp_path):
+    """train.extend_from: the checkpoint's weights at a longer seq_len with another RoPE base and NSA window (fields
+    init_from refuses), a fresh optimizer; the lineage in metrics.json and every checkpoint, kept on resume."""
+    from train.trainer.build_run import Run
+
+    nsa = ["--model.attention=nsa", "--nsa.l=8", "--nsa.d=4", "--nsa.l_sel=8", "--nsa.n_sel=3", "--nsa.w=8"]
+    short, long_ = tmp_path / "short", tmp_path / "long"
+    assert run_training(tiny_config(short, *nsa, "--train.steps=4")) == 0
+    extend = [*nsa, f"--train.extend_from={short}", "--train.seq_len=64", "--model.max_seq_len=64",
+              "--model.rope_theta=40000", "--nsa.w=16", "--train.steps=3", "--train.save_every=2"]
+    with pytest.raises(ConfigError, match=r"train.init_from=.* does not match the run's model: rope_theta"):
+        Run(tiny_config(tmp_path / "strict", *extend[:-7], f"--train.init_from={short}", *extend[-6:]))
+    run = Run(tiny_config(long_, *extend))
+    try:
+        source = torch.load(short / "checkpoint_step4.pt", weights_only=True)["model"]
+        assert all(torch.equal(run.raw_model.state_dict()[k], source[k]) for k in source)  # the weights, exactly
+        assert run.raw_model.cfg.nsa.w == 16 and run.raw_model.cfg.rope_theta == 40000.0
+    finally:
+        run.close()
+    assert run_training(tiny_config(long_, *extend)) == 0
+    lineage = json.loads((long_ / "metrics.json").read_text())["extended_from"]
+    assert lineage["checkpoint"] == str((short / "checkpoint_step4.pt").resolve()) and lineage["step"] == 4
+    assert (lineage["seq_len"], lineage["rope_theta"], lineage["nsa_w"]) == (32, 10000.0, 8)
+    assert torch.load(long_ / "checkpoint_step3.pt", weights_only=False)["extended_from"] == lineage
+    (long_ / "checkpoint_step3.pt").unlink()  # resume from step 2: the lineage stays the first launch's
+    (long_ / "latest.pt").unlink(missing_ok=True)
+    assert run_training(tiny_config(long_, *extend)) == 0
+    assert json.loads((long_ / "metrics.json").read_text())["extended_from"] == lineage

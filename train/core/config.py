@@ -91,6 +91,10 @@ class TrainConfig:
     seq_stages: list[dict] | None = None
     resume: str = "auto"  # auto | none | PATH to a checkpoint
     init_from: str = ""  # fresh starts only: initial weights from hf:DIR (a Hugging Face model directory) or PATH to one of our checkpoints (weights only)
+    # fresh starts only: a longer-context stage of a finished run (docs/USE.md "Long context"): its checkpoint's weights (a
+    # file or run directory) with a fresh optimizer and schedule, like init_from, but model.max_seq_len / rope_theta /
+    # rope_scale and nsa.w may differ from the checkpoint's; recorded as extended_from in metrics.json, run.info, checkpoints
+    extend_from: str = ""
     nonfinite_skip_limit: int = 3  # non-finite steps skipped before the run halts
     # spike skipping (docs/RUNBOOK.md "Skipped steps"), on when a threshold is set: a step whose loss / gradient norm is more
     # than that many standard deviations above the mean of the last spike_skip_window accepted steps is skipped like a non-finite one
@@ -614,6 +618,8 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     if "eval_tasks_limit" in sections["train"] and not cfg.train.eval_tasks:
         raise ConfigError(f"{where}: train.eval_tasks_limit has no effect with no train.eval_tasks")
     cfg.train.validate()
+    if cfg.train.init_from and cfg.train.extend_from:
+        raise ConfigError(f"{where}: train.init_from and train.extend_from both start from other weights; give one")
     if cfg.train.lr_schedule != "wsd" and (ignored := [k for k in WSD_ONLY_KEYS if k in sections["train"]]):
         raise ConfigError(f"{origins['train'].get(ignored[0], where)}: train.{ignored[0]} has no effect with train.lr_schedule="
                           f"{cfg.train.lr_schedule!r}; it sets the decay of lr_schedule=wsd")

@@ -85,15 +85,20 @@ def _read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 # ---- checks ----------------------------------------------------------------------------------
-def architecture_diffs(source: ModelConfig, run: ModelConfig) -> list[str]:
-    """The architecture fields in which source and run differ, as `field: A in the source vs B in the run`."""
-    free = FREE_MODEL_FIELDS | ({"max_seq_len"} if run.pos_emb == "rope" else set())  # RoPE: only a documented limit
+# what a longer-context stage may change (train.extend_from): positions and the window, never a weight's shape
+EXTENSION_FIELDS = frozenset({"max_seq_len", "rope_theta", "rope_scale", "nsa.w"})
+
+
+def architecture_diffs(source: ModelConfig, run: ModelConfig, free_fields: frozenset = frozenset()) -> list[str]:
+    """The architecture fields in which source and run differ, as `field: A in the source vs B in the run`.
+    free_fields: more that may differ (EXTENSION_FIELDS for train.extend_from; nsa.* named with the prefix)."""
+    free = FREE_MODEL_FIELDS | ({"max_seq_len"} if run.pos_emb == "rope" else set()) | free_fields  # RoPE: a limit
     a, b = dataclasses.asdict(source), dataclasses.asdict(run)
     nsa_a, nsa_b = a.pop("nsa"), b.pop("nsa")
     diffs = [f"{k}: {a[k]!r} in the source vs {v!r} in the run" for k, v in b.items() if k not in free and a[k] != v]
     if run.attention == "nsa" and source.attention == "nsa":
         diffs += [f"nsa.{k}: {nsa_a[k]!r} in the source vs {nsa_b[k]!r} in the run"
-                  for k in architecture_keys(nsa_b) if nsa_a[k] != nsa_b[k]]
+                  for k in architecture_keys(nsa_b) if nsa_a[k] != nsa_b[k] and f"nsa.{k}" not in free]
     return diffs
 
 
@@ -108,18 +113,20 @@ def check_fits(state: dict[str, torch.Tensor], cfg: ModelConfig, what: str) -> N
         raise ConversionError(f"{what}: the weights do not fit the model ({detail})")
 
 
-def init_state_dict(spec: str, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+def init_state_dict(spec: str, cfg: ModelConfig, key: str = "train.init_from",
+                    free_fields: frozenset = frozenset()) -> dict[str, torch.Tensor]:
     """`train.init_from`: hf:DIR or one of our checkpoints (file or run directory) -> a state dict for
-    a model of `cfg`. ConfigError (one line, every differing field) when the architectures differ."""
+    a model of `cfg`. ConfigError (one line, every differing field) when the architectures differ (free_fields may:
+    EXTENSION_FIELDS for train.extend_from, named by `key`)."""
     if spec.startswith("hf:"):
         source, state, _ = read_model_dir(Path(spec[3:]))
     else:
         ckpt = load_checkpoint(resolve_checkpoint(Path(spec)))
         source, state = stored_model_config(ckpt["config"], spec), ckpt["model"]
-    diffs = architecture_diffs(source, cfg)
+    diffs = architecture_diffs(source, cfg, free_fields)
     if diffs:
-        raise ConfigError(f"train.init_from={spec} does not match the run's model: {'; '.join(diffs)}")
-    check_fits(state, cfg, f"train.init_from={spec}")
+        raise ConfigError(f"{key}={spec} does not match the run's model: {'; '.join(diffs)}")
+    check_fits(state, cfg, f"{key}={spec}")
     return state
 
 

@@ -45,7 +45,7 @@ def git_sha() -> str:
 class RunSummary:
     def __init__(self, out_dir: Path, cfg: RunConfig, state: TrainState, *, info: DistInfo, amp_dtype: torch.dtype,
                  efficiency: Efficiency, params: tuple[int, int], data_description: dict, started: float,
-                 data_restarts: list[dict] | None = None):
+                 data_restarts: list[dict] | None = None, extended_from: dict | None = None):
         """params: (all, non-embedding); started: unix time of the start (names run_*.json); data_restarts: the
         steps where the training data started afresh, and why (data.restart_on_change)."""
         self.out_dir, self.cfg, self.state, self.info = out_dir, cfg, state, info
@@ -53,6 +53,7 @@ class RunSummary:
         self.report, self.peak = efficiency.report, efficiency.peak
         self.params, self.data_description, self.started = params, data_description, started
         self.data_restarts = list(data_restarts or [])
+        self.extended_from = extended_from  # train.extend_from's lineage (None: not an extension)
         self.git_sha = git_sha()
         self.history: list[dict] = []  # train rows of this invocation
         self.evals: list[dict] = []
@@ -105,6 +106,7 @@ class RunSummary:
             "python": platform.python_version(), "git_sha": self.git_sha, "started": self.started,
             "updated": time.time(), "checkpoints": self._checkpoints(), "data": self.data_description,
             "stop_reason": state.stop_reason, "tasks": self.tasks, "data_restarts": self.data_restarts,
+            **({"extended_from": self.extended_from} if self.extended_from else {}),
         })
 
     def write_run_summary(self) -> None:

@@ -36,7 +36,7 @@ from train.core.distributed import (
 from train.core.errors import CheckpointError, ConfigError, DataError, StorageError, UserError
 from train.core.seq_stages import SeqStage, seq_stages, stage_at
 from train.data import build_data
-from train.hf.importer import init_state_dict
+from train.hf.importer import EXTENSION_FIELDS, init_state_dict
 from train.observe.efficiency import Efficiency
 from train.observe.telemetry import write_text_atomic
 from train.trainer.optim import build_optimizer
@@ -100,6 +100,7 @@ def _check_writable(out: Path) -> None:
 
 SPIKE_SKIP_KEY = "spike_skip"  # the checkpoint's spike-skip window (SpikeDetector.state_dict), None when off
 DATA_RESTARTS_KEY = "data_restarts"  # [{step, reason}]: where the training data started afresh (data.restart_on_change)
+EXTENDED_FROM_KEY = "extended_from"  # train.extend_from's lineage: {checkpoint, step, seq_len, rope_theta, ...} or None
 
 
 class Run:
@@ -154,8 +155,11 @@ class Run:
         torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
         self.raw_model = Transformer(cfg.model).to(self.info.device)
         self._check_kernels_fit()
+        self.extended_from = None  # train.extend_from: the checkpoint this run continues at a longer context
         if cfg.train.init_from:
             self._init_weights(cfg.train.init_from)
+        elif cfg.train.extend_from:
+            self._extend(cfg.train.extend_from)
         self.raw_model.checkpoint_every = cfg.runtime.gradient_checkpointing
         self._note_single_process_options()
         fsdp = cfg.runtime.fsdp and self.info.enabled
@@ -180,6 +184,8 @@ class Run:
             if decision.data_restart:
                 self.data_restarts.append({"step": int(ckpt["step"]), "reason": decision.data_restart})
         self.lineage = (ckpt or {}).get("lineage") or uuid.uuid4().hex
+        if self.resumed:
+            self.extended_from = ckpt.get(EXTENDED_FROM_KEY)
         if self.resumed:
             self._restore_weights(ckpt)
         seed_host_and_torch_rngs(cfg.train.seed + 1000 * self.info.rank)  # dropout streams differ per rank
@@ -253,6 +259,29 @@ class Run:
         if self.is_main:
             print(f"init: weights from {spec}", flush=True)
 
+    def _extend(self, spec: str) -> None:
+        """train.extend_from: a fresh start from a checkpoint's weights at a longer context (its positions and window may
+        differ: EXTENSION_FIELDS); the lineage (which checkpoint, its step, length, RoPE and window, and its own
+        lineage) is recorded here and kept by every checkpoint of this run. A resume keeps the recorded one."""
+        if self.resume_path is not None:
+            return  # _build reads the lineage from the checkpoint it resumes
+        path = ckpt_io.resolve_checkpoint(Path(spec)).resolve()
+        ckpt = ckpt_io.load_checkpoint(path)
+        self.raw_model.load_state_dict(init_state_dict(str(path), self.cfg.model, "train.extend_from",
+                                                       EXTENSION_FIELDS))
+        model, train = ckpt["config"]["model"], ckpt["config"]["train"]
+        stages = train.get("seq_stages") or []
+        seq_len = ([s.get("seq_len") for s in stages if s.get("at", 0) <= ckpt["step"] and s.get("seq_len")]
+                   or [train["seq_len"]])[-1]  # the length its last step trained at
+        self.extended_from = {"checkpoint": str(path), "step": int(ckpt["step"]), "seq_len": seq_len,
+                              "rope_theta": model.get("rope_theta"), "rope_scale": model.get("rope_scale"),
+                              "nsa_w": (ckpt["config"].get("nsa") or {}).get("w") if model.get("attention") == "nsa"
+                              else None, "lineage": ckpt.get("lineage"),
+                              "extended_from": ckpt.get(EXTENDED_FROM_KEY)}  # its own, when it was an extension
+        if self.is_main:
+            print(f"extend: weights from {path} (step {ckpt['step']}, seq_len {seq_len}) at seq_len "
+                  f"{self.cfg.train.seq_len}, rope_theta {self.cfg.model.rope_theta:g}", flush=True)
+
     def _check_kernels_fit(self) -> None:
         """Refuse, before any launch, NSA kernels that cannot fit this GPU's shared memory (a window-only layer,
         nsa.gates=window, runs none of the selection kernels)."""
@@ -323,7 +352,7 @@ class Run:
                 SPIKE_SKIP_KEY: self.spikes.state_dict() if self.spikes is not None else None,
                 "data": data_states, "rng_per_rank": rng_states,
                 "config": self.cfg.to_dict(), "world_size": self.info.world_size, "lineage": self.lineage,
-                DATA_RESTARTS_KEY: self.data_restarts,
+                DATA_RESTARTS_KEY: self.data_restarts, EXTENDED_FROM_KEY: self.extended_from,
                 ckpt_io.DOCUMENT_EOS_KEY: self.raw_model.document_eos_id,
             }
             try:

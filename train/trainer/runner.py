@@ -82,7 +82,7 @@ def open_recorder(run: Run) -> Recorder:
     if run.is_main and not run.cfg.train.eval_only:
         summary = [RunSummary(run.out_dir, run.cfg, run.state, info=run.info, amp_dtype=run.amp_dtype,
                               efficiency=run.efficiency, started=run.started, data_description=run.data.describe(),
-                              data_restarts=run.data_restarts,
+                              data_restarts=run.data_restarts, extended_from=run.extended_from,
                               params=(run.raw_model.num_params(), run.raw_model.num_params(False)))]
     return Recorder(summary + open_sinks(run.cfg, run.out_dir, rank=run.info.rank,
                                          resume_step=run.state.step if run.resumed else None))
