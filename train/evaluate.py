@@ -38,6 +38,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch_size", type=int, default=None,
                    help="windows per forward (default: chosen from the model and the free memory)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--by_position", type=int, default=None, metavar="K",
+                   help="also the loss in K equal slices of the window (by_position in the JSON; each marked when it "
+                        "lies past the checkpoint's training length): with --seq_len above it, how the loss goes on")
     p.add_argument("--max_tokens", type=int, default=None, help="score only the first N tokens of the stream")
     p.add_argument("--name", default=None, help="result file eval_<name>.json (default: from --data, split and step)")
     p.add_argument("--text_field", default=None, help="jsonl:/parquet: column with the text (default text)")

@@ -289,3 +289,27 @@ def test_progress_lines_carry_an_eta_and_do_not_spam(run_dir, text_source, capsy
     first = lines[0]
     assert first.startswith(f"evaluate: {8 * SEQ_LEN:,} / {result['tokens']:,} targets (") and " ETA " in first
     assert all(" tokens/s, ETA " in line for line in lines)
+
+
+def test_loss_by_position_beyond_the_training_length_equals_a_hand_loop(run_dir, docs, text_source, capsys):
+    """--by_position K at a seq_len past the training length (32; the model's max_seq_len is 64, RoPE reads on): each
+    slice's loss is the hand loop's over the targets at those window positions, the slices add up to the whole, and
+    the slices past the training length are marked."""
+    tokens = stream_of(docs)
+    n, seq = len(tokens), 128
+    model, _ = model_from_checkpoint(run_dir, "cpu")
+    code, result, err = evaluate(capsys, run_dir, "--data", text_source, "--seq_len", seq, "--by_position", 4,
+                                 "--name", "by_position")
+    assert code == 0, err
+    assert result["training_length"] == 32 and [r["from"] for r in result["by_position"]] == [1, 33, 65, 97]
+    assert [r["beyond_training"] for r in result["by_position"]] == [False, True, True, True]
+    windows = [(s, min(s + seq, n - 1)) for s in range(0, n - 1, seq)]
+    for row in result["by_position"]:  # targets at window positions from..to (1-based): j - start in that range
+        nll, scored = hand_nll(model, tokens, [(s, e, [j for j in range(s + 1, e + 1) if row["from"] <= j - s <= row["to"]])
+                                               for s, e in windows])
+        assert row["tokens"] == len(scored) and row["loss"] == pytest.approx(nll / len(scored), rel=1e-5)
+    total = sum(r["loss"] * r["tokens"] for r in result["by_position"])
+    assert result["tokens"] == n - 1 and total == pytest.approx(result["loss"] * result["tokens"], rel=1e-9)
+    code, _, err = evaluate(capsys, run_dir, "--data", text_source, "--seq_len", seq, "--stride", 16,
+                            "--by_position", 4, "--name", "refused")
+    assert code == 2 and "--by_position 4: 1 .. seq_len slices of non-overlapping windows" in err

@@ -29,7 +29,7 @@ from train.core.errors import UserError
 from train.core.mixture import parse_mixture
 from train.evaluation.eval_batch import batch_size_for
 from train.evaluation.eval_data import DOCUMENT_KINDS, data_kind, load_eval_tokens
-from train.evaluation.scoring import count_windows, score_stream
+from train.evaluation.scoring import count_windows, position_buckets, score_stream
 from train.observe.telemetry import write_json_atomic
 
 TOOL = "train.evaluate"  # marks the result files this tool may replace
@@ -51,6 +51,7 @@ class EvalRequest:
     name: str | None = None  # result file eval_<name>.json (default: from data, split and step)
     text_field: str | None = None  # jsonl:/parquet: column with the text (default text)
     text_sample_by: str | None = None  # text: document (default) | paragraph | line
+    by_position: int | None = None  # the loss in this many equal slices of the window too (non-overlapping windows)
 
 
 def check_data_options(args: EvalRequest, kind: str) -> None:
@@ -166,6 +167,8 @@ def evaluate(args: EvalRequest) -> dict:
     seq_len = args.seq_len if args.seq_len is not None else cfg["train"]["seq_len"]
     stride = args.stride if args.stride is not None else seq_len
     check_windows(model.cfg, seq_len, stride, args.batch_size, args.max_tokens)
+    if args.by_position is not None and (stride != seq_len or not 1 <= args.by_position <= seq_len):
+        raise UserError(f"--by_position {args.by_position}: 1 .. seq_len slices of non-overlapping windows (no --stride)")
     name = args.name or default_name(args.data, split, step)
     if not NAME_RE.match(name):
         raise UserError(f"--name {name!r}: use letters, digits, '.', '_' and '-' (at most 100)")
@@ -192,7 +195,8 @@ def evaluate(args: EvalRequest) -> dict:
     started = time.perf_counter()
     score = score_stream(model, data.tokens, seq_len=seq_len, stride=stride, batch_size=batch_size, device=device,
                          autocast=lambda: autocast_context(device, precision),
-                         progress=_progress_printer(n_targets, started), mask=data.mask)
+                         progress=_progress_printer(n_targets, started), mask=data.mask,
+                         by_position=args.by_position is not None)
     seconds = time.perf_counter() - started
     bpb = bits_per_byte(score.nll_sum, data.text_bytes)
     result = {
@@ -207,6 +211,9 @@ def evaluate(args: EvalRequest) -> dict:
         "device": str(device) + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""),
         "precision": str(precision).removeprefix("torch."), "file": str(result_path),
     }
+    if args.by_position is not None:  # the loss by position in the window, against the length it trained at
+        result["training_length"] = cfg["train"]["seq_len"]
+        result["by_position"] = position_buckets(score, args.by_position, cfg["train"]["seq_len"])
     write_json_atomic(result_path, result)
     return result
 

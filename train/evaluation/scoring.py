@@ -18,6 +18,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from nsa.loss import IGNORE_INDEX
 
@@ -54,6 +55,10 @@ class Score:
     nll_sum: float  # nats, summed over the scored targets
     tokens: int  # targets scored
     windows: int
+    # with by_position: per window position p (0 .. seq_len - 1: the target of the p+1-th input), nats summed and
+    # targets counted over every window
+    position_nll: list[float] | None = None
+    position_tokens: list[int] | None = None
 
     @property
     def loss(self) -> float:
@@ -85,14 +90,22 @@ def window_batch(tokens: np.ndarray, windows: list[Window], mask: np.ndarray | N
 @torch.inference_mode()
 def score_stream(model: torch.nn.Module, tokens: np.ndarray, *, seq_len: int, stride: int, batch_size: int,
                  device: torch.device, autocast: Callable[[], AbstractContextManager],
-                 progress: Callable[[int], None] | None = None, mask: np.ndarray | None = None) -> Score:
+                 progress: Callable[[int], None] | None = None, mask: np.ndarray | None = None,
+                 by_position: bool = False) -> Score:
     """Sum of the model's cross-entropy over every target of `tokens` [N] (ids), each scored once.
 
     The model's own loss path (chunked over rows when model.loss_chunk > 0) takes the targets; it
     returns their mean, so each batch adds mean x count. `autocast()` makes each batch's precision
     context (bf16 autocast on CUDA, a null context on CPU). `progress(targets scored so far)` after each batch.
-    mask [N] uint8 (a prepared split's loss mask): only targets whose byte is 1 are scored."""
+    mask [N] uint8 (a prepared split's loss mask): only targets whose byte is 1 are scored. by_position
+    (non-overlapping windows only): each target's loss from the full logits, summed per position in the window too
+    (Score.position_nll / position_tokens: does the loss keep falling with context, or rise past the training
+    length?)."""
+    if by_position and stride != seq_len:
+        raise ValueError("by_position scores non-overlapping windows (stride = seq_len)")
     nll_sum = torch.zeros((), dtype=torch.float64, device=device)
+    position_nll = torch.zeros(seq_len, dtype=torch.float64, device=device)  # [T]
+    position_tokens = torch.zeros(seq_len, dtype=torch.int64, device=device)  # [T]
     n_scored = n_windows = 0
     windows = plan_windows(len(tokens), seq_len, stride)
     while batch := list(itertools.islice(windows, batch_size)):
@@ -101,10 +114,39 @@ def score_stream(model: torch.nn.Module, tokens: np.ndarray, *, seq_len: int, st
         if count == 0:  # a masked batch with no target: nothing to add (its mean would be 0/0)
             n_windows += len(batch)
             continue
+        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
         with autocast():
-            mean = model(inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True))
-        nll_sum += mean.double() * count
+            if by_position:
+                logits = model(inputs)  # [B, T, V] float32
+        if by_position:
+            nll = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
+                                  reduction="none").view(targets.shape).double()  # [B, T], 0 where not scored
+            scored = targets != IGNORE_INDEX  # [B, T]
+            width = targets.shape[1]
+            position_nll[:width] += nll.sum(0)
+            position_tokens[:width] += scored.sum(0)
+            nll_sum += nll.sum()
+        else:
+            with autocast():
+                mean = model(inputs, targets)
+            nll_sum += mean.double() * count
         n_scored, n_windows = n_scored + count, n_windows + len(batch)
         if progress is not None:
             progress(n_scored)
-    return Score(nll_sum=float(nll_sum), tokens=n_scored, windows=n_windows)
+    if not by_position:
+        return Score(nll_sum=float(nll_sum), tokens=n_scored, windows=n_windows)
+    return Score(nll_sum=float(nll_sum), tokens=n_scored, windows=n_windows, position_nll=position_nll.tolist(),
+                 position_tokens=position_tokens.tolist())
+
+
+def position_buckets(score: Score, buckets: int, training_length: int) -> list[dict]:
+    """Score.position_* in `buckets` equal slices of the window: [{from, to, tokens, loss, beyond_training}] (from, to:
+    positions of the targets, 1-based contexts; beyond_training: the slice starts past the training length)."""
+    width = len(score.position_nll)
+    edges = [round(i * width / buckets) for i in range(buckets + 1)]
+    rows = []
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        n = sum(score.position_tokens[lo:hi])
+        rows.append({"from": lo + 1, "to": hi, "tokens": n,
+                     "loss": sum(score.position_nll[lo:hi]) / n if n else None, "beyond_training": lo >= training_length})
+    return rows
