@@ -4,7 +4,7 @@ token budget.
     python -m train.compare CONFIG.yaml [--section.key=value ...] --out DIR [--arms nsa,dense,window]
         [--side_by_side] [--dense_from EARLIER_DIR] [--reuse_from EARLIER_DIR ...] [--eval_max_tokens N]
         [--tasks hellaswag,arc_easy,... [--tasks_limit N]] [--needle 1,2,4 [--needle_trials N]] [--recall_probe]
-        [--recall_format kv|prose]
+        [--recall_format kv|prose] [--recall_lengths 1,2,4,8] [--positions M,K]
     make compare CONFIG=configs/m7c_125m_80g.yaml OUT=artifacts/twin_m7c COMPARE_ARGS="--data.source=bin:data/DIR"
 
 Three arms, each the same config but for its attention: nsa (the config, nsa.gates: learned), dense (its twin:
@@ -71,6 +71,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--recall_probe", action="store_true",
                    help="the recall probe on every arm even when the data is no recall corpus (zero-shot: documents "
                         "of seq_len tokens, distances in multiples of nsa.w; a recall corpus is always probed)")
+    p.add_argument("--recall_lengths", default=None,
+                   help="the recall probe on every arm at these multiples of the training length (e.g. 1,2,4,8), the "
+                        "buckets extended to them; the dense arm also with its RoPE interpolated by each multiple")
+    p.add_argument("--positions", default=None, metavar="M,K",
+                   help="every arm's validation loss at M times the training length, in K slices of the window "
+                        "(train.evaluate --by_position): does the loss keep falling past the training length?")
     p.add_argument("--recall_format", default=None,
                    help="the recall probe's lines: kv (qx=M) or prose (The code of qx is M.); default: the corpus's, "
                         "or kv")
@@ -89,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
                                       eval_max_tokens=args.eval_max_tokens, arms=select_arms(args.arms),
                                       tasks=args.tasks, tasks_limit=args.tasks_limit, needle=args.needle,
                                       needle_trials=args.needle_trials, recall_probe=args.recall_probe,
-                                      recall_format=args.recall_format)
+                                      recall_format=args.recall_format, recall_lengths=args.recall_lengths,
+                                      positions=args.positions)
     except (UserError, ArmFailed) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -221,6 +221,9 @@ def test_reused_arms_and_handoff_carries_the_report(compared, tmp_path):
     ("configs/nsa_twin_kjv.yaml", ["--needle_trials", "3"], "--needle_trials 3: a positive number of trials per depth, with --needle"),
     ("configs/nsa_twin_kjv.yaml", ["--recall_probe", "--nsa.w=512"], "--recall_probe: nsa.w=512 leaves no distance beyond"),
     ("configs/nsa_twin_kjv.yaml", ["--recall_probe", "--recall_format", "yaml"], "--recall_format 'yaml': one of kv, prose"),
+    ("configs/nsa_twin_kjv.yaml", ["--recall_lengths", "1,2"], "--recall_lengths probes with the recall task"),
+    ("configs/nsa_twin_kjv.yaml", ["--recall_probe", "--recall_lengths", "1,0"], "comma-separated whole numbers >= 1"),
+    ("configs/nsa_twin_kjv.yaml", ["--positions", "4"], "--positions '4': M,K"),
     ("configs/nsa_twin_kjv.yaml", ["--recall_format", "prose"], "--recall_format spells the recall probe's lines"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, config, args, message):
@@ -255,7 +258,8 @@ def test_on_a_recall_corpus_every_arm_takes_the_probe(tmp_path):
                         "--train_tokens", "20000", "--val_tokens", "3000"]) == 0
     out = tmp_path / "twin"
     task = _task_file(tmp_path / "facts.jsonl")
-    compare("--out", str(out), f"--data.source=bin:{data}", *TINY, "--tasks", str(task), "--tasks_limit", "3")
+    compare("--out", str(out), f"--data.source=bin:{data}", *TINY, "--tasks", str(task), "--tasks_limit", "3",
+            "--recall_lengths", "1,2", "--positions", "2,4")
     report = json.loads((out / "report.json").read_text())
     tasks = report["tasks"]
     assert list(tasks["arms"]) == ["nsa", "dense", "window"] and tasks["limit"] == 3
@@ -286,6 +290,25 @@ def test_on_a_recall_corpus_every_arm_takes_the_probe(tmp_path):
         assert recall[f"far_vs_{control}"] == (recall["arms"]["nsa"]["far_accuracy"] / far if far else None)
     md = (out / "report.md").read_text()
     assert "Recall probe" in md and "| 1-2w |" in md
+    # beyond the training length: every arm at x1 and x2 (buckets extended), the dense arm also with RoPE interpolated
+    by_length = report["recall_by_length"]
+    assert by_length["training_length"] == 64 and by_length["multiples"] == [1, 2]
+    assert list(by_length["arms"]) == ["nsa", "dense", "window", "dense+rope"]
+    for arm in ("nsa", "dense", "window"):
+        x2 = json.loads((out / arm / "recall_step4_x2.json").read_text())
+        assert by_length["arms"][arm]["2"]["far_accuracy"] == x2["far_accuracy"] and "2-4w" in x2["buckets"]
+        assert by_length["arms"][arm]["1"]["far_accuracy"] == recall["arms"][arm]["far_accuracy"]
+    scaled = json.loads((out / "dense" / "recall_step4_x2_scalelength.json").read_text())
+    assert scaled["rope_overrides"] == {"rope_scale": 2.0} and by_length["arms"]["dense+rope"]["2"]["far_accuracy"] == \
+        scaled["far_accuracy"]
+    positions = report["loss_by_position"]
+    assert positions["seq_len"] == 128 and positions["training_length"] == 64
+    for arm, rows in positions["arms"].items():
+        written = json.loads((out / arm / "eval_positions_x2.json").read_text())["by_position"]
+        assert [r["loss"] for r in rows] == [r["loss"] for r in written] and len(rows) == 4
+        assert [r["beyond_training"] for r in rows] == [False, False, True, True]
+    assert "Recall beyond the training length" in md and "| dense+rope | x2 |" in md
+    assert "Validation loss by position in windows of 128 tokens" in md and "| 65-96 * |" in md
 
 
 def test_needle_and_zero_shot_recall_are_read_back_from_every_arm(tmp_path, kjv_gpt2):

@@ -125,7 +125,8 @@ def _gap_pct(nsa: float | None, control: float | None) -> float | None:
 
 def build_report(out: Path, out_dirs: dict[str, Path], scores: dict[str, dict], recall: dict[str, dict] | None = None,
                  tasks: dict[str, dict] | None = None, needle: dict[str, list[dict]] | None = None, *,
-                 trained_on_recall: bool = True) -> dict:
+                 trained_on_recall: bool = True, recall_lengths: dict[str, list[dict]] | None = None,
+                 positions: dict[str, dict] | None = None) -> dict:
     """out_dirs, scores: per arm run (nsa and one or both controls), in ARMS order. recall: per arm, the recall
     probe's result (train/evaluation/recall.py) when the data is a recall corpus (trained_on_recall) or the
     comparison asked for it zero-shot. tasks: per arm, train.tasks' result (train/evaluation/tasks_checkpoint.py)
@@ -155,8 +156,30 @@ def build_report(out: Path, out_dirs: dict[str, Path], scores: dict[str, dict], 
                        "format": recall["nsa"].get("format", DEFAULT_FORMAT)}} if recall else {}),
         **({"tasks": tasks_summary(tasks)} if tasks else {}),
         **({"needle": needle_summary(needle)} if needle else {}),
+        **({"recall_by_length": recall_length_summary(recall_lengths)} if recall_lengths else {}),
+        **({"loss_by_position": position_summary(positions)} if positions else {}),
         "notes": notes,
     }
+
+
+def recall_length_summary(by_arm: dict[str, list[dict]]) -> dict:
+    """Per arm (and 'dense+rope': the dense arm scored with its RoPE interpolated by the length multiple) and length
+    multiple: far accuracy with its standard error and each distance bucket's accuracy."""
+    first = next(iter(by_arm.values()))
+    return {"training_length": first[0]["training_length"], "multiples": [r["length_multiple"] for r in first],
+            "arms": {arm: {str(r["length_multiple"]): {"far_accuracy": r["far_accuracy"], "far_stderr": r["far_stderr"],
+                                                       "near_accuracy": r["near_accuracy"],
+                                                       "buckets": {b: v["accuracy"] for b, v in r["buckets"].items()},
+                                                       "file": r["file"]} for r in results}
+                     for arm, results in by_arm.items()}}
+
+
+def position_summary(by_arm: dict[str, dict]) -> dict:
+    """Per arm: the validation loss by position in a window longer than training (train.evaluate --by_position)."""
+    first = next(iter(by_arm.values()))
+    return {"seq_len": first["seq_len"], "training_length": first["training_length"],
+            "arms": {arm: [{k: row[k] for k in ("from", "to", "loss", "beyond_training")} for row in r["by_position"]]
+                     for arm, r in by_arm.items()}}
 
 
 RECALL_FIELDS = ("near_accuracy", "far_accuracy", "far_stderr", "far_answer_loss", "far_items", "chance", "buckets", "file")
@@ -273,6 +296,10 @@ def markdown(report: dict) -> str:
         lines += tasks_markdown(report["tasks"])
     if "needle" in report:
         lines += needle_markdown(report["needle"])
+    if "recall_by_length" in report:
+        lines += recall_length_markdown(report["recall_by_length"])
+    if "loss_by_position" in report:
+        lines += position_markdown(report["loss_by_position"])
     lines += [f"- {note}" for note in report["notes"]]
     return "\n".join(lines) + "\n"
 
@@ -292,6 +319,35 @@ def recall_markdown(recall: dict) -> list[str]:
     shares = [f"{c} {recall[f'far_vs_{c}']:.1%}" for c in GAP_KEYS if recall.get(f"far_vs_{c}") is not None]
     if shares:
         lines += ["", "NSA's far accuracy as a share of: " + ", ".join(shares)]
+    return lines
+
+
+def recall_length_markdown(summary: dict) -> list[str]:
+    """Far accuracy by distance bucket by evaluation length, one row per arm and length."""
+    arms = summary["arms"]
+    longest = str(summary["multiples"][-1])
+    buckets = list(next(iter(arms.values()))[longest]["buckets"])
+    lines = ["", f"Recall beyond the training length ({summary['training_length']} tokens; documents x1 .. x{longest}, "
+             "the distance buckets extended to them; dense+rope: the dense arm with its RoPE interpolated by the "
+             "multiple; - : a distance the length does not reach):", "",
+             "| arm | length | far | " + " | ".join(buckets) + " |", "|---" * (len(buckets) + 3) + "|"]
+    for arm, by_length in arms.items():
+        for m in summary["multiples"]:
+            r = by_length[str(m)]
+            lines.append(f"| {arm} | x{m} | {_fmt(r['far_accuracy'], '.3f')} ± {_fmt(r['far_stderr'], '.3f')} | "
+                         + " | ".join(_fmt(r["buckets"].get(b), ".3f") for b in buckets) + " |")
+    return lines
+
+
+def position_markdown(summary: dict) -> list[str]:
+    arms = summary["arms"]
+    rows = next(iter(arms.values()))
+    lines = ["", f"Validation loss by position in windows of {summary['seq_len']} tokens (trained at "
+             f"{summary['training_length']}; * past the training length):", "",
+             "| positions | " + " | ".join(arms) + " |", "|---" * (len(arms) + 1) + "|"]
+    for i, row in enumerate(rows):
+        label = f"{row['from']}-{row['to']}" + (" *" if row["beyond_training"] else "")
+        lines.append(f"| {label} | " + " | ".join(_fmt(arms[arm][i]["loss"], ".4f") for arm in arms) + " |")
     return lines
 
 
@@ -344,7 +400,19 @@ def plot(report: dict, path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, (ax, gx) = plt.subplots(1, 2, figsize=(12, 4.5))
+    by_length = report.get("recall_by_length")
+    fig, axes = plt.subplots(1, 3 if by_length else 2, figsize=(18 if by_length else 12, 4.5))
+    ax, gx = axes[0], axes[1]
+    if by_length:  # far accuracy by evaluation length, per arm
+        rx = axes[2]
+        for arm, results in by_length["arms"].items():
+            ms = by_length["multiples"]
+            rx.plot(ms, [results[str(m)]["far_accuracy"] for m in ms], marker="o", label=arm,
+                    color=ARM_COLORS.get(arm, ARM_COLORS.get("dense")), linestyle="--" if arm == "dense+rope" else "-")
+        rx.set(xscale="log", xlabel="evaluation length / training length", ylabel="far accuracy",
+               title="recall beyond the training length", ylim=(0, 1.02))
+        rx.set_xticks(by_length["multiples"], [f"x{m}" for m in by_length["multiples"]])
+        rx.legend()
     for arm in report["arms"]:
         color = ARM_COLORS[arm]
         train, val = report["arms"][arm]["train_loss"], report["arms"][arm]["val_loss"]

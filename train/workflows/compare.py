@@ -16,13 +16,13 @@ import yaml
 
 from train.analysis.compare_report import GAP_KEYS, build_report, write_report
 from train.core.artifacts import read_metrics
-from train.core.config import RunConfig, data_mixture, dump_config, load_config
+from train.core.config import RunConfig, TrainConfig, data_mixture, dump_config, load_config
 from train.core.env import one_gpu_environment
 from train.core.errors import ConfigError, UserError
 from train.evaluation.evaluate import EvalRequest, default_name, evaluate, weighted_result
 from train.evaluation.needle import TRIALS as NEEDLE_TRIALS
 from train.evaluation.needle import needle_checkpoint, refuse_byte_tokenizer
-from train.evaluation.recall import probe_checkpoint, recall_spec_of
+from train.evaluation.recall import RopeAtLength, probe_checkpoint, recall_spec_of
 from train.evaluation.tasks_checkpoint import RESULT_FILE as TASKS_FILE
 from train.evaluation.tasks_checkpoint import TasksRequest, evaluate_tasks, task_specs
 from train.evaluation.tasks_checkpoint import default_name as tasks_name
@@ -318,12 +318,23 @@ def probe_spec(doc: dict, zero_shot: bool, line_format: str | None) -> tuple[Rec
     return spec, trained
 
 
+def _multiples(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise UserError(f"{flag} {text!r}: comma-separated whole numbers >= 1, e.g. 1,2,4,8")
+    return values
+
+
 def compare_twins(config: Path, overrides: list[str], out: Path, *, side_by_side: bool = False,
                   dense_from: Path | None = None, reuse_from: list[Path] | tuple[Path, ...] = (),
                   eval_max_tokens: int | None = None, arms: tuple[str, ...] = ARMS,
                   tasks: str | None = None, tasks_limit: int | None = None, needle: str | None = None,
                   needle_trials: int | None = None, recall_probe: bool = False,
-                  recall_format: str | None = None) -> tuple[dict, list[Path]]:
+                  recall_format: str | None = None, recall_lengths: str | None = None,
+                  positions: str | None = None) -> tuple[dict, list[Path]]:
     """Train (or resume) the arms `arms` (nsa and at least one control: select_arms), score them on the whole
     validation split, write the report. dense_from: reuse that comparison's dense arm (it must match);
     reuse_from: reuse every control arm that matches in one of these comparisons, train the others here.
@@ -332,6 +343,9 @@ def compare_twins(config: Path, overrides: list[str], out: Path, *, side_by_side
     train/evaluation/needle.py's TRIALS).
     recall_probe: every arm takes the recall probe even when the data is no recall corpus (zero-shot).
     recall_format: the probe's lines in this format (train/data/recall.py FORMATS; default: the corpus's, or kv).
+    recall_lengths: multiples of the training length ('1,2,4,8') every arm takes the recall probe at, the dense arm
+    also with its RoPE interpolated by the multiple ('dense+rope'). positions: 'M,K': every arm's validation loss at
+    M times the training length in K slices of the window (train.evaluate --by_position).
     Returns (report, files written). Raises UserError for bad input and ArmFailed when an arm's trainer fails."""
     gpus = 1
     if side_by_side:
@@ -356,8 +370,14 @@ def compare_twins(config: Path, overrides: list[str], out: Path, *, side_by_side
         raise UserError(f"--needle_trials {needle_trials}: a positive number of trials per depth, with --needle")
     docs = arm_configs(config, overrides, out)
     lengths = needle_lengths(needle, docs["nsa"]) if needle is not None else []
+    multiples = _multiples(recall_lengths, "--recall_lengths") if recall_lengths is not None else []
+    position_plan = _multiples(positions, "--positions") if positions is not None else []
+    if position_plan and len(position_plan) != 2:
+        raise UserError(f"--positions {positions!r}: M,K (M times the training length, K slices), e.g. 4,8")
     sources = eval_sources(load_config(config, overrides))
     recall_spec, trained_on_recall = probe_spec(docs["nsa"], recall_probe, recall_format)
+    if multiples and recall_spec is None:
+        raise UserError("--recall_lengths probes with the recall task: a recall corpus, or --recall_probe")
     out_dirs = {arm: out / arm for arm in arms}
     if dense_from is not None:
         out_dirs["dense"] = reuse_dense(docs, dense_from)
@@ -378,6 +398,26 @@ def compare_twins(config: Path, overrides: list[str], out: Path, *, side_by_side
         print(f"compare: the needle test on every arm at S = {', '.join(map(str, lengths))}", flush=True)
         trials = needle_trials or NEEDLE_TRIALS
         needles = {arm: [needle_checkpoint(out_dirs[arm], S=S, trials=trials) for S in lengths] for arm in arms}
+    by_length = None
+    if multiples:
+        print(f"compare: the recall probe on every arm at x{', x'.join(map(str, multiples))} the training length",
+              flush=True)
+        by_length = {arm: [probe_checkpoint(out_dirs[arm], spec=recall_spec, length=m) for m in multiples]
+                     for arm in arms}
+        if "dense" in arms:  # what a dense user does before training long: positions interpolated by the multiple
+            by_length["dense+rope"] = [probe_checkpoint(out_dirs["dense"], spec=recall_spec, length=m,
+                                                        rope=RopeAtLength(scale="length") if m > 1 else RopeAtLength())
+                                       for m in multiples]
+    by_position = None
+    if position_plan:
+        m, k = position_plan
+        seq_len = m * int((docs["nsa"].get("train") or {}).get("seq_len", TrainConfig.seq_len))
+        print(f"compare: every arm's validation loss by position at {seq_len} tokens", flush=True)
+        first_source = next(iter(sources.values()))[0]  # a mixture: its first source's validation split
+        by_position = {arm: evaluate(EvalRequest(checkpoint=out_dirs[arm], data=first_source, split=EVAL_SPLIT,
+                                                 seq_len=seq_len, by_position=k, max_tokens=eval_max_tokens,
+                                                 name=f"positions_x{m}")) for arm in arms}
     task_scores = {arm: score_arm_tasks(out_dirs[arm], specs, tasks_limit) for arm in arms} if specs else None
-    report = build_report(out, out_dirs, scores, recall, task_scores, needles, trained_on_recall=trained_on_recall)
+    report = build_report(out, out_dirs, scores, recall, task_scores, needles, trained_on_recall=trained_on_recall,
+                          recall_lengths=by_length, positions=by_position)
     return report, write_report(out, report)
