@@ -161,25 +161,28 @@ class TensorBoard:
     def scalars(self, step: int, values: dict[str, float | None]) -> None:
         if self._w is None:
             return
-        for name, v in values.items():
-            if v is not None and isinstance(v, (int, float)) and math.isfinite(v):
-                self._w.add_scalar(name, v, step)
-        self._flush()
+        try:  # the writer thread's failed write is raised by the next add_* or by flush, whichever comes first
+            for name, v in values.items():
+                if v is not None and isinstance(v, (int, float)) and math.isfinite(v):
+                    self._w.add_scalar(name, v, step)
+            self._w.flush()
+        except OSError as exc:
+            self._failed(exc)
 
     def text(self, step: int, tag: str, text: str) -> None:
         """Markdown text under `tag` (alerts, generated samples)."""
         if self._w is None:
             return
-        self._w.add_text(tag, text, step)
-        self._flush()
-
-    def _flush(self) -> None:
         try:
-            self._w.flush()  # its writer thread's failure is raised here
+            self._w.add_text(tag, text, step)
+            self._w.flush()
         except OSError as exc:
-            writer, self._w = self._w, None  # a failed writer is not asked again
-            _close_after_failed_write(writer)
-            raise StorageError.of(f"{self.log_dir} (TensorBoard events)", exc) from None
+            self._failed(exc)
+
+    def _failed(self, exc: OSError) -> None:
+        writer, self._w = self._w, None  # a failed writer is not asked again
+        _close_after_failed_write(writer)
+        raise StorageError.of(f"{self.log_dir} (TensorBoard events)", exc) from None
 
     def close(self) -> None:
         if self._w is not None:

@@ -78,16 +78,16 @@ class Loop:
         self.info, self.device, self.amp_dtype = info, info.device, amp_dtype
         self.clock, self.efficiency, self.gate_stats = clock, efficiency, gate_stats
         self.params = [p for p in raw_model.parameters() if p.requires_grad]
-        self.n_micro, self.seq_len = cfg.accumulate_grad_batches, cfg.seq_len
+        self.n_micro, self.seq_len, self.staged = cfg.accumulate_grad_batches, cfg.seq_len, False
         self.tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.accumulate_grad_batches * info.world_size
         self.scaler = torch.amp.GradScaler("cuda") if amp_dtype == torch.float16 else None
         self._reset_interval()
 
-    def set_stage(self, stage, data, efficiency: Efficiency) -> None:
+    def set_stage(self, stage, data, efficiency: Efficiency, staged: bool = True) -> None:
         """A sequence-length stage (train/core/seq_stages.py): its batch split and tokens per step, the run's data and
         MFU at its length. The interval in progress keeps counting (its row reports the new tokens per step)."""
         self.data, self.efficiency = data, efficiency
-        self.n_micro, self.seq_len = stage.accumulate, stage.seq_len
+        self.n_micro, self.seq_len, self.staged = stage.accumulate, stage.seq_len, staged  # staged: rows carry seq_len
         self.tokens_per_step = stage.batch_size * stage.seq_len * stage.accumulate * self.info.world_size
 
     # ---- one optimizer step -------------------------------------------------------------
@@ -191,7 +191,8 @@ class Loop:
             "step": state.step, "loss": loss_sum / ok if ok else float("nan"), "lr": lr_at(state.step - 1, self.cfg),
             "toks_per_s": toks_per_s, "grad_norm": norm_sum / ok if ok else float("nan"),
             "dt_step_s": elapsed / self.i_steps, "dt_fetch_s": self.i_fetch_s / self.i_steps,
-            "tokens_seen": state.tokens_seen, "seq_len": self.seq_len, "skipped_steps": state.skipped_steps,
+            "tokens_seen": state.tokens_seen, **({"seq_len": self.seq_len} if self.staged else {}),
+            "skipped_steps": state.skipped_steps,
             "spike_skipped_steps": state.spike_skipped_steps,
             **self.efficiency.columns(toks_per_s), "interval_steps": self.i_steps, **gate,
             **{SHARE_PREFIX + name: share for name, share in self.data.shares().items()},

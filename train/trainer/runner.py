@@ -123,7 +123,7 @@ def _train(run: Run, recorder: Recorder, tasks: LoopTasks | None) -> int:
     sampler = TrainingSampler.for_run(run)  # None unless train.sample_every > 0
     clock = TrainingClock()
     loop = build_loop(run, clock)
-    loop.set_stage(run.stage, run.data, run.efficiency)  # train.seq_stages: the stage this launch starts in
+    loop.set_stage(run.stage, run.data, run.efficiency, staged=len(run.stages) > 1)  # the stage this launch starts in
     flags = StopFlags(run.out_dir, rank=run.info.rank,
                       on_stackdump=lambda path: recorder.log(state.step, {"kind": "stackdump", "path": str(path)}))
     vote = StopVote(run.info.control_group, enabled=run.info.enabled)
@@ -151,7 +151,7 @@ def _train(run: Run, recorder: Recorder, tasks: LoopTasks | None) -> int:
             if (stage := run.stage_for(state.step)) is not run.stage:  # train.seq_stages: a new length from this step
                 with clock.off_the_clock():
                     run.enter_stage(stage)
-                loop.set_stage(stage, run.data, run.efficiency)
+                loop.set_stage(stage, run.data, run.efficiency, staged=True)
                 recorder.log(state.step, {"kind": "stage", "seq_len": stage.seq_len, "batch_size": stage.batch_size,
                                           "accumulate": stage.accumulate, "rope_theta": stage.rope_theta,
                                           "rope_scale": stage.rope_scale, "nsa_w": stage.nsa_w,
