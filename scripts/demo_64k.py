@@ -3,7 +3,12 @@
     .venv/bin/python scripts/demo_64k.py                                  # M7C-125M shape, S = 65536
     .venv/bin/python scripts/demo_64k.py --S 2048 --layers 2 --dim 128    # small, CPU friendly
 
-Random weights (this measures cost, not quality). Defaults are the M7C-125M shape: dim 768, 12 layers,
+    .venv/bin/python scripts/demo_64k.py --checkpoint RUN_DIR --S 8192    # a trained model: cost and quality
+
+With --checkpoint, a trained model (file or run directory; its positions extended to S when it uses RoPE) is timed,
+and its recall accuracy (its recall corpus's probe at S / training length, train.recall score --lengths) and needle
+accuracy (word-level tokenizers, the needle test at S) are reported beside the timing. Without it, random weights
+(this measures cost, not quality). Defaults are the M7C-125M shape: dim 768, 12 layers,
 12 query heads, 2 KV heads, head_dim 64, vocab 50304, SwiGLU ffn 2048, NSA paper defaults
 (l=32, d=16, l'=64, n=16, w=512). Prints per-step time and keys read per step (NSA vs a dense KV
 cache at the same context), optionally times a dense model too, and ends with one JSON line.
@@ -14,7 +19,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -69,6 +76,48 @@ def run(model: Transformer, ids: torch.Tensor, args, label: str) -> dict:
             "reads_per_step": reads // max(1, args.decode_steps * len(caches))}
 
 
+def trained(args) -> int:
+    """--checkpoint: time the trained model at S, then score its recall (a recall corpus) and needle (a word-level
+    tokenizer) at S; one JSON line. Bad input: one error line, exit 2."""
+    from train.checkpoint.io import load_checkpoint, model_from_checkpoint, resolve_checkpoint
+    from train.core.errors import UserError
+    from train.evaluation.needle import BYTE_TOKENIZER, needle_checkpoint
+    from train.evaluation.recall import corpus_spec, probe_checkpoint
+
+    try:
+        path = resolve_checkpoint(Path(args.checkpoint)).resolve()
+        stored = load_checkpoint(path)["config"]
+        need = args.S + args.decode_steps + 1
+        overrides = {"max_seq_len": need} if stored["model"].get("pos_emb", "rope") == "rope" else {}
+        model, cfg = model_from_checkpoint(path, args.device, **overrides)
+        if need > model.cfg.max_seq_len:
+            raise UserError(f"--S {args.S}: the checkpoint's learned positions end at {model.cfg.max_seq_len}")
+        model = model.to(dtype=args.dtype)
+        ids = torch.randint(0, model.cfg.vocab_size, (1, args.S), device=args.device)
+        result = {"S": args.S, "checkpoint": str(path), "attention": model.cfg.attention, "device": args.device,
+                  "training_length": stored["train"]["seq_len"], "timing": run(model, ids, args, model.cfg.attention)}
+        try:
+            spec = corpus_spec(path)
+        except UserError:
+            spec = None
+        if spec is not None:
+            multiple = args.S // (spec.doc_tokens + 1)
+            if multiple >= 1:
+                probe = probe_checkpoint(path, documents=args.recall_documents, length=multiple, device=args.device)
+                result["recall"] = {"length_multiple": multiple, "far_accuracy": probe["far_accuracy"],
+                                    "near_accuracy": probe["near_accuracy"],
+                                    "buckets": {b: v["accuracy"] for b, v in probe["buckets"].items()},
+                                    "file": probe["file"]}
+        if cfg["data"]["tokenizer"] != BYTE_TOKENIZER:
+            needle = needle_checkpoint(path, S=args.S, trials=args.needle_trials, device=args.device)
+            result["needle"] = {"mean_accuracy": needle["mean_accuracy"], "file": needle["file"]}
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result))
+    return 0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--S", type=int, default=65536, help="prompt length (prefilled)")
@@ -86,6 +135,10 @@ def main() -> None:
                     help="1 (or bare --use_fa2): the dense baseline uses flash-attn when importable on CUDA (the guide's --use_fa2 1)")
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda")
     ap.add_argument("--dense_baseline", type=int, default=0, choices=[0, 1], help="also time a dense model")
+    ap.add_argument("--checkpoint", default=None, help="a trained checkpoint (file or run directory) instead of random "
+                    "weights: its recall and needle accuracy at S are reported beside the timing")
+    ap.add_argument("--recall_documents", type=int, default=32, help="with --checkpoint: recall probe documents")
+    ap.add_argument("--needle_trials", type=int, default=2, help="with --checkpoint: needle trials per depth")
     args = ap.parse_args()
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -95,6 +148,8 @@ def main() -> None:
         print("note: --use_fa2 1 has no effect on CPU: flash-attn runs only on CUDA (the dense baseline uses SDPA)",
               flush=True)
 
+    if args.checkpoint is not None:
+        sys.exit(trained(args))
     ids = torch.randint(0, args.vocab, (1, args.S), device=args.device)
     result = {"S": args.S, "layers": args.layers, "dim": args.dim, "device": args.device,
               "threads": torch.get_num_threads(), "nsa": run(build(args, "nsa"), ids, args, "nsa")}

@@ -4,6 +4,7 @@ oracle that cannot see past the window scores 0 beyond it), and the command end 
 from __future__ import annotations
 
 import json
+import os
 import random
 
 import numpy as np
@@ -300,3 +301,31 @@ def test_evaluate_scores_only_the_masked_targets(tmp_path, capsys):
             nll -= logp[keep, y[keep]].sum().item()
             n += int(keep.sum())
     assert n == result["tokens"] and result["loss"] == pytest.approx(nll / n, rel=1e-5)
+
+
+def test_the_long_context_demo_loads_a_trained_checkpoint_and_scores_it_at_its_length(tmp_path):
+    """scripts/demo_64k.py --checkpoint: the trained NSA model timed at S = 2x its training length, beside its recall
+    probe at that length (the same file train.recall score --lengths 2 writes); a byte model takes no needle test."""
+    import subprocess
+    import sys
+
+    from train.trainer.runner import run_training
+
+    from .helpers import REPO
+
+    data = tmp_path / "recall"
+    assert recall_main(["make", "--out", str(data), "--window", "8", "--seq_len", "32", "--max_windows", "3",
+                        "--train_tokens", "20000", "--val_tokens", "2000"]) == 0
+    out = tmp_path / "run"
+    nsa = ["--model.attention=nsa", "--nsa.l=8", "--nsa.d=4", "--nsa.l_sel=8", "--nsa.n_sel=3", "--nsa.w=8"]
+    assert run_training(tiny_config(out, f"--data.source=bin:{data}", "--data.tokenizer=byte", "--train.steps=2",
+                                    "--data.window_start=document", *nsa)) == 0
+    proc = subprocess.run([sys.executable, "scripts/demo_64k.py", "--checkpoint", str(out), "--S", "64",
+                           "--decode_steps", "2", "--prefill_tile", "32", "--device", "cpu", "--recall_documents", "4"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["attention"] == "nsa" and result["training_length"] == 32 and "needle" not in result
+    assert result["timing"]["decode_ms_per_step"] > 0 and result["recall"]["length_multiple"] == 2
+    written = json.loads((out / "recall_step2_x2.json").read_text())
+    assert result["recall"]["far_accuracy"] == written["far_accuracy"] and result["recall"]["file"] == written["file"]
