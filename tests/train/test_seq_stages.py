@@ -192,3 +192,18 @@ def test_a_finished_run_extends_to_a_longer_context_with_its_lineage(tmp_path):
     (long_ / "latest.pt").unlink(missing_ok=True)
     assert run_training(tiny_config(long_, *extend)) == 0
     assert json.loads((long_ / "metrics.json").read_text())["extended_from"] == lineage
+
+
+def test_the_m7c_long_context_config_plans_every_stage_within_one_gpu():
+    """configs/m7c_125m_long.yaml: 2k then 8k / 16k / 32k with the tokens per step kept and the RoPE base raised; the
+    planner's memory per rank is the same at every stage (the micro-batch's tokens never grow)."""
+    from train.core.seq_stages import seq_stages, stage_config
+    from train.planning.memory import estimate_memory
+
+    cfg = load_config(REPO / "configs" / "m7c_125m_long.yaml", [])
+    stages = seq_stages(cfg)
+    assert [(s.at, s.seq_len, s.batch_size) for s in stages] == [(0, 2048, 16), (40000, 8192, 4), (45000, 16384, 2),
+                                                                 (48000, 32768, 1)]
+    assert {s.rows_per_rank() * s.seq_len for s in stages} == {32768} and stages[-1].rope_theta == 2e6
+    memory = [estimate_memory(stage_config(cfg, s), 8).total for s in stages]
+    assert max(memory) < 80e9 and max(memory) / min(memory) < 1.1
