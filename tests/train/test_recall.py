@@ -329,3 +329,33 @@ def test_the_long_context_demo_loads_a_trained_checkpoint_and_scores_it_at_its_l
     assert result["timing"]["decode_ms_per_step"] > 0 and result["recall"]["length_multiple"] == 2
     written = json.loads((out / "recall_step2_x2.json").read_text())
     assert result["recall"]["far_accuracy"] == written["far_accuracy"] and result["recall"]["file"] == written["file"]
+
+
+def test_selection_hits_count_the_facts_block_among_the_picks(tmp_path):
+    """bench/selection_hits.py on a tiny NSA run: a fact inside the window lies in the query's own block or the one
+    before, both always selected, so every layer hits it; far facts are counted per bucket at 1x and 2x."""
+    import subprocess
+    import sys
+
+    from train.trainer.runner import run_training
+
+    from .helpers import REPO
+
+    data = tmp_path / "recall"
+    assert recall_main(["make", "--out", str(data), "--window", "8", "--seq_len", "32", "--max_windows", "3",
+                        "--train_tokens", "20000", "--val_tokens", "2000"]) == 0
+    out = tmp_path / "run"
+    nsa = ["--model.attention=nsa", "--nsa.l=8", "--nsa.d=4", "--nsa.l_sel=8", "--nsa.n_sel=3", "--nsa.w=8"]
+    assert run_training(tiny_config(out, f"--data.source=bin:{data}", "--data.tokenizer=byte", "--train.steps=2",
+                                    "--data.window_start=document", *nsa)) == 0
+    proc = subprocess.run([sys.executable, "bench/selection_hits.py", str(out), "--lengths", "1", "2", "--documents", "4"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout)
+    for multiple, doc_tokens in (("1", 31), ("2", 63)):
+        at = result["lengths"][multiple]
+        assert at["doc_tokens"] == doc_tokens and set(at["by_layer"]) == {"layer0", "layer1"}
+        for buckets in at["by_layer"].values():
+            assert buckets["<1w"]["any_head"] == 1.0 and buckets["<1w"]["forced_share"] == 1.0
+            assert all(0.0 <= b["any_head"] <= 1.0 and b["items"] > 0 for b in buckets.values())
+    assert "4-8w" in result["lengths"]["2"]["by_layer"]["layer1"]  # the longer document's new bucket
