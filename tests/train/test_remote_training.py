@@ -187,3 +187,20 @@ def test_a_url_that_answers_404_at_start_is_one_line_and_exit_2_with_nothing_wri
     assert lines == [f"error: parquet:{server.url('gone.parquet')}: HTTP 404 Not Found (not retried: the file is "
                      f"missing, refused or malformed)"], done.stderr[-2000:]
     assert not out.exists()
+
+
+def test_one_process_stops_on_an_outage_with_its_checkpoint_and_exit_75(tmp_path, shards):
+    out = tmp_path / "alone"
+    with FaultServer(shards) as server:
+        source = "parquet:" + ",".join(server.url(name) for name in sorted(shards))
+        proc = subprocess.Popen([sys.executable, "-m", "train", *ARGS, f"--data.source={source}", f"--train.out_dir={out}",
+                                 "--data.retry_max_s=1"], cwd=REPO, env=ENV, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        wait_for(lambda: (out / "checkpoint_step5.pt").exists() or proc.poll() is not None, what="step 5")
+        server.down()
+        _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 75, stderr[-2000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["stop_reason"] == "data outage" and (out / f"checkpoint_step{metrics['step']}.pt").exists()
+    line = next(line for line in stderr.splitlines() if line.startswith("data outage on rank 0: "))
+    assert "still failing after" in line and "data.retry_max_s=1" in line
