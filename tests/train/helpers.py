@@ -106,3 +106,40 @@ def run_reference_and_resume(args: list[str], reference: Path, out: Path) -> Non
     for target in (reference, out):
         done = cli(*args, f"--train.out_dir={target}")
         assert done.returncode == 0, done.stderr[-2000:]
+
+
+def byte_dir(path: Path, text: str) -> Path:
+    """A prepared bin: directory of `text` in byte tokens (one token per UTF-8 byte), the last tenth as val."""
+    import json
+
+    import numpy as np
+
+    from train.data.meta import FORMAT, FORMAT_VERSION
+
+    data = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
+    cut = len(data) * 9 // 10
+    path.mkdir(parents=True)
+    data[:cut].tofile(path / "train.bin")
+    data[cut:].tofile(path / "val.bin")
+    splits = {"train": {"file": "train.bin", "tokens": cut, "text_bytes": cut},
+              "val": {"file": "val.bin", "tokens": len(data) - cut, "text_bytes": len(data) - cut}}
+    (path / "meta.json").write_text(json.dumps({"format": FORMAT, "version": FORMAT_VERSION, "tokenizer": "byte",
+                                                "eos_id": 256, "vocab_size": 257, "dtype": "uint16",
+                                                "max_token_id": int(data.max()), "splits": splits}))
+    return path
+
+
+def one_rank_then_two(args: list[str], one: Path, moved: Path, stop_after: int) -> tuple[list[dict], list[dict]]:
+    """The run of `args` on one rank x 8 rows into `one`; the same into `moved` stopped after `stop_after` steps and
+    resumed by torchrun on two gloo ranks x 4 rows (the same global batch). Both training.csv's rows."""
+    from train.trainer.runner import run_training
+
+    assert run_training(load_config(None, [*args, f"--train.out_dir={one}", "--train.batch_size=8"])) == 0
+    assert run_training(load_config(None, [*args, f"--train.out_dir={moved}", "--train.batch_size=8",
+                                           f"--train.stop_after={stop_after}"])) == 0
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "train", *args,
+           "--train.batch_size=4", f"--train.out_dir={moved}"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return read_csv(one / "training.csv"), read_csv(moved / "training.csv")

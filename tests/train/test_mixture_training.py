@@ -12,12 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from train.core.config import load_config
 from train.core.errors import DataError
 from train.data.mixture import MixtureStream
 from train.trainer.runner import run_training
 
-from .helpers import REPO, TINY_CLI, kill9_after, read_csv, run_reference_and_resume, tiny_config
+from .helpers import REPO, TINY_CLI, byte_dir, kill9_after, one_rank_then_two, read_csv, run_reference_and_resume, tiny_config
 
 MIX = ["--data.mixture=[{name: easy, source: synthetic, weight: 3}, {name: hard, source: synthetic, weight: 1}]",
        "--data.stages=[{at: 6, weights: {easy: 1, hard: 3}}]"]
@@ -94,27 +93,6 @@ def test_a_resume_whose_mixture_changed_is_refused_before_anything_is_written(tm
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != ".lock"} == before
 
 
-def byte_dir(path: Path, text: str) -> Path:
-    """A prepared bin: directory of `text` in byte tokens (one token per UTF-8 byte), the last tenth as val."""
-    import json
-
-    import numpy as np
-
-    from train.data.meta import FORMAT, FORMAT_VERSION
-
-    data = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
-    cut = len(data) * 9 // 10
-    path.mkdir(parents=True)
-    data[:cut].tofile(path / "train.bin")
-    data[cut:].tofile(path / "val.bin")
-    splits = {"train": {"file": "train.bin", "tokens": cut, "text_bytes": cut},
-              "val": {"file": "val.bin", "tokens": len(data) - cut, "text_bytes": len(data) - cut}}
-    (path / "meta.json").write_text(json.dumps({"format": FORMAT, "version": FORMAT_VERSION, "tokenizer": "byte",
-                                                "eos_id": 256, "vocab_size": 257, "dtype": "uint16",
-                                                "max_token_id": int(data.max()), "splits": splits}))
-    return path
-
-
 def test_bin_sources_get_bits_per_byte_and_train_evaluate_scores_the_mixture(tmp_path, corpus_path):
     text = corpus_path.read_text(encoding="utf-8")
     genesis, psalms = text[:200_000], text[len(text) // 2:len(text) // 2 + 200_000]
@@ -160,15 +138,7 @@ def test_a_bin_mixture_resumed_on_two_ranks_trains_like_one_rank(tmp_path, corpu
             f"--data.mixture=[{{name: a, source: 'bin:{a}', weight: 0.5}}, {{name: b, source: 'bin:{b}', weight: 0.5}}]",
             "--data.stages=[{at: 10, weights: {a: 0.1, b: 0.9}}]"]
     one, moved = tmp_path / "one", tmp_path / "moved"
-    assert run_training(load_config(None, [*args, f"--train.out_dir={one}", "--train.batch_size=8"])) == 0
-    assert run_training(load_config(None, [*args, f"--train.out_dir={moved}", "--train.batch_size=8",
-                                           "--train.stop_after=8"])) == 0
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "train", *args,
-           "--train.batch_size=4", f"--train.out_dir={moved}"]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    x, y = (read_csv(out / "training.csv") for out in (one, moved))
+    x, y = one_rank_then_two(args, one, moved, stop_after=8)
     assert [r["step"] for r in x] == [r["step"] for r in y] == [str(s) for s in range(1, 17)]
     assert max(abs(float(p["loss"]) - float(q["loss"])) for p, q in zip(x, y)) < 1e-5
     assert [r["share_a"] for r in x] == [r["share_a"] for r in y]  # the same rows from each source, step by step

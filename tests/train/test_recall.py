@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,7 +21,7 @@ from train.data.tokenizers import load_tokenizer
 from train.evaluation.recall import score_recall
 from train.recall import main as recall_main
 
-from .helpers import tiny_config
+from .helpers import REPO, tiny_config
 
 SPEC = RecallSpec(window=16, doc_tokens=255, max_windows=8)  # buckets 1-16, 16-32, 32-64, 64-128 tokens
 
@@ -303,23 +306,25 @@ def test_evaluate_scores_only_the_masked_targets(tmp_path, capsys):
     assert n == result["tokens"] and result["loss"] == pytest.approx(nll / n, rel=1e-5)
 
 
-def test_the_long_context_demo_loads_a_trained_checkpoint_and_scores_it_at_its_length(tmp_path):
-    """scripts/demo_64k.py --checkpoint: the trained NSA model timed at S = 2x its training length, beside its recall
-    probe at that length (the same file train.recall score --lengths 2 writes); a byte model takes no needle test."""
-    import subprocess
-    import sys
-
+@pytest.fixture(scope="module")
+def nsa_recall_run(tmp_path_factory) -> Path:
+    """A tiny NSA model trained 2 steps on a recall corpus (window 8, seq_len 32), for the tools that read one."""
     from train.trainer.runner import run_training
 
-    from .helpers import REPO
-
-    data = tmp_path / "recall"
+    root = tmp_path_factory.mktemp("nsa_recall")
+    data, out = root / "recall", root / "run"
     assert recall_main(["make", "--out", str(data), "--window", "8", "--seq_len", "32", "--max_windows", "3",
                         "--train_tokens", "20000", "--val_tokens", "2000"]) == 0
-    out = tmp_path / "run"
     nsa = ["--model.attention=nsa", "--nsa.l=8", "--nsa.d=4", "--nsa.l_sel=8", "--nsa.n_sel=3", "--nsa.w=8"]
     assert run_training(tiny_config(out, f"--data.source=bin:{data}", "--data.tokenizer=byte", "--train.steps=2",
                                     "--data.window_start=document", *nsa)) == 0
+    return out
+
+
+def test_the_long_context_demo_loads_a_trained_checkpoint_and_scores_it_at_its_length(nsa_recall_run):
+    """scripts/demo_64k.py --checkpoint: the trained NSA model timed at S = 2x its training length, beside its recall
+    probe at that length (the same file train.recall score --lengths 2 writes); a byte model takes no needle test."""
+    out = nsa_recall_run
     proc = subprocess.run([sys.executable, "scripts/demo_64k.py", "--checkpoint", str(out), "--S", "64",
                            "--decode_steps", "2", "--prefill_tile", "32", "--device", "cpu", "--recall_documents", "4"],
                           cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -331,23 +336,10 @@ def test_the_long_context_demo_loads_a_trained_checkpoint_and_scores_it_at_its_l
     assert result["recall"]["far_accuracy"] == written["far_accuracy"] and result["recall"]["file"] == written["file"]
 
 
-def test_selection_hits_count_the_facts_block_among_the_picks(tmp_path):
+def test_selection_hits_count_the_facts_block_among_the_picks(nsa_recall_run):
     """bench/selection_hits.py on a tiny NSA run: a fact inside the window lies in the query's own block or the one
     before, both always selected, so every layer hits it; far facts are counted per bucket at 1x and 2x."""
-    import subprocess
-    import sys
-
-    from train.trainer.runner import run_training
-
-    from .helpers import REPO
-
-    data = tmp_path / "recall"
-    assert recall_main(["make", "--out", str(data), "--window", "8", "--seq_len", "32", "--max_windows", "3",
-                        "--train_tokens", "20000", "--val_tokens", "2000"]) == 0
-    out = tmp_path / "run"
-    nsa = ["--model.attention=nsa", "--nsa.l=8", "--nsa.d=4", "--nsa.l_sel=8", "--nsa.n_sel=3", "--nsa.w=8"]
-    assert run_training(tiny_config(out, f"--data.source=bin:{data}", "--data.tokenizer=byte", "--train.steps=2",
-                                    "--data.window_start=document", *nsa)) == 0
+    out = nsa_recall_run
     proc = subprocess.run([sys.executable, "bench/selection_hits.py", str(out), "--lengths", "1", "2", "--documents", "4"],
                           cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -5,9 +5,6 @@ anything is written."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -18,8 +15,8 @@ from train.core.config import load_config
 from train.core.errors import ConfigError
 from train.trainer.runner import run_training
 
-from .helpers import REPO, TINY_CLI, cli, halt_while_step_runs, kill9_after, read_csv, read_jsonl, tiny_config
-from .test_mixture_training import byte_dir
+from .helpers import (REPO, TINY_CLI, byte_dir, cli, halt_while_step_runs, kill9_after, one_rank_then_two, read_csv,
+                      read_jsonl, tiny_config)
 
 STAGES = "--train.seq_stages=[{at: 4, seq_len: 64, rope_theta: 40000}, {at: 7, seq_len: 128, rope_scale: 2.0}]"
 STAGED = ["--model.max_seq_len=128", STAGES, "--train.steps=10", "--train.log_every=1", "--train.eval_every=5"]
@@ -98,16 +95,7 @@ def test_a_bin_run_resumed_on_two_ranks_across_a_stage_trains_like_one_rank(tmp_
             "--model.max_seq_len=32", "--train.seq_len=16", "--train.steps=16", "--train.log_every=1",
             "--train.warmup_steps=2", "--train.eval_every=0", "--runtime.device=cpu", "--runtime.threads=1",
             "--data.tokenizer=byte", f"--data.source=bin:{data}", "--train.seq_stages=[{at: 8, seq_len: 32}]"]
-    one, moved = tmp_path / "one", tmp_path / "moved"
-    assert run_training(load_config(None, [*args, f"--train.out_dir={one}", "--train.batch_size=8"])) == 0
-    assert run_training(load_config(None, [*args, f"--train.out_dir={moved}", "--train.batch_size=8",
-                                           "--train.stop_after=6"])) == 0
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "train", *args,
-           "--train.batch_size=4", f"--train.out_dir={moved}"]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    x, y = (read_csv(out / "training.csv") for out in (one, moved))
+    x, y = one_rank_then_two(args, tmp_path / "one", tmp_path / "moved", stop_after=6)
     assert [r["seq_len"] for r in x] == [r["seq_len"] for r in y] == ["16"] * 8 + ["32"] * 8
     assert max(abs(float(p["loss"]) - float(q["loss"])) for p, q in zip(x, y)) < 1e-5
     assert [r["tokens_seen"] for r in x] == [r["tokens_seen"] for r in y]

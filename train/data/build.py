@@ -104,13 +104,10 @@ class DataBundle:
     def retry_counts(self) -> dict | None:
         """This rank's read retries of its stream sources, training and validation together (None when it reads no
         stream): retries, stalls, wait_s, last_error."""
-        counts = [c for c in (getattr(s, "retry_counts", lambda: None)() for s in (self.train, *self._val.values()))
-                  if c is not None]
-        if not counts:
-            return None
-        return {"retries": sum(c["retries"] for c in counts), "stalls": sum(c["stalls"] for c in counts),
-                "wait_s": sum(c["wait_s"] for c in counts),
-                "last_error": next((c["last_error"] for c in counts if c["last_error"]), "")}
+        from train.data.remote import total_counts
+
+        return total_counts([c for c in (getattr(s, "retry_counts", lambda: None)() for s in (self.train, *self._val.values()))
+                             if c is not None])
 
     def val_bytes_per_token(self, name: str) -> float | None:
         """UTF-8 bytes per token of a mixture source's validation split (its meta.json), None where unknown."""

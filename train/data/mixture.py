@@ -30,6 +30,7 @@ import torch
 
 from train.core.mixture import Mixture
 from train.data.memmap import MemmapStream, row_hashes, stream_key, windows_to_batch
+from train.data.remote import total_counts
 from train.data.state import GlobalBatchOrder, expect_global_state
 
 MIXTURE_STREAM = 0x6D697874  # "mixt": the hash stream that picks a row's source (not a window stream)
@@ -109,12 +110,7 @@ class MixtureStream(GlobalBatchOrder):
 
     def retry_counts(self) -> dict | None:
         """The read retries of this rank's stream sources together (None without one)."""
-        counts = [part.retry_counts() for part in self._streams().values()]
-        if not counts:
-            return None
-        return {"retries": sum(c["retries"] for c in counts), "stalls": sum(c["stalls"] for c in counts),
-                "wait_s": sum(c["wait_s"] for c in counts),
-                "last_error": next((c["last_error"] for c in counts if c["last_error"]), "")}
+        return total_counts([part.retry_counts() for part in self._streams().values()])
 
     def _streams(self) -> dict[str, object]:
         """{name: part} of the stream sources (their positions are per rank: resume needs the same world size)."""

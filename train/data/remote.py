@@ -165,6 +165,15 @@ class RetryStats:
                 "last_error": self.last_error}
 
 
+def total_counts(counts: list[dict]) -> dict | None:
+    """RetryStats.as_dict() of several readers or sources as one (the last failure named); None for none."""
+    if not counts:
+        return None
+    return {"retries": sum(c["retries"] for c in counts), "stalls": sum(c["stalls"] for c in counts),
+            "wait_s": round(sum(c["wait_s"] for c in counts), 3),
+            "last_error": next((c["last_error"] for c in reversed(counts) if c["last_error"]), "")}
+
+
 def is_transient(exc: BaseException) -> bool:
     """Whether a failed read may succeed if tried again (module docstring). Looks through the exception's causes:
     fsspec turns a refused connection during a lookup into FileNotFoundError from the connection error."""

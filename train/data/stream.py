@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from train.core.errors import DataError
 from train.data.meta import dtype_for_vocab
 from train.data.packing import WindowPacker
-from train.data.remote import DataOutage, Retrier, RetryPolicy, RetryStats
+from train.data.remote import DataOutage, Retrier, RetryPolicy, RetryStats, total_counts
 from train.data.sources import Position, ReaderPlan, StreamUnavailable, is_held_out, iter_documents
 from train.data.state import expect_state
 from train.data.tensors import windows_to_xy
@@ -165,12 +165,7 @@ class StreamBatches:
 
     def retry_counts(self) -> dict:
         """This rank's read retries so far, its readers together: retries, stalls, wait_s, last_error."""
-        total = RetryStats()
-        for c in self.counts:
-            total.retries, total.stalls, total.wait_s = total.retries + c["retries"], total.stalls + c["stalls"], \
-                total.wait_s + c["wait_s"]
-            total.last_error = c["last_error"] or total.last_error
-        return total.as_dict()
+        return total_counts(self.counts)
 
     def _fetch(self):
         if self._iter is None:
