@@ -204,3 +204,7 @@ def test_one_process_stops_on_an_outage_with_its_checkpoint_and_exit_75(tmp_path
     assert metrics["stop_reason"] == "data outage" and (out / f"checkpoint_step{metrics['step']}.pt").exists()
     line = next(line for line in stderr.splitlines() if line.startswith("data outage on rank 0: "))
     assert "still failing after" in line and "data.retry_max_s=1" in line
+    # the monitor says what happened and what comes next
+    frame = subprocess.run([sys.executable, "scripts/monitor_frame.py", str(out), "--stale-s", "100000"], cwd=REPO,
+                           capture_output=True, text=True, timeout=60, env=ENV)
+    assert f"data outage at step {metrics['step']}: " in frame.stdout and "(exit 75)" in frame.stdout, frame.stdout
