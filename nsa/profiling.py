@@ -10,21 +10,23 @@ import contextlib
 import torch
 
 _NVTX = False
+_RANGES_TO_PROFILER = False  # ranges as torch.profiler record_function (CUDA too): bench/profile_cuda.py
 _AUDIT = False
 _AUDIT_LOG: dict[str, dict] = {}
 _NOOP = contextlib.nullcontext()
 
 
-def set_nvtx(enabled: bool) -> None:
-    global _NVTX
-    _NVTX = enabled
+def set_nvtx(enabled: bool, to_profiler: bool = False) -> None:
+    """to_profiler: the ranges go to torch.profiler (record_function) on every device, not to NVTX."""
+    global _NVTX, _RANGES_TO_PROFILER
+    _NVTX, _RANGES_TO_PROFILER = enabled, to_profiler
 
 
 def nvtx_range(name: str):
     """An NVTX range on CUDA (visible in nsys), a torch.profiler record_function on CPU."""
     if not _NVTX:
         return _NOOP
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and not _RANGES_TO_PROFILER:
         return torch.cuda.nvtx.range(name)
     return torch.autograd.profiler.record_function(name)
 

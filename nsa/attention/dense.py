@@ -4,7 +4,10 @@ explicit masked reference ("manual").
 Alignment rule: a query at absolute position p sees keys at positions <= p. When the query
 block is shorter than the key block (decode, chunked prefill) the mask is aligned bottom-right,
 built explicitly; SDPA's `is_causal=True` (top-left aligned) is used only when the two lengths
-are equal, where both alignments agree.
+are equal, where both alignments agree. One query (a decode step) sees every cached key, so it
+runs with no mask at all, and never on cuDNN: cuDNN builds an execution plan per new shape, and a
+decode step's key count is new every step (65 ms of host time a step at 32k on an H200, for 12 us
+of attention; bench/profile_cuda.py).
 
 Packed documents (nsa/attention/documents.py; training / prefill from position 0, Tq == Tk):
 doc_start [B, T] (Documents.start) makes attention block-causal by document: query t sees key s iff
@@ -33,6 +36,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from nsa.attention.documents import Documents
 from nsa.attention.impl.flex import flex_document_attention
@@ -127,6 +131,9 @@ def _document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backe
     return F.scaled_dot_product_attention(q, k, v, attn_mask=document_causal_mask(doc_start), enable_gqa=gqa)
 
 
+DECODE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]  # not CUDNN_ATTENTION
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "auto",
                      doc_start: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, H, Tq, hd]; k, v: [B, H_kv, Tk, hd] with Tq <= Tk -> [B, H, Tq, hd].
@@ -148,6 +155,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend:
         out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
         return out.transpose(1, 2)
     gqa = q.shape[1] != k.shape[1]
+    if t_q == 1:  # a decode step: every key is visible; a new key count every call (module docstring: no cuDNN)
+        audit("dense.causal_attention[Tq=1]", "sdpa_no_mask", q, k, requested=backend)
+        with sdpa_kernel(DECODE_BACKENDS):
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
     if t_q == t_k:
         audit("dense.causal_attention", "sdpa_is_causal", q, k, requested=backend)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)

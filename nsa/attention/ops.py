@@ -79,6 +79,11 @@ def _triton(kernel: str, x: Tensor) -> bool:
 @torch.library.custom_op("nsa::select_blocks", mutates_args=())
 def _select_blocks(q: Tensor, ck: Tensor, q_start: int, l: int, d: int, l_sel: int, n: int, q_chunk: int,
                    kernel: str, frame: Tensor | None) -> Tensor:
+    # contiguous, as the fake below says: inductor asserts a custom op's strides (a torch path returns a slice)
+    return _select_blocks_any_layout(q, ck, q_start, l, d, l_sel, n, q_chunk, kernel, frame).contiguous()
+
+
+def _select_blocks_any_layout(q, ck, q_start, l, d, l_sel, n, q_chunk, kernel, frame) -> Tensor:
     if _triton(kernel, q):
         from nsa.attention.kernels.select_topk import fused_select_blocks
 

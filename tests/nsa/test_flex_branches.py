@@ -146,3 +146,32 @@ def test_compiled_flex_compiles_once_across_chunk_offsets(monkeypatch):
     finally:
         torch._dynamo.reset()
         counters.clear()
+
+
+def test_growing_compressed_keys_compile_once_per_power_of_two(monkeypatch):
+    """A chunked prefill's compressed branch meets a new key count N_c every chunk (the cache's tokens so far).
+    Padded to the next power of two, 16 chunks with N_c from 15 to 255 compile twice (buckets 128 and 256),
+    not 16 times (past Dynamo's recompile limit of 8 flex_attention would fall back to its unfused kernel),
+    and every chunk still equals the SDPA path on the unpadded keys."""
+    monkeypatch.setattr(flex, "COMPILE_DEVICES", flex.COMPILE_DEVICES | {"cpu"})
+    monkeypatch.setattr(flex, "COMPILE_BACKEND", "aot_eager")
+    B, H_kv, G, T, hd, l, d = 1, 1, 2, 256, 16, 32, 16
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(B, H_kv * G, T, hd, generator=g)
+    ck_all, cv_all = (torch.randn(B, H_kv, num_compressed(16 * T, l, d), hd, generator=g) for _ in range(2))
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        counts = []
+        for q_start in range(0, 16 * T, T):
+            n_c = num_compressed(q_start + T, l, d)  # the tokens a cache holds after this chunk
+            counts.append(n_c)
+            ck, cv = ck_all[:, :, :n_c], cv_all[:, :, :n_c]
+            out = flex.flex_compressed_attention(q, ck, cv, q_start, l, d)
+            ref = compressed_attention(q, ck, cv, q_start, l, d, 64)
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5, msg=f"q_start={q_start}, N_c={n_c}")
+        assert len(set(counts)) == 16 and min(counts) < 128 < max(counts) <= 256, counts
+        assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    finally:
+        torch._dynamo.reset()
+        counters.clear()

@@ -45,3 +45,29 @@ def test_fused_branches_match_portable_path_with_gradients(T):
     for fused, portable in zip(grads["auto"], grads["torch"]):
         scale = portable.abs().max().clamp_min(1e-6)
         assert ((fused - portable).abs().max() / scale).item() < 2e-3
+
+
+def test_dense_decode_step_never_runs_cudnn_and_equals_full_attention():
+    """A dense decode step (one query against a cache whose length is new every step) must not reach cuDNN's
+    SDPA: cuDNN builds an execution plan per shape (65 ms of host time a step at 32k on an H200). The ops a
+    step dispatches are recorded; its output equals causal attention over the whole sequence, last row."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from nsa.attention.dense import causal_attention
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(str(func))
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, H, 777, 64, device="cuda", dtype=torch.bfloat16, generator=g) for H in (12, 2, 2))
+    with Ops() as ops:
+        step = causal_attention(q[:, :, -1:], k, v)  # the last position's decode step
+    assert not any("cudnn" in name for name in ops.names), sorted(ops.names)
+    full = causal_attention(q, k, v)[:, :, -1:]
+    torch.testing.assert_close(step, full, rtol=2e-2, atol=2e-2)

@@ -24,8 +24,9 @@ value), an int cell by EQUALS_MATCH (its value). So:
     object each, so a fresh closure per geometry (or per call, under compile) reuses the compiled graph.
 The block-mask tensors are guarded by metadata only, their seq_lengths by value (= the shapes). What still
 compiles again is a new shape (dynamic=False): (B, H, Tq, Tk, hd, dtype) and the tile counts that follow.
-Note that in a chunked prefill the compressed branch's key count N_c grows with every chunk, so that branch
-meets a new shape per chunk; the window branch's keys (w - 1 + Tq after the first chunk) keep one shape.
+In a chunked prefill the compressed branch's key count N_c grows with every chunk: its keys are padded to the
+next power of two (`_pad_keys`; the padded tokens are masked by the geometry), so that branch meets log2(N_c)
+shapes, not one per chunk; the window branch's keys (w - 1 + Tq after the first chunk) keep one shape.
 
 Packed documents (nsa/attention/documents.py). With a frame [3, B, Tq] (q_pos, k_base, c_base) each query
 reads only its own document, counted from the document's first token:
@@ -300,8 +301,19 @@ def flex_compressed_attention(
         return torch.zeros_like(q)
     if frame is not None:
         return _run_flex("nsa.compressed[documents]", q, ck, cv, _compressed_frame_block_mask(frame, ck.shape[2], l, d))
+    ck, cv = (_pad_keys(t) for t in (ck, cv))  # padded tokens i >= N_c fail i*d + l - 1 <= p for every query
     mask = _block_mask("cmp", q.shape[2], ck.shape[2], q_start, 0, l, d, q.device)
     return _run_flex("nsa.compressed", q, ck, cv, mask)
+
+
+def _pad_keys(x: torch.Tensor) -> torch.Tensor:
+    """[B, H_kv, N, hd] -> [B, H_kv, N', hd], N' the next power of two (at least one tile), zero rows appended.
+    A chunked prefill meets a new compressed-key count N_c every chunk: padded, it meets log2(N_c) shapes, so
+    the compiled kernel compiles that often instead of once per chunk (and never runs into Dynamo's recompile
+    limit, past which flex_attention falls back to the unfused kernel that materialises every score)."""
+    n = x.shape[2]
+    bucket = max(BLOCK, 1 << (n - 1).bit_length())
+    return x if bucket == n else torch.nn.functional.pad(x, (0, 0, 0, bucket - n))
 
 
 def flex_window_attention(
