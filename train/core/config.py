@@ -193,7 +193,7 @@ class TrainConfig:
 class RuntimeConfig:
     device: str = "auto"  # auto | cpu | cuda
     precision: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16 | fp16
-    compile: bool = False  # torch.compile the model
+    compile: bool = False  # torch.compile each block in place (regional: one compilation serves every block)
     gradient_checkpointing: int = 0  # 0/false: off; 1/true: every block; k: every k-th block
     watchdog_s: float = 900.0  # dump stacks if no step completes for this long; 0 disables
     threads: int = 0  # torch intra-op threads on CPU; 0 = torch default
