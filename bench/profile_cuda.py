@@ -1,7 +1,7 @@
 """Where a CUDA GPU spends the time of an NSA / dense attention layer: kernel tables from torch.profiler.
 
-    python bench/profile_cuda.py --out DIR                       # fwd+bwd at 8k and 32k, decode at 32k
-    python bench/profile_cuda.py --out DIR --train 32768 --decode  # a subset
+    PYTHONPATH=. python bench/profile_cuda.py --out DIR          # fwd+bwd at 8k and 32k, decode at 32k
+    PYTHONPATH=. python bench/profile_cuda.py --out DIR --train 32768 --decode  # a subset
 
 Layer layout: M7C-125M (dim 768, 12 query heads, 2 KV heads, head dim 64), bf16 autocast (as the trainer runs),
 batch 1. Each case runs twice unprofiled (Triton autotuning, compilation) and then once under the profiler.
@@ -21,12 +21,11 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from nsa.attention.dense import DenseAttention, KVCache  # noqa: E402
-from nsa.attention.nsa import NativeSparseAttention  # noqa: E402
-from nsa.config import ModelConfig  # noqa: E402
-from nsa.layers import RotaryEmbedding  # noqa: E402
-from nsa.profiling import set_nvtx  # noqa: E402
+from nsa.attention.dense import DenseAttention, KVCache
+from nsa.attention.nsa import NativeSparseAttention
+from nsa.config import ModelConfig
+from nsa.layers import RotaryEmbedding
+from nsa.profiling import set_nvtx
 
 LAYOUT = dict(dim=768, n_heads=12, n_kv_heads=2, head_dim=64)  # M7C-125M
 TOP = 30
