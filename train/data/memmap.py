@@ -67,10 +67,11 @@ class MemmapStream(GlobalBatchOrder):
         self._windows = sliding_window_view(self.tokens, seq_len + 1)
         self._mask_windows = sliding_window_view(self.mask[1:], seq_len) if self.mask is not None else None
         self._key = stream_key(seed, stream)
+        self._hashes = RowHashBlocks(self._key)
 
     def window_starts(self, step: int, rows: np.ndarray) -> np.ndarray:
         """Window start (int64) of each global row in `rows` (uint64) of optimizer step `step`."""
-        return self.starts_of(row_hashes(self._key, step, rows))
+        return self.starts_of(self._hashes(step, rows))
 
     def starts_of(self, draws: np.ndarray) -> np.ndarray:
         """Window starts (int64) for uniform 64-bit draws (uint64): one per row."""
@@ -153,5 +154,39 @@ _MASK64 = 0xFFFF_FFFF_FFFF_FFFF
 
 def row_hashes(key: np.uint64, step: int, rows: np.ndarray) -> np.ndarray:
     """uint64 hash of (key, step, g) for each global row g in `rows` (uint64 array)."""
-    step_key = _splitmix64_int(int(key) ^ _splitmix64_int(int(step) & _MASK64))
-    return splitmix64(np.uint64(step_key) ^ rows)
+    return splitmix64(np.uint64(_step_key(key, step)) ^ rows)
+
+
+def _step_key(key: np.uint64, step: int) -> int:
+    return _splitmix64_int(int(key) ^ _splitmix64_int(int(step) & _MASK64))
+
+
+class RowHashBlocks:
+    """row_hashes(key, step, rows) for HASH_BLOCK_STEPS consecutive steps at once: the same numbers (a pure function
+    of (key, step, row), so resume stays exact), one [steps, B] numpy pass per block instead of ~8 numpy calls on B
+    values every step (6.7 us of a 23 us batch at 16 rows). A rank asks for the same rows arrays every step (one per
+    micro-batch), so blocks are kept per rows array, for the current block of steps only."""
+
+    def __init__(self, key: np.uint64):
+        self.key = key
+        self._first = -1  # first step of the cached block
+        self._blocks: dict[bytes, np.ndarray] = {}  # rows' bytes -> [HASH_BLOCK_STEPS, len(rows)] uint64
+
+    def block(self, step: int, rows: np.ndarray) -> tuple[np.ndarray, int]:
+        """(the hashes of `rows` for the block of steps holding `step` [HASH_BLOCK_STEPS, len(rows)], step's row in it)."""
+        first = step - step % HASH_BLOCK_STEPS
+        if first != self._first:
+            self._first, self._blocks = first, {}
+        tag = rows.tobytes()
+        hashes = self._blocks.get(tag)
+        if hashes is None:
+            keys = np.array([_step_key(self.key, s) for s in range(first, first + HASH_BLOCK_STEPS)], dtype=np.uint64)
+            hashes = self._blocks[tag] = splitmix64(keys[:, None] ^ rows[None, :])
+        return hashes, step - first
+
+    def __call__(self, step: int, rows: np.ndarray) -> np.ndarray:
+        hashes, i = self.block(step, rows)
+        return hashes[i]
+
+
+HASH_BLOCK_STEPS = 64

@@ -9,7 +9,9 @@ n is uniform to within n / (weight x 2**64): the window does not depend on the c
 pure function of (seed, step, row, weights), the same on any world size and batch split; the state is the step
 counter and resume is exact. A stage changes the weights from its first step on. Per source, its loss mask and
 window starts apply as they would alone, and the trainer's EOS-based document masking sees each row's tokens as they
-are. One hash per row, one gather per source drawn, into a batch kept in the sources' dtype: bench/bench_mixture.py.
+are. The hashes, each row's source and each bin: source's window starts are planned for a block of
+HASH_BLOCK_STEPS steps at once (numpy calls per block, not per step); a step is then one gather per source drawn,
+converted straight into each row's place in the int64 batch: bench/bench_mixture.py.
 Synthetic sources generate their rows from their own seed (train/data/build.py `source_seed`).
 
 A stream source (text:, jsonl:, parquet:, hf:, fineweb_edu) gives the rows it is picked for in the order it reads
@@ -29,7 +31,8 @@ import numpy as np
 import torch
 
 from train.core.mixture import Mixture
-from train.data.memmap import MemmapStream, row_hashes, stream_key, windows_to_batch
+from nsa.loss import IGNORE_INDEX
+from train.data.memmap import MemmapStream, RowHashBlocks, row_hashes, stream_key
 from train.data.remote import total_counts
 from train.data.state import GlobalBatchOrder, expect_global_state
 
@@ -47,6 +50,8 @@ class MixtureStream(GlobalBatchOrder):
         self.mixture, self.parts, self.seq_len, self.pin = mixture, parts, seq_len, pin
         self.any_world_size = mixture.any_world_size  # a stream source's position is per rank
         self._key = stream_key(seed, MIXTURE_STREAM ^ stream)
+        self._hashes = RowHashBlocks(self._key)
+        self._plan_key, self._plan_cached = None, None
         # per stage: cumulative shares scaled to 2**53, the last exactly 2**53, so u < 2**53 always lands in one
         self._cuts = []
         for stage in mixture.stages:
@@ -65,35 +70,46 @@ class MixtureStream(GlobalBatchOrder):
         return self._pick(step, row_hashes(self._key, step, rows))
 
     def _pick(self, step: int, hashes: np.ndarray) -> np.ndarray:
-        cuts = self._cuts[bisect.bisect_right(self._starts, step) - 1]  # the stage of `step`
-        return np.searchsorted(cuts, hashes >> np.uint64(11), side="right")  # top 53 bits -> source index
+        return np.searchsorted(self._cuts_at(step), hashes >> np.uint64(11), side="right")  # top 53 bits -> source
+
+    def _cuts_at(self, step: int) -> np.ndarray:
+        return self._cuts[bisect.bisect_right(self._starts, step) - 1]  # the stage of `step`
 
     def rows_batch(self, step: int, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        hashes = row_hashes(self._key, step, rows)  # [B] uint64
-        which = self._pick(step, hashes)  # [B]
-        windows = np.empty((len(rows), self.seq_len + 1), dtype=self._dtype)  # [B, T+1]
-        excluded = None  # [B, T] bool, where a source has a loss mask
-        synthetic = []
-        for j, part in enumerate(self.parts):  # one gather per source drawn, straight into the batch
-            picked = np.flatnonzero(which == j)
-            if not len(picked):
+        plan, i = self._plan(step, rows)
+        order, bounds = plan.order[i], plan.bounds[i]  # rows grouped by source; source j's run order[b[j]:b[j+1]]
+        x = np.empty((len(rows), self.seq_len), dtype=np.int64)  # [B, T]
+        y = np.empty((len(rows), self.seq_len), dtype=np.int64)
+        other = []  # (positions, (x, y)) of synthetic and stream sources, placed as tensors below
+        for j, part in enumerate(self.parts):
+            lo, hi = bounds[j], bounds[j + 1]
+            if lo == hi:
                 continue
-            if isinstance(part, GlobalBatchOrder) and not isinstance(part, MemmapStream):  # synthetic: its rows
-                synthetic.append((picked, part.rows_batch(step, rows[picked])))
-                continue
-            if not isinstance(part, MemmapStream):  # a stream: its next rows, one [1, T] batch each, in order
+            picked = order[lo:hi]  # ascending positions in the batch
+            if isinstance(part, MemmapStream):  # one gather, then each row converted straight into its place
+                windows, excluded = part.windows(plan.starts[j][plan.starts_at[j][i]:plan.starts_at[j][i + 1]])
+                x[picked] = windows[:, :-1]
+                y[picked] = windows[:, 1:] if excluded is None else np.where(excluded, IGNORE_INDEX, windows[:, 1:])
+            elif isinstance(part, GlobalBatchOrder):  # synthetic: its own rows
+                other.append((picked, part.rows_batch(step, rows[picked])))
+            else:  # a stream: its next rows, one [1, T] batch each, in order
                 rows_read = [part.next_batch() for _ in picked]
-                synthetic.append((picked, (torch.cat([r[0] for r in rows_read]), torch.cat([r[1] for r in rows_read]))))
-                continue
-            windows[picked], part_excluded = part.windows(part.starts_of(hashes[picked]))
-            if part_excluded is not None:
-                excluded = np.zeros((len(rows), self.seq_len), dtype=bool) if excluded is None else excluded
-                excluded[picked] = part_excluded
-        x, y = windows_to_batch(windows, excluded, pin=False)
-        for picked, (xj, yj) in synthetic:
+                other.append((picked, (torch.cat([r[0] for r in rows_read]), torch.cat([r[1] for r in rows_read]))))
+        x, y = torch.from_numpy(x), torch.from_numpy(y)
+        for picked, (xj, yj) in other:
             index = torch.from_numpy(picked)
             x[index], y[index] = xj, yj
         return (x.pin_memory(), y.pin_memory()) if self.pin else (x, y)
+
+    def _plan(self, step: int, rows: np.ndarray) -> tuple[_BlockPlan, int]:
+        """The plan of the block of steps holding `step` for these rows (built once per block: the sources of every
+        row, grouped, and each bin: source's window starts), and step's index in it."""
+        hashes, i = self._hashes.block(step, rows)  # [K, B] uint64
+        first = step - i
+        key = (first, rows.tobytes())
+        if self._plan_key != key:
+            self._plan_key, self._plan_cached = key, _BlockPlan(self, first, hashes)
+        return self._plan_cached, i
 
     def _count_until(self, step: int) -> None:
         all_rows = np.arange(self.global_batch, dtype=np.uint64)
@@ -134,3 +150,31 @@ class MixtureStream(GlobalBatchOrder):
     def close(self) -> None:
         for part in self.parts:
             part.close()
+
+
+class _BlockPlan:
+    """For the K = HASH_BLOCK_STEPS steps of a block and one rows array [B]: each row's source (the stage's cuts per
+    step), the rows grouped by source in ascending position (order [K, B], bounds [K, J+1]), and per bin: source j
+    the window starts of its rows over the block, step by step (starts[j], starts_at[j] [K+1] offsets). Numpy calls
+    per block, not per step; the numbers are the per-row pure function of the module docstring."""
+
+    def __init__(self, mix: MixtureStream, first: int, hashes: np.ndarray):
+        K, J = hashes.shape[0], len(mix.parts)
+        top = hashes >> np.uint64(11)  # [K, B] top 53 bits
+        which = np.empty(hashes.shape, dtype=np.int64)
+        s = 0
+        while s < K:  # runs of steps in one stage (a block crosses at most a few stage starts)
+            cuts = mix._cuts_at(first + s)
+            e = s + 1
+            while e < K and mix._cuts_at(first + e) is cuts:
+                e += 1
+            which[s:e] = np.searchsorted(cuts, top[s:e], side="right")
+            s = e
+        self.order = np.argsort(which, axis=1, kind="stable")  # [K, B]: positions grouped by source, ascending
+        counts = np.stack([(which == j).sum(axis=1) for j in range(J)], axis=1)  # [K, J]
+        self.bounds = np.concatenate([np.zeros((K, 1), dtype=np.int64), np.cumsum(counts, axis=1)], axis=1).tolist()
+        self.starts, self.starts_at = {}, {}
+        for j, part in enumerate(mix.parts):
+            if isinstance(part, MemmapStream):  # row-major selection: step by step, ascending position, as `order`
+                self.starts[j] = part.starts_of(hashes[which == j])
+                self.starts_at[j] = [0, *np.cumsum(counts[:, j]).tolist()]
