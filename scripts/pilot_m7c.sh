@@ -40,6 +40,10 @@
 #   PILOT_ARMS=nsa,dense,window
 #   PILOT_ARGS="--k=v ..."     config overrides for every arm (no spaces inside a value)
 #   ARTIFACTS_DIR=artifacts    NVIDIA_SMI=nvidia-smi    VENV=.venv
+# A config with train.seq_stages (CONFIG=configs/m7c_125m_long.yaml: 2k, then 8k / 16k / 32k) runs its own schedule:
+# PILOT_STEPS and PILOT_WARMUP default to the config's (its stages lie past 3,000 steps); the recall corpus is written
+# at the last stage's length (its far buckets reach across the long context), and PILOT_NEEDLE defaults to 1 and 2
+# times the last stage's length (in multiples of the first's, as train.compare counts them).
 #   DRY_RUN=1                  print the config and the commands, then exit 0
 set -euo pipefail
 
@@ -61,6 +65,8 @@ PILOT_DOCS=${PILOT_DOCS:-200000}
 PILOT_RECALL=${PILOT_RECALL:-data/recall_prose_pilot}
 PILOT_RECALL_WEIGHT=${PILOT_RECALL_WEIGHT-0.1}
 PILOT_RECALL_TOKENS=${PILOT_RECALL_TOKENS:-20000000}
+STEPS_GIVEN=${PILOT_STEPS:+1}${PILOT_WARMUP:+1}  # a staged config keeps its own schedule unless these are given
+NEEDLE_GIVEN=${PILOT_NEEDLE+1}
 PILOT_STEPS=${PILOT_STEPS:-3000}
 PILOT_WARMUP=${PILOT_WARMUP:-300}
 PILOT_TASKS=${PILOT_TASKS-hellaswag,arc_easy,arc_challenge,piqa,sciq,winogrande}
@@ -91,17 +97,23 @@ done
 PREPARE_CMD=("$PY" -m train.data.prepare --source fineweb_edu --tokenizer gpt2 --out "$PILOT_DATA"
              --max-docs "$PILOT_DOCS")
 DATA_ARG="--data.source=bin:$PILOT_DATA"
+config_facts "$CONFIG" "${ARM_OVERRIDES[@]}"
+SCHEDULE=("--train.steps=$PILOT_STEPS" "--train.warmup_steps=$PILOT_WARMUP")
+if [ "$CFG_STAGED" = 1 ]; then  # train.seq_stages: the config's schedule, probes at the last stage's length
+  if [ -z "$STEPS_GIVEN" ]; then SCHEDULE=(); fi
+  STRETCH=$((CFG_FINAL_SEQ_LEN / CFG_SEQ_LEN))
+  if [ -z "$NEEDLE_GIVEN" ]; then PILOT_NEEDLE="$STRETCH,$((2 * STRETCH))"; fi
+fi
 RECALL_CMD=()
 if [ -n "$PILOT_RECALL_WEIGHT" ]; then
-  config_facts "$CONFIG" "${ARM_OVERRIDES[@]}"
-  RECALL_CMD=("$PY" -m train.recall make --out "$PILOT_RECALL" --window "$CFG_NSA_W" --seq_len "$CFG_SEQ_LEN"
-              --max_windows "$((CFG_SEQ_LEN / CFG_NSA_W))" --tokenizer gpt2 --format prose --train_tokens "$PILOT_RECALL_TOKENS"
+  RECALL_CMD=("$PY" -m train.recall make --out "$PILOT_RECALL" --window "$CFG_NSA_W" --seq_len "$CFG_FINAL_SEQ_LEN"
+              --max_windows "$((CFG_FINAL_SEQ_LEN / CFG_NSA_W))" --tokenizer gpt2 --format prose --train_tokens "$PILOT_RECALL_TOKENS"
               --val_tokens "$((PILOT_RECALL_TOKENS / 40))")
   WEB_WEIGHT=$(awk -v w="$PILOT_RECALL_WEIGHT" 'BEGIN { printf "%g", 1 - w }')
   DATA_ARG="--data.mixture=[{name: web, source: 'bin:$PILOT_DATA', weight: $WEB_WEIGHT}, {name: recall, source: 'bin:$PILOT_RECALL', weight: $PILOT_RECALL_WEIGHT}]"
 fi
 COMPARE_CMD=("$PY" -m train.compare "$CONFIG" --out "$PILOT_OUT" --arms "$PILOT_ARMS" "$DATA_ARG"
-             "--train.steps=$PILOT_STEPS" "--train.warmup_steps=$PILOT_WARMUP" --recall_probe --recall_format prose)
+             "${SCHEDULE[@]}" --recall_probe --recall_format prose)
 if [ -n "$PILOT_NEEDLE" ]; then COMPARE_CMD+=(--needle "$PILOT_NEEDLE"); fi
 if [ -n "$PILOT_TASKS" ]; then COMPARE_CMD+=(--tasks "$PILOT_TASKS" --tasks_limit "$PILOT_TASKS_LIMIT"); fi
 if [ "$GPU_COUNT" -ge 2 ]; then COMPARE_CMD+=(--side_by_side); fi

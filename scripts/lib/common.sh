@@ -218,6 +218,8 @@ facts = {
     "OUT_DIR": t.out_dir, "STEPS": t.steps, "SAVE_EVERY": t.save_every, "KEEP_LAST": t.keep_last,
     "KEEP_ALL": int(t.keep_all_checkpoints), "PRECISION": r.precision, "RESUME": t.resume,
     "SOURCE": cfg.data.source, "ATTENTION": cfg.model.attention, "SEQ_LEN": t.seq_len, "NSA_W": cfg.model.nsa.w,
+    "STAGED": int(bool(t.seq_stages)),  # train.seq_stages: FINAL_SEQ_LEN is the last stage's
+    "FINAL_SEQ_LEN": max([t.seq_len, *(int(s["seq_len"]) for s in t.seq_stages or [] if "seq_len" in s)]),
 }
 if os.environ.get("NSA_WANT_PARAMS") == "1":
     import torch

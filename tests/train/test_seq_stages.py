@@ -57,6 +57,27 @@ def test_a_models_stage_equals_a_model_built_with_it(attention):
     assert cfg.rope_theta == 10000.0 and cfg.nsa.w == 8  # the config it was built from is left as it was
 
 
+def test_a_staged_checkpoint_loads_with_the_rope_its_weights_trained_with(tmp_path):
+    """Inference tools (recall score, evaluate, needle, demo) build a checkpoint's model from its stored config: for a
+    staged run, with the RoPE and window of the stage that ran its last step (the checkpoint at step 4 = `at` is
+    still the first stage's), and the forward equals the trained model's at that step."""
+    from train.checkpoint.io import model_from_checkpoint
+
+    out = tmp_path / "staged"
+    assert run_training(tiny_config(out, *STAGED, "--train.save_every=1", "--train.keep_all_checkpoints=true")) == 0
+    seen = {}
+    for step in (4, 5, 7, 8, 10):
+        model, _ = model_from_checkpoint(out / f"checkpoint_step{step}.pt")
+        seen[step] = (model.cfg.rope_theta, model.cfg.rope_scale)
+    assert seen == {4: (10000.0, 1.0), 5: (40000.0, 1.0), 7: (40000.0, 1.0), 8: (40000.0, 2.0), 10: (40000.0, 2.0)}
+    state = torch.load(out / "checkpoint_step10.pt", weights_only=False)
+    trained = Transformer(ModelConfig(**{**state["config"]["model"], "rope_theta": 40000.0, "rope_scale": 2.0}))
+    trained.load_state_dict(state["model"])
+    tokens = torch.randint(0, 320, (2, 128), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(model(tokens), trained.eval()(tokens))
+
+
 def test_halt_then_resume_across_a_stage_boundary_is_bit_for_bit(tmp_path, monkeypatch):
     full, split = tmp_path / "full", tmp_path / "split"
     assert run_training(tiny_config(full, *STAGED)) == 0
@@ -101,6 +122,24 @@ def test_a_bin_run_resumed_on_two_ranks_across_a_stage_trains_like_one_rank(tmp_
     assert [r["tokens_seen"] for r in x] == [r["tokens_seen"] for r in y]
 
 
+def test_a_bin_mixture_resumed_on_two_ranks_across_a_stage_trains_like_one_rank(tmp_path, corpus_path):
+    """A mixture of two bin: sources with a length stage at 8: one rank for 16 steps, against one rank for steps 1-6
+    resumed on two gloo ranks over the stage. The same global batches (losses within the 1-vs-2-rank tolerance, the
+    same tokens), and the realised shares are logged in both."""
+    text = corpus_path.read_text(encoding="utf-8")
+    a, b = byte_dir(tmp_path / "a", text[:100_000]), byte_dir(tmp_path / "b", text[100_000:200_000])
+    args = ["--model.vocab_size=320", "--model.dim=32", "--model.n_layers=1", "--model.n_heads=2", "--model.ffn_dim=64",
+            "--model.max_seq_len=32", "--train.seq_len=16", "--train.steps=16", "--train.log_every=1",
+            "--train.warmup_steps=2", "--train.eval_every=0", "--runtime.device=cpu", "--runtime.threads=1",
+            "--data.tokenizer=byte", "--train.seq_stages=[{at: 8, seq_len: 32}]",
+            f"--data.mixture=[{{name: a, source: 'bin:{a}', weight: 3}}, {{name: b, source: 'bin:{b}', weight: 1}}]"]
+    x, y = one_rank_then_two(args, tmp_path / "one", tmp_path / "moved", stop_after=6)
+    assert [r["seq_len"] for r in x] == [r["seq_len"] for r in y] == ["16"] * 8 + ["32"] * 8
+    assert max(abs(float(p["loss"]) - float(q["loss"])) for p, q in zip(x, y)) < 2e-5  # one CSV rounding unit each
+    assert [r["tokens_seen"] for r in x] == [r["tokens_seen"] for r in y]
+    assert 0 < float(x[-1]["share_a"]) < 1 and x[-1]["share_a"] == y[-1]["share_a"]
+
+
 @pytest.mark.parametrize("stages, message", [
     ("[{at: 12, seq_len: 64}]", "at=12 must be a step after the stage before's (0) and before train.steps=10"),
     ("[{at: 5, seq_len: 64}, {at: 5, seq_len: 128}]", "train.seq_stages[1]: at=5 must be a step after"),
@@ -108,7 +147,7 @@ def test_a_bin_run_resumed_on_two_ranks_across_a_stage_trains_like_one_rank(tmp_
     ("[{at: 5, seq_len: 64, window: 8}]", "unknown key 'window'"),
     ("[{at: 5, seq_len: 64, nsa_w: 16}]", "nsa_w needs model.attention: nsa"),
     ("LEARNED", "seq_len 128 is above the learned positions (model.max_seq_len=64)"),
-    ("STREAM", "train.seq_stages need one bin: or synthetic source"),
+    ("STREAM", "train.seq_stages need bin: or synthetic sources, alone or in a mixture"),
 ])
 def test_a_stage_plan_that_cannot_work_is_one_line(tmp_path, stages, message):
     extra = []

@@ -281,6 +281,22 @@ def stored_model_config(run_config: dict, where: str, **model_overrides):
         raise CheckpointError(f"{where}: its model config cannot be built: {exc}") from None
 
 
+def config_as_trained(ckpt: dict) -> dict:
+    """A checkpoint's run config with its model (RoPE) and nsa (window) sections as the weights were trained: for a
+    staged run (train.seq_stages), the stage of the checkpoint's last step; otherwise the config as stored."""
+    from train.core.seq_stages import trained_fields
+
+    run_config = ckpt["config"]
+    if not run_config.get("train", {}).get("seq_stages"):
+        return run_config
+    fields = trained_fields(run_config, int(ckpt["step"]))
+    out = {**run_config, "model": {**run_config["model"], "rope_theta": fields["rope_theta"],
+                                   "rope_scale": fields["rope_scale"]}}
+    if fields["nsa_w"] is not None:
+        out["nsa"] = {**run_config.get("nsa", {}), "w": fields["nsa_w"]}
+    return out
+
+
 DOCUMENT_EOS_KEY = "document_eos_id"  # the EOS that opened documents in training (data.document_mask), or None
 
 
@@ -293,6 +309,7 @@ def model_from_checkpoint(path: Path, device: str = "cpu", **model_overrides):
 
     ckpt = load_checkpoint(resolve_checkpoint(path))
     cfg = ckpt["config"]
+    cfg = config_as_trained(ckpt)
     model = Transformer(stored_model_config(cfg, f"checkpoint {path}", **model_overrides))
     model.load_state_dict(ckpt["model"])
     model.document_eos_id = ckpt.get(DOCUMENT_EOS_KEY)  # evaluate on packed data by the rule it trained with

@@ -645,10 +645,10 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         from train.core.seq_stages import seq_stages
 
         seq_stages(cfg, where)
-        if cfg.data.reads_streams or cfg.data.mixture is not None:
-            raise ConfigError(f"{where}: train.seq_stages need one bin: or synthetic source (a global step's rows are "
-                              f"then a function of the step at any seq_len); prepare the stream (python -m "
-                              f"train.data.prepare) or train one stage per run with train.init_from")
+        if cfg.data.reads_streams:
+            raise ConfigError(f"{where}: train.seq_stages need bin: or synthetic sources, alone or in a mixture (a global "
+                              f"step's rows are then a function of the step at any seq_len); prepare the stream (python -m "
+                              f"train.data.prepare) or train one stage per run with train.extend_from")
     return cfg
 
 

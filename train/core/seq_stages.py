@@ -129,6 +129,23 @@ def _int(raw: dict, key: str, name: str) -> int | None:
     return value
 
 
+def trained_fields(run_config: dict, step: int) -> dict:
+    """What a stored run config (a checkpoint's `config`: plain dicts) trained its step-th optimizer step at:
+    {seq_len, rope_theta, rope_scale, nsa_w (None unless NSA)}. A checkpoint at step N holds the weights after step N,
+    which ran in the last stage whose `at` is below N (a stage takes effect from step `at` on, steps counted from 0).
+    Inference tools build a staged checkpoint's model with this RoPE and window, and train.extend_from records it."""
+    model, train, nsa = run_config.get("model", {}), run_config.get("train", {}), run_config.get("nsa") or {}
+    fields = {"seq_len": train.get("seq_len"), "rope_theta": model.get("rope_theta", 10000.0),
+              "rope_scale": model.get("rope_scale", 1.0),
+              "nsa_w": nsa.get("w") if model.get("attention") == "nsa" else None}
+    for stage in train.get("seq_stages") or []:
+        if stage.get("at", 0) < step:
+            fields.update({k: stage[k] for k in ("seq_len", "rope_theta", "rope_scale") if k in stage})
+            if "nsa_w" in stage and fields["nsa_w"] is not None:
+                fields["nsa_w"] = stage["nsa_w"]
+    return fields
+
+
 def stage_config(cfg, stage: SeqStage):
     """A copy of RunConfig `cfg` as the stage trains: its seq_len and batch split, RoPE and NSA window (what the memory
     planner and preflight measure per stage)."""

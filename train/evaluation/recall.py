@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from nsa.gate_health import knock_out
 from train.checkpoint.io import (
+    config_as_trained,
     load_checkpoint,
     model_from_checkpoint,
     resolve_checkpoint,
@@ -195,7 +196,7 @@ def probe_checkpoint(checkpoint, *, spec: RecallSpec | None = None, documents: i
                 (str(path), documents, seed, spec.to_dict()):
             return prior
     dev = pick_device(device)
-    stored = load_checkpoint(path)["config"]["model"]
+    stored = config_as_trained(load_checkpoint(path))["model"]
     overrides = rope.overrides(stored, length)
     if stored.get("pos_emb", "rope") == "rope" and spec.doc_tokens + 1 > stored["max_seq_len"]:
         overrides["max_seq_len"] = spec.doc_tokens + 1  # RoPE: positions beyond training are computed, not learned

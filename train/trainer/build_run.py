@@ -34,7 +34,7 @@ from train.core.distributed import (
     wrap_model,
 )
 from train.core.errors import CheckpointError, ConfigError, DataError, StorageError, UserError
-from train.core.seq_stages import SeqStage, seq_stages, stage_at
+from train.core.seq_stages import SeqStage, seq_stages, stage_at, trained_fields
 from train.data import build_data
 from train.hf.importer import EXTENSION_FIELDS, init_state_dict
 from train.observe.efficiency import Efficiency
@@ -275,14 +275,10 @@ class Run:
         ckpt = ckpt_io.load_checkpoint(path)
         self.raw_model.load_state_dict(init_state_dict(str(path), self.cfg.model, "train.extend_from",
                                                        EXTENSION_FIELDS))
-        model, train = ckpt["config"]["model"], ckpt["config"]["train"]
-        stages = train.get("seq_stages") or []
-        seq_len = ([s.get("seq_len") for s in stages if s.get("at", 0) <= ckpt["step"] and s.get("seq_len")]
-                   or [train["seq_len"]])[-1]  # the length its last step trained at
-        self.extended_from = {"checkpoint": str(path), "step": int(ckpt["step"]), "seq_len": seq_len,
-                              "rope_theta": model.get("rope_theta"), "rope_scale": model.get("rope_scale"),
-                              "nsa_w": (ckpt["config"].get("nsa") or {}).get("w") if model.get("attention") == "nsa"
-                              else None, "lineage": ckpt.get("lineage"),
+        trained = trained_fields(ckpt["config"], int(ckpt["step"]))  # its last step's length, RoPE and window
+        seq_len = trained["seq_len"]
+        self.extended_from = {"checkpoint": str(path), "step": int(ckpt["step"]), **trained,
+                              "lineage": ckpt.get("lineage"),
                               "extended_from": ckpt.get(EXTENDED_FROM_KEY)}  # its own, when it was an extension
         if self.is_main:
             print(f"extend: weights from {path} (step {ckpt['step']}, seq_len {seq_len}) at seq_len "
