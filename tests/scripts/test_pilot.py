@@ -47,6 +47,22 @@ def test_dry_run_prepares_fineweb_and_compares_the_three_arms_with_every_probe(f
     assert ("--side_by_side" in compare) == side_by_side
 
 
+def test_a_staged_config_keeps_its_schedule_and_probes_at_its_last_length(script_env, tmp_path):
+    """CONFIG=configs/m7c_125m_long.yaml (2k, then 8k / 16k / 32k): the config's own steps and warmup (its stages lie
+    past the pilot's 3,000 steps), the recall corpus at 32k with buckets across it, the needle at 1 and 2 times 32k.
+    PILOT_STEPS given is passed on (and a plan that cannot work is then the trainer's one-line refusal)."""
+    env = script_env(CONFIG="configs/m7c_125m_long.yaml", PILOT_DATA=str(tmp_path / "fw"),
+                     PILOT_RECALL=str(tmp_path / "recall"))
+    fields = dry(env)
+    recall = shlex.split(fields["recall"])
+    assert recall[recall.index("--seq_len") + 1] == "32768" and recall[recall.index("--max_windows") + 1] == "64"
+    compare = fields["compare"]
+    assert "--train.steps" not in compare and "--train.warmup_steps" not in compare
+    assert "--needle 16,32" in " ".join(shlex.split(compare))
+    fields = dry(env | {"PILOT_STEPS": "60000", "PILOT_NEEDLE": "1"})
+    assert "--train.steps=60000" in fields["compare"] and "--needle 1" in " ".join(shlex.split(fields["compare"]))
+
+
 def test_a_prepared_directory_is_used_as_it_is_and_empty_knobs_drop_their_probe(fake_smi, script_env, tmp_path):
     (tmp_path / "fw").mkdir()
     (tmp_path / "fw" / "meta.json").write_text("{}")
