@@ -107,7 +107,8 @@ class ModelConfig:
     mlp: str = "swiglu"  # swiglu | gelu
     pos_emb: str = "rope"  # rope | learned
     rope_theta: float = 10000.0  # RoPE base (LLaMA-2 1e4, LLaMA-3 5e5, Qwen3 1e6)
-    rope_scale: float = 1.0  # linear position interpolation factor (>= 1)
+    rope_scale: float = 1.0  # RoPE stretch factor (>= 1): the model runs at rope_scale x the context it trained at
+    rope_scaling: str = "linear"  # how rope_scale stretches: linear (position interpolation) | yarn (NTK-by-parts + temperature; trained context max_seq_len / rope_scale)
     qk_norm: bool = False  # RMSNorm on q and k per head (Qwen3)
     tie_embeddings: bool = False  # output head shares the token embedding matrix
     bias: bool = False  # biases in linear layers and LayerNorm (GPT-2)
@@ -149,6 +150,7 @@ class ModelConfig:
             "pos_emb": ("rope", "learned"),
             "attention": ("dense", "nsa"),
             "attn_backend": ("auto", "sdpa", "flash", "manual"),
+            "rope_scaling": ("linear", "yarn"),
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:

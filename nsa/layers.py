@@ -1,6 +1,8 @@
 """Building blocks shared by every model: norms, rotary embeddings, MLPs."""
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -17,15 +19,29 @@ def make_norm(cfg: ModelConfig, dim: int | None = None) -> nn.Module:
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotary position embedding with optional linear position interpolation.
+    """Rotary position embedding, stretched by `scale` >= 1 for a context `scale` times the one trained at.
 
-    `rope_scale` > 1 divides positions by the scale (Chen et al. 2023, "position interpolation"),
-    so a model trained at context T runs at context T * scale with positions inside its range.
+    scaling "linear": positions divided by the scale (Chen et al. 2023, "position interpolation").
+    scaling "yarn" (Peng et al. 2023, YaRN): each frequency by how often it turns within the trained context
+    L0 = context / scale: r = L0 / wavelength. Frequencies that turn more than YARN_BETA times keep theirs, those
+    turning less than YARN_ALPHA times are divided by the scale, a linear ramp in r between ("NTK-by-parts"); and
+    cos / sin are multiplied by 0.1 ln(scale) + 1, so every q.k logit by its square (the paper's temperature).
     """
 
-    def __init__(self, head_dim: int, theta: float, scale: float = 1.0):
+    def __init__(self, head_dim: int, theta: float, scale: float = 1.0, scaling: str = "linear",
+                 context: int | None = None):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))  # [hd/2]
+        self.position_divisor, self.magnitude = scale, 1.0
+        if scaling == "yarn" and scale > 1.0:
+            if context is None:
+                raise ValueError("YaRN needs the context length it runs at (the model's max_seq_len)")
+            turns = (context / scale) * inv_freq / (2 * math.pi)  # [hd/2] rotations within the trained context
+            keep = ((turns - YARN_ALPHA) / (YARN_BETA - YARN_ALPHA)).clamp(0.0, 1.0)  # 1: keep, 0: interpolate
+            inv_freq = inv_freq * keep + inv_freq / scale * (1.0 - keep)
+            self.position_divisor, self.magnitude = 1.0, 0.1 * math.log(scale) + 1.0
+        elif scaling not in ("linear", "yarn"):
+            raise ValueError(f"RoPE scaling {scaling!r}; valid: linear, yarn")
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # [hd/2] float64
         self.scale = scale
 
@@ -34,9 +50,14 @@ class RotaryEmbedding(nn.Module):
 
         Angles are formed in float64: at position 65536 float32 would already be off by ~1e-2 rad.
         """
-        t = positions.to(torch.float64) / self.scale
+        t = positions.to(torch.float64) / self.position_divisor
         angles = t[..., None] * self.inv_freq.to(device=positions.device, dtype=torch.float64)  # [..., T, hd/2]
+        if self.magnitude != 1.0:
+            return (angles.cos() * self.magnitude).float(), (angles.sin() * self.magnitude).float()
         return angles.cos().float(), angles.sin().float()
+
+
+YARN_ALPHA, YARN_BETA = 1.0, 32.0  # YaRN's ramp bounds, in rotations within the trained context (the paper's LLaMA values)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

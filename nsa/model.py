@@ -54,7 +54,8 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.dim) if cfg.pos_emb == "learned" else None
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scale) if cfg.pos_emb == "rope" else None
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scale, cfg.rope_scaling, cfg.max_seq_len) \
+            if cfg.pos_emb == "rope" else None
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = make_norm(cfg)
@@ -90,7 +91,8 @@ class Transformer(nn.Module):
         if self.rope is None:
             raise ValueError("set_positions needs pos_emb=rope")
         device = self.rope.inv_freq.device
-        self.rope = RotaryEmbedding(self.cfg.head_dim, rope_theta, rope_scale).to(device)
+        self.rope = RotaryEmbedding(self.cfg.head_dim, rope_theta, rope_scale, self.cfg.rope_scaling,
+                                    self.cfg.max_seq_len).to(device)
         self.cfg = dataclasses.replace(self.cfg, rope_theta=rope_theta, rope_scale=rope_scale)
 
     def set_window(self, w: int) -> None:

@@ -7,7 +7,7 @@
         [--knockout sel[,cmp]]        (NSA: score with these branches' gates zeroed, the others as learned)
         [--format kv|prose]           (lines in this format; default: the corpus's, or kv)
         [--lengths 1 2 4 8]           (documents at these multiples of the training length; buckets extended)
-        [--rope_scale F|length] [--rope_theta B|ntk]   (a RoPE change for scoring only: interpolation, base)
+        [--rope_scale F|length|yarn] [--rope_theta B|ntk]   (a RoPE change for scoring only: interpolation, base)
 
 `make` writes a prepared directory (train.bin, val.bin, meta.json with the task's spec) that any config reads
 as data.source: bin:DIR. `score` feeds probe documents (their own seed) and reports accuracy and answer loss
@@ -62,8 +62,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     score.add_argument("--lengths", type=int, nargs="+", default=[1],
                        help="probe documents at these multiples of the training length (1 2 4 8), the distance buckets "
                             "extended to each; written to recall_step<N>_x<M>.json")
-    score.add_argument("--rope_scale", default=None, help="score with RoPE positions interpolated by this factor, or "
-                       "'length' (by each length multiple): what a dense user does before training long")
+    score.add_argument("--rope_scale", default=None, help="score with RoPE positions interpolated by this factor, "
+                       "'length' (by each length multiple) or 'yarn' (YaRN by each length multiple): what a dense user "
+                       "does before training long")
     score.add_argument("--rope_theta", default=None, help="score with this RoPE base, or 'ntk' (NTK-aware: the base "
                        "times multiple^(hd/(hd-2)))")
     return p.parse_args(argv)
@@ -78,13 +79,14 @@ def spec_of(window, doc_tokens, max_windows, line_format: str = DEFAULT_FORMAT) 
     return spec
 
 
-def _rope_value(text: str | None, word: str, flag: str) -> float | str | None:
-    if text is None or text == word:
+def _rope_value(text: str | None, words: str | tuple[str, ...], flag: str) -> float | str | None:
+    words = (words,) if isinstance(words, str) else words
+    if text is None or text in words:
         return text
     try:
         value = float(text)
     except ValueError:
-        raise UserError(f"{flag} takes a number or {word!r}, got {text!r}") from None
+        raise UserError(f"{flag} takes a number or {' / '.join(map(repr, words))}, got {text!r}") from None
     if not value > 0:
         raise UserError(f"{flag} must be > 0, got {value}")
     return value
@@ -115,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.window is not None else None
         if spec is None and args.format is not None:  # the corpus's spec, in another format
             spec = replace(corpus_spec(args.checkpoint), format=args.format)
-        rope = RopeAtLength(scale=_rope_value(args.rope_scale, "length", "--rope_scale"),
+        rope = RopeAtLength(scale=_rope_value(args.rope_scale, ("length", "yarn"), "--rope_scale"),
                             theta=_rope_value(args.rope_theta, "ntk", "--rope_theta"))
         reports = [probe_checkpoint(args.checkpoint, spec=spec, documents=args.documents, seed=args.seed,
                                     device=args.device, knockout=_branches(args.knockout), length=m, rope=rope)

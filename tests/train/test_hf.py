@@ -240,6 +240,13 @@ def test_unsupported_models_refuse_with_a_reason(overrides, reason):
         family(dataclasses.replace(BASE, **overrides))
 
 
+def test_a_yarn_model_refuses_export_with_a_reason():
+    """transformers' YaRN ramps over whole dimensions (floor / ceil of the correction range), ours over rotations:
+    not the same model, so no config claims it is."""
+    with pytest.raises(ConversionError, match="has no exact transformers equivalent"):
+        to_hf_config(dataclasses.replace(BASE, rope_scale=2.0, rope_scaling="yarn"), "float32", {})
+
+
 def test_refused_export_writes_nothing(tmp_path, capsys):
     ckpt = save_checkpoint(tmp_path / "ckpt.pt", randomized(dataclasses.replace(BASE, norm="layernorm")))
     assert export_main([str(ckpt), str(tmp_path / "out")]) == 2

@@ -177,6 +177,12 @@ def test_make_train_and_score_end_to_end(tmp_path, capsys):
     scaled = json.loads(capsys.readouterr().out)
     assert scaled["rope_overrides"] == {"rope_scale": 4.0} and scaled["file"].endswith("recall_step4_x4_scalelength.json")
     assert [b["answer_loss"] for b in scaled["buckets"].values()] != [b["answer_loss"] for b in x4["buckets"].values()]
+    assert recall_main(["score", str(out), "--documents", "4", "--device", "cpu", "--lengths", "4",
+                        "--rope_scale", "yarn"]) == 0  # YaRN by the multiple, its own file again
+    yarn = json.loads(capsys.readouterr().out)
+    assert yarn["rope_overrides"] == {"rope_scale": 4.0, "rope_scaling": "yarn"}
+    assert yarn["file"].endswith("recall_step4_x4_scaleyarn.json")
+    assert [b["answer_loss"] for b in yarn["buckets"].values()] != [b["answer_loss"] for b in scaled["buckets"].values()]
     # learned positions end at max_seq_len: one line, nothing written
     learned = tmp_path / "learned"
     assert run_training(tiny_config(learned, f"--data.source=bin:{data}", "--data.tokenizer=byte", "--train.steps=2",

@@ -148,11 +148,14 @@ def test_a_bin_mixture_resumed_on_two_ranks_across_a_stage_trains_like_one_rank(
     ("[{at: 5, seq_len: 64, nsa_w: 16}]", "nsa_w needs model.attention: nsa"),
     ("LEARNED", "seq_len 128 is above the learned positions (model.max_seq_len=64)"),
     ("STREAM", "train.seq_stages need bin: or synthetic sources, alone or in a mixture"),
+    ("YARN", "rope_scale with model.rope_scaling=yarn"),
 ])
 def test_a_stage_plan_that_cannot_work_is_one_line(tmp_path, stages, message):
     extra = []
     if stages == "LEARNED":
         stages, extra = "[{at: 5, seq_len: 128}]", ["--model.pos_emb=learned"]
+    if stages == "YARN":
+        stages, extra = "[{at: 5, seq_len: 64, rope_scale: 2.0}]", ["--model.rope_scaling=yarn"]
     if stages == "STREAM":
         stages, extra = "[{at: 5, seq_len: 64}]", ["--data.source=text:/nowhere/*.txt"]
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")

@@ -79,6 +79,10 @@ def seq_stages(cfg, where: str = "config") -> list[SeqStage]:
                               f"{m.max_seq_len}); a longer context needs pos_emb: rope")
         if m.pos_emb != "rope" and ("rope_theta" in raw or "rope_scale" in raw):
             raise ConfigError(f"{name}: rope_theta / rope_scale need model.pos_emb: rope")
+        if m.rope_scaling != "linear" and "rope_scale" in raw:
+            raise ConfigError(f"{name}: rope_scale with model.rope_scaling={m.rope_scaling} (its trained context would be "
+                              f"the last stage's, not this one's); scale linearly, or extend in a second run with "
+                              f"train.extend_from")
         if nsa_w is None and "nsa_w" in raw:
             raise ConfigError(f"{name}: nsa_w needs model.attention: nsa")
         theta = float(raw.get("rope_theta", before.rope_theta))

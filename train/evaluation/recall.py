@@ -136,8 +136,9 @@ def result_name(step: int, knockout: tuple[str, ...] = (), line_format: str = DE
 @dataclass(frozen=True)
 class RopeAtLength:
     """A RoPE change made only for scoring at a longer length (what a user of a dense model does before any
-    training at that length): scale: linear position interpolation by this factor, or "length" (by the length
-    multiple); theta: this RoPE base, or "ntk" (NTK-aware: base x multiple^(hd / (hd - 2))). None: as trained."""
+    training at that length): scale: linear position interpolation by this factor, "length" (by the length
+    multiple) or "yarn" (YaRN by the length multiple: nsa/layers.py RotaryEmbedding); theta: this RoPE base, or "ntk"
+    (NTK-aware: base x multiple^(hd / (hd - 2))). None: as trained."""
 
     scale: float | str | None = None
     theta: float | str | None = None
@@ -145,7 +146,10 @@ class RopeAtLength:
     def overrides(self, model_cfg: dict, multiple: int) -> dict:
         out = {}
         if self.scale is not None:
-            out["rope_scale"] = float(multiple if self.scale == "length" else self.scale) * model_cfg.get("rope_scale", 1.0)
+            factor = multiple if self.scale in ("length", "yarn") else self.scale
+            out["rope_scale"] = float(factor) * model_cfg.get("rope_scale", 1.0)
+            if self.scale == "yarn":  # the trained context: max_seq_len (set to the probe's length) / rope_scale
+                out["rope_scaling"] = "yarn"
         if self.theta is not None:
             base = float(model_cfg.get("rope_theta", 10000.0))
             hd = model_cfg.get("head_dim") or model_cfg["dim"] // model_cfg["n_heads"]

@@ -86,6 +86,9 @@ def to_hf_config(cfg: ModelConfig, dtype_name: str, special_ids: dict[str, int])
         "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps, "hidden_act": "silu",
         "rope_theta": cfg.rope_theta, "attention_bias": cfg.bias, "attention_dropout": 0.0,
     }
+    if cfg.rope_scale > 1.0 and cfg.rope_scaling != "linear":
+        raise ConversionError(f"model.rope_scaling={cfg.rope_scaling!r} has no exact transformers equivalent (their YaRN "
+                              f"ramps over whole dimensions); export the model with rope_scale 1 or linear scaling")
     if cfg.rope_scale > 1.0:  # position interpolation: positions / factor, as ours
         hf["rope_scaling"] = {"rope_type": "linear", "factor": cfg.rope_scale}
     if kind == "llama":

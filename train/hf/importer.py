@@ -86,7 +86,7 @@ def _read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
 
 # ---- checks ----------------------------------------------------------------------------------
 # what a longer-context stage may change (train.extend_from): positions and the window, never a weight's shape
-EXTENSION_FIELDS = frozenset({"max_seq_len", "rope_theta", "rope_scale", "nsa.w"})
+EXTENSION_FIELDS = frozenset({"max_seq_len", "rope_theta", "rope_scale", "rope_scaling", "nsa.w"})
 
 
 def architecture_diffs(source: ModelConfig, run: ModelConfig, free_fields: frozenset = frozenset()) -> list[str]:
