@@ -17,11 +17,11 @@ TINY = dict(vocab_size=96, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=
 ALTERNATIVES = {
     "vocab_size": 128, "dim": 48, "n_layers": 3, "n_heads": 8, "n_kv_heads": 4, "head_dim": 16, "ffn_dim": 64,
     "max_seq_len": 16, "norm": "layernorm", "norm_eps": 1e-2, "mlp": "gelu", "pos_emb": "learned",
-    "rope_theta": 500.0, "rope_scale": 4.0, "qk_norm": True, "tie_embeddings": True, "bias": True,
+    "rope_theta": 500.0, "rope_scale": 4.0, "rope_scaling": "yarn", "qk_norm": True, "tie_embeddings": True, "bias": True,
     "attention": "nsa", "attn_backend": "manual", "dropout": 0.5, "init_std": 0.2, "nsa": None, "loss_chunk": 0,
 }
 # fields that change the function without changing parameter shapes; checked through outputs
-SAME_SHAPES = {"norm", "norm_eps", "rope_theta", "rope_scale", "attn_backend", "dropout", "init_std"}
+SAME_SHAPES = {"norm", "norm_eps", "rope_theta", "rope_scale", "rope_scaling", "attn_backend", "dropout", "init_std"}
 
 
 def build(**overrides) -> Transformer:
@@ -39,8 +39,9 @@ def test_table_covers_every_field():
 
 @pytest.mark.parametrize("name", sorted(set(ALTERNATIVES) - {"nsa", "attention", "loss_chunk"}))  # loss_chunk: tests/nsa/test_loss.py
 def test_every_model_field_takes_effect(name):
-    base = build()
-    changed = build(**{name: ALTERNATIVES[name]})
+    stretched = {"rope_scale": 4.0} if name == "rope_scaling" else {}  # a scaling only acts on a scale > 1
+    base = build(**stretched)
+    changed = build(**stretched, **{name: ALTERNATIVES[name]})
     assert getattr(changed.cfg, name) == ALTERNATIVES[name]
     if name == "max_seq_len":  # only learned positions have a table; the limit itself is enforced
         with pytest.raises(ValueError):
