@@ -308,7 +308,6 @@ def model_from_checkpoint(path: Path, device: str = "cpu", **model_overrides):
     from nsa.model import Transformer
 
     ckpt = load_checkpoint(resolve_checkpoint(path))
-    cfg = ckpt["config"]
     cfg = config_as_trained(ckpt)
     model = Transformer(stored_model_config(cfg, f"checkpoint {path}", **model_overrides))
     model.load_state_dict(ckpt["model"])

@@ -59,9 +59,6 @@ class MixtureStream(GlobalBatchOrder):
             cum[-1] = 1.0
             self._cuts.append((cum * float(1 << 53)).astype(np.uint64))
         self._starts = [stage.start for stage in mixture.stages]
-        # the batch's dtype: the sources' own when they agree (one conversion to int64 at the end), else int64
-        dtypes = {part.tokens.dtype for part in parts if isinstance(part, MemmapStream)}
-        self._dtype = dtypes.pop() if len(dtypes) == 1 else np.dtype(np.int64)
         self.rows_per_source = np.zeros(len(parts), dtype=np.int64)  # over whole global batches of counted steps
         self._counted_steps = 0
 
@@ -160,15 +157,13 @@ class _BlockPlan:
 
     def __init__(self, mix: MixtureStream, first: int, hashes: np.ndarray):
         K, J = hashes.shape[0], len(mix.parts)
-        top = hashes >> np.uint64(11)  # [K, B] top 53 bits
         which = np.empty(hashes.shape, dtype=np.int64)
         s = 0
         while s < K:  # runs of steps in one stage (a block crosses at most a few stage starts)
-            cuts = mix._cuts_at(first + s)
             e = s + 1
-            while e < K and mix._cuts_at(first + e) is cuts:
+            while e < K and mix._cuts_at(first + e) is mix._cuts_at(first + s):
                 e += 1
-            which[s:e] = np.searchsorted(cuts, top[s:e], side="right")
+            which[s:e] = mix._pick(first + s, hashes[s:e])
             s = e
         self.order = np.argsort(which, axis=1, kind="stable")  # [K, B]: positions grouped by source, ascending
         counts = np.stack([(which == j).sum(axis=1) for j in range(J)], axis=1)  # [K, J]
