@@ -3,7 +3,7 @@
     PYTHONPATH=. python bench/bench_mixture.py [--seconds 3] [--out bench/results/mixture_sampler.json]
 
 Three 32M-token bin: directories (uint16). Each measurement times next_batch() for --seconds at each batch shape
-(rows x seq_len: 16 x 1024, the data benchmark's, and 16 x 4096), alternating the arms in rounds so drift in the
+(rows x seq_len: 16 x 1024, the data benchmark's; 16 x 2048 and 16 x 4096), alternating the arms in rounds so drift in the
 machine's speed falls on all alike:
 - one_source: data.source=bin:A (the path every run without a mixture takes)
 - mixture_2: A and B at 0.5 / 0.5;  mixture_3: A, B, C at 0.6 / 0.3 / 0.1 with a stage at step 1,000
@@ -26,7 +26,7 @@ from train.data.build import build_data
 from train.data.meta import FORMAT, FORMAT_VERSION
 
 TOKENS = 32 << 20
-SHAPES = ((16, 1024), (16, 4096))  # rows per micro-batch x seq_len
+SHAPES = ((16, 1024), (16, 2048), (16, 4096))  # rows per micro-batch x seq_len (2048: the M7C pre-training length)
 
 
 def write_dir(path: Path, seed: int) -> Path:

@@ -145,6 +145,53 @@ def test_validation_is_per_source_with_bits_per_byte(dirs):
     assert data.val_bytes_per_token("code") == 2.0  # meta.json: text_bytes 2 per token
 
 
+EOS = 99_999
+
+
+def test_each_source_keeps_its_loss_mask_and_document_starts_in_a_mixture(dirs, tmp_path):
+    """Rows of a masked source drop exactly its masked targets; rows of a window_start=document source open at a
+    document; synthetic rows are the synthetic source's own; the rest of the batch is untouched by either."""
+    masked = index_dir(tmp_path / "masked", BASES["code"])
+    keep = (np.arange(SPAN) % 3 != 0).astype(np.uint8)  # every third token is not a target
+    keep.tofile(masked / "train.mask")
+    meta = json.loads((masked / "meta.json").read_text())
+    meta["splits"]["train"]["loss_mask"] = "train.mask"
+    (masked / "meta.json").write_text(json.dumps(meta))
+    docs = index_dir(tmp_path / "docs", BASES["web"])
+    tokens = BASES["web"] + np.arange(SPAN, dtype=np.uint32)
+    tokens[np.arange(SPAN) % 97 == 96] = EOS  # a document every 97 tokens
+    tokens.tofile(docs / "train.bin")
+    meta = json.loads((docs / "meta.json").read_text())
+    meta["eos_id"] = EOS
+    (docs / "meta.json").write_text(json.dumps(meta))
+    entries = (f"[{{name: web, source: 'bin:{docs}', weight: 1, window_start: document}}, "
+               f"{{name: code, source: 'bin:{masked}', weight: 1}}, {{name: syn, source: synthetic, weight: 1}}]")
+    args = ["--data.tokenizer=byte", "--model.vocab_size=100032", "--train.steps=100", f"--data.mixture={entries}"]
+    data = bundle(load_config(None, args))
+    seen = set()
+    for step in range(40):  # crosses a block of planned steps
+        x, y = data.train.next_batch()
+        chosen = data.train.sources_of(step, np.arange(8, dtype=np.uint64))
+        for row, j in enumerate(chosen):
+            name = data.mixture.names[j]
+            seen.add(name)
+            first = int(x[row, 0])
+            if name == "web":
+                start = first - BASES["web"]
+                assert start % 97 == 0, start  # the file's start or the token after an EOS
+                assert torch.equal(x[row], torch.from_numpy(tokens[start:start + T].astype(np.int64)))
+                assert torch.equal(y[row], torch.from_numpy(tokens[start + 1:start + T + 1].astype(np.int64)))
+            elif name == "code":
+                start = first - BASES["code"]
+                want = torch.arange(start + 1, start + T + 1) + BASES["code"]
+                want[torch.from_numpy(keep[start + 1:start + T + 1] == 0)] = -100  # IGNORE_INDEX
+                assert torch.equal(x[row], torch.arange(start, start + T) + BASES["code"])
+                assert torch.equal(y[row], want)
+            else:
+                assert torch.equal(x[row, 1:], y[row, :-1]) and not bool(((x[row, 1:] - x[row, :-1]) == 1).all())
+    assert seen == {"web", "code", "syn"}
+
+
 BAD = [
     ("weights that sum to zero", {"web": 0, "code": 0}, None, "weights sum to 0"),
     ("a negative weight", {"web": 1, "code": -1}, None, "data.mixture[1].weight must be >= 0"),

@@ -30,9 +30,9 @@ import bisect
 import numpy as np
 import torch
 
-from train.core.mixture import Mixture
 from nsa.loss import IGNORE_INDEX
-from train.data.memmap import MemmapStream, RowHashBlocks, row_hashes, stream_key
+from train.core.mixture import Mixture
+from train.data.memmap import MemmapStream, RowHashBlocks, row_hashes, stream_key, windows_to_batch
 from train.data.remote import total_counts
 from train.data.state import GlobalBatchOrder, expect_global_state
 
@@ -51,7 +51,7 @@ class MixtureStream(GlobalBatchOrder):
         self.any_world_size = mixture.any_world_size  # a stream source's position is per rank
         self._key = stream_key(seed, MIXTURE_STREAM ^ stream)
         self._hashes = RowHashBlocks(self._key)
-        self._plan_key, self._plan_cached = None, None
+        self._plans_first, self._plans = -1, {}  # the block plans of the current block of steps, per rows array
         # per stage: cumulative shares scaled to 2**53, the last exactly 2**53, so u < 2**53 always lands in one
         self._cuts = []
         for stage in mixture.stages:
@@ -74,39 +74,51 @@ class MixtureStream(GlobalBatchOrder):
 
     def rows_batch(self, step: int, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         plan, i = self._plan(step, rows)
-        order, bounds = plan.order[i], plan.bounds[i]  # rows grouped by source; source j's run order[b[j]:b[j+1]]
+        bounds, order, j = plan.bounds[i], plan.order[i], plan.only[i]  # source j's rows: order[bounds[j]:bounds[j+1]]
+        if j in plan.starts:  # every row from one bin: source: exactly its own batch
+            return windows_to_batch(*self.parts[j].windows(plan.starts[j][i]), self.pin)
         x = np.empty((len(rows), self.seq_len), dtype=np.int64)  # [B, T]
         y = np.empty((len(rows), self.seq_len), dtype=np.int64)
-        other = []  # (positions, (x, y)) of synthetic and stream sources, placed as tensors below
+        others = []
         for j, part in enumerate(self.parts):
             lo, hi = bounds[j], bounds[j + 1]
             if lo == hi:
                 continue
-            picked = order[lo:hi]  # ascending positions in the batch
-            if isinstance(part, MemmapStream):  # one gather, then each row converted straight into its place
-                windows, excluded = part.windows(plan.starts[j][plan.starts_at[j][i]:plan.starts_at[j][i + 1]])
+            if j in plan.starts:  # bin: one gather, then each row converted straight into its place
+                picked = order[lo:hi]
+                windows, excluded = part.windows(plan.starts[j][i, lo:hi])  # [n, T+1]
                 x[picked] = windows[:, :-1]
-                y[picked] = windows[:, 1:] if excluded is None else np.where(excluded, IGNORE_INDEX, windows[:, 1:])
-            elif isinstance(part, GlobalBatchOrder):  # synthetic: its own rows
-                other.append((picked, part.rows_batch(step, rows[picked])))
+                if excluded is None:
+                    y[picked] = windows[:, 1:]
+                else:  # in int64: IGNORE_INDEX (-100) does not fit the file's unsigned dtype
+                    targets = windows[:, 1:].astype(np.int64)
+                    targets[excluded] = IGNORE_INDEX
+                    y[picked] = targets
+            else:
+                others.append((part, order[lo:hi]))
+        x, y = torch.from_numpy(x), torch.from_numpy(y)
+        for part, picked in others:
+            if isinstance(part, GlobalBatchOrder):  # synthetic: its own rows
+                xj, yj = part.rows_batch(step, rows[picked])
             else:  # a stream: its next rows, one [1, T] batch each, in order
                 rows_read = [part.next_batch() for _ in picked]
-                other.append((picked, (torch.cat([r[0] for r in rows_read]), torch.cat([r[1] for r in rows_read]))))
-        x, y = torch.from_numpy(x), torch.from_numpy(y)
-        for picked, (xj, yj) in other:
+                xj, yj = torch.cat([r[0] for r in rows_read]), torch.cat([r[1] for r in rows_read])
             index = torch.from_numpy(picked)
             x[index], y[index] = xj, yj
         return (x.pin_memory(), y.pin_memory()) if self.pin else (x, y)
 
     def _plan(self, step: int, rows: np.ndarray) -> tuple[_BlockPlan, int]:
-        """The plan of the block of steps holding `step` for these rows (built once per block: the sources of every
-        row, grouped, and each bin: source's window starts), and step's index in it."""
+        """The plan of the block of steps holding `step` for these rows, built once per block and rows array (a rank
+        asks for one rows array per micro-batch), and step's index in it."""
         hashes, i = self._hashes.block(step, rows)  # [K, B] uint64
         first = step - i
-        key = (first, rows.tobytes())
-        if self._plan_key != key:
-            self._plan_key, self._plan_cached = key, _BlockPlan(self, first, hashes)
-        return self._plan_cached, i
+        if first != self._plans_first:
+            self._plans_first, self._plans = first, {}
+        tag = rows.tobytes()
+        plan = self._plans.get(tag)
+        if plan is None:
+            plan = self._plans[tag] = _BlockPlan(self, first, hashes)
+        return plan, i
 
     def _count_until(self, step: int) -> None:
         all_rows = np.arange(self.global_batch, dtype=np.uint64)
@@ -150,26 +162,24 @@ class MixtureStream(GlobalBatchOrder):
 
 
 class _BlockPlan:
-    """For the K = HASH_BLOCK_STEPS steps of a block and one rows array [B]: each row's source (the stage's cuts per
-    step), the rows grouped by source in ascending position (order [K, B], bounds [K, J+1]), and per bin: source j
-    the window starts of its rows over the block, step by step (starts[j], starts_at[j] [K+1] offsets). Numpy calls
-    per block, not per step; the numbers are the per-row pure function of the module docstring."""
+    """For the K = HASH_BLOCK_STEPS steps of a block and one rows array [B]: each row's source, the rows grouped by
+    source in ascending position (order [K, B]; source j's run of step k is order[k, bounds[k][j]:bounds[k][j+1]]),
+    the source of each step whose rows all come from one (only [K], else -1) and, per bin: source j, the window starts
+    of the rows in order (starts[j] [K, B]: only its own run is read). Numpy calls per block, not per step; the
+    numbers are the per-row pure function of the module docstring."""
 
     def __init__(self, mix: MixtureStream, first: int, hashes: np.ndarray):
         K, J = hashes.shape[0], len(mix.parts)
-        which = np.empty(hashes.shape, dtype=np.int64)
-        s = 0
-        while s < K:  # runs of steps in one stage (a block crosses at most a few stage starts)
-            e = s + 1
-            while e < K and mix._cuts_at(first + e) is mix._cuts_at(first + s):
-                e += 1
+        which = np.empty(hashes.shape, dtype=np.int64)  # [K, B] each row's source
+        stage = np.searchsorted(mix._starts, np.arange(first, first + K), side="right") - 1  # [K]
+        edges = [0, *(np.flatnonzero(np.diff(stage)) + 1).tolist(), K]  # runs of steps in one stage
+        for s, e in zip(edges[:-1], edges[1:]):
             which[s:e] = mix._pick(first + s, hashes[s:e])
-            s = e
         self.order = np.argsort(which, axis=1, kind="stable")  # [K, B]: positions grouped by source, ascending
-        counts = np.stack([(which == j).sum(axis=1) for j in range(J)], axis=1)  # [K, J]
-        self.bounds = np.concatenate([np.zeros((K, 1), dtype=np.int64), np.cumsum(counts, axis=1)], axis=1).tolist()
-        self.starts, self.starts_at = {}, {}
-        for j, part in enumerate(mix.parts):
-            if isinstance(part, MemmapStream):  # row-major selection: step by step, ascending position, as `order`
-                self.starts[j] = part.starts_of(hashes[which == j])
-                self.starts_at[j] = [0, *np.cumsum(counts[:, j]).tolist()]
+        counts = (which[:, :, None] == np.arange(J)).sum(axis=1)  # [K, J]
+        bounds = np.zeros((K, J + 1), dtype=np.int64)
+        np.cumsum(counts, axis=1, out=bounds[:, 1:])
+        self.bounds = bounds.tolist()
+        self.only = np.where(counts.max(axis=1) == hashes.shape[1], counts.argmax(axis=1), -1).tolist()
+        grouped = np.take_along_axis(hashes, self.order, axis=1)  # [K, B] the hashes in `order`
+        self.starts = {j: part.starts_of(grouped) for j, part in enumerate(mix.parts) if isinstance(part, MemmapStream)}
