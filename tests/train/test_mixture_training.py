@@ -170,3 +170,44 @@ def test_a_mixture_with_a_stream_source_resumes_bit_for_bit_after_kill9(tmp_path
     assert same_weights(reference / "checkpoint_step150.pt", out / "checkpoint_step150.pt")  # data states included
     state = torch.load(out / "checkpoint_step150.pt", weights_only=True)["data"][0]
     assert state["streams"]["kjv"]["batches"] > 0
+
+
+def test_the_pilots_mixture_of_prose_and_a_recall_corpus_scored_on_answers_trains(tmp_path, corpus_path):
+    """The M7C pilot's shape at toy scale: prose mixed with a recall corpus whose loss mask keeps only the answers
+    (a masked bin: source in a mixture; its excluded targets once wrapped to 65436 in the file's dtype)."""
+    prose = byte_dir(tmp_path / "prose", corpus_path.read_text(encoding="utf-8")[:100_000])
+    recall = tmp_path / "recall"
+    make = [sys.executable, "-m", "train.recall", "make", "--out", str(recall), "--window", "64", "--seq_len", "512",
+            "--max_windows", "4", "--tokenizer", "byte", "--format", "prose", "--train_tokens", "20000",
+            "--val_tokens", "4000"]
+    proc = subprocess.run(make, cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    mix = (f"--data.mixture=[{{name: web, source: 'bin:{prose}', weight: 0.5}}, "
+           f"{{name: recall, source: 'bin:{recall}', weight: 0.5}}]")
+    out = tmp_path / "run"
+    assert run_training(tiny_config(out, "--data.tokenizer=byte", mix, "--train.steps=4", "--train.eval_every=4")) == 0
+    assert all(math.isfinite(float(r["loss"])) for r in read_csv(out / "training.csv"))
+    row = read_csv(out / "val.csv")[-1]
+    assert math.isfinite(float(row["val_loss_recall"])) and math.isfinite(float(row["val_loss_web"]))
+    assert float(row["val_loss"]) == pytest.approx(0.5 * float(row["val_loss_recall"]) + 0.5 * float(row["val_loss_web"]),
+                                                   rel=1e-5)
+    # the recall source's val loss is per answer token over the eval batches (batches differ in their answer counts)
+    from train.checkpoint.io import model_from_checkpoint
+    from train.core.config import data_mixture, load_config
+    from train.data.build import build_data
+
+    model, saved = model_from_checkpoint(out)
+    cfg = tiny_config(out, "--data.tokenizer=byte", mix, "--train.steps=4")
+    data = build_data(cfg.data, seq_len=cfg.train.seq_len, batch_size=cfg.train.batch_size, vocab_size=cfg.model.vocab_size,
+                      seed=cfg.train.seed, mixture=data_mixture(cfg))
+    nll, targets, per_batch = 0.0, 0, []
+    with torch.no_grad():
+        for x, y in data.val_batches(cfg.train.eval_steps, "recall"):
+            logits = model(x)  # [B, T, V]
+            losses = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=-100,
+                                                       reduction="none")
+            nll, targets = nll + float(losses.sum()), targets + int((y != -100).sum())
+            per_batch.append(int((y != -100).sum()))
+    assert len(set(per_batch)) > 1  # the weighting matters here
+    assert float(row["val_loss_recall"]) == pytest.approx(nll / targets, rel=1e-5)

@@ -206,6 +206,12 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     assert recall_main(["make", "--out", str(tmp_path / "x"), "--window", "0", "--seq_len", "32"]) == 2
     assert not (tmp_path / "x").exists()
     capsys.readouterr()
+    # prose lines in bytes are 33 tokens: a 32-token document holds no line, so no query (it once wrote a corpus
+    # without a single target)
+    assert recall_main(["make", "--out", str(tmp_path / "x"), "--window", "8", "--seq_len", "32", "--format", "prose",
+                        "--train_tokens", "2000", "--val_tokens", "200"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "too few for a query" in err and "\n" not in err and not (tmp_path / "x").exists()
     for bad in ("sel", "selected"):  # a dense model has no branch to knock out; an unknown branch name
         assert recall_main(["score", str(out), "--window", "8", "--doc_tokens", "31", "--device", "cpu",
                             "--knockout", bad]) == 2

@@ -169,7 +169,7 @@ def document_lines(rng: random.Random, n_lines: int, spec: RecallSpec, line_toke
     n_lines = min(n_lines, len(KEYS))
     slots: list[tuple[str, str, str] | None] = [None] * n_lines
     keys = iter(rng.sample(KEYS, n_lines))
-    buckets = [(max(1, lo // line_tokens), max(1, -(-hi // line_tokens))) for lo, hi in spec.buckets()]
+    buckets = line_buckets(spec, line_tokens)
     for _ in range(int(n_lines * spec.query_share * 2)):  # tries; collisions leave a slot a distractor
         lo, hi = rng.choice(buckets)  # in lines
         if lo >= min(hi, n_lines):  # beyond the document, or a bucket narrower than a line
@@ -182,8 +182,24 @@ def document_lines(rng: random.Random, n_lines: int, spec: RecallSpec, line_toke
     return [slot if slot is not None else (next(keys), FACT, rng.choice(VALUES)) for slot in slots]
 
 
+def line_buckets(spec: RecallSpec, line_tokens: int) -> list[tuple[int, int]]:
+    """spec.buckets() in lines of `line_tokens` tokens: [lo, hi) query-to-fact distances a document can place."""
+    return [(max(1, lo // line_tokens), max(1, -(-hi // line_tokens))) for lo, hi in spec.buckets()]
+
+
 def max_lines(spec: RecallSpec, encoder: RecallEncoder) -> int:
     return min(len(KEYS), spec.doc_tokens // encoder.line_tokens)
+
+
+def check_queries_fit(spec: RecallSpec, encoder: RecallEncoder) -> None:
+    """A DataError (one line) when the longest document cannot hold a query at any bucket's distance: its lines
+    would all be facts, and a corpus of them has no recall target at all."""
+    n_lines = max_lines(spec, encoder)
+    if not any(lo < min(hi, n_lines) for lo, hi in line_buckets(spec, encoder.line_tokens)):
+        raise DataError(f"recall: a document of {spec.doc_tokens} tokens holds {n_lines} line(s) of "
+                        f"{encoder.line_tokens} tokens ({spec.format} format), too few for a query at any distance "
+                        f"between 1 and {spec.max_windows} windows of {spec.window}; raise --seq_len or --window, or "
+                        f"use a format or tokenizer with shorter lines")
 
 
 def corpus_document(rng: random.Random, spec: RecallSpec, encoder: RecallEncoder) -> EncodedRecall:
@@ -216,6 +232,7 @@ def write_corpus(out, spec: RecallSpec, tokenizer, *, train_tokens: int, val_tok
         raise DataError(f"{out} already holds a prepared dataset (meta.json); choose another --out")
     started = time.perf_counter()
     encoder = RecallEncoder(tokenizer, spec.format)
+    check_queries_fit(spec, encoder)
     dtype = np.dtype(dtype_for_vocab(tokenizer.n_vocab))
     out.mkdir(parents=True, exist_ok=True)
     splits, max_id = {}, -1

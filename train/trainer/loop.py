@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from nsa.gate_health import gate_health, selection_health, set_gate_stats
+from nsa.loss import IGNORE_INDEX
 from nsa.profiling import nvtx_range
 from train.checkpoint.train_state import TrainState
 from train.core.artifacts import BPB_PREFIX, SHARE_PREFIX, VAL_LOSS_PREFIX, layer_key
@@ -222,21 +223,25 @@ class Loop:
     # ---- evaluation -------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> dict:
-        """Mean loss over train.eval_steps held-out batches (all ranks): the val.csv row {val_loss, ppl}. A mixture:
-        each source's own (val_loss_NAME, bpb_NAME) and val_loss = their sum weighted as the current stage."""
+        """Loss per target over train.eval_steps held-out batches (all ranks): the val.csv row {val_loss, ppl}. Each
+        batch counts by its targets, so a source with a loss mask is scored on its targets alone, and a batch with
+        none adds nothing (its mean would be 0/0). A mixture: each source's own (val_loss_NAME, bpb_NAME) and
+        val_loss = their sum weighted as the current stage."""
         model = self.raw_model  # DDP's wrapper adds nothing to a no-grad forward; FSDP2 shards in place
         model.eval()
         names = self.data.val_names
-        totals = torch.zeros(len(names), device=self.device)  # [sources]: summed batch losses
-        counts = []
+        sums = torch.zeros(2, len(names), device=self.device)  # [loss x targets, targets] per source
         for i, name in enumerate(names):
-            batches = self.data.val_batches(self.cfg.eval_steps, name)  # [(x [B, T], y [B, T])], the same every time
-            for x, y in batches:
+            for x, y in self.data.val_batches(self.cfg.eval_steps, name):  # [(x [B, T], y [B, T])], the same every time
+                y = y.to(self.device)
+                targets = (y != IGNORE_INDEX).sum()
                 with autocast_context(self.device, self.amp_dtype):
-                    totals[i] += model(x.to(self.device), y.to(self.device)).float()
-            counts.append(max(1, len(batches)))
+                    loss = model(x.to(self.device), y).float()
+                sums[0, i] += torch.where(targets > 0, loss * targets, 0.0)
+                sums[1, i] += targets
         model.train()
-        losses = (all_reduce_mean(totals, self.info) / torch.tensor(counts, device=self.device)).tolist()  # one sync
+        sums = all_reduce_mean(sums, self.info).tolist()  # one sync; the ranks' mean of both: their ratio is the sum's
+        losses = [total / count if count else float("nan") for total, count in zip(*sums)]
         row = {}
         if len(names) == 1:
             val = losses[0]
