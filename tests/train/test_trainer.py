@@ -230,6 +230,24 @@ def test_mismatched_checkpoint_is_a_clear_error(tmp_path):
         run_training(tiny_config(out, "--train.steps=10", "--model.n_kv_heads=4"))
 
 
+def test_a_checkpoint_saved_before_a_model_key_existed_resumes_with_the_keys_default(tmp_path):
+    """A checkpoint whose stored model section lacks model.rope_scaling (written before the key existed) was built
+    with linear interpolation, the key's default: it resumes, and it refuses a config that asks for yarn."""
+    from train.checkpoint.io import check_architecture
+
+    out = tmp_path / "run"
+    assert run_training(tiny_config(out, "--train.steps=4")) == 0
+    path = out / "checkpoint_step4.pt"
+    ckpt = torch.load(path, weights_only=False)
+    del ckpt["config"]["model"]["rope_scaling"]
+    torch.save(ckpt, path)
+    assert run_training(tiny_config(out, "--train.steps=6")) == 0
+    assert (out / "checkpoint_step6.pt").exists()
+    model = {**ckpt["config"]["model"], "rope_scaling": "yarn"}
+    with pytest.raises(CheckpointError, match="model.rope_scaling: checkpoint 'linear' vs config 'yarn'"):
+        check_architecture(ckpt, model, path)
+
+
 def test_fresh_run_refuses_to_overwrite_previous_run(tmp_path):
     out = tmp_path / "run"
     run_training(tiny_config(out))

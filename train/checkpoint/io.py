@@ -242,10 +242,14 @@ def checkpoint_problem(path: Path) -> str | None:
 
 
 def check_architecture(ckpt: dict, model_config: dict, path: Path) -> None:
-    """The checkpoint's model section must equal the run's (shapes and semantics). An nsa key the checkpoint
-    does not name (saved before the key existed) holds its default, as the checkpoint's model is built
-    (stored_model_config): a checkpoint from before nsa.gates is a learned-gates model."""
-    saved = ckpt["config"].get("model", {})
+    """The checkpoint's model section must equal the run's (shapes and semantics). A model or nsa key the
+    checkpoint does not name (saved before the key existed) holds its default, as the checkpoint's model is built
+    (stored_model_config): a checkpoint from before nsa.gates is a learned-gates model, one from before
+    model.rope_scaling interpolates linearly."""
+    from nsa.config import ModelConfig
+
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.default is not dataclasses.MISSING}
+    saved = {**defaults, **ckpt["config"].get("model", {})}
     saved_nsa = {**dataclasses.asdict(NSAConfig()), **ckpt["config"].get("nsa", {})}
     current_nsa = model_config.get("nsa", {})
     current = {k: v for k, v in model_config.items() if k != "nsa"}
