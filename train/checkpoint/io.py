@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from nsa.config import NSAConfig, architecture_keys
+from nsa.config import ModelConfig, NSAConfig, architecture_keys
 from train.core.artifacts import LATEST, checkpoint_files, checkpoint_name
 from train.core.errors import CheckpointError
 
@@ -246,10 +246,7 @@ def check_architecture(ckpt: dict, model_config: dict, path: Path) -> None:
     checkpoint does not name (saved before the key existed) holds its default, as the checkpoint's model is built
     (stored_model_config): a checkpoint from before nsa.gates is a learned-gates model, one from before
     model.rope_scaling interpolates linearly."""
-    from nsa.config import ModelConfig
-
-    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.default is not dataclasses.MISSING}
-    saved = {**defaults, **ckpt["config"].get("model", {})}
+    saved = {**dataclasses.asdict(ModelConfig()), **ckpt["config"].get("model", {})}
     saved_nsa = {**dataclasses.asdict(NSAConfig()), **ckpt["config"].get("nsa", {})}
     current_nsa = model_config.get("nsa", {})
     current = {k: v for k, v in model_config.items() if k != "nsa"}

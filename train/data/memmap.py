@@ -102,11 +102,17 @@ def windows_to_batch(windows: np.ndarray, excluded: np.ndarray | None, pin: bool
     """Windows [B, T+1] of any integer dtype (and the targets to exclude [B, T], or None) -> x, y [B, T] int64 tensors
     (one conversion each)."""
     x = torch.from_numpy(windows[:, :-1].astype(np.int64))
+    y = torch.from_numpy(targets_of(windows, excluded))
+    return (x.pin_memory(), y.pin_memory()) if pin else (x, y)
+
+
+def targets_of(windows: np.ndarray, excluded: np.ndarray | None) -> np.ndarray:
+    """[B, T] int64 targets of windows [B, T+1], IGNORE_INDEX where `excluded` [B, T] (in int64: -100 does not fit
+    a token file's unsigned dtype)."""
     y = windows[:, 1:].astype(np.int64)
     if excluded is not None:
         y[excluded] = IGNORE_INDEX  # targets the data excludes from the loss
-    y = torch.from_numpy(y)
-    return (x.pin_memory(), y.pin_memory()) if pin else (x, y)
+    return y
 
 
 def document_starts(tokens: np.ndarray, eos_id: int, *, last: int, chunk: int = 1 << 24) -> np.ndarray:

@@ -30,9 +30,8 @@ import bisect
 import numpy as np
 import torch
 
-from nsa.loss import IGNORE_INDEX
 from train.core.mixture import Mixture
-from train.data.memmap import MemmapStream, RowHashBlocks, row_hashes, stream_key, windows_to_batch
+from train.data.memmap import MemmapStream, RowHashBlocks, row_hashes, stream_key, targets_of, windows_to_batch
 from train.data.remote import total_counts
 from train.data.state import GlobalBatchOrder, expect_global_state
 
@@ -88,12 +87,7 @@ class MixtureStream(GlobalBatchOrder):
                 picked = order[lo:hi]
                 windows, excluded = part.windows(plan.starts[j][i, lo:hi])  # [n, T+1]
                 x[picked] = windows[:, :-1]
-                if excluded is None:
-                    y[picked] = windows[:, 1:]
-                else:  # in int64: IGNORE_INDEX (-100) does not fit the file's unsigned dtype
-                    targets = windows[:, 1:].astype(np.int64)
-                    targets[excluded] = IGNORE_INDEX
-                    y[picked] = targets
+                y[picked] = windows[:, 1:] if excluded is None else targets_of(windows, excluded)
             else:
                 others.append((part, order[lo:hi]))
         x, y = torch.from_numpy(x), torch.from_numpy(y)
