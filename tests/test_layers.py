@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 # (layer, entries, what it holds), lowest first. A module may import its own entry's modules and any
 # entry of a lower layer.
 COMMANDS = ("train.__main__", "train.analyze", "train.artifacts", "train.compare", "train.env", "train.evaluate",
-            "train.export_hf", "train.generate", "train.import_hf", "train.plan", "train.postrun", "train.preflight",
+            "train.export_hf", "train.generate", "train.import_hf", "train.launch", "train.plan", "train.postrun", "train.preflight",
             "train.packages", "train.recall", "train.run_dir", "train.run_status", "train.runs", "train.safety",
             "train.start_checks", "train.tasks", "train.data.prepare", "train.data.prepare_sharded", "train.data.verify")
 LAYERS = (

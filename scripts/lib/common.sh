@@ -177,16 +177,18 @@ select_m7c_config() {
   fi
 }
 
-# launcher_for NPROC -> sets LAUNCH[]: python for 0/1 process, torchrun --standalone for more
+# torchrun_launch NPROC -> sets LAUNCH[]: torchrun --standalone over NPROC processes, through train/launch.py, which
+# exits with the code the failed ranks agree on (4: a full disk) where torchrun itself would say 1
+# shellcheck disable=SC2034  # LAUNCH is read by the caller
+torchrun_launch() {
+  LAUNCH=("$PY" -m train.launch --standalone "--nproc_per_node=$1" -m train)
+}
+
+# launcher_for NPROC -> sets LAUNCH[]: python for 0/1 process, torchrun (torchrun_launch) for more
 # shellcheck disable=SC2034  # LAUNCH is read by the caller
 launcher_for() {
-  local n=$1
-  if [ "$n" -ge 2 ]; then
-    if [ -x "$VENV/bin/torchrun" ]; then
-      LAUNCH=("$VENV/bin/torchrun" --standalone "--nproc_per_node=$n" -m train)
-    else
-      LAUNCH=("$PY" -m torch.distributed.run --standalone "--nproc_per_node=$n" -m train)
-    fi
+  if [ "$1" -ge 2 ]; then
+    torchrun_launch "$1"
   else
     LAUNCH=("$PY" -m train)
   fi
@@ -395,18 +397,21 @@ run_logged_training() {
     return 0
   fi
   final_status=$(metrics_field "$out_dir" status)
-  if [ "$TRAIN_RC" -ne 0 ]; then
-    # torchrun reports any failed worker, and a signal it received itself, as 1; the run's own
-    # status (written by this launch) says why: anomaly halt, or a graceful stop on SIGTERM/SIGINT
+  if [ "$TRAIN_RC" -eq 1 ]; then
+    # torchrun reports a signal it received itself as 1 (train/launch.py keeps the code its ranks agree on: 3, 4,
+    # 75); the run's own status (written by this launch) says why: anomaly halt, or a graceful stop on SIGTERM/SIGINT
     case "$final_status" in
       anomaly) TRAIN_RC=3 ;;
       write_failed) TRAIN_RC=4 ;;
       stopped)  # a graceful stop, or every rank stopped together on a data outage (exit 75, a checkpoint written)
         if [ "$(metrics_field "$out_dir" stop_reason)" = "data outage" ]; then TRAIN_RC=75; else TRAIN_RC=0; fi ;;
-      running) "$PY" -m train.run_status mark-crashed "$out_dir" "$TRAIN_RC" >/dev/null || true ;;
     esac
   fi
-  final_status=$("$PY" -m train.run_status describe "$out_dir" 2>/dev/null || echo "$final_status")
+  if [ "$TRAIN_RC" -ne 0 ] && [ "$final_status" = running ]; then  # died without a word: crashed; 4: write_failed
+    "$PY" -m train.run_status mark-exited "$out_dir" "$TRAIN_RC" >/dev/null || true
+  fi
+  # the exit code too: a full disk (exit 4, kept under torchrun by train/launch.py) may have kept metrics.json 'running'
+  final_status=$("$PY" -m train.run_status describe "$out_dir" --exit-code "$TRAIN_RC" 2>/dev/null || echo "$final_status")
   final_step=$("$PY" -m train.run_status step "$out_dir" 2>/dev/null || metrics_field "$out_dir" step)
   info "$run_info" final_step "$final_step"
   info "$run_info" final_status "$final_status"

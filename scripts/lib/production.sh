@@ -44,11 +44,7 @@ prod_setup() {
   [ "$GPU_COUNT" -ge 1 ] || die "no NVIDIA GPU visible (${NVIDIA_SMI:-nvidia-smi}): the production run needs GPUs; for CPU use bash scripts/train_m7c_prime.sh"
   NPROC=$GPU_COUNT
   # torchrun over every visible GPU (also for one: same code path, same environment)
-  if [ -x "$VENV/bin/torchrun" ]; then
-    LAUNCH=("$VENV/bin/torchrun" --standalone "--nproc_per_node=$NPROC" -m train)
-  else
-    LAUNCH=("$PY" -m torch.distributed.run --standalone "--nproc_per_node=$NPROC" -m train)
-  fi
+  torchrun_launch "$NPROC"
   read_overrides ENV_ARGS
   mapfile -t EXTRA < <(split_words "${EXTRA_ARGS:-}")
   OVERRIDES=("${ENV_ARGS[@]}" "${EXTRA[@]}")

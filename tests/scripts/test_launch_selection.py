@@ -42,9 +42,9 @@ def test_config_and_launcher_follow_the_gpus(fake_smi, script_env, gpus, config,
     assert fields["gpus"].startswith(f"{nproc} |")
     launch = fields["launch"]
     if nproc >= 2:
-        assert launch.startswith(f".venv/bin/torchrun --standalone --nproc_per_node={nproc} -m train {config}")
+        assert launch.startswith(f".venv/bin/python -m train.launch --standalone --nproc_per_node={nproc} -m train {config}")
         assert "--runtime.ddp_compress=bf16" in launch  # the M7C runbook's default for DDP
-        assert fields["smoke"].startswith(f".venv/bin/torchrun --standalone --nproc_per_node={nproc} -m train "
+        assert fields["smoke"].startswith(f".venv/bin/python -m train.launch --standalone --nproc_per_node={nproc} -m train "
                                           "configs/train_showcase.yaml")
     else:
         assert launch.startswith(f".venv/bin/python -m train {config}")
@@ -79,7 +79,7 @@ def test_knobs_become_overrides(fake_smi, script_env):
     fields, res = dry(env)
     assert fields["config"] == "configs/m7c_125m_40g.yaml (forced by CONFIG)"
     assert fields["launch"] == (
-        ".venv/bin/torchrun --standalone --nproc_per_node=2 -m train configs/m7c_125m_40g.yaml "
+        ".venv/bin/python -m train.launch --standalone --nproc_per_node=2 -m train configs/m7c_125m_40g.yaml "
         "--data.source=text:data/\\*.txt --runtime.ddp_compress=fp16 --runtime.ddp_bucket_mb=50 "
         "--runtime.disable_gc=true --train.steps=10 --train.lr=1e-4")
     assert "--train.steps=7 --train.seq_len=32" in fields["smoke"]

@@ -346,3 +346,31 @@ def test_needle_and_zero_shot_recall_are_read_back_from_every_arm(tmp_path, kjv_
                     "--eval_max_tokens", "2000", "--needle", "1,2", "--needle_trials", "1", "--recall_probe",
                     "--recall_format", "prose", "--arms", "nsa,dense")
     assert json.loads((out / "report.json").read_text())["needle"] == needle and "nothing to train" in again.stdout
+
+
+def test_an_arm_the_recall_probe_refuses_is_reported_not_scorable_and_the_report_survives(tmp_path):
+    """A probe geometry whose documents hold no query in an arm's lines (prose lines of 33 byte tokens in 31-token
+    documents) is refused as train.recall refuses it; inside a compare report that arm reads 'not scorable' with the
+    refusal's line, and the other arms' scores, tables and ratios stay."""
+    from train.analysis.compare_report import (recall_length_markdown, recall_length_summary, recall_markdown,
+                                               recall_summary)
+    from train.data.recall import RecallSpec
+    from train.trainer.runner import run_training
+    from train.workflows.compare import probe_or_not_scorable
+    from tests.train.helpers import tiny_config
+
+    run = tmp_path / "run"
+    assert run_training(tiny_config(run, "--train.steps=1", "--data.tokenizer=byte")) == 0
+    scored = probe_or_not_scorable(run, spec=RecallSpec(window=8, doc_tokens=63, max_windows=4), documents=4)
+    refused = probe_or_not_scorable(run, spec=RecallSpec(window=8, doc_tokens=31, format="prose"), documents=4)
+    assert "far_accuracy" in scored and set(refused) == {"not_scorable", "length_multiple"}
+    assert "too few for a query" in refused["not_scorable"]
+    summary = recall_summary({"nsa": scored, "dense": refused})
+    assert summary["arms"]["dense"] == {"not_scorable": refused["not_scorable"]} and summary["far_vs_dense"] is None
+    assert summary["arms"]["nsa"]["far_accuracy"] == scored["far_accuracy"]
+    md = "\n".join(recall_markdown(summary))
+    assert f"- recall probe: dense not scorable: {refused['not_scorable']}" in md and "| distance | nsa |" in md
+    by_length = recall_length_summary({"nsa": [scored], "dense": [refused]})
+    assert by_length["arms"]["dense"]["1"] == {"not_scorable": refused["not_scorable"]}
+    md = "\n".join(recall_length_markdown(by_length))
+    assert "| nsa | x1 |" in md and "| dense | x1 |" not in md and "- recall at x1: dense not scorable: " in md

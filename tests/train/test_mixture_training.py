@@ -3,6 +3,7 @@
 which also has the most state to lose); a resume whose mixture changed is refused."""
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -190,6 +191,11 @@ def test_the_pilots_mixture_of_prose_and_a_recall_corpus_scored_on_answers_train
     assert all(math.isfinite(float(r["loss"])) for r in read_csv(out / "training.csv"))
     row = read_csv(out / "val.csv")[-1]
     assert math.isfinite(float(row["val_loss_recall"])) and math.isfinite(float(row["val_loss_web"]))
+    # bits per byte: the prose's over its bytes (one per token); none for the answers-only source, whose loss is per
+    # answer token and whose split's bytes are not the answers' (the recall split records its text bytes)
+    assert float(row["bpb_web"]) == pytest.approx(float(row["val_loss_web"]) / math.log(2), rel=1e-5)
+    assert json.loads((recall / "meta.json").read_text())["splits"]["val"]["text_bytes"] > 0
+    assert math.isnan(float(row["bpb_recall"]))
     assert float(row["val_loss"]) == pytest.approx(0.5 * float(row["val_loss_recall"]) + 0.5 * float(row["val_loss_web"]),
                                                    rel=1e-5)
     # the recall source's val loss is per answer token over the eval batches (batches differ in their answer counts)

@@ -212,6 +212,13 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
                         "--train_tokens", "2000", "--val_tokens", "200"]) == 2
     err = capsys.readouterr().err.strip()
     assert "too few for a query" in err and "\n" not in err and not (tmp_path / "x").exists()
+    # score refuses the same geometry with the same line (it once reported `items 0`), and writes nothing
+    byte_run = tmp_path / "byte_run"
+    assert run_training(tiny_config(byte_run, "--train.steps=1", "--data.tokenizer=byte")) == 0
+    capsys.readouterr()
+    assert recall_main(["score", str(byte_run), "--window", "8", "--doc_tokens", "31", "--format", "prose",
+                        "--device", "cpu"]) == 2
+    assert capsys.readouterr().err.strip() == err and not list(byte_run.glob("recall_*.json"))
     for bad in ("sel", "selected"):  # a dense model has no branch to knock out; an unknown branch name
         assert recall_main(["score", str(out), "--window", "8", "--doc_tokens", "31", "--device", "cpu",
                             "--knockout", bad]) == 2

@@ -17,6 +17,8 @@ and selected branches add to the sliding window they are mixed with (docs/NSA.md
 """
 from __future__ import annotations
 
+import math
+
 import json
 import statistics
 from pathlib import Path
@@ -166,12 +168,17 @@ def recall_length_summary(by_arm: dict[str, list[dict]]) -> dict:
     """Per arm (and 'dense+rope': the dense arm scored with its RoPE interpolated by the length multiple) and length
     multiple: far accuracy with its standard error and each distance bucket's accuracy."""
     first = next(iter(by_arm.values()))
-    return {"training_length": first[0]["training_length"], "multiples": [r["length_multiple"] for r in first],
-            "arms": {arm: {str(r["length_multiple"]): {"far_accuracy": r["far_accuracy"], "far_stderr": r["far_stderr"],
-                                                       "near_accuracy": r["near_accuracy"],
-                                                       "buckets": {b: v["accuracy"] for b, v in r["buckets"].items()},
-                                                       "file": r["file"]} for r in results}
-                     for arm, results in by_arm.items()}}
+    scored = [r for results in by_arm.values() for r in results if NOT_SCORABLE not in r]
+
+    def one(r: dict) -> dict:
+        if NOT_SCORABLE in r:
+            return {NOT_SCORABLE: r[NOT_SCORABLE]}
+        return {"far_accuracy": r["far_accuracy"], "far_stderr": r["far_stderr"], "near_accuracy": r["near_accuracy"],
+                "buckets": {b: v["accuracy"] for b, v in r["buckets"].items()}, "file": r["file"]}
+
+    return {"training_length": scored[0]["training_length"] if scored else None,
+            "multiples": [r["length_multiple"] for r in first],
+            "arms": {arm: {str(r["length_multiple"]): one(r) for r in results} for arm, results in by_arm.items()}}
 
 
 def position_summary(by_arm: dict[str, dict]) -> dict:
@@ -183,16 +190,18 @@ def position_summary(by_arm: dict[str, dict]) -> dict:
 
 
 RECALL_FIELDS = ("near_accuracy", "far_accuracy", "far_stderr", "far_answer_loss", "far_items", "chance", "buckets", "file")
+NOT_SCORABLE = "not_scorable"  # an arm the probe refused (train/workflows/compare.py probe_or_not_scorable): its line
 
 
 def recall_summary(recall: dict[str, dict]) -> dict:
-    """Per arm the probe's scores, and NSA's far accuracy as a share of each control's (None when a control's
-    is 0)."""
-    out = {"arms": {arm: {k: result.get(k) for k in RECALL_FIELDS} for arm, result in recall.items()}}
-    nsa_far = recall["nsa"]["far_accuracy"]
+    """Per arm the probe's scores (or {not_scorable: why}), and NSA's far accuracy as a share of each control's (None
+    when a control's is 0 or either was not scorable)."""
+    out = {"arms": {arm: {NOT_SCORABLE: result[NOT_SCORABLE]} if NOT_SCORABLE in result
+                    else {k: result.get(k) for k in RECALL_FIELDS} for arm, result in recall.items()}}
+    nsa_far = recall["nsa"].get("far_accuracy")
     for control in GAP_KEYS:
         far = recall.get(control, {}).get("far_accuracy")
-        out[f"far_vs_{control}"] = nsa_far / far if far else None
+        out[f"far_vs_{control}"] = nsa_far / far if far and nsa_far is not None else None
     return out
 
 
@@ -304,13 +313,21 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _not_scorable_lines(arms: dict[str, dict], what: str) -> list[str]:
+    return [f"- {what}: {arm} not scorable: {r[NOT_SCORABLE]}" for arm, r in arms.items() if NOT_SCORABLE in r]
+
+
 def recall_markdown(recall: dict) -> list[str]:
-    arms = recall["arms"]
+    arms = {arm: r for arm, r in recall["arms"].items() if NOT_SCORABLE not in r}
+    refused = _not_scorable_lines(recall["arms"], "recall probe")
+    if not arms:
+        return ["", "Recall probe: no arm scorable.", *refused]
     names = list(arms)
     buckets = list(next(iter(arms.values()))["buckets"])
     how = ("" if recall.get("trained_on_task", True) else "zero-shot: no arm trained on the task; ") \
         + f"{recall.get('format', DEFAULT_FORMAT)} lines; "
-    lines = ["", f"Recall probe ({how}accuracy of the answer, chance {next(iter(arms.values()))['chance']:.3f}; `<1w` lies "
+    lines = [*([""] + refused if refused else []),
+             "", f"Recall probe ({how}accuracy of the answer, chance {next(iter(arms.values()))['chance']:.3f}; `<1w` lies "
              "inside the window):", "", "| distance | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     for b in buckets:
         lines.append(f"| {b} | " + " | ".join(_fmt(arms[arm]["buckets"][b]["accuracy"], ".3f") for arm in names) + " |")
@@ -326,7 +343,12 @@ def recall_length_markdown(summary: dict) -> list[str]:
     """Far accuracy by distance bucket by evaluation length, one row per arm and length."""
     arms = summary["arms"]
     longest = str(summary["multiples"][-1])
-    buckets = list(next(iter(arms.values()))[longest]["buckets"])
+    refused = [f"- recall at x{m}: {arm} not scorable: {r[NOT_SCORABLE]}" for arm, by_length in arms.items()
+               for m, r in by_length.items() if NOT_SCORABLE in r]
+    scored = [by_length[longest] for by_length in arms.values() if NOT_SCORABLE not in by_length[longest]]
+    if not scored:
+        return ["", "Recall beyond the training length: no arm scorable at the longest length.", *refused]
+    buckets = list(scored[0]["buckets"])
     lines = ["", f"Recall beyond the training length ({summary['training_length']} tokens; documents x1 .. x{longest}, "
              "the distance buckets extended to them; dense+rope: the dense arm with its RoPE interpolated by the "
              "multiple; - : a distance the length does not reach):", "",
@@ -334,9 +356,11 @@ def recall_length_markdown(summary: dict) -> list[str]:
     for arm, by_length in arms.items():
         for m in summary["multiples"]:
             r = by_length[str(m)]
+            if NOT_SCORABLE in r:
+                continue
             lines.append(f"| {arm} | x{m} | {_fmt(r['far_accuracy'], '.3f')} ± {_fmt(r['far_stderr'], '.3f')} | "
                          + " | ".join(_fmt(r["buckets"].get(b), ".3f") for b in buckets) + " |")
-    return lines
+    return lines + ([""] + refused if refused else [])
 
 
 def position_markdown(summary: dict) -> list[str]:
@@ -407,7 +431,7 @@ def plot(report: dict, path: Path) -> bool:
         rx = axes[2]
         for arm, results in by_length["arms"].items():
             ms = by_length["multiples"]
-            rx.plot(ms, [results[str(m)]["far_accuracy"] for m in ms], marker="o", label=arm,
+            rx.plot(ms, [results[str(m)].get("far_accuracy", math.nan) for m in ms], marker="o", label=arm,
                     color=ARM_COLORS.get(arm, ARM_COLORS.get("dense")), linestyle="--" if arm == "dense+rope" else "-")
         rx.set(xscale="log", xlabel="evaluation length / training length", ylabel="far accuracy",
                title="recall beyond the training length", ylim=(0, 1.02))

@@ -110,8 +110,12 @@ class DataBundle:
                              if c is not None])
 
     def val_bytes_per_token(self, name: str) -> float | None:
-        """UTF-8 bytes per token of a mixture source's validation split (its meta.json), None where unknown."""
+        """UTF-8 bytes per token of a mixture source's validation split (its meta.json), None where unknown, and None
+        for a source with a loss mask: its loss is per target token, and the split's bytes are not its targets' bytes
+        (bits per byte do not apply, as train.evaluate says of a masked split)."""
         part = self.info.get("sources", {}).get(name, {})
+        if part.get("loss_mask"):
+            return None
         tokens, text_bytes = part.get("val_tokens"), part.get("val_text_bytes")
         return text_bytes / tokens if tokens and text_bytes else None
 

@@ -37,6 +37,7 @@ from train.data.recall import (
     RecallEncoder,
     RecallSpec,
     bucket_name,
+    check_queries_fit,
     probe_document,
 )
 from train.data.tokenizers import load_tokenizer
@@ -68,8 +69,10 @@ class _Tally:
 @torch.inference_mode()
 def score_recall(model: torch.nn.Module, tokenizer, spec: RecallSpec, *, documents: int = 64, batch_size: int = 8,
                  seed: int = PROBE_SEED, device: torch.device | str = "cpu") -> dict:
-    """The recall report of `model` on `documents` probe documents: per bucket and pooled beyond the window."""
+    """The recall report of `model` on `documents` probe documents: per bucket and pooled beyond the window. A spec
+    whose documents hold no query (every line a fact) is refused, as `make` refuses it: DataError, one line."""
     encoder = RecallEncoder(tokenizer, spec.format)
+    check_queries_fit(spec, encoder)
     rng = random.Random(seed)
     docs = [probe_document(rng, spec, encoder) for _ in range(documents)]
     buckets = spec.buckets()

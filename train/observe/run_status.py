@@ -1,5 +1,5 @@
 """What state a run is in, said the same way everywhere an operator looks (monitor, run.info, metrics.json,
-handoff): running | finished | stopped | anomaly | crashed.
+handoff): running | finished | stopped | anomaly | write_failed | crashed.
 
 The command line, usage and details: train/run_status.py (its docstring).
 """
@@ -18,17 +18,19 @@ from train.core.artifacts import (
     LOCK,
     METRICS_JSON,
     TRAIN_CSV,
+    WRITE_FAILED,
     heartbeat_name,
     read_csv,
     read_heartbeat,
     read_metrics,
 )
+from train.core.errors import StorageError
 from train.observe.telemetry import write_json_atomic
 
 
 @dataclass
 class RunStatus:
-    status: str  # running | finished | stopped | anomaly | crashed | not started
+    status: str  # running | finished | stopped | anomaly | write_failed | crashed | not started
     step: int  # the last step any file recorded
     exit_code: int | None = None  # of the trainer (crashed), when a launcher saw it
 
@@ -97,18 +99,28 @@ def run_status(out_dir: Path, run_info: dict | None = None) -> RunStatus:
         return RunStatus("not started", step)
     # 'running' as the trainer last said: true only while its owner lives
     if owner_alive(out_dir) is False or (launcher_code is not None and owner_alive(out_dir) is None):
+        if launcher_code == StorageError.exit_code:  # it said so on stderr; the full disk kept metrics.json old
+            return RunStatus(WRITE_FAILED, step, launcher_code)
         return RunStatus(CRASHED, step, launcher_code)
     return RunStatus("running", step)
 
 
-def mark_crashed(out_dir: Path, exit_code: int) -> RunStatus:
-    """After the trainer exited with exit_code: a metrics.json still saying 'running' becomes 'crashed'
-    (nothing else in it changes). Returns the run's status either way."""
+def mark_exited(out_dir: Path, exit_code: int) -> RunStatus:
+    """After the trainer exited with exit_code: a metrics.json still saying 'running' becomes 'crashed', or
+    'write_failed' for exit 4 (a file could not be written: the trainer stopped itself, but metrics.json may be
+    what the full disk refused; this write may fail as well, and the status returned says it all the same).
+    Nothing else in metrics.json changes. Returns the run's status either way."""
     out_dir = Path(out_dir)
     metrics = read_metrics(out_dir)
     if metrics.get("status") != "running":
         return run_status(out_dir, {"exit_code": exit_code})
     step = last_step(out_dir, metrics)
+    if exit_code == StorageError.exit_code:
+        try:
+            write_json_atomic(out_dir / METRICS_JSON, {**metrics, "status": WRITE_FAILED, "updated": time.time()})
+        except StorageError:
+            pass
+        return RunStatus(WRITE_FAILED, step, exit_code)
     write_json_atomic(out_dir / METRICS_JSON, {**metrics, "status": CRASHED, "exit_code": exit_code,
                                                "crashed_at_step": step, "updated": time.time()})
     return RunStatus(CRASHED, step, exit_code)

@@ -53,6 +53,7 @@ from train.core.artifacts import (
     val_fields,
 )
 from train.core.config import RunConfig, data_mixture
+from train.core.errors import StorageError
 from train.observe.telemetry import CsvLog, Heartbeat, TensorBoard
 
 NSA_PREFIXES = ("gate_", "sel_")  # gate and selection statistics (nsa/attention/gate_stats.py) in a train row
@@ -111,16 +112,43 @@ def alert_text(row: dict) -> str:
 
 
 class Recorder:
-    """Hands each row to every sink, in order."""
+    """Hands each row to every sink, in order.
+
+    A sink that cannot write (StorageError: a full disk, a quota, a file-size limit) is dropped and its one line
+    kept in `failure` (the first one): this rank goes on with the step, and the trainer turns the failure into a stop
+    request at the next stop vote, so every rank stops after the same step (train/trainer/stop.py) instead of this
+    one leaving its peers in a collective."""
 
     def __init__(self, sinks: list[Sink]):
         self.sinks = list(sinks)
+        self.failure: str | None = None
+        self._failed: list[Sink] = []
 
     def log(self, step: int, row: dict) -> None:
-        for sink in self.sinks:
-            sink.log(step, row)
+        for sink in list(self.sinks):
+            try:
+                sink.log(step, row)
+            except StorageError as exc:
+                if sink in self.sinks:  # (the watchdog thread logs too)
+                    self.sinks.remove(sink)  # a sink whose file failed is not asked again
+                    self._failed.append(sink)
+                self.failure = self.failure or str(exc)
+
+    def log_last_word(self, step: int, row: dict) -> None:
+        """A row every sink is asked to write, those that failed before too (a write_failed status: metrics.json may
+        take it where a bigger file did not); whatever cannot be written is skipped."""
+        for sink in self.sinks + self._failed:
+            try:
+                sink.log(step, row)
+            except Exception:  # noqa: BLE001 (best effort: a failed sink's file may be closed, the disk full)
+                pass
 
     def close(self) -> None:
+        for sink in self._failed:  # each closed its file when the write failed; what is left to close fails the same
+            try:
+                sink.close()
+            except (OSError, StorageError):
+                pass
         _close_all(self.sinks)
 
 

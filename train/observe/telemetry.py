@@ -155,6 +155,7 @@ class TensorBoard:
         except ImportError:
             print("[telemetry] tensorboard not installed: tb/ disabled", flush=True)
             return
+        _quiet_event_writer_threads()
         self._w = SummaryWriter(log_dir=str(log_dir))
         self.log_dir = log_dir
 
@@ -187,6 +188,23 @@ class TensorBoard:
     def close(self) -> None:
         if self._w is not None:
             self._w.close()
+
+
+def _quiet_event_writer_threads() -> None:
+    """TensorBoard's event writer thread re-raises a failed write (a full disk) after storing it for the next add_* or
+    flush, and Python's thread hook prints that as a traceback before the trainer's one line. Errors of those threads
+    are left to the writer's caller (TensorBoard._failed: one line); every other thread's go to the previous hook."""
+    previous = threading.excepthook
+    if getattr(previous, "quiets_event_writers", False):
+        return
+
+    def hook(args) -> None:
+        if type(args.thread).__name__ == "_AsyncWriterThread" and isinstance(args.exc_value, OSError):
+            return  # stored on the thread (its .exception); the writer's next call raises it on the trainer's thread
+        previous(args)
+
+    hook.quiets_event_writers = True
+    threading.excepthook = hook
 
 
 def write_json_atomic(path: Path, obj: dict) -> None:

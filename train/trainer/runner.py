@@ -8,9 +8,12 @@ watchdog, SDPA audit and alerts are hooks at fixed points of the step (train/tra
 Exit codes: 0 finished or stopped gracefully (HALT / SIGTERM / SIGINT / stop_after), 2 bad input (one line),
 3 halted on an anomaly (.anomaly_type written): repeated non-finite losses (the last good checkpoint intact, none
 written), or train.spike_skip_limit spike skips in a row (a checkpoint written: skipped steps changed no weights),
-4 a checkpoint, CSV, heartbeat or metrics.json could not be written (a full disk, a quota, a file-size limit): one
-line says which file and why; every rank stops at the same save; the checkpoints before it and latest.pt are
-untouched and no partial file is left; metrics.json says write_failed where the disk still takes it. The runners
+4 a checkpoint, CSV, heartbeat, TensorBoard event or metrics.json could not be written (a full disk, a quota, a
+file-size limit): one line says which file and why, on every rank. A checkpoint failure stops every rank at that save;
+a log file that fails on any rank becomes a stop request at the next stop vote, so every rank stops after the same
+step, tries the final checkpoint (which fails cleanly on a full disk) and exits 4: none dies on a lost peer. The
+checkpoints before it and latest.pt are untouched and no partial file is left; metrics.json says write_failed where
+the disk still takes it (the runners also read the exit code: train/launch.py keeps it under torchrun). The runners
 do not relaunch on it: free space, then run the same command to resume. 75 (EXIT_DATA_OUTAGE) a stream source stayed
 unreachable past data.retry_max / data.retry_max_s on some rank: every rank stopped after the same step and the
 checkpoint was written; the runners wait and resume (docs/RUNBOOK.md "Data outages").
@@ -20,9 +23,10 @@ from __future__ import annotations
 import sys
 import time
 
+from train.checkpoint import io as ckpt_io
 from train.core.artifacts import ANOMALY, WRITE_FAILED
 from train.core.config import RunConfig
-from train.core.distributed import shutdown_distributed
+from train.core.distributed import gather_objects, shutdown_distributed
 from train.core.errors import CheckpointError, StorageError
 from train.generation.sampling import TrainingSampler
 from train.observe.sinks import Recorder, open_sinks
@@ -33,7 +37,7 @@ from train.trainer.clock import TrainingClock
 from train.trainer.hooks import training_hooks
 from train.trainer.loop import GateStats, Loop
 from train.trainer.safety import StopFlags
-from train.trainer.stop import DATA_OUTAGE, StopVote, early_signal
+from train.trainer.stop import DATA_OUTAGE, WRITE_FAILED as WRITE_FAILED_REASON, StopVote, early_signal
 from train.trainer.tasks_eval import LoopTasks
 
 EXIT_ANOMALY = 3
@@ -68,12 +72,8 @@ def run_training(cfg: RunConfig) -> int:
 
 def _record_write_failure(run: Run, recorder: Recorder | None, message: str) -> None:
     """Status write_failed in metrics.json and the heartbeat, where the disk still takes them (it may not)."""
-    if recorder is None:
-        return
-    try:
-        recorder.log(run.state.step, {"kind": WRITE_FAILED, "message": message})
-    except (OSError, StorageError):
-        pass  # the one-line error on stderr and exit code 4 still say it
+    if recorder is not None:  # the one-line error on stderr and exit code 4 say it where no file takes it
+        recorder.log_last_word(run.state.step, {"kind": WRITE_FAILED, "message": message})
 
 
 def open_recorder(run: Run) -> Recorder:
@@ -115,6 +115,7 @@ def _eval_only(run: Run, recorder: Recorder, tasks: LoopTasks | None) -> int:
     if scores is not None:
         recorder.log(step, scores)
     recorder.log(step, {"kind": "eval_only", "val_loss": val["val_loss"], "checkpoint": str(run.resume_path)})
+    _raise_write_failure(run, recorder)
     return 0
 
 
@@ -164,6 +165,8 @@ def _train(run: Run, recorder: Recorder, tasks: LoopTasks | None) -> int:
             loop.step(collect_stats=log_now)
             hooks.after_step(state.step)
             local = flags.reason if flags.should_stop() else early_signal()
+            if recorder.failure is not None:  # a file this rank could not write: every rank stops after this step
+                local = WRITE_FAILED_REASON
             if local is None and cfg.stop_after and state.step - start_step >= cfg.stop_after:
                 local = "stop_after"
             if local is None and state.step < cfg.steps and (outage := loop.read_ahead()) is not None:
@@ -197,8 +200,15 @@ def _train(run: Run, recorder: Recorder, tasks: LoopTasks | None) -> int:
             if reason is not None:
                 state.stop_reason = f"stop_after={cfg.stop_after}" if reason == "stop_after" else reason
                 break
-        _save(run, recorder)  # .HALT stays in place: the operator removes it before resuming (documented)
-        recorder.log(state.step, {"kind": "end", "reason": state.stop_reason or "finished"})
+        if state.stop_reason == WRITE_FAILED_REASON:  # no 'end' row: the run ends write_failed (run_training)
+            try:  # the steps since the last checkpoint, where the disk still takes them (a full one refuses cleanly)
+                _save(run, recorder)
+            except StorageError:
+                pass  # no partial file; the newest checkpoint is untouched (the line below names it)
+        else:
+            _save(run, recorder)  # .HALT stays in place: the operator removes it before resuming (documented)
+            recorder.log(state.step, {"kind": "end", "reason": state.stop_reason or "finished"})
+        _raise_write_failure(run, recorder)  # collective: a file that failed after the last vote stops every rank too
         if state.stop_reason == DATA_OUTAGE:
             return EXIT_DATA_OUTAGE
     finally:
@@ -207,6 +217,20 @@ def _train(run: Run, recorder: Recorder, tasks: LoopTasks | None) -> int:
         finally:
             flags.restore()
     return 0
+
+
+def _raise_write_failure(run: Run, recorder: Recorder) -> None:
+    """Collective: when any rank's recorder could not write a file, every rank raises StorageError (exit 4) with the
+    first failing rank's line; the checkpoint the run ended with (if its write succeeded) is named."""
+    failures = gather_objects(recorder.failure, run.info)
+    failed = [(rank, line) for rank, line in enumerate(failures) if line is not None]
+    if not failed:
+        return
+    rank, line = failed[0]
+    where = f" (rank {rank}; every rank stopped after step {run.state.step})" if run.info.enabled else ""
+    kept = ckpt_io.latest_checkpoint(run.out_dir)
+    raise StorageError(f"{line}{where}; {'the newest checkpoint is ' + str(kept) if kept else 'no checkpoint'}; "
+                       f"free space under {run.out_dir} and run the same command again to resume")
 
 
 def _save(run: Run, recorder: Recorder, wait: bool = True) -> None:

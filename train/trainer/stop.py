@@ -15,7 +15,8 @@ from __future__ import annotations
 import signal
 
 # the order gives the reported reason when several ranks stop for different reasons
-REASONS = ("SIGTERM", "SIGINT", "HALT file", "data outage", "stop_after")
+REASONS = ("write failed", "SIGTERM", "SIGINT", "HALT file", "data outage", "stop_after")
+WRITE_FAILED = "write failed"  # a rank could not write one of its files (a full disk): every rank exits 4
 DATA_OUTAGE = "data outage"  # a rank's stream source is unreachable past its retries (train/data/lookahead.py)
 
 _early_signal: str | None = None

@@ -18,7 +18,7 @@ from train.analysis.compare_report import GAP_KEYS, build_report, write_report
 from train.core.artifacts import read_metrics
 from train.core.config import RunConfig, TrainConfig, data_mixture, dump_config, load_config
 from train.core.env import one_gpu_environment
-from train.core.errors import ConfigError, UserError
+from train.core.errors import ConfigError, DataError, UserError
 from train.evaluation.evaluate import EvalRequest, default_name, evaluate, weighted_result
 from train.evaluation.needle import TRIALS as NEEDLE_TRIALS
 from train.evaluation.needle import needle_checkpoint, refuse_byte_tokenizer
@@ -39,6 +39,14 @@ ROLE = {"dense": "dense twin", "window": "window-only control"}
 RESUMABLE_KEYS = {"train.steps"}  # may differ from DIR's configs on a relaunch (every arm trains on)
 EVAL_SPLIT = "val"
 
+
+def probe_or_not_scorable(out_dir: Path, **probe) -> dict:
+    """probe_checkpoint's result, or {"not_scorable": its one line} where the probe refuses the arm (documents that
+    hold no query in its tokenizer's lines): the report keeps every other result and says why this one is missing."""
+    try:
+        return probe_checkpoint(out_dir, **probe)
+    except DataError as exc:
+        return {"not_scorable": str(exc), "length_multiple": probe.get("length", 1)}
 
 def select_arms(spec: str) -> tuple[str, ...]:
     """--arms 'nsa,dense,window' (comma separated, any order) -> the arms in ARMS order; nsa always runs, and at
@@ -392,7 +400,7 @@ def compare_twins(config: Path, overrides: list[str], out: Path, *, side_by_side
     if recall_spec is not None:  # a recall corpus, or --recall_probe: every arm takes the probe
         how = "its training task" if trained_on_recall else "zero-shot, none trained on it"
         print(f"compare: probing every arm with the recall task ({how}; train.recall score)", flush=True)
-        recall = {arm: probe_checkpoint(out_dirs[arm], spec=recall_spec) for arm in arms}
+        recall = {arm: probe_or_not_scorable(out_dirs[arm], spec=recall_spec) for arm in arms}
     needles = None
     if lengths:
         print(f"compare: the needle test on every arm at S = {', '.join(map(str, lengths))}", flush=True)
@@ -402,10 +410,10 @@ def compare_twins(config: Path, overrides: list[str], out: Path, *, side_by_side
     if multiples:
         print(f"compare: the recall probe on every arm at x{', x'.join(map(str, multiples))} the training length",
               flush=True)
-        by_length = {arm: [probe_checkpoint(out_dirs[arm], spec=recall_spec, length=m) for m in multiples]
+        by_length = {arm: [probe_or_not_scorable(out_dirs[arm], spec=recall_spec, length=m) for m in multiples]
                      for arm in arms}
         if "dense" in arms:  # what a dense user does before training long: positions interpolated by the multiple
-            by_length["dense+rope"] = [probe_checkpoint(out_dirs["dense"], spec=recall_spec, length=m,
+            by_length["dense+rope"] = [probe_or_not_scorable(out_dirs["dense"], spec=recall_spec, length=m,
                                                         rope=RopeAtLength(scale="length") if m > 1 else RopeAtLength())
                                        for m in multiples]
     by_position = None
