@@ -31,7 +31,7 @@ from pathlib import Path
 
 from train.core.artifacts import (
     ANOMALY, BPB_PREFIX, CONFIG_YAML, CRASHED, GATE_STATS, HALT, HEARTBEAT_GLOB, RUN_INFO, SELECTION_HEALTH,
-    SELECTION_STATS, SHARE_PREFIX, STACKDUMP_GLOB, TASKS_CSV, TRAIN_CSV, VAL_CSV, VAL_LOSS_PREFIX, WRITE_FAILED,
+    ROWS_PREFIX, SELECTION_STATS, SHARE_PREFIX, STACKDUMP_GLOB, TASKS_CSV, TRAIN_CSV, VAL_CSV, VAL_LOSS_PREFIX, WRITE_FAILED,
     checkpoint_files, heartbeat_name, latest_task_rows, nsa_layer_statistics, nsa_statistics, read_csv, read_heartbeat,
     read_kv, read_metrics, task_label,
 )
@@ -169,8 +169,8 @@ def tasks_line(rows: list[dict]) -> str | None:
 
 
 def mixture_line(val_rows: list[dict], train_rows: list[dict]) -> str | None:
-    """A data mixture's sources: each one's latest validation loss and bits per byte (val.csv) and its share of the
-    training rows so far (training.csv); None without a mixture."""
+    """A data mixture's sources: each one's latest validation loss and bits per byte (val.csv), its share of the last
+    logged interval's training rows and its rows so far (training.csv); None without a mixture."""
     last_val = val_rows[-1] if val_rows else {}
     last_train = train_rows[-1] if train_rows else {}
     names = [k[len(SHARE_PREFIX):] for k in last_train if k.startswith(SHARE_PREFIX)]
@@ -179,8 +179,10 @@ def mixture_line(val_rows: list[dict], train_rows: list[dict]) -> str | None:
         return None
     parts = []
     for name in names:
-        share = to_float(last_train.get(SHARE_PREFIX + name))
-        part = f"{name} {share:.1%} of rows" if share is not None else name
+        share, rows = to_float(last_train.get(SHARE_PREFIX + name)), to_float(last_train.get(ROWS_PREFIX + name))
+        part = f"{name} {share:.1%} of the interval's rows" if share is not None else name
+        if rows is not None:
+            part += f" ({rows:,.0f} so far)"
         if VAL_LOSS_PREFIX + name in last_val:
             part += (f", val loss {fmt_num(to_float(last_val.get(VAL_LOSS_PREFIX + name)))} bpb "
                      f"{fmt_num(to_float(last_val.get(BPB_PREFIX + name)))}")

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -46,6 +47,8 @@ def test_val_csv_has_each_sources_loss_and_the_weighted_total(tmp_path):
     train = read_csv(out / "training.csv")
     shares = [(float(r["share_easy"]), float(r["share_hard"])) for r in train]
     assert all(abs(a + b - 1) < 1e-12 for a, b in shares)
+    rows = [(int(r["rows_easy"]), int(r["rows_hard"])) for r in train]  # so far: every step's 4 rows, cumulative
+    assert [a + b for a, b in rows] == [4 * int(r["step"]) for r in train]
     # the run summary's evaluations carry each source's loss too
     import json
 
@@ -56,8 +59,36 @@ def test_val_csv_has_each_sources_loss_and_the_weighted_total(tmp_path):
     frame = subprocess.run([sys.executable, "scripts/monitor_frame.py", str(out), "--stale-s", "100000"], cwd=REPO,
                            capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
     line = next(line for line in frame.stdout.splitlines() if line.startswith("sources"))
-    assert f"easy {shares[-1][0]:.1%} of rows, val loss {float(val[-1]['val_loss_easy']):.4f}" in line, line
-    assert f"hard {shares[-1][1]:.1%} of rows" in line
+    assert (f"easy {shares[-1][0]:.1%} of the interval's rows ({rows[-1][0]:,} so far), val loss "
+            f"{float(val[-1]['val_loss_easy']):.4f}") in line, line
+    assert f"hard {shares[-1][1]:.1%} of the interval's rows ({rows[-1][1]:,} so far)" in line
+
+
+def test_share_is_the_logged_intervals_and_a_stage_shows_from_its_first_interval(tmp_path):
+    """48 steps, a stage at 24 moving a source from 0.8 to 0.25: share_NAME of each row is that interval's rows alone
+    (the acceptance run's cumulative column still read 0.54 at the end), rows_NAME the running count; both match the
+    rows the mixture's order assigned, counted step by step from a fresh stream."""
+    from train.core.config import data_mixture
+    from train.data.build import build_data
+
+    args = ["--data.mixture=[{name: easy, source: synthetic, weight: 0.8}, {name: hard, source: synthetic, weight: 0.2}]",
+            "--data.stages=[{at: 24, weights: {easy: 0.25, hard: 0.75}}]", "--train.steps=48", "--train.log_every=8",
+            "--train.eval_every=0", "--train.batch_size=8", "--model.n_layers=1"]
+    out = tmp_path / "run"
+    cfg = tiny_config(out, *args)
+    assert run_training(cfg) == 0
+    data = build_data(cfg.data, seq_len=cfg.train.seq_len, batch_size=cfg.train.batch_size,
+                      vocab_size=cfg.model.vocab_size, seed=cfg.train.seed, mixture=data_mixture(cfg))
+    every = np.arange(8, dtype=np.uint64)
+    easy_by_step = [int((data.train.sources_of(step, every) == 0).sum()) for step in range(48)]
+    train = read_csv(out / "training.csv")
+    assert [int(r["step"]) for r in train] == [8, 16, 24, 32, 40, 48]
+    for r in train:
+        end = int(r["step"])
+        assert float(r["share_easy"]) == pytest.approx(sum(easy_by_step[end - 8:end]) / 64, abs=1e-6)
+        assert int(r["rows_easy"]) == sum(easy_by_step[:end]) and int(r["rows_hard"]) == 8 * end - sum(easy_by_step[:end])
+    first, second = [float(r["share_easy"]) for r in train[:3]], [float(r["share_easy"]) for r in train[3:]]
+    assert min(first) > 0.55 and max(second) < 0.5  # each stage's own weights, from the stage's first interval on
 
 
 def test_halt_then_resume_across_a_stage_boundary_is_bit_for_bit(tmp_path, monkeypatch):
@@ -101,7 +132,9 @@ def test_bin_sources_get_bits_per_byte_and_train_evaluate_scores_the_mixture(tmp
     out = tmp_path / "run"
     mix = (f"--data.mixture=[{{name: genesis, source: 'bin:{a}', weight: 0.75}}, "
            f"{{name: psalms, source: 'bin:{b}', weight: 0.25}}]")
-    assert run_training(tiny_config(out, "--data.tokenizer=byte", mix, "--train.steps=6", "--train.eval_every=3")) == 0
+    staged = "--data.stages=[{at: 3, weights: {genesis: 0.1, psalms: 0.9}}]"  # in force at the evaluated step 6
+    assert run_training(tiny_config(out, "--data.tokenizer=byte", mix, staged, "--train.steps=6",
+                                    "--train.eval_every=3")) == 0
     row = read_csv(out / "val.csv")[-1]
     for name in ("genesis", "psalms"):  # one byte per token: bits per byte = loss / ln 2 (val.csv keeps 6 digits)
         assert float(row[f"bpb_{name}"]) == pytest.approx(float(row[f"val_loss_{name}"]) / math.log(2), rel=1e-5)
@@ -114,11 +147,24 @@ def test_bin_sources_get_bits_per_byte_and_train_evaluate_scores_the_mixture(tmp
 
     result = json.loads(proc.stdout)
     assert set(result["sources"]) == {"genesis", "psalms"}
-    parts = result["sources"]
-    assert result["loss"] == pytest.approx(0.75 * parts["genesis"]["loss"] + 0.25 * parts["psalms"]["loss"], rel=1e-12)
-    assert result["bits_per_byte"] == pytest.approx(0.75 * parts["genesis"]["bits_per_byte"]
-                                                    + 0.25 * parts["psalms"]["bits_per_byte"], rel=1e-12)
+    parts = result["sources"]  # weighted as the stage in force at the checkpoint's step (6), as val.csv weighs it
+    assert result["weights"] == {"genesis": 0.1, "psalms": 0.9} and result["stage"] == "3"
+    assert result["loss"] == pytest.approx(0.1 * parts["genesis"]["loss"] + 0.9 * parts["psalms"]["loss"], rel=1e-12)
+    assert result["bits_per_byte"] == pytest.approx(0.1 * parts["genesis"]["bits_per_byte"]
+                                                    + 0.9 * parts["psalms"]["bits_per_byte"], rel=1e-12)
+    assert float(row["val_loss"]) == pytest.approx(0.1 * float(row["val_loss_genesis"])
+                                                   + 0.9 * float(row["val_loss_psalms"]), rel=1e-5)
     assert parts["genesis"]["loss"] != parts["psalms"]["loss"]
+    # train.compare's total for this arm: the same stage's weights, and the stage named in its report
+    from train.analysis.compare_report import arm_summary
+    from train.core.config import data_mixture
+    from train.workflows.compare import evaluate_sources
+
+    cfg = tiny_config(out, "--data.tokenizer=byte", mix, staged, "--train.steps=6")
+    scored = evaluate_sources(out, data_mixture(cfg), None)
+    assert scored["loss"] == pytest.approx(result["loss"], rel=1e-12) and scored["stage"] == "3"
+    summary = arm_summary(out, scored)
+    assert summary["eval_weights"] == {"genesis": 0.1, "psalms": 0.9} and summary["eval_stage"] == "3"
     # a run on one source: --data mixture is one line, exit 2
     single = tmp_path / "single"
     assert run_training(tiny_config(single, "--data.tokenizer=byte", f"--data.source=bin:{a}", "--train.steps=2")) == 0

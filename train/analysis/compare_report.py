@@ -82,9 +82,11 @@ def arm_summary(out_dir: Path, score: dict) -> dict:
         "val_loss": _floats(val_rows, "val_loss"),
         "eval": {k: score.get(k) for k in ("split", "tokens", "loss", "bits_per_token", "bits_per_byte", "step",
                                            "file", "max_tokens")},
-        # a data mixture: each source's own whole-split loss and bits per byte (eval is their weighted sum)
+        # a data mixture: each source's own whole-split loss and bits per byte (eval is their weighted sum, weighted as
+        # the stage in force at the evaluated step: eval_weights, eval_stage)
         "eval_sources": {name: {k: result.get(k) for k in ("tokens", "loss", "bits_per_byte")}
                          for name, result in (score.get("sources") or {}).items()},
+        **({"eval_weights": score["weights"], "eval_stage": score.get("stage")} if score.get("sources") else {}),
     }
 
 
@@ -274,6 +276,10 @@ def markdown(report: dict) -> str:
         for label, key in (("loss", "loss"), ("bits/byte", "bits_per_byte")):
             lines.append(f"| {source}: {label} | " + " | ".join(
                 _fmt(a[arm]["eval_sources"].get(source, {}).get(key), ".4f") for arm in names) + " |")
+    if a[names[0]].get("eval_weights"):  # which weights made the total: the stage in force at each arm's step
+        lines.append("| mixture weights (stage at) | " + " | ".join(
+            ", ".join(f"{n} {w:g}" for n, w in a[arm].get("eval_weights", {}).items())
+            + f" ({a[arm].get('eval_stage')})" for arm in names) + " |")
     gaps = []
     for control, (loss_key, bpb_key) in GAP_KEYS.items():
         if control in a:

@@ -44,9 +44,10 @@ TRAIN_FIELDS = ["step", "loss", "lr", "toks_per_s", "grad_norm", "dt_step_s", "d
                 "interval_steps"]  # steps averaged in the row: < train.log_every marks a partial interval (a stop, a resume)
 VAL_FIELDS = ["step", "val_loss", "ppl"]
 # a data mixture adds, per source NAME (docs/ARTIFACTS.md): val.csv val_loss_NAME (its own validation split's mean
-# loss) and bpb_NAME (bits per byte, where the split records its text bytes), training.csv share_NAME (the share of
-# the rows so far that came from it); val_loss is then the sum of the sources' losses weighted as the current stage
-VAL_LOSS_PREFIX, BPB_PREFIX, SHARE_PREFIX = "val_loss_", "bpb_", "share_"
+# loss) and bpb_NAME (bits per byte, where the split records its text bytes and has no loss mask), training.csv
+# share_NAME (the share of the logged interval's rows that came from it) and rows_NAME (its rows so far); val_loss is
+# then the sum of the sources' losses weighted as the current stage
+VAL_LOSS_PREFIX, BPB_PREFIX, SHARE_PREFIX, ROWS_PREFIX = "val_loss_", "bpb_", "share_", "rows_"
 VAL_SOURCE_PREFIXES = (VAL_LOSS_PREFIX, BPB_PREFIX)
 
 
@@ -63,7 +64,8 @@ RETRY_FIELDS = ["data_retries", "data_stalls", "data_wait_s"]
 def train_fields(sources: tuple[str, ...] = (), streams: bool = False, staged: bool = False) -> list[str]:
     """training.csv's columns for a run over these mixture sources (none: a run without a mixture); streams: a stream
     source is read (its retry counts); staged: train.seq_stages (the step's seq_len)."""
-    return (TRAIN_FIELDS + [SHARE_PREFIX + name for name in sources] + (RETRY_FIELDS if streams else [])
+    return (TRAIN_FIELDS + [prefix + name for prefix in (SHARE_PREFIX, ROWS_PREFIX) for name in sources]
+            + (RETRY_FIELDS if streams else [])
             + (["seq_len"] if staged else []))
 # tasks.csv: the scores of one task at one evaluation (train/evaluation/tasks_metrics.py defines them); tokens_seen is
 # the run's training tokens at that step

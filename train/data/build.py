@@ -79,9 +79,9 @@ class DataBundle:
             kept.append(torch.cat([x, y[:, -1:]], dim=1).numpy().astype(np.int32))
         return [windows_to_xy(w, self._pin) for w in kept[:n]]
 
-    def shares(self) -> dict[str, float]:
-        """{source: share of the training rows so far} of a mixture (empty without one)."""
-        return self.train.shares() if self.mixture is not None else {}
+    def rows_per_source(self) -> dict[str, int]:
+        """{source: training rows so far} of a mixture (empty without one)."""
+        return self.train.rows() if self.mixture is not None else {}
 
     def reading_ahead(self, micro_batches: int) -> "DataBundle":
         """This bundle with its training stream read one optimizer step ahead (train/data/lookahead.py): what a stream

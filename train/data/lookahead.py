@@ -53,9 +53,9 @@ class Lookahead:
         self._ahead, self._before, self._steps_before = [], None, None
         self.stream.load_state_dict(state)
 
-    def shares(self) -> dict[str, float]:
-        """A mixture's realised shares over the steps consumed (not the one read ahead)."""
-        return self.stream.shares(until=self._steps_before) if self._steps_before is not None else self.stream.shares()
+    def rows(self) -> dict[str, int]:
+        """A mixture's rows per source over the steps consumed (not the one read ahead)."""
+        return self.stream.rows(until=self._steps_before) if self._steps_before is not None else self.stream.rows()
 
     def __getattr__(self, name: str):
         return getattr(self.stream, name)

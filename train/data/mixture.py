@@ -120,12 +120,11 @@ class MixtureStream(GlobalBatchOrder):
             self.rows_per_source += np.bincount(self.sources_of(s, all_rows), minlength=len(self.parts))
         self._counted_steps = max(self._counted_steps, step)
 
-    def shares(self, until: int | None = None) -> dict[str, float]:
-        """{source name: share of the rows of every whole optimizer step so far, or before step `until`} (all ranks
-        together)."""
+    def rows(self, until: int | None = None) -> dict[str, int]:
+        """{source name: rows of every whole optimizer step so far, or before step `until`} (all ranks together; a
+        function of the step: a resumed stream counts them again from its order)."""
         self._count_until(self.step if until is None else until)
-        total = max(1, int(self.rows_per_source.sum()))
-        return {name: int(n) / total for name, n in zip(self.mixture.names, self.rows_per_source)}
+        return {name: int(n) for name, n in zip(self.mixture.names, self.rows_per_source)}
 
     def retry_counts(self) -> dict | None:
         """The read retries of this rank's stream sources together (None without one)."""

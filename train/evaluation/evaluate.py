@@ -24,6 +24,7 @@ import torch
 
 from train.checkpoint.io import load_checkpoint, model_from_checkpoint, resolve_checkpoint
 from train.core.distributed import autocast_context, resolve_precision
+from train.core.config import TrainConfig
 from train.core.data_config import DataConfig
 from train.core.errors import UserError
 from train.core.mixture import parse_mixture
@@ -119,17 +120,29 @@ def bits_per_byte(nll_sum: float, text_bytes: int | None) -> float | None:
 MIXTURE = "mixture"  # --data mixture: each source of the checkpoint's own data.mixture
 
 
-def mixture_sources(config: dict) -> dict[str, tuple[str, float]]:
-    """{source name: (its bin: spec, its weight)} of a checkpoint config's data.mixture (the first stage's weights: the
-    mixture as configured); UserError when it was trained on one source."""
+def mixture_sources(config: dict, step: int) -> tuple[dict[str, tuple[str, float]], str]:
+    """({source name: (its bin: spec, its weight)}, the stage's `at`) of a checkpoint config's data.mixture, weighted
+    as the stage in force at `step` (the checkpoint's: what the run's own validation at that step weighs, train/trainer/
+    loop.py); UserError when it was trained on one source."""
     data = config.get("data") or {}
     if not data.get("mixture"):
         raise UserError(f"--data {MIXTURE}: the checkpoint was trained on data.source={data.get('source')!r}, not a "
                         f"data.mixture; give --data bin:DIR")
-    known = {f for f in DataConfig.__dataclass_fields__}
-    data_cfg = replace(DataConfig(**{k: v for k, v in data.items() if k in known}), stages=None)
-    mixture = parse_mixture(data_cfg, steps=config["train"]["steps"], decay_start=None)
-    return {s.name: (s.source, w) for s, w in zip(mixture.sources, mixture.stages[0].weights)}
+    mixture = parse_mixture(_known(DataConfig, data), steps=config["train"]["steps"],
+                            decay_start=_decay_start(config["train"]))
+    stage = mixture.stage_at(step)
+    return {s.name: (s.source, w) for s, w in zip(mixture.sources, stage.weights)}, stage.at
+
+
+def _known(cls, section: dict):
+    """A config dataclass from a stored section, keys it no longer has left out."""
+    return cls(**{k: v for k, v in section.items() if k in cls.__dataclass_fields__})
+
+
+def _decay_start(train: dict) -> int | None:
+    """The first decaying step of a stored wsd run (a mixture stage may start at 'decay'), else None."""
+    cfg = _known(TrainConfig, train)
+    return cfg.wsd_decay()[0] if cfg.lr_schedule == "wsd" else None
 
 
 def weighted_result(results: dict[str, dict], weights: dict[str, float]) -> dict:
@@ -149,10 +162,11 @@ def evaluate_mixture(args: EvalRequest) -> dict:
     """--data mixture: every source of the checkpoint's data.mixture scored as `evaluate` scores one (its own
     eval_<name>.json each, named <name>_<source> with --name), and their weighted_result."""
     checkpoint = resolve_checkpoint(args.checkpoint).resolve()
-    sources = mixture_sources(load_checkpoint(checkpoint)["config"])
+    ckpt = load_checkpoint(checkpoint)
+    sources, stage = mixture_sources(ckpt["config"], ckpt["step"])
     results = {name: evaluate(replace(args, data=spec, name=f"{args.name}_{name}" if args.name else None))
                for name, (spec, _) in sources.items()}
-    return weighted_result(results, {name: w for name, (_, w) in sources.items()})
+    return {**weighted_result(results, {name: w for name, (_, w) in sources.items()}), "stage": stage}
 
 
 def evaluate(args: EvalRequest) -> dict:

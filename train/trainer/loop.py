@@ -26,7 +26,7 @@ from nsa.gate_health import gate_health, selection_health, set_gate_stats
 from nsa.loss import IGNORE_INDEX
 from nsa.profiling import nvtx_range
 from train.checkpoint.train_state import TrainState
-from train.core.artifacts import BPB_PREFIX, SHARE_PREFIX, VAL_LOSS_PREFIX, layer_key
+from train.core.artifacts import BPB_PREFIX, ROWS_PREFIX, SHARE_PREFIX, VAL_LOSS_PREFIX, layer_key
 from train.core.config import TrainConfig
 from train.core.distributed import DistInfo, all_reduce_mean, autocast_context, gather_objects, no_sync
 from train.observe.efficiency import Efficiency
@@ -82,6 +82,8 @@ class Loop:
         self.n_micro, self.seq_len, self.staged = cfg.accumulate_grad_batches, cfg.seq_len, False
         self.tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.accumulate_grad_batches * info.world_size
         self.scaler = torch.amp.GradScaler("cuda") if amp_dtype == torch.float16 else None
+        self._rows_before = data.rows_per_source()  # a mixture's rows per source where the first interval starts (a
+        # function of the step: a resumed run, and a later stage's data, count the same)
         self._reset_interval()
 
     def set_stage(self, stage, data, efficiency: Efficiency, staged: bool = True) -> None:
@@ -90,6 +92,16 @@ class Loop:
         self.data, self.efficiency = data, efficiency
         self.n_micro, self.seq_len, self.staged = stage.accumulate, stage.seq_len, staged  # staged: rows carry seq_len
         self.tokens_per_step = stage.batch_size * stage.seq_len * stage.accumulate * self.info.world_size
+
+    def _source_columns(self) -> dict:
+        """A mixture's share_NAME (of the logged interval's rows: a stage's weights show from its first interval) and
+        rows_NAME (the rows so far); nothing without a mixture."""
+        rows = self.data.rows_per_source()
+        before, self._rows_before = self._rows_before, rows
+        interval = {name: n - before.get(name, 0) for name, n in rows.items()}
+        total = sum(interval.values())
+        return {**{SHARE_PREFIX + name: n / total if total else float("nan") for name, n in interval.items()},
+                **{ROWS_PREFIX + name: n for name, n in rows.items()}}
 
     # ---- one optimizer step -------------------------------------------------------------
     def _reset_interval(self) -> None:
@@ -196,7 +208,7 @@ class Loop:
             "skipped_steps": state.skipped_steps,
             "spike_skipped_steps": state.spike_skipped_steps,
             **self.efficiency.columns(toks_per_s), "interval_steps": self.i_steps, **gate,
-            **{SHARE_PREFIX + name: share for name, share in self.data.shares().items()},
+            **self._source_columns(),
             **self._retry_columns(),
             **({"batch_digest": self.digest.hexdigest()} if self.digest is not None else {}),
         }

@@ -17,6 +17,7 @@ import yaml
 from train.analysis.compare_report import GAP_KEYS, build_report, write_report
 from train.core.artifacts import read_metrics
 from train.core.config import RunConfig, TrainConfig, data_mixture, dump_config, load_config
+from train.core.mixture import Mixture
 from train.core.env import one_gpu_environment
 from train.core.errors import ConfigError, DataError, UserError
 from train.evaluation.evaluate import EvalRequest, default_name, evaluate, weighted_result
@@ -225,20 +226,16 @@ class ArmFailed(Exception):
         self.exit_code = code if code > 0 else 1
 
 
-def eval_sources(cfg: RunConfig) -> dict[str, tuple[str, float]]:
-    """{source name: (its bin: spec, its weight)} the arms are scored on: data.source alone (weight 1), or every
-    source of data.mixture with its first stage's weight (the mixture as configured)."""
-    mixture = data_mixture(cfg)
-    return {s.name: (s.source, w) for s, w in zip(mixture.sources, mixture.stages[0].weights)}
-
-
-def evaluate_sources(out_dir: Path, sources: dict[str, tuple[str, float]], max_tokens: int | None) -> dict:
-    """evaluate_arm on each source's whole validation split; one source: its result as it is, several: their
-    weighted_result (train/evaluation/evaluate.py, as train.evaluate --data mixture gives)."""
-    results = {name: evaluate_arm(out_dir, spec, max_tokens) for name, (spec, _) in sources.items()}
+def evaluate_sources(out_dir: Path, mixture: Mixture, max_tokens: int | None) -> dict:
+    """evaluate_arm on each source's whole validation split (data.source alone, or every source of data.mixture);
+    one source: its result as it is, several: their weighted_result (train/evaluation/evaluate.py, as train.evaluate
+    --data mixture gives), weighted as the stage in force at the arm's evaluated step (its `stage`: the stage's `at`),
+    as the run's own validation weighs that step."""
+    results = {s.name: evaluate_arm(out_dir, s.source, max_tokens) for s in mixture.sources}
     if len(results) == 1:
         return next(iter(results.values()))
-    return weighted_result(results, {name: w for name, (_, w) in sources.items()})
+    stage = mixture.stage_at(int(next(iter(results.values()))["step"]))
+    return {**weighted_result(results, dict(zip(mixture.names, stage.weights))), "stage": stage.at}
 
 
 def evaluate_arm(out_dir: Path, data_spec: str, max_tokens: int | None) -> dict:
@@ -382,7 +379,7 @@ def compare_twins(config: Path, overrides: list[str], out: Path, *, side_by_side
     position_plan = _multiples(positions, "--positions") if positions is not None else []
     if position_plan and len(position_plan) != 2:
         raise UserError(f"--positions {positions!r}: M,K (M times the training length, K slices), e.g. 4,8")
-    sources = eval_sources(load_config(config, overrides))
+    mixture = data_mixture(load_config(config, overrides))
     recall_spec, trained_on_recall = probe_spec(docs["nsa"], recall_probe, recall_format)
     if multiples and recall_spec is None:
         raise UserError("--recall_lengths probes with the recall task: a recall corpus, or --recall_probe")
@@ -395,7 +392,7 @@ def compare_twins(config: Path, overrides: list[str], out: Path, *, side_by_side
     paths = write_arm_configs(out, docs, arms)
     to_train = tuple(arm for arm in arms if out_dirs[arm] == out / arm and not _finished(arm, out_dirs[arm], docs[arm]))
     train_arms(paths, out, out_dirs, to_train, at_once=min(gpus, len(to_train)) or 1)
-    scores = {arm: evaluate_sources(out_dirs[arm], sources, eval_max_tokens) for arm in arms}
+    scores = {arm: evaluate_sources(out_dirs[arm], mixture, eval_max_tokens) for arm in arms}
     recall = None
     if recall_spec is not None:  # a recall corpus, or --recall_probe: every arm takes the probe
         how = "its training task" if trained_on_recall else "zero-shot, none trained on it"
@@ -421,7 +418,7 @@ def compare_twins(config: Path, overrides: list[str], out: Path, *, side_by_side
         m, k = position_plan
         seq_len = m * int((docs["nsa"].get("train") or {}).get("seq_len", TrainConfig.seq_len))
         print(f"compare: every arm's validation loss by position at {seq_len} tokens", flush=True)
-        first_source = next(iter(sources.values()))[0]  # a mixture: its first source's validation split
+        first_source = mixture.sources[0].source  # a mixture: its first source's validation split
         by_position = {arm: evaluate(EvalRequest(checkpoint=out_dirs[arm], data=first_source, split=EVAL_SPLIT,
                                                  seq_len=seq_len, by_position=k, max_tokens=eval_max_tokens,
                                                  name=f"positions_x{m}")) for arm in arms}
