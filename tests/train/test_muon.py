@@ -317,8 +317,12 @@ def test_two_ranks_and_zero1_train_like_one_rank_and_resume_across_them(tmp_path
     assert run_training(load_config(None, [*DIST, f"--train.out_dir={zero}", "--train.batch_size=8"])) == 0
     a, b, c = heartbeat_losses(one), heartbeat_losses(ddp), heartbeat_losses(zero)
     assert sorted(a) == sorted(b) == sorted(c) == list(range(1, 17))
-    assert max(abs(a[s] - b[s]) for s in a) < 1e-5, (a, b)
-    assert max(abs(a[s] - c[s]) for s in a) < 1e-5, (a, c)
+    # 1 x 8 and 2 x 4 sum the gradient in different orders (and, on another CPU, with other vector widths): float32
+    # rounding (~1e-7 of a loss of ~4.8) that Muon's Newton-Schulz iterations amplify over 16 steps; measured up to
+    # 1.05e-5 with ATen's AVX2 kernels (under 1e-5 with AVX-512), so 5e-5: a rank's half-batch gradient left out of
+    # the update moves the loss by ~1e-3 by step 16
+    assert max(abs(a[s] - b[s]) for s in a) < 5e-5, (a, b)
+    assert max(abs(a[s] - c[s]) for s in a) < 5e-5, (a, c)
 
 
 # ---- refusals ------------------------------------------------------------------------------------------------------
