@@ -4,7 +4,7 @@ CONFIG ?= configs/train_showcase.yaml
 RUN ?=
 OUT ?=
 
-.PHONY: setup test test-reverse test-random test-stack smoke smoke-nsa train pilot monitor tb bench handoff preflight compare clean
+.PHONY: setup test test-reverse test-random test-isa test-stack smoke smoke-nsa train pilot monitor tb bench handoff preflight compare clean
 
 setup:
 	bash scripts/prime_bootstrap.sh
@@ -26,6 +26,11 @@ test-reverse:
 STACK ?= gpu-image
 test-stack:
 	bash scripts/test_stack.sh $(STACK)
+
+# the suite on an AVX2-only (ISA=avx2) or vectorless (ISA=novec) CPU's kernels (scripts/test_isa.sh; docs/DEVELOPING.md)
+ISA ?= avx2
+test-isa:
+	bash scripts/test_isa.sh $(ISA)
 
 # the suite's test files in a seeded random order in one process (SEED=N reproduces an order; default: today's date)
 SEED ?= $(shell date +%Y%m%d)

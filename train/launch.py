@@ -6,7 +6,9 @@ a data outage), and a rank's status file may be exactly what a full disk could n
 torchrun's own `run` and, when workers fail, exits with the code the failed ranks agree on, after one line naming
 the ranks: the runbooks see 4 on a full disk whether or not metrics.json could be rewritten. Ranks killed by a
 signal (torchrun stops the others after the first failure) do not count against the agreement; failures that
-disagree, or only signals, exit 1 as torchrun does.
+disagree, or only signals, exit 1 as torchrun does. A signal the launcher itself receives (SIGTERM from a scheduler:
+torchrun passes it to the ranks, which stop gracefully together) is one line and exit 128 + its number, with no
+traceback; the run's own status then says how it ended (scripts/lib/common.sh).
 """
 from __future__ import annotations
 
@@ -36,12 +38,18 @@ def describe(codes: dict[int, int]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
         run(args)
+    except SignalException as exc:  # torchrun forwarded it to every rank, which stop after the same step
+        code, name = 128 + int(exc.sigval), signal.Signals(exc.sigval).name
+        print(f"launch: {name} received and passed to the workers (their own lines above say how they ended): "
+              f"exit {code}", file=sys.stderr, flush=True)
+        return code
     except ChildFailedError as exc:
         codes = {rank: int(failure.exitcode) for rank, failure in exc.failures.items()}  # keyed by global rank
         code = exit_code_of(codes)

@@ -373,6 +373,12 @@ log_to() {
   (trap '' INT TERM; exec tee "$@")
 }
 
+# trainer_exit_code CODE: whether CODE is one the trainer itself exits with (train/trainer/runner.py: 2 bad input,
+# 3 anomaly, 4 a file could not be written, 75 a data outage), as train/launch.py passes them through
+trainer_exit_code() {
+  case "$1" in 2|3|4|75) return 0 ;; *) return 1 ;; esac
+}
+
 # run_logged_training RUN_DIR OUT_DIR RUN_INFO: run "${TRAIN_CMD[@]}" with its output appended to
 # RUN_DIR/train.log, then record this launch's final_step, final_status and last_checkpoint in RUN_INFO
 # (statuses: train/observe/run_status.py). A trainer that died without a word (kill -9, OOM) is recorded as
@@ -397,9 +403,10 @@ run_logged_training() {
     return 0
   fi
   final_status=$(metrics_field "$out_dir" status)
-  if [ "$TRAIN_RC" -eq 1 ]; then
-    # torchrun reports a signal it received itself as 1 (train/launch.py keeps the code its ranks agree on: 3, 4,
-    # 75); the run's own status (written by this launch) says why: anomaly halt, or a graceful stop on SIGTERM/SIGINT
+  if [ "$TRAIN_RC" -ne 0 ] && ! trainer_exit_code "$TRAIN_RC"; then
+    # not the trainer's own code: torchrun's 1 (ranks that disagree), or a signal the launcher received (128 + N;
+    # train/launch.py keeps the code its ranks agree on: 2, 3, 4, 75); the run's own status (written by this launch)
+    # says why: anomaly halt, or a graceful stop on SIGTERM/SIGINT
     case "$final_status" in
       anomaly) TRAIN_RC=3 ;;
       write_failed) TRAIN_RC=4 ;;

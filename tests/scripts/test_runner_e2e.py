@@ -197,8 +197,8 @@ def test_anomaly_halt_exits_3_and_the_monitor_says_why(script_env, tmp_path):
 
 def test_sigterm_to_a_torchrun_launch_is_a_graceful_stop(fake_smi, script_env, tmp_path):
     """A scheduler's SIGTERM to the whole job under torchrun (2 ranks): both ranks stop after the
-    same step and checkpoint; torchrun reports its own signal as exit 1, which the runner reads
-    against this launch's metrics.json (stopped) and turns into exit 0."""
+    same step and checkpoint; the launcher (train/launch.py) reports its own signal in one line as exit 143, with no
+    traceback, which the runner reads against this launch's metrics.json (stopped) and turns into exit 0."""
     from tests.scripts.helpers import A6000
 
     out = tmp_path / "out"
@@ -211,5 +211,7 @@ def test_sigterm_to_a_torchrun_launch_is_a_graceful_stop(fake_smi, script_env, t
     info = kv_file(only_run_dir(tmp_path / "artifacts") / "run.info")
     assert info["final_status"] == "stopped" and info["exit_code"] == "0"
     assert info["last_checkpoint"] == str(out / f"checkpoint_step{info['final_step']}.pt")
+    log = (only_run_dir(tmp_path / "artifacts") / "train.log").read_text()
+    assert "launch: SIGTERM received and passed to the workers" in log and "Traceback" not in log, log[-3000:]
     ends = [json.loads((out / f"heartbeat_rank{r}.jsonl").read_text().splitlines()[-1]) for r in (0, 1)]
     assert [e["kind"] for e in ends] == ["end", "end"] and ends[0]["step"] == ends[1]["step"]

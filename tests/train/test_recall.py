@@ -156,11 +156,10 @@ def test_make_train_and_score_end_to_end(tmp_path, capsys):
     assert written == result and result["step"] == 4
     assert set(result["buckets"]) == {"<1w", "1-2w", "2-4w"}
     assert sum(b["items"] for b in result["buckets"].values()) == result["far_items"] + result["buckets"]["<1w"]["items"]
-    assert recall_main(["score", str(out), "--documents", "4", "--device", "cpu", "--format", "prose"]) == 0
-    prose = json.loads(capsys.readouterr().out)  # the corpus's spec, its lines spelled in prose: a file of its own
-    assert prose["format"] == "prose" and prose["spec"] == {**result["spec"], "format": "prose"}
-    assert json.loads((out / "recall_step4_prose.json").read_text()) == prose and result["format"] == "kv"
-    assert json.loads((out / "recall_step4.json").read_text()) == written  # untouched
+    # prose lines are 33 byte tokens: a 31-token document holds none, so no query; refused as make refuses it (it
+    # once reported items 0), nothing written
+    assert recall_main(["score", str(out), "--documents", "4", "--device", "cpu", "--format", "prose"]) == 2
+    assert "too few for a query" in capsys.readouterr().err and not (out / "recall_step4_prose.json").exists()
     # beyond the training length (32): documents 2x and 4x as long (4x passes the model's max_seq_len of 64, which
     # RoPE does not need), the distance buckets extended to them; each length its own file
     assert recall_main(["score", str(out), "--documents", "4", "--device", "cpu", "--lengths", "1", "2", "4"]) == 0
@@ -169,6 +168,13 @@ def test_make_train_and_score_end_to_end(tmp_path, capsys):
     assert by_length["lengths"]["1"]["buckets"] == written["buckets"]  # length 1 is the probe above (its file reused)
     x4 = json.loads((out / "recall_step4_x4.json").read_text())
     assert x4["spec"]["doc_tokens"] == 127 and x4["length_multiple"] == 4
+    assert recall_main(["score", str(out), "--documents", "4", "--device", "cpu", "--format", "prose",
+                        "--lengths", "4"]) == 0
+    prose = json.loads(capsys.readouterr().out)  # the corpus's spec, its lines spelled in prose: a file of its own
+    assert prose["format"] == "prose" and prose["spec"] == {**x4["spec"], "format": "prose"} and prose["far_items"] > 0
+    assert json.loads(Path(prose["file"]).read_text()) == prose and prose["file"] != x4["file"]
+    assert json.loads((out / "recall_step4_x4.json").read_text()) == x4 and result["format"] == "kv"  # untouched
+    assert json.loads((out / "recall_step4.json").read_text()) == written
     assert set(x4["buckets"]) == {"<1w", "1-2w", "2-4w", "4-8w", "8-16w"}
     assert sum(b["items"] for b in x4["buckets"].values()) > sum(b["items"] for b in written["buckets"].values())
     # a RoPE change for scoring only: positions interpolated by the length multiple, in a file of its own
