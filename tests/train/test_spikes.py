@@ -333,9 +333,10 @@ def test_two_ranks_decide_like_one_on_the_same_global_batch(whole, garbage_bin, 
     a = [float(r["loss"]) for r in read_csv(whole / "training.csv")]
     b = [float(r["loss"]) for r in read_csv(out / "training.csv")]
     # 1 x 4 and 2 x 2 rows sum the float32 loss and gradients in other orders (and other vector widths on another
-    # CPU), drift lr=1e-2 amplifies over the steps, and training.csv keeps 6 significant digits: measured up to 1.4e-4
-    # on losses of ~10 with AVX2 kernels, so 5e-5 of the loss (a rank's rows left out of the mean move it by ~1e-1)
-    assert max(abs(x - y) / abs(x) for x, y in zip(a, b)) < 5e-5, list(zip(a, b))
+    # CPU), a drift lr=1e-2 amplifies step by step, and training.csv keeps 6 significant digits: measured up to 8.6e-5
+    # of the loss with AVX2 kernels (under 1e-5 with AVX-512), so 5e-4; the decisions above are the exact claim
+    worst = max(abs(x - y) / abs(x) for x, y in zip(a, b))
+    assert worst < 5e-4, (worst, list(zip(a, b)))
 
 
 def test_the_fp16_scaler_sequence_skips_a_spike_without_touching_the_scale():
