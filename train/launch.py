@@ -15,7 +15,10 @@ from __future__ import annotations
 import signal
 import sys
 
-AGREED_CODES = (2, 3, 4, 75)  # the trainer's own exit codes (train/trainer/runner.py, train/core/errors.py)
+from train.core.errors import StorageError, UserError
+from train.trainer.runner import EXIT_ANOMALY, EXIT_DATA_OUTAGE
+
+AGREED_CODES = (UserError.exit_code, EXIT_ANOMALY, StorageError.exit_code, EXIT_DATA_OUTAGE)  # the trainer's own
 
 
 def exit_code_of(codes: dict[int, int]) -> int:
