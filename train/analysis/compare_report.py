@@ -17,9 +17,8 @@ and selected branches add to the sliding window they are mixed with (docs/NSA.md
 """
 from __future__ import annotations
 
-import math
-
 import json
+import math
 import statistics
 from pathlib import Path
 

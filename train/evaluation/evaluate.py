@@ -23,11 +23,11 @@ import numpy as np
 import torch
 
 from train.checkpoint.io import load_checkpoint, model_from_checkpoint, resolve_checkpoint
-from train.core.distributed import autocast_context, resolve_precision
 from train.core.config import TrainConfig
+from train.core.distributed import autocast_context, resolve_precision
 from train.core.data_config import DataConfig
 from train.core.errors import UserError
-from train.core.mixture import parse_mixture
+from train.core.mixture import Mixture, parse_mixture
 from train.evaluation.eval_batch import batch_size_for
 from train.evaluation.eval_data import DOCUMENT_KINDS, data_kind, load_eval_tokens
 from train.evaluation.scoring import count_windows, position_buckets, score_stream
@@ -120,18 +120,14 @@ def bits_per_byte(nll_sum: float, text_bytes: int | None) -> float | None:
 MIXTURE = "mixture"  # --data mixture: each source of the checkpoint's own data.mixture
 
 
-def mixture_sources(config: dict, step: int) -> tuple[dict[str, tuple[str, float]], str]:
-    """({source name: (its bin: spec, its weight)}, the stage's `at`) of a checkpoint config's data.mixture, weighted
-    as the stage in force at `step` (the checkpoint's: what the run's own validation at that step weighs, train/trainer/
-    loop.py); UserError when it was trained on one source."""
+def stored_mixture(config: dict) -> Mixture:
+    """A checkpoint config's data.mixture with its stages; UserError when it was trained on one source."""
     data = config.get("data") or {}
     if not data.get("mixture"):
         raise UserError(f"--data {MIXTURE}: the checkpoint was trained on data.source={data.get('source')!r}, not a "
                         f"data.mixture; give --data bin:DIR")
-    mixture = parse_mixture(_known(DataConfig, data), steps=config["train"]["steps"],
-                            decay_start=_decay_start(config["train"]))
-    stage = mixture.stage_at(step)
-    return {s.name: (s.source, w) for s, w in zip(mixture.sources, stage.weights)}, stage.at
+    return parse_mixture(_known(DataConfig, data), steps=config["train"]["steps"],
+                         decay_start=_decay_start(config["train"]))
 
 
 def _known(cls, section: dict):
@@ -158,15 +154,22 @@ def weighted_result(results: dict[str, dict], weights: dict[str, float]) -> dict
             "weights": weights, "sources": results}
 
 
+def stage_weighted_result(results: dict[str, dict], mixture: Mixture, step: int) -> dict:
+    """weighted_result with the weights of the mixture's stage in force at `step` (the evaluated checkpoint's: what
+    the run's own validation at that step weighs, train/trainer/loop.py), and that stage's `at` under "stage"."""
+    stage = mixture.stage_at(step)
+    return {**weighted_result(results, dict(zip(mixture.names, stage.weights))), "stage": stage.at}
+
+
 def evaluate_mixture(args: EvalRequest) -> dict:
     """--data mixture: every source of the checkpoint's data.mixture scored as `evaluate` scores one (its own
-    eval_<name>.json each, named <name>_<source> with --name), and their weighted_result."""
+    eval_<name>.json each, named <name>_<source> with --name), and their stage_weighted_result."""
     checkpoint = resolve_checkpoint(args.checkpoint).resolve()
     ckpt = load_checkpoint(checkpoint)
-    sources, stage = mixture_sources(ckpt["config"], ckpt["step"])
-    results = {name: evaluate(replace(args, data=spec, name=f"{args.name}_{name}" if args.name else None))
-               for name, (spec, _) in sources.items()}
-    return {**weighted_result(results, {name: w for name, (_, w) in sources.items()}), "stage": stage}
+    mixture = stored_mixture(ckpt["config"])
+    results = {s.name: evaluate(replace(args, data=s.source, name=f"{args.name}_{s.name}" if args.name else None))
+               for s in mixture.sources}
+    return stage_weighted_result(results, mixture, ckpt["step"])
 
 
 def evaluate(args: EvalRequest) -> dict:

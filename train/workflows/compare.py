@@ -16,11 +16,11 @@ import yaml
 
 from train.analysis.compare_report import GAP_KEYS, build_report, write_report
 from train.core.artifacts import read_metrics
-from train.core.config import RunConfig, TrainConfig, data_mixture, dump_config, load_config
-from train.core.mixture import Mixture
+from train.core.config import TrainConfig, data_mixture, dump_config, load_config
 from train.core.env import one_gpu_environment
+from train.core.mixture import Mixture
 from train.core.errors import ConfigError, DataError, UserError
-from train.evaluation.evaluate import EvalRequest, default_name, evaluate, weighted_result
+from train.evaluation.evaluate import EvalRequest, default_name, evaluate, stage_weighted_result
 from train.evaluation.needle import TRIALS as NEEDLE_TRIALS
 from train.evaluation.needle import needle_checkpoint, refuse_byte_tokenizer
 from train.evaluation.recall import RopeAtLength, probe_checkpoint, recall_spec_of
@@ -48,6 +48,7 @@ def probe_or_not_scorable(out_dir: Path, **probe) -> dict:
         return probe_checkpoint(out_dir, **probe)
     except DataError as exc:
         return {"not_scorable": str(exc), "length_multiple": probe.get("length", 1)}
+
 
 def select_arms(spec: str) -> tuple[str, ...]:
     """--arms 'nsa,dense,window' (comma separated, any order) -> the arms in ARMS order; nsa always runs, and at
@@ -228,14 +229,12 @@ class ArmFailed(Exception):
 
 def evaluate_sources(out_dir: Path, mixture: Mixture, max_tokens: int | None) -> dict:
     """evaluate_arm on each source's whole validation split (data.source alone, or every source of data.mixture);
-    one source: its result as it is, several: their weighted_result (train/evaluation/evaluate.py, as train.evaluate
-    --data mixture gives), weighted as the stage in force at the arm's evaluated step (its `stage`: the stage's `at`),
-    as the run's own validation weighs that step."""
+    one source: its result as it is, several: their stage_weighted_result at the arm's evaluated step
+    (train/evaluation/evaluate.py, as train.evaluate --data mixture gives)."""
     results = {s.name: evaluate_arm(out_dir, s.source, max_tokens) for s in mixture.sources}
     if len(results) == 1:
         return next(iter(results.values()))
-    stage = mixture.stage_at(int(next(iter(results.values()))["step"]))
-    return {**weighted_result(results, dict(zip(mixture.names, stage.weights))), "stage": stage.at}
+    return stage_weighted_result(results, mixture, int(next(iter(results.values()))["step"]))
 
 
 def evaluate_arm(out_dir: Path, data_spec: str, max_tokens: int | None) -> dict:
