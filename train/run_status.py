@@ -14,6 +14,7 @@ monitor runs it without torch.
 
     python -m train.run_status describe OUT_DIR [--run-info RUN_DIR/run.info | --exit-code N]   -> one line
     python -m train.run_status mark-exited OUT_DIR EXIT_CODE                                    -> the line it recorded
+                                                          (mark-crashed, its earlier name, still works)
     python -m train.run_status step OUT_DIR                                       -> the last step recorded
 """
 from __future__ import annotations
@@ -33,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     describe.add_argument("out_dir", type=Path)
     describe.add_argument("--run-info", type=Path, help=f"the launcher's {RUN_INFO} (its exit_code)")
     describe.add_argument("--exit-code", type=int, help="the trainer's exit code, as the launcher saw it")
-    mark = sub.add_parser("mark-exited", help="record in metrics.json that the trainer exited with EXIT_CODE "
+    mark = sub.add_parser("mark-exited", aliases=["mark-crashed"], help="record in metrics.json that the trainer exited with EXIT_CODE "
                                               "(crashed; write_failed for 4)")
     mark.add_argument("out_dir", type=Path)
     mark.add_argument("exit_code", type=int)
