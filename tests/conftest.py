@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import forkserver
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 
@@ -17,6 +19,26 @@ def pytest_addoption(parser):
     parser.addoption("--file-order", default="forward",
                      help="the order test files run in: forward (default), reverse, or random:SEED (a seeded shuffle, "
                           "reproducible: the same seed gives the same order); tests keep their order within a file")
+
+
+FORKSERVER: forkserver.Handle | None = None
+
+
+def pytest_configure(config):
+    """The process that runs tests (an xdist worker, or pytest without workers) starts its fork server (tests/forkserver.py:
+    the product's processes forked from an interpreter that imported torch once)."""
+    global FORKSERVER
+    config.addinivalue_line("markers", "fresh_python: the processes this test starts run in fresh interpreters, not "
+                                       "forked from the suite's fork server (tests/forkserver.py says when)")
+    controller = not hasattr(config, "workerinput") and getattr(config.option, "numprocesses", None)
+    if not controller and FORKSERVER is None:
+        FORKSERVER = forkserver.start()
+
+
+def pytest_unconfigure(config):
+    global FORKSERVER
+    forkserver.stop(FORKSERVER)
+    FORKSERVER = None
 
 
 def pytest_collection_modifyitems(config, items):
@@ -139,10 +161,13 @@ def restore_process_state(state: dict) -> None:
 @pytest.fixture(autouse=True)
 def _process_state_unchanged(request):
     """Fails the test that leaves process-global state changed (and puts it back, so the next test is not hit): a test
-    that passes only after another file changed such state (torch threads, say) cannot land."""
+    that passes only after another file changed such state (torch threads, say) cannot land. A test marked fresh_python
+    runs with the fork server out of the way (its processes run in fresh interpreters)."""
+    bypassed = forkserver.bypass(FORKSERVER) if request.node.get_closest_marker("fresh_python") else None
     before = process_state()
     yield
     changes = state_changes(before, process_state())
+    forkserver.restore(bypassed)
     if changes:
         restore_process_state(before)
         pytest.fail(f"{request.node.nodeid} left process state changed: " + "; ".join(changes), pytrace=False)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import forkserver
 from tests.scripts.helpers import FAKE_NVIDIA_SMI, SCRUB, SCRUB_PREFIXES
 
 
@@ -32,6 +33,7 @@ def script_env(tmp_path):
 
     def make(bin_dir: Path | None = None, **extra: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k not in SCRUB and not k.startswith(SCRUB_PREFIXES)}
+        env.update(forkserver.environment())  # the suite's own (VENV: the fork server's python), not a developer's
         env["ARTIFACTS_DIR"] = str(tmp_path / "artifacts")
         if bin_dir is not None:
             env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"

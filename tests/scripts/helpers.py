@@ -9,6 +9,8 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+from tests import forkserver
+
 REPO = Path(__file__).resolve().parents[2]
 
 FAKE_NVIDIA_SMI = r"""#!/usr/bin/env bash
@@ -48,6 +50,12 @@ A100_40 = ("NVIDIA A100-PCIE-40GB", 40960)
 RTX4090 = ("NVIDIA GeForce RTX 4090", 24564)
 V100_32 = ("Tesla V100-SXM2-32GB", 32768)
 A6000 = ("NVIDIA RTX A6000", 49140)
+
+
+def venv_python() -> str:
+    """The runbooks' interpreter as they print it: $VENV/bin/python (VENV is the fork server's under the suite,
+    tests/forkserver.py; .venv otherwise)."""
+    return f"{forkserver.environment().get('VENV', '.venv')}/bin/python"
 
 
 def run_script(script: str, env: dict[str, str], *args: str, timeout: float = 240) -> subprocess.CompletedProcess:

@@ -7,13 +7,14 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import tarfile
 import time
 from pathlib import Path
 
 from tests.scripts.helpers import REPO, TINY_SMOKE, TINY_TRAIN, kv_file, only_run_dir, run_script
 
-PY = str(REPO / ".venv" / "bin" / "python")
+PY = sys.executable  # the venv's python (under the suite, the fork server's: tests/forkserver.py)
 
 
 def rows(csv_path: Path) -> list[str]:

@@ -6,12 +6,13 @@ import hashlib
 import json
 import os
 import subprocess
+import sys
 import tarfile
 
 from tests.scripts.helpers import REPO
 from tests.scripts.test_monitor import HEALTHY_GATES, make_out
 
-PY = str(REPO / ".venv" / "bin" / "python")
+PY = sys.executable  # the venv's python (under the suite, the fork server's: tests/forkserver.py)
 
 
 def handoff(*args, env=None):

@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from tests.scripts.helpers import (
-    A100_40, A100_80, A6000, H100_80, REPO, RTX4090, V100_32, run_script,
+    A100_40, A100_80, A6000, H100_80, REPO, RTX4090, V100_32, run_script, venv_python,
 )
 
 
@@ -42,12 +42,12 @@ def test_config_and_launcher_follow_the_gpus(fake_smi, script_env, gpus, config,
     assert fields["gpus"].startswith(f"{nproc} |")
     launch = fields["launch"]
     if nproc >= 2:
-        assert launch.startswith(f".venv/bin/python -m train.launch --standalone --nproc_per_node={nproc} -m train {config}")
+        assert launch.startswith(f"{venv_python()} -m train.launch --standalone --nproc_per_node={nproc} -m train {config}")
         assert "--runtime.ddp_compress=bf16" in launch  # the M7C runbook's default for DDP
-        assert fields["smoke"].startswith(f".venv/bin/python -m train.launch --standalone --nproc_per_node={nproc} -m train "
+        assert fields["smoke"].startswith(f"{venv_python()} -m train.launch --standalone --nproc_per_node={nproc} -m train "
                                           "configs/train_showcase.yaml")
     else:
-        assert launch.startswith(f".venv/bin/python -m train {config}")
+        assert launch.startswith(f"{venv_python()} -m train {config}")
         assert "torchrun" not in launch and "ddp_compress" not in launch
     assert "--train.steps=50" in fields["smoke"]
 
@@ -55,7 +55,7 @@ def test_config_and_launcher_follow_the_gpus(fake_smi, script_env, gpus, config,
 def test_no_gpu_means_the_cpu_config(script_env, fake_smi):
     fields, _ = dry(script_env())  # no nvidia-smi at all
     assert fields["config"] == "configs/m7c_cpu.yaml (no GPU found: CPU config)"
-    assert fields["launch"] == ".venv/bin/python -m train configs/m7c_cpu.yaml"
+    assert fields["launch"] == f"{venv_python()} -m train configs/m7c_cpu.yaml"
     fields, res = dry(script_env(fake_smi([])))  # nvidia-smi present, "No devices were found"
     assert fields["config"].startswith("configs/m7c_cpu.yaml")
     assert "treating this machine as having no GPU" in res.stderr
@@ -79,7 +79,7 @@ def test_knobs_become_overrides(fake_smi, script_env):
     fields, res = dry(env)
     assert fields["config"] == "configs/m7c_125m_40g.yaml (forced by CONFIG)"
     assert fields["launch"] == (
-        ".venv/bin/python -m train.launch --standalone --nproc_per_node=2 -m train configs/m7c_125m_40g.yaml "
+        f"{venv_python()} -m train.launch --standalone --nproc_per_node=2 -m train configs/m7c_125m_40g.yaml "
         "--data.source=text:data/\\*.txt --runtime.ddp_compress=fp16 --runtime.ddp_bucket_mb=50 "
         "--runtime.disable_gc=true --train.steps=10 --train.lr=1e-4")
     assert "--train.steps=7 --train.seq_len=32" in fields["smoke"]

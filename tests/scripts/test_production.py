@@ -7,7 +7,7 @@ import hashlib
 import subprocess
 import sys
 
-from tests.scripts.helpers import A100_80, H100_80, REPO, kv_file, only_run_dir, run_script
+from tests.scripts.helpers import A100_80, H100_80, REPO, kv_file, only_run_dir, run_script, venv_python
 
 PROD_CONFIG = "configs/m7c_125m_2xa100_production.yaml"
 
@@ -40,7 +40,7 @@ def test_launch_preflight_and_launch_info(fake_smi, script_env, tmp_path):
     sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     assert launch["git_sha"] == sha
     assert launch["config_sha256"] == hashlib.sha256((REPO / PROD_CONFIG).read_bytes()).hexdigest()
-    expected = (f".venv/bin/python -m train.launch --standalone --nproc_per_node=2 -m train {PROD_CONFIG} "
+    expected = (f"{venv_python()} -m train.launch --standalone --nproc_per_node=2 -m train {PROD_CONFIG} "
                 f"--runtime.ddp_compress=bf16 --runtime.ddp_bucket_mb=25 --train.out_dir={out_dir}")
     assert launch["command"] == expected
     assert f"launch: {expected}" in res.stdout
@@ -62,7 +62,7 @@ def test_direct_launch_runs_its_own_preflight_on_all_gpus(fake_smi, script_env, 
     assert res.returncode == 0, res.stderr
     assert "pre-flight (run directly" in res.stdout
     launch = kv_file(only_run_dir(tmp_path / "artifacts") / "launch_info.txt")
-    assert launch["command"].startswith(f".venv/bin/python -m train.launch --standalone --nproc_per_node=8 -m train {PROD_CONFIG} "
+    assert launch["command"].startswith(f"{venv_python()} -m train.launch --standalone --nproc_per_node=8 -m train {PROD_CONFIG} "
                                         "--runtime.ddp_compress=none --runtime.ddp_bucket_mb=25")
     assert launch["causality"] == "skipped (SKIP_CAUSALITY=1)"
 

@@ -9,15 +9,16 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import tarfile
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.scripts.helpers import REPO, TINY_SMOKE, TINY_TRAIN, kv_file, only_run_dir, run_script
+from tests.scripts.helpers import REPO, TINY_SMOKE, TINY_TRAIN, kv_file, only_run_dir, run_script, venv_python
 
-PY = str(REPO / ".venv" / "bin" / "python")
+PY = sys.executable  # the venv's python (under the suite, the fork server's: tests/forkserver.py)
 
 
 def data_rows(csv_path: Path) -> int:
@@ -81,7 +82,7 @@ def test_train_halt_resume_monitor_handoff(script_env, corpus_path, tmp_path):
     assert info1["smoke"].startswith("ok (3 steps") and info1["resume_from"].startswith("none (fresh start")
     assert info1["final_status"] == "stopped" and info1["exit_code"] == "0"
     assert info1["git_sha"] and info1["torch"].startswith("2.") and "started" in info1 and "end" in info1
-    assert info1["train_cmd"].startswith(".venv/bin/python -m train configs/m7c_cpu.yaml --data.source=text:")
+    assert info1["train_cmd"].startswith(f"{venv_python()} -m train configs/m7c_cpu.yaml --data.source=text:")
     assert "step" in (run1 / "train.log").read_text() and "done" in (run1 / "smoke.log").read_text()
     assert not list((run1 / "smoke").glob("*.pt"))  # smoke weights are dropped
     metrics = json.loads((out / "metrics.json").read_text())

@@ -21,7 +21,7 @@ SCRIPTS = OURS + [REPO / "scripts" / "prime_bootstrap.sh", REPO / "scripts" / "t
 
 
 def test_tensorboard_command(script_env, tmp_path):
-    res = run_script("run_tensorboard.sh", script_env(DRY_RUN="1"), timeout=30)
+    res = run_script("run_tensorboard.sh", script_env(DRY_RUN="1", VENV=".venv"), timeout=30)  # the default venv
     assert res.returncode == 0, res.stderr
     assert "command: .venv/bin/tensorboard --logdir artifacts/m7c_125m/tb --port 6006 --host localhost" in res.stdout
     assert re.search(r"ssh -L 6006:localhost:6006 \S+@\S+", res.stdout)

@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from train.core.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -81,6 +83,7 @@ def read_lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]  # every line whole, or this raises
 
 
+@pytest.mark.fresh_python  # kills a process group with SIGKILL and reads what it left at once
 def test_the_tiny_first_pass_runs_every_item_and_a_kill_leaves_whole_lines(tmp_path):
     proc = first_pass(tmp_path / "whole")
     output, _ = proc.communicate(timeout=300)

@@ -159,6 +159,7 @@ def test_preflight_names_the_batch_split_a_resume_on_more_ranks_uses(dense_run):
     assert "global batch 4, which 3 rank(s) cannot split evenly; resume on 1 / 2 / 4 rank(s)" in detail
 
 
+@pytest.mark.fresh_python  # the lock names the trainer's pid: the process's own
 def test_a_live_trainer_fails_preflight_as_it_fails_a_second_launch(tmp_path):
     out = tmp_path / "out"
     first = launch(out, "--train.steps=100000", "--train.save_every=0", wait=False)

@@ -212,6 +212,7 @@ def run(out: Path, *extra: str) -> subprocess.CompletedProcess:
                           env=ENV, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.fresh_python  # temporary files are named by the trainer's pid: the process's own
 def test_kill9_while_a_write_is_in_flight_loses_nothing_and_resumes_exactly(tmp_path):
     common = ("--train.steps=24", "--train.save_every=3", "--train.keep_all_checkpoints=true", ASYNC)
     reference = tmp_path / "reference"
@@ -247,6 +248,7 @@ def test_kill9_while_a_write_is_in_flight_loses_nothing_and_resumes_exactly(tmp_
     assert not (out / "corrupt").exists()
 
 
+@pytest.mark.fresh_python  # temporary files are named by the trainer's pid: the process's own
 @pytest.mark.parametrize("stop", ["HALT", "SIGTERM"])
 def test_halt_and_sigterm_wait_for_the_write_in_flight(tmp_path, stop):
     out = tmp_path / "run"

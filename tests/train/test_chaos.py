@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from train.checkpoint import io as ckpt_io
 
 from .helpers import read_csv
@@ -74,6 +76,7 @@ def kill_at(proc: subprocess.Popen, out: Path, moment: str, t0: float, rng: rand
     return hit
 
 
+@pytest.mark.fresh_python  # kills at moments timed to a fresh start-up; reads the trainer's pid as the process's
 def test_kill9_at_random_moments_loses_nothing(tmp_path):
     rng = random.Random(int(os.environ.get("NSA_CHAOS_SEED", "12")))
     reference = tmp_path / "reference"

@@ -125,6 +125,7 @@ def test_kill9_before_the_first_checkpoint_restarts_fresh_and_keeps_the_attempt(
 
 # ---- one owner ----------------------------------------------------------------------------------------
 
+@pytest.mark.fresh_python  # the lock names the trainer's pid: the process's own
 def test_a_second_trainer_on_the_same_out_dir_exits_2_and_touches_nothing(tmp_path):
     out = tmp_path / "run"
     first = spawn(*TINY_CLI, f"--train.out_dir={out}", "--train.steps=100000", "--train.save_every=5")

@@ -128,6 +128,7 @@ def test_two_ranks_over_a_faulty_server_train_exactly_as_over_a_clean_one(tmp_pa
     assert " | rank0 " in line and " | rank1 " in line, line
 
 
+@pytest.mark.fresh_python  # kills torchrun's process tree with SIGKILL
 def test_a_kill9_while_a_rank_retries_resumes_to_the_same_run(tmp_path, shards, reference):
     out = tmp_path / "killed"
     with FaultServer(shards, faults=["refuse"], every=1, refuse_s=4.0, armed=False) as server:

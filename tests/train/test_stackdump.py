@@ -12,6 +12,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 
 from train.trainer.safety import StopFlags, Watchdog, stackdump_path
 
@@ -83,6 +85,7 @@ def _wait_for_stack(out: Path, ident: int, timeout: float) -> tuple[Path, str]:
                          f"{sorted(p.name for p in out.glob('*'))}")
 
 
+@pytest.mark.fresh_python  # dump files are named by the trainer's pid: the process's own
 def test_watchdog_dumps_a_main_thread_stuck_in_c_holding_the_gil(tmp_path):
     proc, ident = _spawn_stuck(tmp_path, "watchdog")
     try:
@@ -96,6 +99,7 @@ def test_watchdog_dumps_a_main_thread_stuck_in_c_holding_the_gil(tmp_path):
         proc.communicate(timeout=30)
 
 
+@pytest.mark.fresh_python  # dump files are named by the trainer's pid: the process's own
 def test_sigusr1_dumps_a_main_thread_stuck_in_c_holding_the_gil(tmp_path):
     proc, ident = _spawn_stuck(tmp_path, "sigusr1")
     try:
@@ -207,6 +211,7 @@ def test_dump_file_names(tmp_path):
     assert stackdump_path(tmp_path, 2, kind="watchdog").name == f"stackdump_rank2_{os.getpid()}_watchdog.txt"
 
 
+@pytest.mark.fresh_python  # dump files are named by the trainer's pid: the process's own
 def test_kill_9_of_a_training_run_leaves_no_empty_dump_file(tmp_path):
     """A real training run killed with SIGKILL (no cleanup code of its own runs): its watchdog file, which
     never got a dump, is gone; its SIGUSR1 file, which got one, stays."""

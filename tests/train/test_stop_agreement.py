@@ -61,6 +61,7 @@ def final_checkpoint_steps(out: Path) -> list[int | None]:
     return steps
 
 
+@pytest.mark.fresh_python  # counts torchrun's workers as its process's children
 @pytest.mark.parametrize("how", ["halt", "sigterm"])
 def test_stop_requests_at_random_moments_end_both_ranks_after_the_same_step(tmp_path, how):
     rng = random.Random(7 if how == "halt" else 11)

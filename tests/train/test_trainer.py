@@ -301,6 +301,7 @@ def test_signal_finishes_step_checkpoints_and_exits_zero(tmp_path, sig):
     assert read_jsonl(beat)[-1]["reason"] == signal.Signals(sig).name
 
 
+@pytest.mark.fresh_python  # dump files are named by the trainer's pid: the process's own
 def test_sigusr1_dumps_stacks_and_training_continues(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "train", *TINY_CLI, f"--train.out_dir={out}",
