@@ -12,9 +12,10 @@ setup:
 # two workers (pytest-xdist), one test file each at a time: the subprocess tests of a file stay in order. One intra-op
 # thread per worker and per process they start (OMP_NUM_THREADS=1): two workers fill two cores, and OpenMP threads
 # spinning on an oversubscribed CPU cost 20% of the suite's time (8:05 -> 6:38 measured on 2 idle cores).
-# test-reverse and test-random run at torch's default thread count: no test may depend on either.
+# test-reverse and test-random run at torch's default thread count: no test may depend on either. Files start in
+# tests/conftest.py's order (the longest first: LONG_FIRST); --no-loadscope-reorder keeps xdist from reordering them.
 test:
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 # the suite's test files in reverse order in one process: every file runs after the ones it used to precede
 # (order independence: no test may depend on what an earlier file left in the process)

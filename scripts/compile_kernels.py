@@ -4,7 +4,7 @@
     python scripts/compile_kernels.py [--shapes shipped|paper|all] [--targets 80,90] [--markdown FILE] [--json FILE]
 
 For each kernel module in KERNEL_MODULES, each shape (shipped: every configs/*.yaml with
-model.attention: nsa, at its train.seq_len; paper: head dims 64/128/192, G 6/16, l=32 d=16 l'=64 n=16,
+model.attention: nsa that can run on a GPU (not runtime.device: cpu), at its train.seq_len; paper: head dims 64/128/192, G 6/16, l=32 d=16 l'=64 n=16,
 64k tokens), each dtype (bf16, fp32) and each target, the module's real host wrappers run on meta
 tensors while their launches are recorded (scripts/kernel_capture.py); each recorded launch is compiled
 for the target with the ptxas bundled in triton. Prints one table: shared memory (bytes, % of the
@@ -86,14 +86,15 @@ class Shape:
 
 
 def shipped_shapes() -> dict[Shape, list[str]]:
-    """Shape -> the configs/*.yaml (model.attention: nsa) training with it, read with the trainer's loader."""
+    """Shape -> the configs/*.yaml (model.attention: nsa) training with it on a GPU, read with the trainer's loader.
+    A config that pins runtime.device: cpu (m7c_cpu, nsa_twin_kjv) never launches a Triton kernel: not compiled."""
     from train.core.config import load_config
 
     shapes: dict[Shape, list[str]] = {}
     for path in sorted(CONFIGS.glob("*.yaml")):
         cfg = load_config(path)
         m = cfg.model
-        if m.attention == "nsa":
+        if m.attention == "nsa" and cfg.runtime.device != "cpu":
             shape = Shape(m.head_dim, m.n_groups, m.n_kv_heads, m.nsa.l, m.nsa.d, m.nsa.l_sel, m.nsa.n_sel, cfg.train.seq_len)
             shapes.setdefault(shape, []).append(path.stem)
     return shapes

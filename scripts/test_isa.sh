@@ -23,4 +23,4 @@ shift
 caches="${TMPDIR:-/tmp}/nsa_test_isa_$isa"
 export TORCHINDUCTOR_CACHE_DIR="$caches/inductor" TRITON_CACHE_DIR="$caches/triton" OMP_NUM_THREADS=1
 log "suite with $isa kernels (ATEN_CPU_CAPABILITY=$ATEN_CPU_CAPABILITY, caches under $caches)"
-exec "$PY" -m pytest -q -n 2 --dist loadfile "$@"
+exec "$PY" -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder "$@"

@@ -17,8 +17,9 @@ SHARED = REPO.parent / "shared"
 
 def pytest_addoption(parser):
     parser.addoption("--file-order", default="forward",
-                     help="the order test files run in: forward (default), reverse, or random:SEED (a seeded shuffle, "
-                          "reproducible: the same seed gives the same order); tests keep their order within a file")
+                     help="the order test files run in: forward (default; LONG_FIRST's files first), reverse, or "
+                          "random:SEED (a seeded shuffle, reproducible: the same seed gives the same order); tests "
+                          "keep their order within a file")
 
 
 FORKSERVER: forkserver.Handle | None = None
@@ -41,9 +42,21 @@ def pytest_unconfigure(config):
     FORKSERVER = None
 
 
+# the files that take longest (20-80 s each with empty Triton and inductor caches, docs/BENCHMARKS.md "The test
+# suite's time"), longest first: the forward order starts them, so the two workers end on short files together
+# (`make test` passes --no-loadscope-reorder: xdist would start the files with the most tests first)
+LONG_FIRST = ("tests/tools/test_compile_kernels.py", "tests/train/test_remote_training.py",
+              "tests/nsa/test_kernel_documents.py", "tests/nsa/test_nsa_compile.py", "tests/nsa/test_loss.py",
+              "tests/nsa/test_activation_checkpointing.py", "tests/tools/test_gpu_acceptance.py",
+              "tests/train/test_compiled_run.py")
+
+
 def pytest_collection_modifyitems(config, items):
     order = config.getoption("--file-order")
     if order == "forward":
+        rank = {path: i for i, path in enumerate(LONG_FIRST)}
+        where = {item: rank.get(item.path.relative_to(REPO).as_posix(), len(LONG_FIRST)) for item in items}
+        items.sort(key=where.__getitem__)  # stable: the other files keep their order, tests theirs
         return
     files = list(dict.fromkeys(item.path for item in items))
     if order == "reverse":
