@@ -376,7 +376,8 @@ def start() -> Handle | None:
     if os.environ.get(ENV_VAR) == "0" or sys.platform != "linux":
         return None
     real = os.environ.get("NSA_TEST_REAL_PYTHON", sys.executable)
-    root = tempfile.mkdtemp(prefix="nsa-fork-")
+    short = len(tempfile.gettempdir()) > 80  # a unix socket's path holds 107 bytes
+    root = tempfile.mkdtemp(prefix="nsa-fork-", dir="/tmp" if short else None)
     bin_dir = Path(root) / "bin"
     bin_dir.mkdir()
     shim = bin_dir / "python"

@@ -107,9 +107,8 @@ def main() -> None:
         conn.close()
         real_interpreter()
     pid = reply["pid"]
-    for sig in FORWARDED:
-        if int(sig) not in request["ignored"]:  # an ignored signal stays ignored there too
-            signal.signal(sig, lambda signum, frame: os.kill(pid, signum))
+    for sig in FORWARDED:  # ignored ones too: the program may set a handler where it started with SIG_IGN
+        signal.signal(sig, lambda signum, frame: os.kill(pid, signum))
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
     line = reader.readline()  # the server's `{"status": ...}` when the process ends
     if not line:

@@ -178,3 +178,18 @@ def test_shutdown_joins_threads_runs_atexit_and_flushes_what_was_left_open(serve
                               text=True, timeout=60)
         outcomes.append((proc.returncode, proc.stdout, proc.stderr, *(f.read_text() for f in files)))
     assert outcomes[0] == outcomes[1] == (1, "atexit ran\n", "a message\n", "written, never closed", "thread joined")
+
+
+def test_a_signal_ignored_at_start_reaches_a_program_that_handles_it(server):
+    """Started with SIGINT ignored (a background job of a non-interactive shell), the program still gets the SIGINT
+    sent to it once it set a handler (the trainer's Ctrl-C): the shim passes it on, whatever its own start."""
+    program = ("import os, signal, time\n"
+               "assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN\n"
+               "signal.signal(signal.SIGINT, lambda *a: os._exit(7))\n"
+               "print('ready', flush=True)\n"
+               "time.sleep(60)\n")
+    proc = subprocess.Popen([server.python, "-c", program], stdout=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=30) == 7
