@@ -23,18 +23,28 @@ read what it left (the forked process dies a moment after its shim), carry `@pyt
 """
 from __future__ import annotations
 
+import atexit
 import builtins
 import ctypes
+import fcntl
+import gc
 import importlib
 import io
 import json
 import os
+import resource
+import runpy
 import select
+import shutil
 import signal
 import socket
 import struct
+import subprocess
 import sys
+import tempfile
+import threading
 import types
+from pathlib import Path
 
 # preloaded by the server: third-party modules only (the project's modules are imported by each child, as they
 # would be in a fresh process, so an environment variable read when they are imported is read then)
@@ -87,7 +97,6 @@ class Program:
             os.dup2(fd, target, inheritable=True)
             os.close(fd)
         for name, (soft, hard) in r["limits"].items():
-            import resource
             which = getattr(resource, name)
             if resource.getrlimit(which) != (soft, hard):
                 resource.setrlimit(which, (soft, hard))
@@ -99,7 +108,7 @@ class Program:
         sys.stdout = sys.__stdout__ = stdio(1, "w", r["unbuffered"], srv.encoding, srv.errors)
         sys.stderr = sys.__stderr__ = stdio(2, "w", r["unbuffered"], srv.encoding, "backslashreplace")
         sys.executable = r["executable"]
-        sys.orig_argv = [r["executable"], *r.get("argv", [])]
+        sys.orig_argv = [r["executable"], *r["argv"]]
         pythonpath = [p for p in r["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
         kind, target = r["kind"], r["target"]
         first = r["cwd"] if kind == "m" else os.path.dirname(os.path.realpath(target)) if kind == "script" else ""
@@ -130,7 +139,6 @@ class Program:
         main.__dict__["__builtins__"] = builtins
         sys.modules["__main__"] = main
         if kind == "m":
-            import runpy
             sys.argv = ["-m", *args]
             runpy._run_module_as_main(target, alter_argv=True)
             return
@@ -167,10 +175,6 @@ def finish(code: int, signalled: int | None) -> None:
     """What the interpreter's shutdown does that a program can see: non-daemon threads joined, atexit callbacks
     (logging's flush, weakref finalizers, multiprocessing's clean-up) run, the buffers of files the program left
     open flushed, stdout and stderr flushed (a failed stdout flush is status 120); then the process ends."""
-    import atexit
-    import gc
-    import threading
-
     threading._shutdown()
     atexit._run_exitfuncs()
     for generation in (0, 1, 2):  # the program's objects (the server's own are frozen: gc.freeze)
@@ -200,7 +204,6 @@ def finish(code: int, signalled: int | None) -> None:
 
 
 def fcntl_dup(fd: int, lowest: int) -> int:
-    import fcntl
     return fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, lowest)
 
 
@@ -240,7 +243,6 @@ class Server:
             return f"script {request['target']} is not a file"
         if not os.path.isdir(request["cwd"]):
             return f"working directory {request['cwd']} is gone"
-        import resource
         for name, (soft, hard) in request["limits"].items():
             mine = resource.getrlimit(getattr(resource, name))[1]
             if os.geteuid() != 0 and mine != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or hard > mine):
@@ -348,8 +350,6 @@ def serve_forever(path: str) -> None:
             importlib.import_module(name)
         except ImportError:
             pass
-    import gc
-
     gc.collect()
     gc.freeze()  # the preloaded objects: out of the children's collections (which would copy their pages)
     program = Server(path).serve()
@@ -369,10 +369,6 @@ class Handle:
 def start() -> Handle | None:
     """Starts this process's server (returns at once: the shims run the real interpreter until it listens) and makes
     its shim sys.executable, the runbooks' interpreter (VENV) and NSA_TEST_FORKSERVER. None where turned off."""
-    import subprocess
-    import tempfile
-    from pathlib import Path
-
     if os.environ.get(ENV_VAR) == "0" or sys.platform != "linux":
         return None
     real = os.environ.get("NSA_TEST_REAL_PYTHON", sys.executable)
@@ -424,8 +420,6 @@ def restore(handle: Handle | None) -> None:
 
 
 def stop(handle: Handle | None) -> None:
-    import shutil
-
     if handle is None:
         return
     handle.proc.terminate()
