@@ -80,7 +80,7 @@ def trained(args) -> int:
     """--checkpoint: time the trained model at S, then score its recall (a recall corpus) and needle (a word-level
     tokenizer) at S; one JSON line. Bad input: one error line, exit 2."""
     from train.checkpoint.io import load_checkpoint, model_from_checkpoint, resolve_checkpoint
-    from train.core.errors import UserError
+    from train.core.errors import UserError, print_error
     from train.evaluation.needle import BYTE_TOKENIZER, needle_checkpoint
     from train.evaluation.recall import corpus_spec, probe_checkpoint
 
@@ -112,7 +112,7 @@ def trained(args) -> int:
             needle = needle_checkpoint(path, S=args.S, trials=args.needle_trials, device=args.device)
             result["needle"] = {"mean_accuracy": needle["mean_accuracy"], "file": needle["file"]}
     except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print_error(exc)
         return 2
     print(json.dumps(result))
     return 0

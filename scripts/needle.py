@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from train.checkpoint.io import model_from_checkpoint
-from train.core.errors import UserError
+from train.core.errors import UserError, print_error
 from train.data.tokenizers import load_tokenizer
 from train.evaluation.needle import NEEDLE, QUESTION, TRIALS, build_prompt, run_needle  # noqa: F401  (tests use the names)
 
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         result = run_needle(model, tok, S=args.S, depths=[float(d) for d in args.depths.split(",")],
                             trials=args.trials, seed=args.seed, prefill_tile=args.prefill_tile, device=args.device)
     except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print_error(exc)
         return exc.exit_code
     print(json.dumps({"checkpoint": str(args.ckpt), "attention": cfg["model"]["attention"],
                       "rope_scale": model.cfg.rope_scale, **result}))

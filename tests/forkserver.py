@@ -217,9 +217,9 @@ def stdio(fd: int, mode: str, unbuffered: bool, encoding: str, errors: str):
     if mode == "r":
         return io.TextIOWrapper(io.BufferedReader(raw), encoding=encoding, errors=errors)
     tty = raw.isatty()
-    buffer = raw if unbuffered else io.BufferedWriter(raw)
-    return io.TextIOWrapper(buffer, encoding=encoding, errors=errors, line_buffering=tty or fd == 2,
-                            write_through=unbuffered)
+    if unbuffered:  # -u or PYTHONUNBUFFERED: each write goes straight to the descriptor (so print()'s newline is a
+        return io.TextIOWrapper(raw, encoding=encoding, errors=errors, write_through=True)  # write of its own)
+    return io.TextIOWrapper(io.BufferedWriter(raw), encoding=encoding, errors=errors, line_buffering=tty or fd == 2)
 
 
 class Server:

@@ -86,9 +86,11 @@ def main() -> None:
     import resource
     umask = os.umask(0)
     os.umask(umask)
+    unbuffered = unbuffered or bool(os.environ.get("PYTHONUNBUFFERED"))  # the interpreter reads it at start-up
     request = {
-        "kind": kind, "target": target, "args": rest, "argv": sys.argv[1:], "unbuffered": unbuffered, "cwd": os.getcwd(),
-        "env": dict(os.environ), "executable": os.path.abspath(sys.argv[0]), "fds": fds, "umask": umask,
+        "unbuffered": unbuffered, "kind": kind, "target": target, "args": rest, "argv": sys.argv[1:],
+        "cwd": os.getcwd(), "env": dict(os.environ), "executable": os.path.abspath(sys.argv[0]), "fds": fds,
+        "umask": umask,
         "limits": {name: resource.getrlimit(getattr(resource, name)) for name in LIMITS},
         "ignored": [int(s) for s in signal.valid_signals()
                     if s not in (signal.SIGKILL, signal.SIGSTOP) and signal.getsignal(s) == signal.SIG_IGN],
@@ -107,8 +109,15 @@ def main() -> None:
         conn.close()
         real_interpreter()
     pid = reply["pid"]
+
+    def forward(signum, _frame):
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:  # it has ended (torchrun's SIGTERM to a rank that exited): its status follows
+            pass
+
     for sig in FORWARDED:  # ignored ones too: the program may set a handler where it started with SIG_IGN
-        signal.signal(sig, lambda signum, frame: os.kill(pid, signum))
+        signal.signal(sig, forward)
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
     line = reader.readline()  # the server's `{"status": ...}` when the process ends
     if not line:

@@ -29,6 +29,7 @@ report = {
     "fd": os.read(extra, 100).decode() if extra >= 0 else None, "main": __name__,
     "executable_runs_python": os.path.basename(sys.executable).startswith("python"),
     "pythonpath_first": [p for p in sys.path[1:3]], "hup_ignored": signal.getsignal(signal.SIGHUP) == signal.SIG_IGN,
+    "stdio": [[type(s.buffer).__name__, s.line_buffering, s.write_through] for s in (sys.stdout, sys.stderr)],
 }
 print(json.dumps(report))
 sys.stderr.write("to stderr\n")
@@ -96,12 +97,14 @@ def test_module_and_code_commands_order_sys_path_as_the_interpreter_does(server,
     (tmp_path / "probe_mod.py").write_text(PROBE)
     reports = {}
     for forked in (True, False):
-        env = {**os.environ, "PYTHONPATH": str(tmp_path / "lib")}
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+        env["PYTHONPATH"] = str(tmp_path / "lib")
         if not forked:
             env.pop(forkserver.ENV_VAR, None)
-        for how in (["-m", "probe_mod", "x"], ["-c", PROBE, "y"]):
-            proc = subprocess.run([server.python, *how], cwd=tmp_path, env=env, capture_output=True, text=True,
-                                  timeout=120)
+        for how in (["-m", "probe_mod", "x"], ["-c", PROBE, "y"]):  # -c unbuffered by PYTHONUNBUFFERED
+            unbuffered = {"PYTHONUNBUFFERED": "1"} if how[0] == "-c" else {}
+            proc = subprocess.run([server.python, *how], cwd=tmp_path, env={**env, **unbuffered}, capture_output=True,
+                                  text=True, timeout=120)
             report = json.loads(proc.stdout.splitlines()[0])
             assert report.pop("preloaded") is forked, how[0]
             reports[forked, how[0]] = (proc.returncode, report)
@@ -109,6 +112,9 @@ def test_module_and_code_commands_order_sys_path_as_the_interpreter_does(server,
         assert reports[True, how] == reports[False, how], how
     assert reports[True, "-m"][1]["path0"] == str(tmp_path) and reports[True, "-c"][1]["path0"] == ""
     assert reports[True, "-m"][1]["argv"] == [str(tmp_path / "probe_mod.py"), "x"]
+    # stdout / stderr buffered (stderr by line) as the interpreter makes them, and unbuffered under PYTHONUNBUFFERED
+    assert reports[True, "-m"][1]["stdio"] == [["BufferedWriter", False, False], ["BufferedWriter", True, False]]
+    assert reports[True, "-c"][1]["stdio"] == [["FileIO", False, True]] * 2
 
 
 def test_an_uncaught_exception_and_a_start_up_variable(server, tmp_path):
@@ -155,6 +161,18 @@ def test_signals_reach_the_program_and_killing_the_shim_kills_it(server):
     pid = int(proc.stdout.readline())
     os.kill(pid, signal.SIGKILL)  # the program itself killed (as a test kills the trainer by its recorded pid)
     assert proc.wait(timeout=30) == -signal.SIGKILL
+
+    # a signal that reaches the shim after its program ended (torchrun's SIGTERM to every rank once one has failed,
+    # seen in CI): nothing to pass it to; the shim still exits as the program did, without a traceback
+    proc = subprocess.Popen([server.python, "-c", SLEEPER], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pid = int(proc.stdout.readline())
+    os.kill(proc.pid, signal.SIGSTOP)  # the shim cannot read its program's status until it continues
+    os.kill(pid, signal.SIGKILL)
+    assert wait_gone(pid)  # ended and reaped by the server
+    os.kill(proc.pid, signal.SIGTERM)  # pending until SIGCONT: both reach the shim's handler with the program gone
+    os.kill(proc.pid, signal.SIGCONT)
+    assert proc.wait(timeout=30) == -signal.SIGKILL
+    assert proc.stderr.read() == ""
 
 
 SHUTDOWN = r'''

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import sys
 
-from train.core.errors import UserError
+from train.core.errors import UserError, print_error
 
 USAGE = "usage: python -m train CONFIG.yaml [--section.key=value | --alias=value ...]"
 
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(config_path, from_env + overrides)  # the command line wins
         return run_training(cfg)
     except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+        print_error(exc)
         return exc.exit_code
 
 

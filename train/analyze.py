@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from train.analysis.analyze import DEFAULT_SKIP_STEPS, analyze, render
-from train.core.errors import UserError
+from train.core.errors import UserError, print_error
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         summary, path, files = analyze(args.run, skip_steps=args.skip_steps, target_tokens=args.target_tokens,
                                        plots=not args.no_plots)
     except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print_error(exc)
         return exc.exit_code
     if args.json:
         print(json.dumps(summary, indent=2))

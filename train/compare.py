@@ -36,7 +36,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from train.core.errors import UserError
+from train.core.errors import UserError, print_error
 from train.evaluation.needle import TRIALS as NEEDLE_TRIALS
 from train.workflows.compare import ARMS, ArmFailed, compare_twins, select_arms
 
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                                       recall_format=args.recall_format, recall_lengths=args.recall_lengths,
                                       positions=args.positions)
     except (UserError, ArmFailed) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print_error(exc)
         return exc.exit_code
     print(f"compare: {report['verdict']}")
     print(f"compare: report in {', '.join(str(f) for f in files)}")

@@ -19,12 +19,12 @@ def main() -> int:
     """`python -m train.env`: print the overrides the environment implies (used by the bash runbooks)."""
     import sys
 
-    from train.core.errors import UserError
+    from train.core.errors import UserError, print_error
 
     try:
         overrides, notes = env_overrides()
     except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print_error(exc)
         return exc.exit_code
     for note in notes:
         print(note, file=sys.stderr)

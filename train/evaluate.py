@@ -20,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-from train.core.errors import UserError
+from train.core.errors import UserError, print_error
 from train.evaluation.evaluate import MIXTURE, EvalRequest, evaluate, evaluate_mixture
 
 
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         request = EvalRequest(**vars(args))
         result = evaluate_mixture(request) if args.data == MIXTURE else evaluate(request)
     except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print_error(exc)
         return exc.exit_code
     print(json.dumps(result))
     return 0

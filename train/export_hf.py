@@ -16,7 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from train.core.errors import UserError
+from train.core.errors import UserError, print_error
 from train.hf.convert import ARCHITECTURES
 from train.hf.export import DTYPES, export
 
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         kind = export(args.source, args.out_dir, args.dtype, args.overwrite)
     except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print_error(exc)
         return exc.exit_code
     what = "safetensors + nsa_config.json (no transformers config)" if kind == "nsa" else ARCHITECTURES[kind]
     print(f"exported {what} to {args.out_dir}")

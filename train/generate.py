@@ -29,7 +29,7 @@ import torch
 from nsa.generate import Generation, GenerationError, check_arguments, generate, seeded_generators
 from train.checkpoint.io import load_checkpoint, model_from_checkpoint, resolve_checkpoint
 from train.core.distributed import autocast_context, resolve_precision
-from train.core.errors import ConfigError, UserError
+from train.core.errors import ConfigError, UserError, print_error
 from train.data.tokenizers import load_tokenizer
 from train.generation.text_stream import TextStream, continuation_text
 
@@ -127,10 +127,10 @@ def main(argv: list[str] | None = None, out=None, err=None) -> int:
                       f"{gen.decode_s:.3f} s ({gen.decode_tokens_per_s:,.0f} tok/s) | "
                       f"{args.num_samples} sample(s) as one batch", file=err, flush=True)
     except UserError as exc:
-        print(f"error: {exc}", file=err, flush=True)
+        print_error(exc, err)
         return exc.exit_code
     except GenerationError as exc:
-        print(f"error: {exc}", file=err, flush=True)
+        print_error(exc, err)
         return 2
     return 0
 

@@ -16,7 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from train.core.errors import UserError
+from train.core.errors import UserError, print_error
 from train.hf.importer import import_checkpoint
 
 
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = import_checkpoint(args.model_dir, args.out_ckpt)
     except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print_error(exc)
         return exc.exit_code
     print(f"imported {args.model_dir} ({cfg.n_layers} layers, dim {cfg.dim}, attention {cfg.attention}) "
           f"to {args.out_ckpt}; start a run from it with --train.init_from={args.out_ckpt}")

@@ -22,7 +22,7 @@ import sys
 
 from train.core.config import load_config
 from train.core.env import launch_ranks
-from train.core.errors import UserError
+from train.core.errors import UserError, print_error
 from train.planning.memory import GPU_MIB, gpu_name, render_memory, verdict
 from train.planning.plan import make_plan, render
 
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.gpu is not None:
             plan["memory"] = verdict(cfg, gpus, gpu_name(args.gpu))
     except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print_error(exc)
         return exc.exit_code
     if args.json:
         print(json.dumps(plan, indent=2))

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from train.core.env import artifacts_dir
-from train.core.errors import UserError
+from train.core.errors import UserError, print_error
 from train.workflows.postrun import archive, resolve_out_dir, validate_checkpoint, write_record
 
 
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         record = write_record(out_dir, validation, args.skip_steps)
         tarball, how = archive(out_dir, args.archive_dir or artifacts / "handoff", args.with_weights)
     except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print_error(exc)
         return exc.exit_code
     if validation:
         print(f"✓ validated {Path(validation['checkpoint']).name}: val loss {validation['val_loss']:.4f} "

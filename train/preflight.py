@@ -14,7 +14,7 @@ import argparse
 import sys
 
 from train.core.config import load_config
-from train.core.errors import ConfigError, UserError
+from train.core.errors import ConfigError, UserError, print_error
 from train.workflows.preflight import run_preflight
 
 
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, overrides)
         result = run_preflight(cfg, gpus=args.gpus, checksums=not args.no_checksums)
     except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print_error(exc)
         return exc.exit_code
     print(result.render(), flush=True)
     return 0 if result.ok else 1

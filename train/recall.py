@@ -23,7 +23,7 @@ import json
 import sys
 from pathlib import Path
 
-from train.core.errors import UserError
+from train.core.errors import UserError, print_error
 from dataclasses import replace
 
 from train.data.recall import DEFAULT_FORMAT, FORMATS, LOSS_ON, RecallSpec, write_corpus
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                               "lengths": {str(r["length_multiple"]): {k: r[k] for k in (
                                   "far_accuracy", "far_stderr", "near_accuracy", "buckets", "file")} for r in reports}}))
     except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print_error(exc)
         return exc.exit_code
     return 0
 

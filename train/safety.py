@@ -23,6 +23,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from train.core.errors import print_error
 from train.trainer.safety import stale_halt_message
 
 
@@ -34,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     message = stale_halt_message(Path(argv[1]))
     if message:
-        print(f"error: {message}", file=sys.stderr)
+        print_error(message)
         return 2
     return 0
 

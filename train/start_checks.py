@@ -19,7 +19,7 @@ import argparse
 import sys
 
 from train.core.config import load_config
-from train.core.errors import ConfigError, UserError
+from train.core.errors import ConfigError, UserError, print_error
 from train.trainer.start_checks import start_checks
 
 
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--world-size must be >= 1, got {args.world_size}")
         lines = start_checks(load_config(args.config, overrides), args.world_size)
     except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print_error(exc)
         return exc.exit_code
     for line in lines:
         print(line)

@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 from train.core.env import launch_ranks
-from train.core.errors import UserError
+from train.core.errors import UserError, print_error
 from train.evaluation.tasks_checkpoint import TasksRequest, evaluate_tasks
 from train.evaluation.tasks_data import SUBSET_SEED
 
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = evaluate_tasks(TasksRequest(**vars(args)))
     except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print_error(exc)
         return exc.exit_code
     if launch_ranks()[1] == 0:  # under torchrun, rank 0 speaks for all
         print(json.dumps(result))

@@ -15,7 +15,7 @@ import time
 
 
 from train.data import DataConfig, build_data, load_tokenizer, padded_vocab
-from train.core.errors import UserError
+from train.core.errors import UserError, print_error
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ok {args.batches} batches from {args.source} in {time.monotonic() - started:.1f}s: {bundle.describe()}")
         bundle.close()
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print_error(e)
         return e.exit_code
     return 0
 

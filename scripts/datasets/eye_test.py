@@ -15,7 +15,7 @@ import numpy as np
 
 from train.data.meta import SPLITS, read_meta, split_tokens
 from train.data.tokenizers import load_tokenizer
-from train.core.errors import UserError
+from train.core.errors import UserError, print_error
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(tokenizer.decode(window))
                 print()
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print_error(e)
         return e.exit_code
     return 0
 

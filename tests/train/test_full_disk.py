@@ -132,3 +132,28 @@ def test_tensorboard_on_a_full_disk_prints_only_our_line(tmp_path):
     before = proc.stderr.split(ours[0])[0]
     assert "Traceback" not in before and "_AsyncWriterThread" not in before, proc.stderr
     assert "Exception in thread another" in proc.stderr and "ZeroDivisionError" in proc.stderr, proc.stderr
+
+
+def test_the_error_line_is_one_write_when_stderr_is_unbuffered():
+    """Ranks under torchrun run `python -u`: print() would write the text and its newline separately, and two ranks
+    stopping at the same vote printed `error: A error: B` on one line (seen in CI). The line goes out in one write."""
+    import io
+
+    from train.core.errors import StorageError, print_error
+
+    class Recorded(io.RawIOBase):
+        def __init__(self):
+            super().__init__()
+            self.writes: list[bytes] = []
+
+        def writable(self) -> bool:
+            return True
+
+        def write(self, data) -> int:
+            self.writes.append(bytes(data))
+            return len(data)
+
+    raw = Recorded()
+    stderr = io.TextIOWrapper(raw, encoding="utf-8", write_through=True)  # what `python -u` makes of fd 2
+    print_error(StorageError.of("out/training.csv", OSError(28, "No space left on device")), file=stderr)
+    assert raw.writes == [b"error: out/training.csv could not be written: [Errno 28] No space left on device\n"]

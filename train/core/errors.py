@@ -1,4 +1,6 @@
-"""Errors a user can cause. The entrypoints print them as one line and exit non-zero."""
+"""Errors a user can cause. The entrypoints print them as one line (`print_error`) and exit non-zero."""
+
+import sys
 
 
 class UserError(Exception):
@@ -35,3 +37,12 @@ class StorageError(UserError):
 
 class ConversionError(UserError):
     """A model that cannot be exported to, or imported from, the Hugging Face format (train/hf/convert.py)."""
+
+
+def print_error(message: object, file=None) -> None:
+    """`error: MESSAGE` on stderr (or `file`) in one write. Ranks under torchrun run `python -u`, where print() writes
+    the text and its newline separately: two ranks failing at the same vote printed `error: A error: B` and then two
+    newlines. One write of a line shorter than PIPE_BUF reaches a pipe or an appended file whole."""
+    stream = sys.stderr if file is None else file
+    stream.write(f"error: {message}\n")
+    stream.flush()

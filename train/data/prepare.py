@@ -16,7 +16,7 @@ import argparse
 import os
 import sys
 
-from train.core.errors import UserError
+from train.core.errors import UserError, print_error
 from train.data.preparation import add_source_arguments, empty_val_warning, prepare, spellings, summary_line
 
 
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
                        workers=args.workers, max_docs=args.max_docs, subset=args.subset, split=args.split,
                        text_field=args.text_field, text_sample_by=args.text_sample_by, overwrite=args.overwrite)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print_error(e)
         return e.exit_code
     print(summary_line(args.out, meta, f"{meta['text_bytes'] / 1e6 / max(meta['seconds'], 1e-9):.1f} MB/s"))
     if meta.get("val_split"):

@@ -23,7 +23,7 @@ import argparse
 import os
 import sys
 
-from train.core.errors import UserError
+from train.core.errors import UserError, print_error
 from train.data.preparation import add_source_arguments, empty_val_warning, spellings, summary_line
 from train.data.sharded_preparation import prepare_sharded
 
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
                                text_sample_by=args.text_sample_by, keep_shards=args.keep_shards,
                                overwrite=args.overwrite)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print_error(e)
         return e.exit_code
     if meta is None:
         return 0

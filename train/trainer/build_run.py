@@ -33,7 +33,7 @@ from train.core.distributed import (
     resolve_precision,
     wrap_model,
 )
-from train.core.errors import CheckpointError, ConfigError, DataError, StorageError, UserError
+from train.core.errors import CheckpointError, ConfigError, DataError, StorageError, UserError, print_error
 from train.core.seq_stages import SeqStage, seq_stages, stage_at, trained_fields
 from train.data import build_data
 from train.hf.importer import EXTENSION_FIELDS, init_state_dict
@@ -404,7 +404,7 @@ class Run:
         try:
             self.finish_writes()
         except CheckpointError as exc:
-            print(f"error: {exc}", file=sys.stderr, flush=True)
+            print_error(exc)
         finally:
             self.data.close()
             if self.lock is not None:
