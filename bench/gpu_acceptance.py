@@ -31,6 +31,8 @@ guaranteed; an item that ends early leaves its time to the next):
 8. packed documents: NSA and dense forward + backward at 8k and 32k with 0 / 1 / 8 / 64 documents per window
 9. downstream tasks: the scorer's tokens/s on hellaswag for the showcase and M7C-125M models
    (bench/bench_tasks.py; the time for all 10,042 docs extrapolated)
+10. nsa_speed: bench/gpu_nsa_speed.py's correctness, ceilings and attention sections (NSA vs SDPA, FlexAttention and
+   fla's NSA at 8k .. 64k, both layouts; its own results JSON in --out), the ratios in this report
 """
 from __future__ import annotations
 
@@ -70,7 +72,8 @@ def last_json(text: str) -> dict:
 
 # seconds per item, compilation included (Triton JIT of every kernel, torch.compile of the models)
 ITEM_LIMITS = {"launches": 60, "kernel_compile": 300, "cuda_tests": 600, "attention": 420, "branches": 300,
-               "m7c_training": 900, "decode": 240, "dense_1b_mfu": 480, "documents": 300, "tasks": 300}
+               "m7c_training": 900, "decode": 240, "dense_1b_mfu": 480, "documents": 300, "tasks": 300,
+               "nsa_speed": 900}
 DOCUMENTS_GOAL = 1.10  # masked time / unmasked time, at most (issue 28: within 10%)
 LAUNCH_BUDGET = 150  # ops per NSA layer forward + backward at any T (issue 19)
 
@@ -298,9 +301,21 @@ def tasks(args) -> dict:
                       f"~{r['seconds_all_docs_estimate'] / 60:.1f} min" for r in res["results"]]}
 
 
+def nsa_speed(args) -> dict:
+    cmd = [PY, "bench/gpu_nsa_speed.py", "--out", str(args.out), "--device", args.device,
+           "--only", "environment", "correctness", "ceilings", "attention", *(["--tiny"] if args.tiny else [])]
+    code, out = run(cmd, args.limit)
+    try:
+        res = last_json(out)
+    except ValueError:
+        return {"ok": False, "exit": code, "output": out[-1500:]}
+    return {"ok": code == 0, "exit": code, "results_file": res["results"], "summary": res["summary"],
+            "goal": "NSA over SDPA / Flex / fla, fwd+bwd (> 1: NSA faster): see summary and the results file"}
+
+
 ITEMS = {"launches": launches, "kernel_compile": kernel_compile, "cuda_tests": cuda_tests, "attention": attention,
          "branches": branches, "m7c_training": m7c_training, "decode": decode, "dense_1b_mfu": dense_1b_mfu,
-         "documents": documents, "tasks": tasks}
+         "documents": documents, "tasks": tasks, "nsa_speed": nsa_speed}
 FIRST_PASS_BUDGET_S = 540  # the first pass's items together: a 10-minute window less start-up and the machine's own
 # first pass: item -> (seconds guaranteed to it, seconds at most), in the order they run
 FIRST_PASS = {"environment": (5, 30), "cuda_tests": (90, 150), "attention": (60, 120), "m7c_training": (120, 210),

@@ -50,6 +50,12 @@ def initial_gate_entropy(cfg: NSAConfig) -> float:
     return -g * math.log(g) - (1 - g) * math.log(1 - g)
 
 
+def gated_sum(g: torch.Tensor, o_cmp: torch.Tensor, o_sel: torch.Tensor, o_win: torch.Tensor) -> torch.Tensor:
+    """g [B, T, H, 3] (cmp, sel, win) and the branch outputs [B, H, T, hd] -> their gated sum [B, H, T, hd]."""
+    gt = g.transpose(1, 2).unsqueeze(-1).to(o_cmp.dtype)  # [B, H, T, 3, 1]
+    return gt[..., 0, :] * o_cmp + gt[..., 1, :] * o_sel + gt[..., 2, :] * o_win
+
+
 class NativeSparseAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -177,63 +183,90 @@ class NativeSparseAttention(nn.Module):
             return self._forward_window(x, rope, cache, documents, return_indices)
         if documents is not None:
             return self._forward_documents(x, rope, documents, return_indices)
-        c = self.cfg
-        B, T, _ = x.shape
         q, br = self.project(x, rope)
-        t0 = cache.t if cache is not None else 0  # absolute position of x[:, 0]
-        t_end = t0 + T
+        if cache is None:
+            t0 = 0
+            o_cmp, o_sel, o_win, block_idx = self.sparse_attention(q, br, rope)
+        else:
+            t0 = cache.t
+            o_cmp, o_sel, o_win, block_idx = self._cached_branches(q, br, rope, cache)
+        record = None
+        if self.stats_enabled:  # every query's position: t0 .. t_end-1 (one document); sel_k holds positions 0 ..
+            record = self._selection_record(q, br["sel"][0] if cache is None else cache.sel_k.data, block_idx,
+                                            torch.arange(t0, t0 + x.shape[1], device=x.device))
+        return self._combine(x, o_cmp, o_sel, o_win, block_idx, record, return_indices)
 
-        # compression: emit every token whose block [i*d, i*d+l) ends inside this call
+    def sparse_attention(self, q: torch.Tensor, br: dict, rope=None):
+        """The three branches over a fresh sequence (positions 0 .. T-1, no cache, one document): everything between
+        the projections and the gates, which bench/gpu_nsa_speed.py times beside SDPA. q [B, H, T, hd] and br
+        {branch: (k, v)} as `project` returns them -> o_cmp, o_sel, o_win [B, H, T, hd], block_idx [B, H_kv, T, n]."""
+        c = self.cfg
+        T = q.shape[2]
         raw_k, raw_v = br["cmp"]
-        if cache is not None and cache.cmp_raw_k is not None:
+        count = num_compressed(T, c.l, c.d)
+        ck = compress(self.compress_k, raw_k, 0, 0, count, c.l, c.d)  # [B, H_kv, count, hd]
+        cv = compress(self.compress_v, raw_v, 0, 0, count, c.l, c.d)
+        if rope is not None and count > 0:  # rotate compressed key i at position i*d + l - 1
+            at = torch.arange(count, device=q.device) * c.d + (c.l - 1)  # [count]
+            # cos, sin [T, hd/2] or per row [B, T, hd/2]: index the T axis -> [count, hd/2] or [B, count, hd/2]
+            ck = apply_rotary(ck, rope[0][..., at, :], rope[1][..., at, :])
+        return self._branches(q, ck, cv, *br["sel"], *br["win"], 0, T)
+
+    def _cached_branches(self, q, br, rope, cache: NSACache):
+        """The three branches of x's tokens appended to `cache` (prefill chunks and decode steps): compressed tokens
+        are emitted for every block that ends inside this call, the caches grow, then `_branches`."""
+        c = self.cfg
+        T = q.shape[2]
+        t0 = cache.t  # absolute position of x[:, 0]
+        t_end = t0 + T
+        raw_k, raw_v = br["cmp"]
+        if cache.cmp_raw_k is not None:
             raw_k, raw_v = torch.cat((cache.cmp_raw_k, raw_k), 2), torch.cat((cache.cmp_raw_v, raw_v), 2)
         raw_start = t_end - raw_k.shape[2]
-        first = cache.n_compressed if cache is not None else 0
+        first = cache.n_compressed
         count = num_compressed(t_end, c.l, c.d) - first
-        emit = count > 0 or cache is None or cache.cmp_k.data is None  # else reuse the cache's tokens
+        emit = count > 0 or cache.cmp_k.data is None  # else reuse the cache's tokens
         if emit:
             ck = compress(self.compress_k, raw_k, raw_start, first, count, c.l, c.d)  # [B, H_kv, count, hd]
             cv = compress(self.compress_v, raw_v, raw_start, first, count, c.l, c.d)
         if rope is not None and count > 0:  # rotate compressed key i at position i*d + l - 1 (in x)
-            at = torch.arange(count, device=x.device) * c.d + (first * c.d + c.l - 1 - t0)  # [count]
-            # cos, sin [T, hd/2] or per row [B, T, hd/2]: index the T axis -> [count, hd/2] or [B, count, hd/2]
+            at = torch.arange(count, device=q.device) * c.d + (first * c.d + c.l - 1 - t0)  # [count]
             ck = apply_rotary(ck, rope[0][..., at, :], rope[1][..., at, :])
+        if emit:
+            cache.cmp_k.append(ck)
+            cache.cmp_v.append(cv)
+        ck, cv = cache.cmp_k.view(), cache.cmp_v.view()
+        keep = (first + count) * c.d - raw_start  # raw positions the next compressed token needs
+        cache.cmp_raw_k, cache.cmp_raw_v = raw_k[:, :, keep:], raw_v[:, :, keep:]
+        cache.sel_k.append(br["sel"][0])
+        cache.sel_v.append(br["sel"][1])
+        sel_k, sel_v = cache.sel_k.data, cache.sel_v.data  # whole zero-padded blocks, positions 0 ..
+        win_k, win_v = cache.window(*br["win"])
+        cache.t = t_end
+        return self._branches(q, ck, cv, sel_k, sel_v, win_k, win_v, t0, t_end)
 
-        sel_k, sel_v = br["sel"]
-        win_k, win_v = br["win"]
-        if cache is not None:
-            if emit:
-                cache.cmp_k.append(ck)
-                cache.cmp_v.append(cv)
-            ck, cv = cache.cmp_k.view(), cache.cmp_v.view()
-            keep = (first + count) * c.d - raw_start  # raw positions the next compressed token needs
-            cache.cmp_raw_k, cache.cmp_raw_v = raw_k[:, :, keep:], raw_v[:, :, keep:]
-            cache.sel_k.append(sel_k)
-            cache.sel_v.append(sel_v)
-            sel_k, sel_v = cache.sel_k.data, cache.sel_v.data  # whole zero-padded blocks, positions 0 ..
-            win_k, win_v = cache.window(win_k, win_v)
-            cache.t = t_end
-
+    def _branches(self, q, ck, cv, sel_k, sel_v, win_k, win_v, t0: int, t_end: int):
+        """q [B, H, T, hd] at positions t0 .. t_end-1 over compressed ck, cv [B, H_kv, C, hd], selection keys and
+        values from position 0 and the window's keys and values ending at t_end - 1 -> the three branch outputs
+        [B, H, T, hd] and block_idx [B, H_kv, T, n]."""
+        c = self.cfg
+        B, _, T, _ = q.shape
         if T == 1:  # one query (a decode step): every cached key is visible, no chunking or masks
             with nvtx_range("nsa.decode"):
-                o_cmp, o_sel, o_win, block_idx = decode_branches(q, ck, cv, sel_k, sel_v, win_k, win_v, t0, c)
-        else:  # one custom op per stage (nsa/attention/ops.py): a constant number of launches per layer
-            with nvtx_range("nsa.compressed"):
-                o_cmp = ops.compressed_attention(q, ck, cv, t0, c.l, c.d, c.q_chunk, c.kernel)  # [B, H, T, hd]
-            qg = q.view(B, self.n_kv_heads, self.n_groups, T, self.head_dim)  # [B, H_kv, G, T, hd]
-            with nvtx_range("nsa.select"):
-                block_idx = ops.select_blocks(qg, ck, t0, c.l, c.d, c.l_sel, c.n_sel, c.q_chunk, c.kernel)
-            with nvtx_range("nsa.selected"):
-                o_sel = ops.selected_attention(qg, sel_k, sel_v, block_idx, t0, c.l_sel, c.sel_tile, kernel=c.kernel,
-                                               chunk=c.sel_chunk)
-                o_sel = o_sel.view(B, self.n_heads, T, self.head_dim)
-            with nvtx_range("nsa.window"):
-                o_win = ops.window_attention(q, win_k, win_v, t0, t_end - win_k.shape[2], c.w, c.win_block, c.kernel)
-
-        record = None
-        if self.stats_enabled:  # every query's position: t0 .. t_end-1 (one document); sel_k holds positions 0 ..
-            record = self._selection_record(q, sel_k, block_idx, torch.arange(t0, t_end, device=x.device))
-        return self._combine(x, o_cmp, o_sel, o_win, block_idx, record, return_indices)
+                return decode_branches(q, ck, cv, sel_k, sel_v, win_k, win_v, t0, c)
+        # one custom op per stage (nsa/attention/ops.py): a constant number of launches per layer
+        with nvtx_range("nsa.compressed"):
+            o_cmp = ops.compressed_attention(q, ck, cv, t0, c.l, c.d, c.q_chunk, c.kernel)  # [B, H, T, hd]
+        qg = q.view(B, self.n_kv_heads, self.n_groups, T, self.head_dim)  # [B, H_kv, G, T, hd]
+        with nvtx_range("nsa.select"):
+            block_idx = ops.select_blocks(qg, ck, t0, c.l, c.d, c.l_sel, c.n_sel, c.q_chunk, c.kernel)
+        with nvtx_range("nsa.selected"):
+            o_sel = ops.selected_attention(qg, sel_k, sel_v, block_idx, t0, c.l_sel, c.sel_tile, kernel=c.kernel,
+                                           chunk=c.sel_chunk)
+            o_sel = o_sel.view(B, self.n_heads, T, self.head_dim)
+        with nvtx_range("nsa.window"):
+            o_win = ops.window_attention(q, win_k, win_v, t0, t_end - win_k.shape[2], c.w, c.win_block, c.kernel)
+        return o_cmp, o_sel, o_win, block_idx
 
     def _selection_record(self, q, sel_k, block_idx, q_pos, k_base=None):
         """With statistics on: what the forward records of its selection (device tensors, no host sync):
@@ -249,8 +282,7 @@ class NativeSparseAttention(nn.Module):
         record: _selection_record's (stats, sample) when statistics are on, else None."""
         B, T, _ = x.shape
         g = self.gates(x)  # [B, T, H, 3]
-        gt = g.transpose(1, 2).unsqueeze(-1).to(o_cmp.dtype)  # [B, H, T, 3, 1]
-        y = gt[..., 0, :] * o_cmp + gt[..., 1, :] * o_sel + gt[..., 2, :] * o_win  # [B, H, T, hd]
+        y = gated_sum(g, o_cmp, o_sel, o_win)  # [B, H, T, hd]
         y = self.dropout(self.proj(y.transpose(1, 2).reshape(B, T, -1)))
         if record is not None:
             selection, self.last_sample = record

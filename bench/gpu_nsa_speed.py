@@ -1,0 +1,635 @@
+"""NSA's speed on a GPU in one call: correctness first, then NSA beside SDPA, FlexAttention and fla's NSA.
+
+    PYTHONPATH=. python3 bench/gpu_nsa_speed.py --out bench/results                # every section (~8 min, one H100/H200)
+    PYTHONPATH=. python3 bench/gpu_nsa_speed.py --out bench/results --only attention --S 8192 32768
+    PYTHONPATH=. python3 bench/gpu_nsa_speed.py --out DIR --device cpu --tiny       # the plumbing on CPU (tests)
+
+Sections, in this order (`--only` picks some; each is recorded as it ends, so a call cut short keeps what it had):
+  environment  torch, Triton, CUDA, the GPU, whether fla's `parallel_nsa` imports
+  correctness  before any timing. (a) the NSA layer on the Triton kernels in bf16 against the float64 per-token
+               reference (nsa/attention/reference.py) at small T, forward; (b) the same layer on the Triton kernels in
+               bf16 against the torch path in float64 at a longer T, outputs and every gradient (x and parameters).
+               Both layouts, fresh random inputs (the seed is recorded), and on CUDA the caching allocator's free
+               memory poisoned with NaN first, so an element a kernel never writes shows.
+  ceilings     a device-to-device copy (bytes read + written per second) and a bf16 matmul (8192^3), measured here
+  attention    per layout and length, forward and forward+backward (on CPU: the torch path, FlexAttention forward
+               only; the numbers only check the plumbing): NSA's core (`NativeSparseAttention.
+               sparse_attention` + the gated sum: compression, scoring, top-n, the three branches, gates given)
+               against SDPA (the backend torch picked, named), FlexAttention causal (compiled) and, at the paper's
+               layout, fla's `parallel_nsa`; each NSA stage alone with its counted FLOPs and bytes and the fraction
+               of the measured ceilings it reaches; the whole NSA layer (projections included) fwd+bwd at 8k under
+               the profiler: device-busy fraction, host time and kernel launches
+  train        M7C-125M compiled, NSA and its dense twin, tokens/s at each --train_S, with the ideal ratio from
+               counted FLOPs (nsa/flops.py v3)
+  decode       one decode step of an attention layer at each --decode_S (bench/bench_decode.py), NSA vs dense
+
+Layouts: m7c (12 query heads, 2 KV heads, head dim 64: G = 6, the block-centric selection kernels) and paper (64 / 4,
+head dim 128: G = 16, the query-centric ones, the group fla requires), both with the paper's NSA geometry l=32 d=16
+l'=64 n=16 w=512. fla's arm, like for like: its compression is a mean pool with l = d = l' = 64 and its three branches
+share one K/V; fla's window branch needs flash-attn, so the arm is parallel_nsa(window_size=0) plus this project's
+window op, and NSA is also timed at fla's geometry (`paper_fla_geometry`: l = d = l' = 64).
+
+Writes OUT/gpu_nsa_speed_<card>_<date>.json, merged with what earlier calls that day wrote (sections replaced,
+summary keys updated), with `device`, `sections` and `summary` (the ratios docs/BENCHMARKS.md quotes: *_over_* is
+NSA's speed over the other's, > 1 when NSA is faster).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+NSA_GEOMETRY = dict(l=32, d=16, l_sel=64, n_sel=16, w=512)  # the paper's and M7C's
+FLA_GEOMETRY = dict(l=64, d=64, l_sel=64, n_sel=16, w=512)  # fla's mean pool: l = d = l' = block_size
+TINY_GEOMETRY = dict(l=8, d=4, l_sel=16, n_sel=4, w=32)
+LAYOUTS = {"m7c": dict(n_heads=12, n_kv_heads=2, head_dim=64), "paper": dict(n_heads=64, n_kv_heads=4, head_dim=128)}
+TINY_LAYOUTS = {"m7c": dict(n_heads=12, n_kv_heads=2, head_dim=16), "paper": dict(n_heads=32, n_kv_heads=2, head_dim=32)}
+SECTIONS = ("environment", "correctness", "ceilings", "attention", "train", "decode")
+# relative RMS error in bf16, and the share of rows whose picks may differ (see correctness())
+TOLERANCE = {"reference_out": 1e-2, "out": 1e-2, "grad": 3e-2, "selection_disagreement": 0.02}
+
+
+# ---------------------------------------------------------------- timing
+def sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_ms(fn, device: str, repeats: int, warmup: int = 2) -> float:
+    """Median milliseconds of fn over `repeats` runs after `warmup` (CUDA events on the GPU, the wall clock on CPU)."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(repeats):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
+    return round(statistics.median(times), 4)
+
+
+# ---------------------------------------------------------------- building blocks
+def model_config(layout: dict, geometry: dict, kernel: str, T: int):
+    from nsa.config import ModelConfig, NSAConfig
+
+    dim = layout["n_heads"] * layout["head_dim"]
+    return ModelConfig(dim=dim, **layout, attention="nsa", max_seq_len=T,
+                       nsa=NSAConfig(**geometry, kernel=kernel, gate_init="equal"))
+
+
+def nsa_layer(layout: dict, geometry: dict, kernel: str, T: int, device: str, dtype, seed: int):
+    import torch
+
+    from nsa.attention.nsa import NativeSparseAttention
+
+    torch.manual_seed(seed)
+    layer = NativeSparseAttention(model_config(layout, geometry, kernel, T))
+    with torch.no_grad():  # gates ~0.5 each and phi's output layer not ~0: every branch carries signal
+        for p in layer.parameters():
+            p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]) if p.dim() > 1 else 0.1)
+    return layer.to(device=device, dtype=dtype)
+
+
+def rope_for(head_dim: int, T: int, device: str):
+    import torch
+
+    from nsa.layers import RotaryEmbedding
+
+    return RotaryEmbedding(head_dim, 10000.0).to(device)(torch.arange(T, device=device))
+
+
+def poison(device: str) -> None:
+    """Fill the caching allocator's free memory with NaN: a later tensor that reuses it and is not fully written
+    by a kernel reads NaN, not zeros or stale numbers."""
+    import torch
+
+    if device != "cuda":
+        return
+    free, _ = torch.cuda.mem_get_info()
+    try:
+        blob = torch.full((int(free * 0.5) // 2,), float("nan"), dtype=torch.bfloat16, device="cuda")
+        del blob
+    except torch.OutOfMemoryError:
+        pass
+
+
+def rel_rms(got, want) -> float:
+    got, want = got.double().cpu(), want.double().cpu()
+    if not bool(got.isfinite().all()):
+        return float("inf")
+    return ((got - want).square().mean().sqrt() / want.square().mean().sqrt().clamp_min(1e-30)).item()
+
+
+# ---------------------------------------------------------------- sections
+def environment(args) -> dict:
+    import torch
+
+    env = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if args.device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        env["gpu"] = {"name": props.name, "memory_gib": round(props.total_memory / 2**30, 1),
+                      "capability": f"{props.major}.{props.minor}", "sms": props.multi_processor_count}
+    env["fla"] = fla_version()
+    return env
+
+
+def fla_version() -> str | None:
+    try:
+        from importlib import metadata
+
+        import fla.ops.nsa  # noqa: F401
+
+        return metadata.version("fla-core")
+    except Exception as exc:  # not installed, or it fails to import here: the arm is skipped, with why
+        return f"unavailable ({type(exc).__name__}: {exc})"[:200]
+
+
+def correctness(args) -> dict:
+    """(a) Triton bf16 vs the float64 per-token reference, forward, small T; (b) Triton bf16 vs the torch path in
+    float64, outputs and every gradient, longer T, the float64 run given the bf16 run's selected blocks (selection
+    has no gradient; replaying it compares the attention, not the picks), and separately the share of (query, KV
+    head) rows whose blocks the two runs pick differently. Tolerances (relative RMS): the reference sees the same bf16
+    parameters and inputs, so what differs is the kernels' bf16 roundings (q·k, P, P·V, and in (b) phi's and the
+    gates' bf16 matmuls and the backward's dS, dP: ~2^-8 each, averaged; seen: outputs 0.005-0.006, the worst
+    gradient 0.011-0.015, phi's, whose gradient sums the most bf16 products). Picks differ where two blocks' scores are
+    within that rounding (phi's bf16 compressed keys): a few rows in 10^3 on random inputs; more than 2% would be a
+    scoring bug."""
+    import torch
+
+    from nsa.attention import ops
+    from nsa.attention.reference import reference_forward
+
+    seed = int(time.time()) % 100_000
+    layouts, geometry = (TINY_LAYOUTS, TINY_GEOMETRY) if args.tiny else (LAYOUTS, NSA_GEOMETRY)
+    small_T, long_T = (48, 96) if args.tiny else (96, 2048)
+    cases, ok = {}, True
+    for name, layout in layouts.items():
+        if not args.tiny:  # the per-token reference walks every head in Python: fewer heads, the same group size
+            ref_layout = dict(layout, n_heads=layout["n_heads"] // layout["n_kv_heads"], n_kv_heads=1)
+        else:
+            ref_layout = layout
+        layer = nsa_layer(ref_layout, geometry, "triton", small_T, args.device, torch.bfloat16, seed)
+        x = torch.randn(1, small_T, layer.q_proj.in_features, generator=torch.Generator().manual_seed(seed))
+        x = x.to(torch.bfloat16)
+        rope = rope_for(ref_layout["head_dim"], small_T, "cpu")
+        poison(args.device)
+        with torch.no_grad():
+            y = layer(x.to(args.device), tuple(r.to(args.device) for r in rope))
+            ref, _ = reference_forward(layer.cpu(), x, rope)
+        case = {"T": small_T, "layout": ref_layout, "reference_out": rel_rms(y, ref)}
+
+        fast = nsa_layer(layout, geometry, "triton", long_T, args.device, torch.bfloat16, seed + 1)
+        exact = nsa_layer(layout, geometry, "torch", long_T, args.device, torch.float64, seed + 1)
+        exact.load_state_dict({k: v.double() for k, v in fast.state_dict().items()})  # the same bf16 values
+        x = torch.randn(1, long_T, fast.q_proj.in_features, device=args.device).to(torch.bfloat16)
+        rope = rope_for(layout["head_dim"], long_T, args.device)
+        d_out = torch.randn(1, long_T, fast.q_proj.in_features, generator=torch.Generator().manual_seed(seed + 2))
+        grads, picks = {}, {}
+        real_select = ops.select_blocks
+        for kind, module, dtype in (("fast", fast, torch.bfloat16), ("exact", exact, torch.float64)):
+
+            def select(*a, kind=kind, **k):  # records each run's own picks; the float64 run attends to the bf16 run's
+                picks[kind] = real_select(*a, **k)
+                return picks["fast"]
+
+            poison(args.device)
+            xi = x.detach().to(dtype).clone().requires_grad_(True)
+            ops.select_blocks = select
+            try:
+                out = module(xi, tuple(r.to(dtype) for r in rope))
+            finally:
+                ops.select_blocks = real_select
+            out.backward(d_out.to(out))
+            grads[kind] = {"out": out.detach(), "x": xi.grad, **{n: p.grad for n, p in module.named_parameters()}}
+        case.update(T_long=long_T, out=rel_rms(grads["fast"]["out"], grads["exact"]["out"]))
+        case["grad"] = {n: rel_rms(g, grads["exact"][n]) for n, g in grads["fast"].items() if n != "out"}
+        case["worst_grad"] = max(case["grad"].items(), key=lambda kv: kv[1])
+        differ = (picks["fast"].sort(-1).values != picks["exact"].sort(-1).values).any(-1)  # [B, H_kv, T]
+        case["selection_disagreement"] = differ.double().mean().item()
+        case["ok"] = (case["reference_out"] < TOLERANCE["reference_out"] and case["out"] < TOLERANCE["out"]
+                      and case["worst_grad"][1] < TOLERANCE["grad"]
+                      and case["selection_disagreement"] <= TOLERANCE["selection_disagreement"])
+        ok = ok and case["ok"]
+        cases[name] = case
+    return {"ok": ok, "seed": seed, "tolerance": TOLERANCE, "cases": cases}
+
+
+def ceilings(args) -> dict:
+    import torch
+
+    n = (1 << 20) if args.tiny else (1 << 30)  # bytes per buffer
+    src = torch.empty(n, dtype=torch.uint8, device=args.device).random_()
+    dst = torch.empty_like(src)
+    copy_ms = time_ms(lambda: dst.copy_(src), args.device, 5 if args.tiny else 20)
+    m = 256 if args.tiny else 8192
+    a = torch.randn(m, m, device=args.device, dtype=torch.bfloat16)
+    b = torch.randn(m, m, device=args.device, dtype=torch.bfloat16)
+    mm_ms = time_ms(lambda: a @ b, args.device, 3 if args.tiny else 20)
+    return {"ok": True, "copy_bytes_per_s": 2 * n / (copy_ms / 1e3), "bf16_matmul_flops_per_s": 2 * m**3 / (mm_ms / 1e3),
+            "copy_buffer_bytes": n, "matmul_n": m}
+
+
+def sdpa_backend(q, k, v) -> str:
+    """Which kernel torch's SDPA ran for causal attention with these inputs (from the profiler's kernel names)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.profiler import ProfilerActivity, profile
+
+    if not q.is_cuda:
+        return "cpu"
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        torch.cuda.synchronize()
+    names = " ".join(e.name.lower() for e in prof.events())
+    for needle, backend in (("cudnn", "cudnn"), ("flash", "flash"), ("fmha", "efficient"), ("efficient", "efficient")):
+        if needle in names:
+            return backend
+    return "math"
+
+
+def stage_costs(layout: dict, geometry: dict, T: int, elem: int = 2) -> dict:
+    """Counted forward FLOPs and bytes of each NSA stage at batch 1 (model FLOPs: the keys each query may see;
+    bytes: what a kernel must read and write once, with K/V of the selected blocks read once per (query, KV head)
+    in the query-centric order). Backward: ~2.5x the forward's FLOPs (dQ, dK, dV and the recomputed scores)."""
+    from nsa.flops import mean_capped_keys, mean_compressed_keys, n_compressed_blocks
+
+    H, H_kv, hd = layout["n_heads"], layout["n_kv_heads"], layout["head_dim"]
+    l, d, l_sel, n, w = (geometry[k] for k in ("l", "d", "l_sel", "n_sel", "w"))
+    C = n_compressed_blocks(l, d, T)
+    q_bytes, kv_bytes = T * H * hd * elem, T * H_kv * hd * elem
+    per_key = 4 * H * hd * T
+    return {
+        "compressed": {"flops": per_key * mean_compressed_keys(l, d, T),
+                       "bytes": 2 * q_bytes + 2 * C * H_kv * hd * elem + T * H * 4},
+        "select": {"flops": per_key / 2 * mean_compressed_keys(l, d, T),
+                   "bytes": q_bytes + C * H_kv * hd * elem + T * H_kv * n * 4},
+        "selected": {"flops": per_key * mean_capped_keys(n * l_sel, T),
+                     "bytes": 2 * q_bytes + T * H_kv * 4 * min(n * l_sel, T) * hd * elem / 2 + T * H_kv * n * 4},
+        "window": {"flops": per_key * mean_capped_keys(w, T), "bytes": 2 * q_bytes + 2 * kv_bytes},
+        "sdpa": {"flops": per_key * (T + 1) / 2, "bytes": 2 * q_bytes + 2 * kv_bytes},
+    }
+
+
+def roofline_fraction(cost: dict, ms: float, ceil: dict | None) -> float | None:
+    if not ceil or not ms:
+        return None
+    ideal_s = max(cost["flops"] / ceil["bf16_matmul_flops_per_s"], cost["bytes"] / ceil["copy_bytes_per_s"])
+    return float(f"{ideal_s * 1e3 / ms:.3g}")
+
+
+def attention(args, ceil: dict | None) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    from nsa.attention import ops
+    from nsa.attention.nsa import gated_sum
+
+    layouts, geometry = (TINY_LAYOUTS, TINY_GEOMETRY) if args.tiny else (LAYOUTS, NSA_GEOMETRY)
+    Ss = args.S or ([128, 256] if args.tiny else [8192, 16384, 32768, 65536])
+    repeats = 2 if args.tiny else 10
+    dtype = torch.bfloat16
+    flex = flex_causal(args.device)
+    fla = fla_arm()
+    rows = []
+    variants = [(name, layout, geometry) for name, layout in layouts.items()]
+    if not args.tiny:
+        variants.append(("paper_fla_geometry", LAYOUTS["paper"], FLA_GEOMETRY))
+    for (name, layout, geo), T in ((v, T) for v in variants for T in Ss):
+        B, H, H_kv, hd = 1, layout["n_heads"], layout["n_kv_heads"], layout["head_dim"]
+        row = {"layout": name, "T": T, **layout, **geo}
+        layer = nsa_layer(layout, geo, "auto", T, args.device, dtype, 0)  # the Triton kernels on CUDA, torch on CPU
+        g = torch.Generator(device=args.device).manual_seed(T)
+        rnd = lambda *shape: torch.randn(*shape, device=args.device, dtype=dtype, generator=g)  # noqa: E731
+        q = rnd(B, H, T, hd)
+        br = {b: (rnd(B, H_kv, T, hd), rnd(B, H_kv, T, hd)) for b in ("cmp", "sel", "win")}
+        gates = torch.rand(B, T, H, 3, device=args.device, dtype=dtype, generator=g)
+        rope = rope_for(hd, T, args.device)
+        leaves = [q, gates, *[t for pair in br.values() for t in pair]]
+
+        def nsa_fwd():
+            return gated_sum(gates, *layer.sparse_attention(q, br, rope)[:3])
+
+        def sdpa_fwd():
+            return F.scaled_dot_product_attention(q, br["sel"][0], br["sel"][1], is_causal=True, enable_gqa=True)
+
+        arms = {"nsa": nsa_fwd, "sdpa": sdpa_fwd}
+        if flex is not None and "flex" in args.arms:
+            arms["flex"] = lambda: flex(q, br["sel"][0], br["sel"][1])
+        if fla is not None and "fla" in args.arms and name.startswith("paper") and (H // H_kv) >= 16:
+            arms["fla"] = lambda: fla(q, br["sel"][0], br["sel"][1], gates, layer, T)
+        for arm, fwd in arms.items():
+            try:
+                row[f"{arm}_fwd_ms"] = time_ms(lambda: fwd(), args.device, repeats)  # noqa: B023
+                if arm == "flex" and args.device != "cuda":
+                    continue  # FlexAttention has no backward on CPU
+                row[f"{arm}_fwd_bwd_ms"] = time_ms(lambda: fwd_bwd(fwd, leaves), args.device, repeats)  # noqa: B023
+            except Exception as exc:  # one arm's failure (memory at 64k, a missing kernel) must not lose the rest
+                row[f"{arm}_error"] = f"{type(exc).__name__}: {exc}"[:300]
+                torch.cuda.empty_cache() if args.device == "cuda" else None
+        if args.device == "cuda":
+            row["sdpa_backend"] = sdpa_backend(q, br["sel"][0], br["sel"][1])
+        row["stages"] = stages(layer, q, br, rope, layout, geo, T, args.device, repeats, ceil, ops)
+        for arm in ("sdpa", "flex", "fla"):
+            for what in ("fwd", "fwd_bwd"):
+                if f"{arm}_{what}_ms" in row and f"nsa_{what}_ms" in row:
+                    row[f"nsa_over_{arm}_{what}"] = round(row[f"{arm}_{what}_ms"] / row[f"nsa_{what}_ms"], 3)
+        print(json.dumps({k: v for k, v in row.items() if k != "stages"}), flush=True)
+        rows.append(row)
+        del layer, q, br, gates, leaves
+    busy = layer_busy(args, layouts["m7c"], geometry, Ss[0])
+    return {"ok": True, "rows": rows, "busy": busy}
+
+
+def fwd_bwd(fwd, leaves) -> None:
+    for t in leaves:
+        t.requires_grad_(True)
+        t.grad = None
+    out = fwd()
+    out.backward(out.detach())  # a fixed, nonzero output gradient without another launch
+    for t in leaves:
+        t.requires_grad_(False)
+
+
+def stages(layer, q, br, rope, layout, geo, T, device, repeats, ceil, ops) -> dict:
+    """Each stage of the NSA core alone, forward (selection has no backward), on the inputs the layer gives it."""
+    import torch
+
+    from nsa.attention.impl.compression import compress, num_compressed
+
+    c = layer.cfg
+    B, H_kv, G, hd = q.shape[0], layer.n_kv_heads, layer.n_groups, layer.head_dim
+    with torch.no_grad():
+        count = num_compressed(T, c.l, c.d)
+        ck = compress(layer.compress_k, br["cmp"][0], 0, 0, count, c.l, c.d)
+        cv = compress(layer.compress_v, br["cmp"][1], 0, 0, count, c.l, c.d)
+        qg = q.view(B, H_kv, G, T, hd)
+        idx = ops.select_blocks(qg, ck, 0, c.l, c.d, c.l_sel, c.n_sel, c.q_chunk, c.kernel)
+    calls = {
+        "compress": lambda: compress(layer.compress_k, br["cmp"][0], 0, 0, count, c.l, c.d),
+        "compressed": lambda: ops.compressed_attention(q, ck, cv, 0, c.l, c.d, c.q_chunk, c.kernel),
+        "select": lambda: ops.select_blocks(qg, ck, 0, c.l, c.d, c.l_sel, c.n_sel, c.q_chunk, c.kernel),
+        "selected": lambda: ops.selected_attention(qg, *br["sel"], idx, 0, c.l_sel, c.sel_tile, kernel=c.kernel,
+                                                   chunk=c.sel_chunk),
+        "window": lambda: ops.window_attention(q, *br["win"], 0, 0, c.w, c.win_block, c.kernel),
+    }
+    costs = stage_costs(layout, geo, T)
+    out = {}
+    with torch.no_grad():
+        for name, call in calls.items():
+            ms = time_ms(call, device, repeats)
+            out[name] = {"fwd_ms": ms}
+            if name in costs:
+                out[name].update(flops=costs[name]["flops"], bytes=costs[name]["bytes"],
+                                 roofline_fraction=roofline_fraction(costs[name], ms, ceil))
+    return out
+
+
+def flex_causal(device: str):
+    """FlexAttention causal with GQA, compiled on CUDA (eager elsewhere: it runs, unfused), or None."""
+    try:
+        import torch
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError:
+        return None
+    masks = {}
+    compiled = torch.compile(flex_attention, dynamic=False) if device == "cuda" else flex_attention
+
+    def call(q, k, v):
+        T = q.shape[2]
+        if T not in masks:
+            masks[T] = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, T, T, device=q.device)
+        return compiled(q, k, v, block_mask=masks[T], enable_gqa=True)
+
+    return call
+
+
+def fla_arm():
+    """fla's parallel_nsa (compressed + selected, mean-pooled, l = d = l' = 64) plus this project's window op (fla's
+    own window branch needs flash-attn), or None when fla does not import."""
+    try:
+        from fla.ops.nsa import parallel_nsa
+    except Exception:
+        return None
+    from nsa.attention import ops
+
+    def call(q, k, v, gates, layer, T):
+        c = layer.cfg
+        o = parallel_nsa(*(t.transpose(1, 2).contiguous() for t in (q, k, v)),  # fla's [B, T, H, hd]
+                         g_cmp=gates[..., 0], g_slc=gates[..., 1], g_swa=None, block_counts=c.n_sel,
+                         block_size=64, window_size=0).transpose(1, 2)  # [B, H, T, hd]
+        o_win = ops.window_attention(q, k, v, 0, 0, c.w, c.win_block, c.kernel)
+        return o + gates[..., 2].transpose(1, 2).unsqueeze(-1) * o_win
+
+    return call
+
+
+def layer_busy(args, layout: dict, geometry: dict, T: int) -> dict:
+    """The whole NSA layer (projections included), bf16 autocast as the trainer runs, forward+backward at T: wall per
+    step (10 steps, one sync), host time to issue a step, and under the profiler the device-busy time and the number
+    of kernels. busy_fraction = device time / wall: < 1 where the GPU waits for the host."""
+    import torch
+
+    layer = nsa_layer(layout, geometry, "auto", T, args.device, torch.float32, 0)
+    x = torch.randn(1, T, layer.q_proj.in_features, device=args.device, requires_grad=True)
+    rope = rope_for(layout["head_dim"], T, args.device)
+
+    def step():
+        with torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16):
+            y = layer(x, rope)
+        y.float().square().mean().backward()
+
+    for _ in range(2):
+        step()
+    sync(args.device)
+    n = 2 if args.tiny else 10
+    t = time.perf_counter()
+    for _ in range(n):
+        step()
+    host_ms = (time.perf_counter() - t) * 1e3 / n  # issuing only (no sync inside)
+    sync(args.device)
+    wall_ms = (time.perf_counter() - t) * 1e3 / n
+    out = {"T": T, "wall_ms": round(wall_ms, 3), "host_issue_ms": round(host_ms, 3)}
+    if args.device == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        device_ms = sum(e.device_time for e in kernels) / 1e3
+        out.update(device_ms=round(device_ms, 3), kernels=len(kernels), busy_fraction=round(device_ms / wall_ms, 3))
+    return out
+
+
+def train(args) -> dict:
+    import tempfile
+
+    import gpu_acceptance as acceptance  # bench/gpu_acceptance.py: M7C configs and heartbeat parsing
+
+    from nsa.flops import flops_per_token
+    from train.core.config import load_config
+
+    seqs = args.train_S or ([128] if args.tiny else [2048, 8192])
+    compile_ = args.device == "cuda"
+    runs = {}
+    with tempfile.TemporaryDirectory(prefix="gpu_nsa_speed_") as tmp:
+        tmp = Path(tmp)
+        for seq in seqs:
+            flops = {}
+            for kind in ("nsa", "dense"):
+                cfg_path = acceptance._train_config(tmp, kind, seq, args.tiny, steps=12)
+                flops[kind] = flops_per_token(load_config(cfg_path).model, seq).flops_per_token
+                out = tmp / f"{kind}_{seq}"
+                code, text = acceptance.run(
+                    [sys.executable, "-m", "train", str(cfg_path), f"--train.out_dir={out}",
+                     f"--runtime.device={args.device}", f"--runtime.compile={str(compile_).lower()}",
+                     "--runtime.precision=bf16"], args.section_limit)
+                runs[f"{kind}_{seq}"] = ({**acceptance._tokens_per_s(out), "flops_per_token": flops[kind]}
+                                         if code == 0 else {"exit": code, "output": text[-800:]})
+            runs[f"ideal_{seq}"] = round(flops["dense"] / flops["nsa"], 3)
+    ok = all("toks_per_s" in r for k, r in runs.items() if not k.startswith("ideal"))
+    return {"ok": ok, "compiled": compile_, "runs": runs}
+
+
+def decode(args) -> dict:
+    Ss = args.decode_S or ([256, 512] if args.tiny else [32768, 65536])
+    cmd = [sys.executable, "bench/bench_decode.py", "--S", *map(str, Ss), "--dim", "768", "--heads", "12",
+           "--kv_heads", "2", "--head_dim", "64", "--device", args.device, "--dtype", "bf16"]
+    cmd += ["--quick", "--prefill_tile", "128"] if args.tiny else []
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.section_limit,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    if proc.returncode:
+        return {"ok": False, "exit": proc.returncode, "output": (proc.stdout + proc.stderr)[-1500:]}
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {"ok": True, "scope": "one attention layer, batch 1, no CUDA graphs (whole-model graphed decode: not built)",
+            **result}
+
+
+# ---------------------------------------------------------------- summary and the results file
+def length_tag(T: int) -> str:
+    return f"{T // 1024}k" if T >= 1024 and T % 1024 == 0 else str(T)
+
+
+def summarise(sections: dict) -> dict:
+    """The ratios docs/BENCHMARKS.md quotes (NSA's speed over the other's: > 1 is NSA faster)."""
+    s = {}
+    for row in sections.get("attention", {}).get("rows", []):
+        tag = length_tag(row["T"])
+        for arm in ("sdpa", "flex", "fla"):
+            for what in ("fwd_bwd", "fwd"):
+                if f"nsa_over_{arm}_{what}" in row:
+                    s[f"{row['layout']}_nsa_over_{arm}_{what}_{tag}"] = row[f"nsa_over_{arm}_{what}"]
+    fla = [v for k, v in s.items() if k.startswith("paper_nsa_over_fla_fwd_bwd_")]
+    if fla:
+        s["paper_nsa_over_fla_fwd_bwd_min"] = min(fla)
+    busy = sections.get("attention", {}).get("busy", {})
+    if "busy_fraction" in busy:
+        s[f"gpu_busy_fraction_{length_tag(busy['T'])}"] = busy["busy_fraction"]
+    runs = sections.get("train", {}).get("runs", {})
+    for key, r in runs.items():
+        if key.startswith("nsa_") and "toks_per_s" in r and "toks_per_s" in runs.get("dense_" + key[4:], {}):
+            s[f"train_nsa_over_dense_{length_tag(int(key[4:]))}"] = round(
+                r["toks_per_s"] / runs["dense_" + key[4:]]["toks_per_s"], 3)
+    for key, v in sections.get("decode", {}).get("summary", {}).items():
+        if key.startswith("speedup_"):
+            s[f"decode_nsa_over_dense_{length_tag(int(key[8:]))}_b1"] = v
+    return s
+
+
+def results_path(out: Path, device_name: str) -> Path:
+    from nsa.flops import match_device
+
+    card = (match_device(device_name) or device_name or "cpu").lower().replace(" ", "_")
+    return out / f"gpu_nsa_speed_{card}_{datetime.date.today().isoformat()}.json"
+
+
+def save(path: Path, report: dict) -> None:
+    """Merge into what an earlier call wrote to the same file (its other sections kept), atomically."""
+    old = json.loads(path.read_text()) if path.exists() else {}
+    sections = {**old.get("sections", {}), **report["sections"]}
+    merged = {**old, **report, "sections": sections, "summary": {**old.get("summary", {}), **summarise(sections)}}
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(merged, indent=1, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True, help="directory of the results JSON")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes: the plumbing on CPU")
+    ap.add_argument("--only", nargs="+", choices=SECTIONS, help="these sections (default: all)")
+    ap.add_argument("--S", type=int, nargs="+", help="attention lengths (default 8k 16k 32k 64k)")
+    ap.add_argument("--train_S", type=int, nargs="+", help="training sequence lengths (default 2048 8192)")
+    ap.add_argument("--decode_S", type=int, nargs="+", help="decode context lengths (default 32k 64k)")
+    ap.add_argument("--arms", nargs="+", default=["flex", "fla"], choices=["flex", "fla"],
+                    help="peers beside NSA and SDPA in the attention section (default both)")
+    ap.add_argument("--section_limit", type=float, default=300, help="seconds for one training or decode run")
+    args = ap.parse_args(argv)
+    if args.device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # the kernels run in Triton's interpreter on CPU tensors
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda but torch sees no CUDA device (use --device cpu --tiny for the plumbing)",
+              file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
+    path = results_path(args.out, name)
+    header = {"bench": "gpu_nsa_speed", "device": name, "date": datetime.date.today().isoformat(),
+              "torch": torch.__version__, "tiny": args.tiny}
+    ceil = json.loads(path.read_text())["sections"].get("ceilings") if path.exists() else None
+    ok = True
+    for section in args.only or SECTIONS:
+        t0 = time.time()
+        try:
+            if section == "attention":
+                result = attention(args, ceil)
+            elif section == "ceilings":
+                result = ceil = ceilings(args)
+            else:
+                result = globals()[section](args)
+        except Exception as exc:  # one section's failure must not lose the others' numbers
+            result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:1000]}
+        result["seconds"] = round(time.time() - t0, 1)
+        ok = ok and result.get("ok", True)
+        save(path, {**header, "sections": {section: result}})
+        print(f"[gpu_nsa_speed] {section}: {'ok' if result.get('ok', True) else 'FAILED'} ({result['seconds']} s)",
+              flush=True)
+    print(json.dumps({"results": str(path), "summary": json.loads(path.read_text())["summary"]}))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""bench/gpu_nsa_speed.py's plumbing on CPU (Triton's interpreter, tiny shapes): the correctness section passes on
+the real kernels and fails on a perturbed one, every arm and stage is timed with its counted FLOPs and bytes, the
+summary names each ratio, and a second call merges into the same results file without losing the first's sections."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "bench" / "gpu_nsa_speed.py"
+# the window branch's output scaled by 0.9 (a kernel that is wrong by 10%): the check must catch it
+PERTURBED = """
+import os, runpy, sys
+os.environ["TRITON_INTERPRET"] = "1"
+from nsa.attention import ops
+real = ops.window_attention
+ops.window_attention = lambda *a, **k: real(*a, **k) * 0.9
+sys.argv = [sys.argv[1], *sys.argv[2:]]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def run(out: Path, *args: str, code: str | None = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, *(["-c", code] if code else []), str(SCRIPT), "--out", str(out), "--device", "cpu", "--tiny",
+           *args]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+def results(out: Path) -> dict:
+    (path,) = out.glob("gpu_nsa_speed_cpu_*.json")
+    return json.loads(path.read_text())
+
+
+def test_tiny_run_checks_then_times_every_arm_and_stage_and_merges(tmp_path):
+    proc = run(tmp_path)  # every section
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = results(tmp_path)
+    assert report["device"] == "cpu" and report["tiny"] is True
+    sections = report["sections"]
+    correct = sections["correctness"]
+    assert correct["ok"] and set(correct["cases"]) == {"m7c", "paper"}
+    for case in correct["cases"].values():  # both kernel families (G = 6 block-centric, G = 16 query-centric)
+        assert 0 < case["reference_out"] < correct["tolerance"]["reference_out"]
+        assert 0 < case["out"] < correct["tolerance"]["out"]
+        assert "x" in case["grad"] and "compress_k.fc_in.weight" in case["grad"]  # every gradient compared
+    assert sections["ceilings"]["copy_bytes_per_s"] > 0 and sections["ceilings"]["bf16_matmul_flops_per_s"] > 0
+    rows = sections["attention"]["rows"]
+    assert {(r["layout"], r["T"]) for r in rows} == {(layout, T) for layout in ("m7c", "paper") for T in (128, 256)}
+    for r in rows:
+        for arm in ("nsa", "sdpa"):
+            assert r[f"{arm}_fwd_ms"] > 0 and r[f"{arm}_fwd_bwd_ms"] > 0, r
+        assert r["flex_fwd_ms"] > 0 and "flex_fwd_bwd_ms" not in r  # FlexAttention has no backward on CPU
+        assert set(r["stages"]) == {"compress", "compressed", "select", "selected", "window"}
+        # the selected branch reads n*l' keys per query at most: its counted FLOPs are below dense causal's
+        assert 0 < r["stages"]["selected"]["flops"] and 0 < r["stages"]["selected"]["roofline_fraction"]
+    busy = sections["attention"]["busy"]
+    assert busy["wall_ms"] >= busy["host_issue_ms"] > 0
+    summary = report["summary"]
+    assert summary["m7c_nsa_over_sdpa_fwd_bwd_256"] == next(
+        r["nsa_over_sdpa_fwd_bwd"] for r in rows if r["layout"] == "m7c" and r["T"] == 256)
+    assert "paper_nsa_over_flex_fwd_256" in summary
+    runs = sections["train"]["runs"]  # a tiny M7C and its dense twin through the trainer, tokens/s from the heartbeat
+    assert runs["nsa_128"]["toks_per_s"] > 0 and runs["dense_128"]["toks_per_s"] > 0
+    assert runs["ideal_128"] == round(runs["dense_128"]["flops_per_token"] / runs["nsa_128"]["flops_per_token"], 3)
+    assert summary["train_nsa_over_dense_128"] == round(runs["nsa_128"]["toks_per_s"] / runs["dense_128"]["toks_per_s"], 3)
+    assert summary["decode_nsa_over_dense_512_b1"] == sections["decode"]["summary"]["speedup_512"]
+
+    # a later call replaces its own sections and keeps the others
+    proc = run(tmp_path, "--only", "ceilings")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    again = results(tmp_path)
+    assert again["sections"]["attention"] == sections["attention"] and again["summary"] == summary
+    assert again["sections"]["ceilings"] != sections["ceilings"]  # measured again
+
+
+def test_correctness_fails_on_a_perturbed_kernel(tmp_path):
+    proc = run(tmp_path, "--only", "correctness", code=PERTURBED)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    correct = results(tmp_path)["sections"]["correctness"]
+    assert not correct["ok"]
+    assert all(case["reference_out"] > correct["tolerance"]["reference_out"] for case in correct["cases"].values())
