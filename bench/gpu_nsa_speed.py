@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 bench/gpu_nsa_speed.py --out bench/results                # every section (~8 min, one H100/H200)
     PYTHONPATH=. python3 bench/gpu_nsa_speed.py --out bench/results --only attention --S 8192 32768
-    PYTHONPATH=. python3 bench/gpu_nsa_speed.py --out DIR --device cpu --tiny       # the plumbing on CPU (tests)
+    TRITON_INTERPRET=1 PYTHONPATH=. python3 bench/gpu_nsa_speed.py --out DIR --device cpu --tiny  # the plumbing (CPU)
 
 Sections, in this order (`--only` picks some; each is recorded as it ends, so a call cut short keeps what it had):
   environment  torch, Triton, CUDA, the GPU, whether fla's `parallel_nsa` imports
@@ -48,8 +48,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
 
 NSA_GEOMETRY = dict(l=32, d=16, l_sel=64, n_sel=16, w=512)  # the paper's and M7C's
 FLA_GEOMETRY = dict(l=64, d=64, l_sel=64, n_sel=16, w=512)  # fla's mean pool: l = d = l' = block_size
@@ -58,7 +56,7 @@ LAYOUTS = {"m7c": dict(n_heads=12, n_kv_heads=2, head_dim=64), "paper": dict(n_h
 TINY_LAYOUTS = {"m7c": dict(n_heads=12, n_kv_heads=2, head_dim=16), "paper": dict(n_heads=32, n_kv_heads=2, head_dim=32)}
 SECTIONS = ("environment", "correctness", "ceilings", "attention", "train", "decode")
 # relative RMS error in bf16, and the share of rows whose picks may differ (see correctness())
-TOLERANCE = {"reference_out": 1e-2, "out": 1e-2, "grad": 3e-2, "selection_disagreement": 0.02}
+TOLERANCE = {"reference_out": 1e-2, "out": 1e-2, "grad": 2e-2, "selection_disagreement": 0.02}
 
 
 # ---------------------------------------------------------------- timing
@@ -180,8 +178,10 @@ def correctness(args) -> dict:
     has no gradient; replaying it compares the attention, not the picks), and separately the share of (query, KV
     head) rows whose blocks the two runs pick differently. Tolerances (relative RMS): the reference sees the same bf16
     parameters and inputs, so what differs is the kernels' bf16 roundings (q·k, P, P·V, and in (b) phi's and the
-    gates' bf16 matmuls and the backward's dS, dP: ~2^-8 each, averaged; seen: outputs 0.005-0.006, the worst
-    gradient 0.011-0.015, phi's, whose gradient sums the most bf16 products). Picks differ where two blocks' scores are
+    gates' bf16 matmuls and the backward's dS, dP: ~2^-8 each, averaged; seen on CPU: outputs 0.005-0.006, most
+    gradients 0.005-0.013). A gradient with much cancellation has a larger relative error in any bf16 run (phi's
+    position encoding: 0.006-0.023), so each tensor's bound is its floor or twice the error of the torch path in
+    bf16 against the same float64 run, whichever is larger. Picks differ where two blocks' scores are
     within that rounding (phi's bf16 compressed keys): a few rows in 10^3 on random inputs; more than 2% would be a
     scoring bug."""
     import torch
@@ -209,16 +209,19 @@ def correctness(args) -> dict:
         case = {"T": small_T, "layout": ref_layout, "reference_out": rel_rms(y, ref)}
 
         fast = nsa_layer(layout, geometry, "triton", long_T, args.device, torch.bfloat16, seed + 1)
+        portable = nsa_layer(layout, geometry, "torch", long_T, args.device, torch.bfloat16, seed + 1)
         exact = nsa_layer(layout, geometry, "torch", long_T, args.device, torch.float64, seed + 1)
+        portable.load_state_dict(fast.state_dict())
         exact.load_state_dict({k: v.double() for k, v in fast.state_dict().items()})  # the same bf16 values
         x = torch.randn(1, long_T, fast.q_proj.in_features, device=args.device).to(torch.bfloat16)
         rope = rope_for(layout["head_dim"], long_T, args.device)
         d_out = torch.randn(1, long_T, fast.q_proj.in_features, generator=torch.Generator().manual_seed(seed + 2))
         grads, picks = {}, {}
         real_select = ops.select_blocks
-        for kind, module, dtype in (("fast", fast, torch.bfloat16), ("exact", exact, torch.float64)):
+        runs = (("fast", fast, torch.bfloat16), ("portable", portable, torch.bfloat16), ("exact", exact, torch.float64))
+        for kind, module, dtype in runs:
 
-            def select(*a, kind=kind, **k):  # records each run's own picks; the float64 run attends to the bf16 run's
+            def select(*a, kind=kind, **k):  # records each run's own picks; the others attend to the bf16 kernels'
                 picks[kind] = real_select(*a, **k)
                 return picks["fast"]
 
@@ -231,13 +234,18 @@ def correctness(args) -> dict:
                 ops.select_blocks = real_select
             out.backward(d_out.to(out))
             grads[kind] = {"out": out.detach(), "x": xi.grad, **{n: p.grad for n, p in module.named_parameters()}}
-        case.update(T_long=long_T, out=rel_rms(grads["fast"]["out"], grads["exact"]["out"]))
-        case["grad"] = {n: rel_rms(g, grads["exact"][n]) for n, g in grads["fast"].items() if n != "out"}
-        case["worst_grad"] = max(case["grad"].items(), key=lambda kv: kv[1])
+        # each tensor's bound: its floor, or twice the error of the torch path in bf16 (the same roundings, other
+        # kernels) where that is larger (a gradient with much cancellation, e.g. phi's position encoding)
+        errors = {n: (rel_rms(g, grads["exact"][n]), rel_rms(grads["portable"][n], grads["exact"][n]))
+                  for n, g in grads["fast"].items()}
+        bounds = {n: max(TOLERANCE["out" if n == "out" else "grad"], 2 * torch_err) for n, (_, torch_err) in errors.items()}
+        case.update(T_long=long_T, out=errors["out"][0], out_torch_bf16=errors["out"][1])
+        case["grad"] = {n: {"triton_bf16": e, "torch_bf16": t, "bound": bounds[n]}
+                        for n, (e, t) in errors.items() if n != "out"}
+        case["worst"] = max(((n, e / bounds[n]) for n, (e, _) in errors.items()), key=lambda kv: kv[1])
         differ = (picks["fast"].sort(-1).values != picks["exact"].sort(-1).values).any(-1)  # [B, H_kv, T]
         case["selection_disagreement"] = differ.double().mean().item()
-        case["ok"] = (case["reference_out"] < TOLERANCE["reference_out"] and case["out"] < TOLERANCE["out"]
-                      and case["worst_grad"][1] < TOLERANCE["grad"]
+        case["ok"] = (case["reference_out"] < TOLERANCE["reference_out"] and case["worst"][1] <= 1.0
                       and case["selection_disagreement"] <= TOLERANCE["selection_disagreement"])
         ok = ok and case["ok"]
         cases[name] = case
@@ -278,23 +286,26 @@ def sdpa_backend(q, k, v) -> str:
 
 
 def stage_costs(layout: dict, geometry: dict, T: int, elem: int = 2) -> dict:
-    """Counted forward FLOPs and bytes of each NSA stage at batch 1 (model FLOPs: the keys each query may see;
-    bytes: what a kernel must read and write once, with K/V of the selected blocks read once per (query, KV head)
-    in the query-centric order). Backward: ~2.5x the forward's FLOPs (dQ, dK, dV and the recomputed scores)."""
+    """Counted forward FLOPs and bytes of each NSA stage and of causal SDPA, batch 1. FLOPs are model FLOPs (the keys
+    each query may see; causal SDPA the lower triangle, as a flash kernel computes it). `bytes` is each tensor read or
+    written once (the roofline's floor); `bytes_query_order` (selected) is what a query-centric kernel moves when each
+    (query, KV head) loads its n*l' keys and values itself: their reuse across queries then lives in L2, and the
+    branch's arithmetic intensity is G FLOPs per byte (FLOPs 4*G*hd, bytes 2*hd*elem per key and query group)."""
     from nsa.flops import mean_capped_keys, mean_compressed_keys, n_compressed_blocks
 
     H, H_kv, hd = layout["n_heads"], layout["n_kv_heads"], layout["head_dim"]
     l, d, l_sel, n, w = (geometry[k] for k in ("l", "d", "l_sel", "n_sel", "w"))
     C = n_compressed_blocks(l, d, T)
-    q_bytes, kv_bytes = T * H * hd * elem, T * H_kv * hd * elem
-    per_key = 4 * H * hd * T
+    q_bytes, kv_bytes, idx_bytes = T * H * hd * elem, T * H_kv * hd * elem, T * H_kv * n * 8
+    per_key = 4 * H * hd * T  # q·k and p·v for every query head, per key each query sees
     return {
         "compressed": {"flops": per_key * mean_compressed_keys(l, d, T),
                        "bytes": 2 * q_bytes + 2 * C * H_kv * hd * elem + T * H * 4},
         "select": {"flops": per_key / 2 * mean_compressed_keys(l, d, T),
-                   "bytes": q_bytes + C * H_kv * hd * elem + T * H_kv * n * 4},
+                   "bytes": q_bytes + C * H_kv * hd * elem + idx_bytes},
         "selected": {"flops": per_key * mean_capped_keys(n * l_sel, T),
-                     "bytes": 2 * q_bytes + T * H_kv * 4 * min(n * l_sel, T) * hd * elem / 2 + T * H_kv * n * 4},
+                     "bytes": 2 * q_bytes + 2 * kv_bytes + idx_bytes + T * H * 4,
+                     "bytes_query_order": 2 * q_bytes + T * H_kv * min(n * l_sel, T) * 2 * hd * elem + idx_bytes},
         "window": {"flops": per_key * mean_capped_keys(w, T), "bytes": 2 * q_bytes + 2 * kv_bytes},
         "sdpa": {"flops": per_key * (T + 1) / 2, "bytes": 2 * q_bytes + 2 * kv_bytes},
     }
@@ -409,8 +420,7 @@ def stages(layer, q, br, rope, layout, geo, T, device, repeats, ceil, ops) -> di
             ms = time_ms(call, device, repeats)
             out[name] = {"fwd_ms": ms}
             if name in costs:
-                out[name].update(flops=costs[name]["flops"], bytes=costs[name]["bytes"],
-                                 roofline_fraction=roofline_fraction(costs[name], ms, ceil))
+                out[name].update(**costs[name], roofline_fraction=roofline_fraction(costs[name], ms, ceil))
     return out
 
 
@@ -494,7 +504,11 @@ def layer_busy(args, layout: dict, geometry: dict, T: int) -> dict:
 def train(args) -> dict:
     import tempfile
 
-    import gpu_acceptance as acceptance  # bench/gpu_acceptance.py: M7C configs and heartbeat parsing
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_acceptance", REPO / "bench" / "gpu_acceptance.py")
+    acceptance = importlib.util.module_from_spec(spec)  # bench/gpu_acceptance.py: M7C configs, heartbeat parsing
+    spec.loader.exec_module(acceptance)
 
     from nsa.flops import flops_per_token
     from train.core.config import load_config
@@ -583,6 +597,14 @@ def save(path: Path, report: dict) -> None:
     os.replace(tmp, path)
 
 
+def triton_interpreter_active() -> bool:
+    try:
+        from nsa.attention.kernels.interpreter import interpreter_active
+    except ImportError:
+        return False
+    return interpreter_active()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="directory of the results JSON")
@@ -596,12 +618,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="peers beside NSA and SDPA in the attention section (default both)")
     ap.add_argument("--section_limit", type=float, default=300, help="seconds for one training or decode run")
     args = ap.parse_args(argv)
-    if args.device == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # the kernels run in Triton's interpreter on CPU tensors
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda but torch sees no CUDA device (use --device cpu --tiny for the plumbing)",
+              file=sys.stderr)
+        return 2
+    if args.device == "cpu" and not triton_interpreter_active():
+        print("error: --device cpu runs the Triton kernels in Triton's interpreter: set TRITON_INTERPRET=1",
               file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
@@ -625,8 +649,8 @@ def main(argv: list[str] | None = None) -> int:
         result["seconds"] = round(time.time() - t0, 1)
         ok = ok and result.get("ok", True)
         save(path, {**header, "sections": {section: result}})
-        print(f"[gpu_nsa_speed] {section}: {'ok' if result.get('ok', True) else 'FAILED'} ({result['seconds']} s)",
-              flush=True)
+        state = "ok" if result.get("ok", True) else f"FAILED {result.get('error', '')}".rstrip()
+        print(f"[gpu_nsa_speed] {section}: {state} ({result['seconds']} s)", flush=True)
     print(json.dumps({"results": str(path), "summary": json.loads(path.read_text())["summary"]}))
     return 0 if ok else 1
 

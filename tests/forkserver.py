@@ -179,7 +179,8 @@ def finish(code: int, signalled: int | None) -> None:
     atexit._run_exitfuncs()
     for generation in (0, 1, 2):  # the program's objects (the server's own are frozen: gc.freeze)
         for obj in gc.get_objects(generation):
-            if isinstance(obj, (io.BufferedWriter, io.BufferedRandom, io.TextIOWrapper)) and obj not in (
+            # type(), not isinstance(): a weak proxy whose referent died raises ReferenceError on __class__
+            if issubclass(type(obj), (io.BufferedWriter, io.BufferedRandom, io.TextIOWrapper)) and obj not in (
                     sys.stdout, sys.stderr):
                 try:
                     if not obj.closed:

@@ -13,8 +13,7 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "bench" / "gpu_nsa_speed.py"
 # the window branch's output scaled by 0.9 (a kernel that is wrong by 10%): the check must catch it
 PERTURBED = """
-import os, runpy, sys
-os.environ["TRITON_INTERPRET"] = "1"
+import runpy, sys
 from nsa.attention import ops
 real = ops.window_attention
 ops.window_attention = lambda *a, **k: real(*a, **k) * 0.9
@@ -26,7 +25,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 def run(out: Path, *args: str, code: str | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, *(["-c", code] if code else []), str(SCRIPT), "--out", str(out), "--device", "cpu", "--tiny",
            *args]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -45,8 +44,9 @@ def test_tiny_run_checks_then_times_every_arm_and_stage_and_merges(tmp_path):
     assert correct["ok"] and set(correct["cases"]) == {"m7c", "paper"}
     for case in correct["cases"].values():  # both kernel families (G = 6 block-centric, G = 16 query-centric)
         assert 0 < case["reference_out"] < correct["tolerance"]["reference_out"]
-        assert 0 < case["out"] < correct["tolerance"]["out"]
+        assert 0 < case["out"] < correct["tolerance"]["out"] and case["worst"][1] <= 1
         assert "x" in case["grad"] and "compress_k.fc_in.weight" in case["grad"]  # every gradient compared
+        assert all(0 < g["triton_bf16"] <= g["bound"] for g in case["grad"].values())
     assert sections["ceilings"]["copy_bytes_per_s"] > 0 and sections["ceilings"]["bf16_matmul_flops_per_s"] > 0
     rows = sections["attention"]["rows"]
     assert {(r["layout"], r["T"]) for r in rows} == {(layout, T) for layout in ("m7c", "paper") for T in (128, 256)}
@@ -75,6 +75,15 @@ def test_tiny_run_checks_then_times_every_arm_and_stage_and_merges(tmp_path):
     again = results(tmp_path)
     assert again["sections"]["attention"] == sections["attention"] and again["summary"] == summary
     assert again["sections"]["ceilings"] != sections["ceilings"]  # measured again
+
+
+def test_refuses_cpu_without_the_interpreter(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TRITON_INTERPRET": "0"}
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path), "--device", "cpu", "--tiny"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "error: --device cpu runs the Triton kernels in Triton's interpreter: set TRITON_INTERPRET=1"]
+    assert not list(tmp_path.iterdir())  # nothing written
 
 
 def test_correctness_fails_on_a_perturbed_kernel(tmp_path):
