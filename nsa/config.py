@@ -14,11 +14,14 @@ from nsa.triton_support import triton_unavailable
 # nsa.* keys that change kernels, memory, the initial weights or the optimizer, not the function a checkpoint computes:
 # a checkpoint made with other values loads (resume, import).
 NON_ARCHITECTURE_FIELDS = frozenset({"q_chunk", "sel_chunk", "sel_tile", "win_block", "kernel", "gate_init",
-                                     "gate_bias", "aux_decay", "aux_lr_scale"})
+                                     "gate_bias", "aux_decay", "aux_lr_scale", "indexer_kl", "indexer_warmup_steps"})
 GATE_INITS = ("equal", "window")
 # nsa.gates: learned (NSA: three branches mixed by the gate MLP) | window (the control: the gates pinned to
 # (cmp, sel, win) = (0, 0, 1), so the layer is its sliding-window branch alone; docs/NSA.md)
 GATES = ("learned", "window")
+# nsa.selector: how a query's free blocks are scored. pooled (NSA, Eq. 8-10: the compressed branch's probabilities
+# summed over a block) | indexer (a learned block indexer, nsa/attention/indexer.py, trained by KL to that mass)
+SELECTORS = ("pooled", "indexer")
 # the nsa.* keys a window-only layer (gates: window) reads; the others have no effect on it
 WINDOW_FIELDS = frozenset({"gates", "w", "win_block", "kernel"})
 
@@ -54,6 +57,11 @@ class NSAConfig:
     gate_init: str = "window"  # branch gates at step 0: window (cmp, sel ~0.018, win ~0.982 at gate_bias 4) | equal (all ~0.5, the generic init); docs/NSA.md
     gate_bias: float = 4.0  # gate_init=window: pre-sigmoid biases -b, -b, +b for cmp, sel, win (2: 0.12 / 0.88; 4: 0.018 / 0.982)
     gates: str = "learned"  # learned (NSA) | window (control: gates pinned to cmp, sel, win = 0, 0, 1: the sliding-window branch alone, no compression, selection or gate modules); docs/NSA.md
+    selector: str = "pooled"  # pooled (NSA's scores from the compressed branch) | indexer (a learned block indexer); docs/NSA.md
+    indexer_heads: int = 2  # selector=indexer: index-query heads per KV group
+    indexer_dim: int = 32  # selector=indexer: width of an index query and of the shared index key
+    indexer_kl: float = 1.0  # selector=indexer: weight of the indexer's KL term (its gradient reaches the indexer only)
+    indexer_warmup_steps: int = 0  # selector=indexer: steps that select by pooled scores while the indexer learns
 
     @property
     def window_only(self) -> bool:
@@ -84,6 +92,17 @@ class NSAConfig:
             raise ModelConfigError(f"nsa.gates={self.gates!r}; valid: {', '.join(GATES)}")
         if self.gate_init not in GATE_INITS:
             raise ModelConfigError(f"nsa.gate_init={self.gate_init!r}; valid: {', '.join(GATE_INITS)}")
+        if self.selector not in SELECTORS:
+            raise ModelConfigError(f"nsa.selector={self.selector!r}; valid: {', '.join(SELECTORS)}")
+        for name in ("indexer_heads", "indexer_dim"):
+            if getattr(self, name) <= 0:
+                raise ModelConfigError(f"nsa.{name} must be positive, got {getattr(self, name)}")
+        if not self.indexer_kl >= 0:
+            raise ModelConfigError(f"nsa.indexer_kl must be >= 0, got {self.indexer_kl}")
+        if self.indexer_warmup_steps < 0:
+            raise ModelConfigError(f"nsa.indexer_warmup_steps must be >= 0, got {self.indexer_warmup_steps}")
+        if self.selector == "indexer" and self.window_only:
+            raise ModelConfigError("nsa.selector=indexer needs selection: nsa.gates=window has none")
         if self.kernel not in ("auto", "triton", "torch"):
             raise ModelConfigError(f"nsa.kernel={self.kernel!r}; valid: auto, triton, torch")
         if self.kernel == "triton" and (problem := triton_unavailable()):

@@ -138,6 +138,9 @@ class Transformer(nn.Module):
             x = x + self.pos_emb(positions)
         rope = self.rope(positions) if self.rope is not None else None  # cos, sin [T or B, T, hd/2]
         x = self.drop(x)
+        indexed = [blk.attn for blk in self.blocks if getattr(blk.attn, "indexer", None) is not None]
+        for attn in indexed:
+            attn.indexer_loss = None  # set again by this forward's layers (a training forward from position 0)
         for i, blk in enumerate(self.blocks):
             cache = caches[i] if caches is not None else None
             k = self.checkpoint_every
@@ -150,9 +153,15 @@ class Transformer(nn.Module):
             return self.lm_head(x).float()  # [B, T, V]
         if self.cfg.loss_chunk == 0:  # full fp32 logits [B*T, V]
             logits = self.lm_head(x).float()
-            return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
-        # chunked: fp32 logits for loss_chunk rows at a time, never for all B*T (nsa/loss.py)
-        return linear_cross_entropy(x.reshape(B * T, -1), self.lm_head.weight, targets.reshape(-1), self.cfg.loss_chunk)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+        else:  # chunked: fp32 logits for loss_chunk rows at a time, never for all B*T (nsa/loss.py)
+            loss = linear_cross_entropy(x.reshape(B * T, -1), self.lm_head.weight, targets.reshape(-1),
+                                        self.cfg.loss_chunk)
+        aux = [attn.indexer_loss for attn in indexed if attn.indexer_loss is not None]
+        if aux:  # the indexers' KL terms: their gradient joins the loss's, their value does not (kl - kl is 0)
+            kl = torch.stack(aux).sum()
+            loss = loss + (kl - kl.detach())
+        return loss
 
 
     def documents_of(self, idx: torch.Tensor) -> Documents | None:

@@ -55,9 +55,11 @@ PRELOAD = ("numpy", "yaml", "torch", "torch._dynamo", "torch.optim", "torch.dist
 # from the server's runs in a fresh interpreter (prefixes; LAZY lists the ones read later, at use)
 STARTUP_PREFIXES = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS", "ATEN_", "NPY_", "ONEDNN_", "DNNL_", "LD_",
                     "MALLOC_", "TORCH", "PYTORCH_", "TRITON", "_TORCH", "LANG", "LC_")
+# (not TRITON_INTERPRET: the preloaded modules import triton, whose own @jit library functions are built for the
+# interpreter or not at that moment; a kernel interpreted over compiled ones fails, "Cannot call @triton.jit'd outside
+# of the scope of a kernel")
 LAZY = ("PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "TORCHELASTIC_", "TORCH_NCCL_",
-        "TORCHINDUCTOR_CACHE_DIR", "_TORCHINDUCTOR_", "TRITON_CACHE_DIR", "TRITON_INTERPRET", "PYTORCH_CUDA_ALLOC_CONF",
-        "PYTORCH_ALLOC_CONF")
+        "TORCHINDUCTOR_CACHE_DIR", "_TORCHINDUCTOR_", "TRITON_CACHE_DIR", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 PR_SET_PDEATHSIG = 1
 ENV_VAR = "NSA_TEST_FORKSERVER"  # the server's socket; "0" turns the fork server off for a run
 

@@ -123,6 +123,11 @@ def test_an_uncaught_exception_and_a_start_up_variable(server, tmp_path):
     # a variable read when the interpreter starts that the server started without: a fresh interpreter runs it
     proc, report = run_probe(server, tmp_path, True, env={"PYTHONHASHSEED": "123"})
     assert proc.returncode == 0 and report["preloaded"] is False
+    # and one read when the preloaded modules import triton (its own @jit functions are built for the interpreter or
+    # not): a kernel run in Triton's interpreter in a forked child failed ("Cannot call @triton.jit'd outside ...")
+    other = "0" if os.environ.get("TRITON_INTERPRET") == "1" else "1"
+    proc, report = run_probe(server, tmp_path, True, env={"TRITON_INTERPRET": other})
+    assert proc.returncode == 0 and report["preloaded"] is False
 
 
 def wait_gone(pid: int, timeout: float = 10.0) -> bool:

@@ -14,7 +14,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from nsa.attention.impl.selection import selection_block_scores
+from nsa.attention.impl.selection import select_blocks, selection_block_scores
 from nsa.config import NSAConfig
 
 
@@ -53,8 +53,10 @@ def decode_branches(
     win_v: torch.Tensor,
     p: int,
     c: NSAConfig,
+    index_scores: torch.Tensor | None = None,  # [B, H_kv, 1, p // l' + 1] a learned indexer's (nsa.selector=indexer)
 ):
-    """-> o_cmp, o_sel, o_win [B, H, 1, hd] and the selected blocks [B, H_kv, 1, n]."""
+    """-> o_cmp, o_sel, o_win [B, H, 1, hd] and the selected blocks [B, H_kv, 1, n]. The blocks are picked by the
+    compressed branch's probabilities (pooled), or by index_scores when given, with the same forced blocks."""
     B, H, _, hd = q.shape
     H_kv = ck.shape[1]
     qg = q.view(B, H_kv, H // H_kv, hd) * (1.0 / math.sqrt(hd))  # [B, H_kv, G, hd], scale folded in
@@ -64,7 +66,10 @@ def decode_branches(
     else:
         o_cmp, probs = _attend(qg, ck, cv)
         p_group = probs.sum(dim=2)  # Eq. 10: one importance per KV group
-    block_idx = _select_one(p_group, p, c)  # [B, H_kv, n] ascending, -1 padded
+    if index_scores is None:
+        block_idx = _select_one(p_group, p, c)  # [B, H_kv, n] ascending, -1 padded
+    else:
+        block_idx = select_blocks(index_scores, p, c.l_sel, c.n_sel)[:, :, 0]  # as a prefill picks
 
     # selected blocks: the k real picks are ascending and end with the current block, so the keys a
     # query may not see (after p) are exactly the tail of the gathered keys: slice, no mask

@@ -27,6 +27,8 @@ from nsa.attention.decode import decode_branches, decode_window
 from nsa.attention.documents import Documents, gather_blocks
 from nsa.attention.gate_stats import BRANCHES, gate_shares, gate_statistics, selection_counts, selection_statistics
 from nsa.attention.impl.compression import compress, num_compressed
+from nsa.attention.impl.selection import select_blocks
+from nsa.attention.indexer import BlockIndexer, indexer_kl, pooled_block_mass
 from nsa.attention.nsa_cache import NSACache
 from nsa.attention.selection_health import gate_means, outside_window_counts, outside_window_share, recall_sample
 from nsa.config import ModelConfig, NSAConfig
@@ -76,6 +78,12 @@ class NativeSparseAttention(nn.Module):
             self.gate_mlp = nn.Sequential(
                 nn.Linear(cfg.dim, gate_hidden), nn.SiLU(), nn.Linear(gate_hidden, 3 * cfg.n_heads)
             )
+        # nsa.selector=indexer: a learned block indexer picks the free blocks (nsa/attention/indexer.py); it learns by
+        # the KL term the forward leaves in self.indexer_loss (the model adds it to the loss: nsa/model.py)
+        self.indexer = (BlockIndexer(cfg.dim, cfg.n_kv_heads, self.cfg.indexer_heads, self.cfg.indexer_dim,
+                                     self.cfg.l_sel) if self.cfg.selector == "indexer" else None)
+        self.indexer_selects = True  # False during nsa.indexer_warmup_steps: pooled scores pick, the indexer learns
+        self.indexer_loss: torch.Tensor | None = None  # 0-dim, the last training forward's weighted KL
         self.proj = nn.Linear(q_dim, cfg.dim, bias=cfg.bias)
         self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
@@ -186,20 +194,21 @@ class NativeSparseAttention(nn.Module):
         q, br = self.project(x, rope)
         if cache is None:
             t0 = 0
-            o_cmp, o_sel, o_win, block_idx = self.sparse_attention(q, br, rope)
+            o_cmp, o_sel, o_win, block_idx = self.sparse_attention(q, br, rope, x)
         else:
             t0 = cache.t
-            o_cmp, o_sel, o_win, block_idx = self._cached_branches(q, br, rope, cache)
+            o_cmp, o_sel, o_win, block_idx = self._cached_branches(q, br, rope, cache, x)
         record = None
         if self.stats_enabled:  # every query's position: t0 .. t_end-1 (one document); sel_k holds positions 0 ..
             record = self._selection_record(q, br["sel"][0] if cache is None else cache.sel_k.data, block_idx,
                                             torch.arange(t0, t0 + x.shape[1], device=x.device))
         return self._combine(x, o_cmp, o_sel, o_win, block_idx, record, return_indices)
 
-    def sparse_attention(self, q: torch.Tensor, br: dict, rope=None):
+    def sparse_attention(self, q: torch.Tensor, br: dict, rope=None, x: torch.Tensor | None = None):
         """The three branches over a fresh sequence (positions 0 .. T-1, no cache, one document): everything between
         the projections and the gates, which bench/gpu_nsa_speed.py times beside SDPA. q [B, H, T, hd] and br
-        {branch: (k, v)} as `project` returns them -> o_cmp, o_sel, o_win [B, H, T, hd], block_idx [B, H_kv, T, n]."""
+        {branch: (k, v)} as `project` returns them, x [B, T, dim] the layer's input (the indexer's, when there is
+        one) -> o_cmp, o_sel, o_win [B, H, T, hd], block_idx [B, H_kv, T, n]."""
         c = self.cfg
         T = q.shape[2]
         raw_k, raw_v = br["cmp"]
@@ -210,9 +219,13 @@ class NativeSparseAttention(nn.Module):
             at = torch.arange(count, device=q.device) * c.d + (c.l - 1)  # [count]
             # cos, sin [T, hd/2] or per row [B, T, hd/2]: index the T axis -> [count, hd/2] or [B, count, hd/2]
             ck = apply_rotary(ck, rope[0][..., at, :], rope[1][..., at, :])
-        return self._branches(q, ck, cv, *br["sel"], *br["win"], 0, T)
+        index = None
+        if self.indexer is not None:
+            xd = x.detach()  # the language-model loss never moves the indexer
+            index = self.indexer.scores(xd, self.indexer.block_keys(xd))  # [B, H_kv, T, ceil(T / l')]
+        return self._branches(q, ck, cv, *br["sel"], *br["win"], 0, T, index)
 
-    def _cached_branches(self, q, br, rope, cache: NSACache):
+    def _cached_branches(self, q, br, rope, cache: NSACache, x: torch.Tensor):
         """The three branches of x's tokens appended to `cache` (prefill chunks and decode steps): compressed tokens
         are emitted for every block that ends inside this call, the caches grow, then `_branches`."""
         c = self.cfg
@@ -243,23 +256,36 @@ class NativeSparseAttention(nn.Module):
         sel_k, sel_v = cache.sel_k.data, cache.sel_v.data  # whole zero-padded blocks, positions 0 ..
         win_k, win_v = cache.window(*br["win"])
         cache.t = t_end
-        return self._branches(q, ck, cv, sel_k, sel_v, win_k, win_v, t0, t_end)
+        index = None
+        if self.indexer is not None:  # the new tokens' index keys join their blocks; the queries score every block
+            xd = x.detach()
+            index = self.indexer.scores(xd, cache.index_block_keys(self.indexer.k_proj(xd)))
+        return self._branches(q, ck, cv, sel_k, sel_v, win_k, win_v, t0, t_end, index)
 
-    def _branches(self, q, ck, cv, sel_k, sel_v, win_k, win_v, t0: int, t_end: int):
+    def _branches(self, q, ck, cv, sel_k, sel_v, win_k, win_v, t0: int, t_end: int, index=None):
         """q [B, H, T, hd] at positions t0 .. t_end-1 over compressed ck, cv [B, H_kv, C, hd], selection keys and
         values from position 0 and the window's keys and values ending at t_end - 1 -> the three branch outputs
-        [B, H, T, hd] and block_idx [B, H_kv, T, n]."""
+        [B, H, T, hd] and block_idx [B, H_kv, T, n]. index: the indexer's block scores [B, H_kv, T, N_b] (or None):
+        they pick the blocks while self.indexer_selects, and a training forward from position 0 leaves the KL
+        to the pooled block mass in self.indexer_loss."""
         c = self.cfg
         B, _, T, _ = q.shape
+        picks = index.detach() if index is not None and self.indexer_selects else None
         if T == 1:  # one query (a decode step): every cached key is visible, no chunking or masks
             with nvtx_range("nsa.decode"):
-                return decode_branches(q, ck, cv, sel_k, sel_v, win_k, win_v, t0, c)
+                return decode_branches(q, ck, cv, sel_k, sel_v, win_k, win_v, t0, c, picks)
         # one custom op per stage (nsa/attention/ops.py): a constant number of launches per layer
         with nvtx_range("nsa.compressed"):
             o_cmp = ops.compressed_attention(q, ck, cv, t0, c.l, c.d, c.q_chunk, c.kernel)  # [B, H, T, hd]
         qg = q.view(B, self.n_kv_heads, self.n_groups, T, self.head_dim)  # [B, H_kv, G, T, hd]
         with nvtx_range("nsa.select"):
-            block_idx = ops.select_blocks(qg, ck, t0, c.l, c.d, c.l_sel, c.n_sel, c.q_chunk, c.kernel)
+            if picks is None:
+                block_idx = ops.select_blocks(qg, ck, t0, c.l, c.d, c.l_sel, c.n_sel, c.q_chunk, c.kernel)
+            else:
+                block_idx = select_blocks(picks, t0, c.l_sel, c.n_sel)
+            if index is not None and t0 == 0 and torch.is_grad_enabled() and c.indexer_kl > 0:
+                target = pooled_block_mass(qg.detach(), ck.detach(), c.l, c.d, c.l_sel, index.shape[-1], c.q_chunk)
+                self.indexer_loss = c.indexer_kl * indexer_kl(index, target, c.l_sel)
         with nvtx_range("nsa.selected"):
             o_sel = ops.selected_attention(qg, sel_k, sel_v, block_idx, t0, c.l_sel, c.sel_tile, kernel=c.kernel,
                                            chunk=c.sel_chunk)

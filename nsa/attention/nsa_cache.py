@@ -6,7 +6,9 @@ Holds, per branch:
   compression: the compressed tokens emitted so far, plus the raw keys/values (< l positions) that the
              next compressed token still needs; a token is emitted when its block of l is complete,
              i.e. every d steps once l positions exist;
-  window: the last w raw keys/values in a ring buffer (a decode step writes one slot).
+  window: the last w raw keys/values in a ring buffer (a decode step writes one slot);
+  index (nsa.selector=indexer): one index key per complete selection block (the elementwise max of its tokens'
+             keys, nsa/attention/indexer.py), and the keys of the block being filled.
 A window-only layer (nsa.gates=window) fills only the window ring; the other buffers stay empty.
 """
 from __future__ import annotations
@@ -27,6 +29,24 @@ class NSACache:
         self.cmp_raw_k: torch.Tensor | None = None  # [B, H_kv, < l, hd] raw positions cmp_raw_start ..
         self.cmp_raw_v: torch.Tensor | None = None
         self.win_k, self.win_v = RingBuffer(cfg.w), RingBuffer(cfg.w)  # the last w raw positions
+        self.index_blocks: torch.Tensor | None = None  # [B, complete blocks, e]
+        self.index_open: torch.Tensor | None = None  # [B, < l', e] index keys of the block being filled
+
+    def index_block_keys(self, k: torch.Tensor) -> torch.Tensor:
+        """Append the index keys k [B, T, e] of the next T positions and return the block keys of every block up to
+        the newest position's, [B, ceil(t / l'), e] (t: positions so far; the last block over its tokens so far)."""
+        l_sel = self.cfg.l_sel
+        if self.index_open is not None:
+            k = torch.cat((self.index_open, k), dim=1)  # from the start of the open block
+        n_tok = k.shape[1]
+        complete = n_tok // l_sel
+        if complete:
+            new = k[:, : complete * l_sel].unflatten(1, (complete, l_sel)).amax(dim=2)  # [B, complete, e]
+            self.index_blocks = new if self.index_blocks is None else torch.cat((self.index_blocks, new), dim=1)
+        self.index_open = k[:, complete * l_sel:] if n_tok % l_sel else None
+        parts = [t for t in (self.index_blocks, None if self.index_open is None else self.index_open.amax(1, True))
+                 if t is not None]
+        return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
 
     def window(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append k, v [B, H_kv, T, hd] and return the window keys/values of the T new queries:

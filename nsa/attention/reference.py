@@ -3,6 +3,8 @@
 Uses only the module's parameters (never its helper functions) and spells every mask out per query:
 for each batch row b, position p, KV group g and head h it lists the keys that (q_p, h) may read.
 Slow by design (T ~ 100 at most). Differentiable with respect to the module's parameters and x.
+nsa.selector=indexer: the indexer's block scores (per token, then max per block, spelled out) rank the blocks
+instead of the compressed probabilities (one document: the indexer does not take packed documents yet).
 Packed documents (doc_start): every rule is applied in the query's document, counted from its first token
 (compressed blocks, selection blocks and forced blocks, the window's lower end), as docs/NSA.md states;
 positions restart in every document (RoPE rotates at the position within the document).
@@ -47,10 +49,12 @@ def _overlap(i, j, l, d, l_sel):  # |[i*d, i*d+l) & [j*l', (j+1)*l')|, in units 
     return max(0, min(i * d + l, (j + 1) * l_sel) - max(i * d, j * l_sel)) / d
 
 
-def _select(p_group, p, c):
-    """p_group: python floats over the visible compressed tokens -> sorted list of selected blocks."""
+def _select(p_group, p, c, index_score=None):
+    """p_group: python floats over the visible compressed tokens -> sorted list of selected blocks. index_score
+    (nsa.selector=indexer): block -> the indexer's score, which ranks the blocks instead."""
     current = p // c.l_sel
-    score = {j: sum(pr * _overlap(i, j, c.l, c.d, c.l_sel) for i, pr in enumerate(p_group)) for j in range(current + 1)}
+    score = index_score if index_score is not None else {
+        j: sum(pr * _overlap(i, j, c.l, c.d, c.l_sel) for i, pr in enumerate(p_group)) for j in range(current + 1)}
     forced = {0, current} | ({current - 1} if current >= 1 else set())
     rest = sorted((j for j in score if j not in forced), key=lambda j: (-score[j], j))  # ties -> lower j
     return sorted(forced | set(rest[: c.n_sel - len(forced)]))
@@ -110,6 +114,11 @@ def reference_forward(attn, x: torch.Tensor, rope=None, doc_start: torch.Tensor 
                     ck = torch.stack([_rotate(ck[g], cos[end], sin[end]) for g in range(H_kv)])
                 CK[s0].append(ck)
                 CV[s0].append(torch.stack([_phi(torch.stack([V["cmp"][s][g] for s in span]), params, "compress_v") for g in range(H_kv)]))
+        if attn.indexer is not None:  # index key of each token, then of each selection block (elementwise max)
+            e, h_I = attn.cfg.indexer_dim, attn.cfg.indexer_heads
+            k_I = [_linear(x[b, t], params, "indexer.k_proj") for t in range(T)]
+            block_key = {j: torch.stack(k_I[j * c.l_sel: (j + 1) * c.l_sel]).amax(dim=0)
+                         for j in range(-(-T // c.l_sel))}
         for p in range(T):
             s0 = starts[b][p]
             rel = p - s0  # the query's position in its document
@@ -131,7 +140,13 @@ def reference_forward(attn, x: torch.Tensor, rope=None, doc_start: torch.Tensor 
                         p_group = [acc + pr for acc, pr in zip(p_group, probs.tolist())]  # Eq. 10
                     else:
                         o_cmp[h] = torch.zeros(hd, dtype=torch.float64, device=x.device)  # sees no compressed token
-                blocks = _select(p_group, rel, c)  # document-relative block indices
+                index_score = None
+                if attn.indexer is not None and attn.indexer_selects:  # I(p, j) = sum_h w_h ReLU(q_h . K_j) / sqrt(e)
+                    q_I = _linear(x[b, p], params, "indexer.q_proj").view(H_kv, h_I, e)[g]
+                    w_I = _linear(x[b, p], params, "indexer.w_proj").view(H_kv, h_I)[g]
+                    index_score = {j: sum(w_I[h].item() * max(0.0, torch.dot(q_I[h], block_key[j]).item()) / math.sqrt(e)
+                                          for h in range(h_I)) for j in range(rel // c.l_sel + 1)}
+                blocks = _select(p_group, rel, c, index_score)  # document-relative block indices
                 selected[b, g, p, : len(blocks)] = torch.tensor(blocks)
                 keys = [s0 + r for j in blocks for r in range(j * c.l_sel, (j + 1) * c.l_sel) if r <= rel]
                 for h in group_heads:

@@ -1,0 +1,102 @@
+"""A learned block indexer for NSA's selection (nsa.selector=indexer): which blocks a query reads, scored by a small
+learned model instead of NSA's pooled compressed-attention probabilities (Eq. 8-10).
+
+Per layer (sizes from NSAConfig: h = indexer_heads, e = indexer_dim):
+    index queries   q_I(t) = W_q x_t                        [H_kv, h, e]  (h per GQA group)
+    head weights    w(t)   = W_w x_t                        [H_kv, h]
+    index keys      k_I(s) = W_k x_s                        [e]           (one, shared by every group and head)
+    block key       K_I(j) = max over s in block j of k_I(s), elementwise   (block j: positions j*l' .. (j+1)*l'-1)
+    block score     I(t, j) = sum_h w(t, h) * ReLU(q_I(t, h) . K_I(j)) / sqrt(e)     per KV group
+The scores feed the same top-n as pooled selection (impl/selection.py: block 0, the current and the previous block
+forced), so the picks go to the same selected-attention kernels. Without positional encoding (no RoPE): a block is
+scored by what it holds, not by how far back it is, so the scores do not meet positions they never saw in training
+(pooled scoring's compressed keys are rotated at their position). One key per block, not per token: a query scores
+T / l' blocks (O(T^2 / l') work, a decode step reads one stored key per block), and a key summarises its block by
+the elementwise max, so a single strong token still shows.
+
+The indexer learns from the main attention, never from the language-model loss: its input x is detached, and its
+training signal is KL(target || softmax(I(t, .))) over the query's candidate blocks (blocks 0 .. current-2 that are
+not forced), where the target is the compressed branch's probability mass per block summed over the group's heads
+(p_slc of Eq. 9-10, the distribution pooled selection ranks by), detached. That branch attends to every compressed
+token of the past, so the target covers every candidate block, including those the selection leaves out (a
+selected-set target would never rank the tail); it is the attention that sees the whole context.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from nsa.attention.impl.compression import compression_group_probs, num_compressed
+from nsa.attention.impl.selection import selection_block_scores
+
+
+class BlockIndexer(nn.Module):
+    def __init__(self, dim: int, n_kv_heads: int, heads: int, index_dim: int, l_sel: int):
+        super().__init__()
+        self.n_kv_heads, self.heads, self.index_dim, self.l_sel = n_kv_heads, heads, index_dim, l_sel
+        self.q_proj = nn.Linear(dim, n_kv_heads * heads * index_dim, bias=False)
+        self.w_proj = nn.Linear(dim, n_kv_heads * heads, bias=False)
+        self.k_proj = nn.Linear(dim, index_dim, bias=False)
+
+    def block_keys(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, dim] at positions 0 .. T-1 -> K_I [B, ceil(T / l'), e] (the last block may be partial)."""
+        B, T, _ = x.shape
+        k = self.k_proj(x)  # [B, T, e]
+        n_blocks = -(-T // self.l_sel)
+        pad = n_blocks * self.l_sel - T
+        if pad:
+            k = F.pad(k, (0, 0, 0, pad), value=float("-inf"))  # a partial block's max over its real keys
+        return k.view(B, n_blocks, self.l_sel, self.index_dim).amax(dim=2)
+
+    def scores(self, x: torch.Tensor, block_keys: torch.Tensor) -> torch.Tensor:
+        """x [B, Tq, dim] (the queries' inputs), block_keys [B, N_b, e] -> I [B, H_kv, Tq, N_b] (float32, or float64
+        for a float64 model)."""
+        B, Tq, _ = x.shape
+        q = self.q_proj(x).view(B, Tq, self.n_kv_heads, self.heads, self.index_dim)  # [B, Tq, H_kv, h, e]
+        w = self.w_proj(x).view(B, Tq, self.n_kv_heads, self.heads)  # [B, Tq, H_kv, h]
+        logits = torch.einsum("btkhe,bne->bkhtn", q, block_keys)  # [B, H_kv, h, Tq, N_b]
+        acc = torch.promote_types(logits.dtype, torch.float32)
+        logits = F.relu(logits.to(acc)) / math.sqrt(self.index_dim)
+        return torch.einsum("bkhtn,btkh->bktn", logits, w.to(acc))  # [B, H_kv, Tq, N_b]
+
+
+def candidate_mask(positions: torch.Tensor, l_sel: int, n_blocks: int) -> torch.Tensor:
+    """positions [Tq] -> [Tq, N_b] bool: the blocks that compete for a query's free places (not forced: block 0, the
+    current and the previous one; and not after the current one)."""
+    current = torch.div(positions, l_sel, rounding_mode="floor")[:, None]  # [Tq, 1]
+    blk = torch.arange(n_blocks, device=positions.device)[None, :]
+    return (blk >= 1) & (blk <= current - 2)
+
+
+@torch.no_grad()
+def pooled_block_mass(q: torch.Tensor, ck: torch.Tensor, l: int, d: int, l_sel: int, n_blocks: int,
+                      q_chunk: int) -> torch.Tensor:
+    """The compressed branch's probability mass per selection block, summed over each GQA group's heads (Eq. 9-10):
+    q [B, H_kv, G, T, hd] at positions 0 .. T-1, ck [B, H_kv, N_c, hd] -> [B, H_kv, T, N_b] (q's dtype)."""
+    parts = []
+    for a, q_sub in zip(range(0, q.shape[3], q_chunk), q.split(q_chunk, dim=3)):
+        n_vis = num_compressed(a + q_sub.shape[3], l, d)
+        p_cmp = compression_group_probs(q_sub, ck[:, :, :n_vis], a, l, d)  # [B, H_kv, C, n_vis]
+        parts.append(selection_block_scores(p_cmp, l, d, l_sel, n_blocks))
+    return torch.cat(parts, dim=2)
+
+
+def indexer_kl(scores: torch.Tensor, target: torch.Tensor, l_sel: int) -> torch.Tensor:
+    """Mean over (batch, KV group, query with >= 2 candidates) of KL(target || softmax(scores)) over the query's
+    candidate blocks; scores and target [B, H_kv, T, N_b] for positions 0 .. T-1 -> a 0-dim tensor in the scores'
+    dtype (0 when no query has two candidates)."""
+    T, n_blocks = scores.shape[-2], scores.shape[-1]
+    cand = candidate_mask(torch.arange(T, device=scores.device), l_sel, n_blocks)  # [T, N_b]
+    rows = cand.sum(-1) >= 2  # [T]: one candidate has nothing to rank
+    if not bool(rows.any()):
+        return scores.sum() * 0.0
+    s, p = scores[..., rows, :], target[..., rows, :].to(scores.dtype)
+    c = cand[rows]  # [R, N_b]
+    p = torch.where(c, p, 0.0)
+    p = p / p.sum(-1, keepdim=True).clamp_min(1e-30)
+    log_q = torch.log_softmax(s.masked_fill(~c, -1e30), dim=-1)  # finite everywhere: no inf * 0 in either pass
+    kl = torch.where(p > 0, p * (torch.log(p.clamp_min(1e-30)) - log_q), 0.0).sum(-1)  # [B, H_kv, R]
+    return kl.mean()

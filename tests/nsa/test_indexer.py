@@ -1,0 +1,147 @@
+"""nsa.selector=indexer (nsa/attention/indexer.py): the layer against the float64 per-token reference (which spells
+the indexer's scores out), causality by perturbing the future, the KL term moving the indexer and nothing else, the
+warm-up falling back to pooled picks, decode and chunked prefill equal to one prefill, and the config's refusals."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nsa.attention.indexer import candidate_mask, indexer_kl
+from nsa.attention.reference import reference_forward
+from nsa.config import ModelConfig, ModelConfigError, NSAConfig
+from nsa.model import Transformer
+from tests.nsa._nsa_helpers import L_SEL, make_input, make_layer, rope_for, sorted_blocks
+
+INDEXER = dict(selector="indexer", indexer_heads=2, indexer_dim=8, gate_init="equal")
+
+
+def indexer_layer(seed: int = 3, **overrides):
+    layer = make_layer(seed=seed, nsa_overrides={**INDEXER, **overrides})
+    with torch.no_grad():  # scores of both signs and sizes: ReLU and the head weights both matter
+        for p in layer.indexer.parameters():
+            p.normal_(0.0, 0.5)
+    return layer
+
+
+@pytest.mark.parametrize("T", [17, 64, 100])
+def test_layer_matches_the_float64_reference(T):
+    layer = indexer_layer()
+    x, rope = make_input(2, T, seed=4), rope_for(T)
+    with torch.no_grad():
+        y, idx = layer(x, rope, return_indices=True)
+    ref, ref_idx = reference_forward(layer, x, rope)
+    assert torch.equal(sorted_blocks(idx), ref_idx)
+    torch.testing.assert_close(y, ref, rtol=1e-9, atol=1e-9)
+    # the indexer really decides: pooled scoring picks other blocks for some queries
+    pooled = make_layer(seed=3, nsa_overrides={"gate_init": "equal"})
+    pooled.load_state_dict({k: v for k, v in layer.state_dict().items() if not k.startswith("indexer.")})
+    with torch.no_grad():
+        _, pooled_idx = pooled(x, rope, return_indices=True)
+    if T > 4 * L_SEL:  # from 5 blocks on a query has 2 or more candidates for its one free place
+        assert not torch.equal(pooled_idx, idx)
+
+
+def test_no_pick_reads_the_future():
+    T, t = 100, 57
+    layer = indexer_layer()
+    x = make_input(1, T, seed=5)
+    changed = x.clone()
+    changed[:, t + 1:] = torch.randn_like(changed[:, t + 1:]) * 10
+    with torch.no_grad():
+        y, idx = layer(x, rope_for(T), return_indices=True)
+        y2, idx2 = layer(changed, rope_for(T), return_indices=True)
+    assert torch.equal(idx[:, :, : t + 1], idx2[:, :, : t + 1])
+    torch.testing.assert_close(y[:, : t + 1], y2[:, : t + 1], rtol=0, atol=1e-12)
+    assert not torch.equal(idx[:, :, t + 1:], idx2[:, :, t + 1:])  # the perturbation does reach later queries
+
+
+def tiny_model(selector: str, kl: float = 1.0, seed: int = 0, **nsa) -> Transformer:
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64,
+                      max_seq_len=128, attention="nsa",
+                      nsa=NSAConfig(l=8, d=4, l_sel=8, n_sel=4, w=8, selector=selector, indexer_kl=kl,
+                                    gate_init="equal", **nsa))
+    torch.manual_seed(seed)
+    return Transformer(cfg).double()
+
+
+def test_the_kl_term_moves_the_indexer_only_and_leaves_the_loss_value():
+    idx, tgt = torch.randint(0, 64, (2, 96), generator=torch.Generator().manual_seed(1)).chunk(2, dim=0)
+    grads, losses = {}, {}
+    for kl in (1.0, 0.0):
+        model = tiny_model("indexer", kl=kl)
+        loss = model(idx, tgt)
+        loss.backward()
+        losses[kl] = loss.detach()
+        grads[kl] = {n: p.grad for n, p in model.named_parameters()}
+        if kl:
+            kls = [blk.attn.indexer_loss.detach() for blk in model.blocks]
+            assert all(v > 0 for v in kls)  # a real KL, in every layer
+    assert torch.equal(losses[1.0], losses[0.0])  # the term adds its gradient, not its value
+    for name, g in grads[1.0].items():
+        if ".indexer." in name:
+            assert g is not None and g.abs().sum() > 0, name
+            assert grads[0.0][name] is None, name  # the language-model loss never reaches the indexer
+        else:
+            assert torch.equal(g, grads[0.0][name]), name  # and the KL reaches nothing else
+
+
+def test_the_kl_is_zero_where_the_indexer_ranks_as_the_target_and_positive_elsewhere():
+    T, n_b = 40, 5
+    target = torch.rand(1, 1, T, n_b, dtype=torch.float64)
+    cand = candidate_mask(torch.arange(T), 8, n_b)
+    assert not cand[:16].any() and cand[39].tolist() == [False, True, True, False, False]  # blocks 1, 2 at p=39
+    same = torch.log(target)  # softmax(log p) = p on the candidates
+    assert indexer_kl(same, target, 8).abs() < 1e-12
+    assert indexer_kl(torch.zeros_like(target), target, 8) > 1e-4
+
+
+def test_warm_up_picks_by_pooled_scores():
+    T = 100
+    layer = indexer_layer()
+    pooled = make_layer(seed=3, nsa_overrides={"gate_init": "equal"})
+    pooled.load_state_dict({k: v for k, v in layer.state_dict().items() if not k.startswith("indexer.")})
+    x, rope = make_input(2, T, seed=6), rope_for(T)
+    layer.indexer_selects = False
+    with torch.no_grad():
+        y, idx = layer(x, rope, return_indices=True)
+        y_pooled, idx_pooled = pooled(x, rope, return_indices=True)
+    assert torch.equal(idx, idx_pooled) and torch.equal(y, y_pooled)
+
+
+@pytest.mark.parametrize("chunks", [[1] * 70, [3, 5, 4, 4, 16, 1, 7, 30], [70]],
+                         ids=["token-by-token", "irregular", "one-chunk"])
+def test_decode_and_chunked_prefill_equal_full_prefill(chunks):
+    T = 70
+    layer = indexer_layer(seed=7)
+    x = make_input(2, T, seed=8)
+    rope = rope_for(T)
+    with torch.no_grad():
+        y_full, idx_full = layer(x, rope, return_indices=True)
+        cache, outs, idxs, t = layer.new_cache(), [], [], 0
+        for n in chunks:
+            y, idx = layer(x[:, t: t + n], (rope[0][t: t + n], rope[1][t: t + n]), cache, return_indices=True)
+            outs.append(y)
+            idxs.append(idx)
+            t += n
+    assert torch.equal(torch.cat(idxs, 2), idx_full)
+    torch.testing.assert_close(torch.cat(outs, 1), y_full, rtol=0, atol=1e-12)
+    assert cache.index_blocks.shape[1] == T // L_SEL  # one stored key per complete block, not per token
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(selector="learned"), "nsa.selector='learned'; valid: pooled, indexer"),
+    (dict(selector="indexer", indexer_heads=0), "nsa.indexer_heads must be positive, got 0"),
+    (dict(selector="indexer", indexer_dim=-1), "nsa.indexer_dim must be positive, got -1"),
+    (dict(selector="indexer", indexer_kl=-0.5), "nsa.indexer_kl must be >= 0, got -0.5"),
+    (dict(selector="indexer", indexer_warmup_steps=-1), "nsa.indexer_warmup_steps must be >= 0, got -1"),
+    (dict(selector="indexer", gates="window"), "nsa.selector=indexer needs selection: nsa.gates=window has none"),
+])
+def test_bad_indexer_keys_are_refused_in_one_line(overrides, message):
+    with pytest.raises(ModelConfigError) as err:
+        NSAConfig(**overrides).validate()
+    assert str(err.value) == message
+
+
+def test_pooled_layers_have_no_indexer():
+    layer = make_layer(seed=3)
+    assert layer.indexer is None and not any(k.startswith("indexer.") for k in layer.state_dict())
