@@ -104,6 +104,13 @@ class Transformer(nn.Module):
                 blk.attn.cfg = nsa
         self.cfg = dataclasses.replace(self.cfg, nsa=nsa)
 
+    def set_indexer_selects(self, on: bool) -> None:
+        """nsa.selector=indexer: whether the indexers pick the blocks (else pooled scores do, while the indexers
+        learn: nsa.indexer_warmup_steps). The trainer sets it before every step from the step number."""
+        for blk in self.blocks:
+            if getattr(blk.attn, "indexer", None) is not None:
+                blk.attn.indexer_selects = on
+
     def num_params(self, include_embeddings: bool = True) -> int:
         """Unique parameters (a tied head counts once). Without embeddings: no token/position tables."""
         n = sum(p.numel() for p in self.parameters())

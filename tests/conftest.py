@@ -14,6 +14,13 @@ from tests import forkserver
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 
+# Without CUDA the Triton kernels run in Triton's interpreter: in this process, and in every process the tests start.
+# The switch is read when a kernel is defined and when triton itself is imported (its own @jit functions), so it is
+# set here, before anything imports triton, and before the fork server starts (it imports triton; a child whose
+# switch differs runs in a fresh interpreter: tests/forkserver.py).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def pytest_addoption(parser):
     parser.addoption("--file-order", default="forward",

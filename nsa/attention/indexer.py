@@ -63,11 +63,34 @@ class BlockIndexer(nn.Module):
         return torch.einsum("bkhtn,btkh->bktn", logits, w.to(acc))  # [B, H_kv, Tq, N_b]
 
 
+    def document_scores(self, x: torch.Tensor, frame: torch.Tensor, n_blocks: int) -> torch.Tensor:
+        """Packed documents (frame [3, B, T]: each token's position in its document, its document's first index;
+        nsa/attention/documents.py): x [B, T, dim] -> I [B, H_kv, T, n_blocks] over each query's own document's
+        blocks 0 .. n_blocks-1 (document-relative, as the selection counts them). Block j of the document starting
+        at index k0 holds that document's tokens k0 + j*l' .. ; its key is stored at index k0 + j (distinct for every
+        (document, block): j <= a position in the document). A block past a query's current one reads an unrelated
+        slot: selection and the KL never let it compete."""
+        B, T, _ = x.shape
+        q_pos, k_base = frame[0], frame[1]  # [B, T] each
+        k = self.k_proj(x)  # [B, T, e]
+        slot = (k_base + torch.div(q_pos, self.l_sel, rounding_mode="floor"))[..., None].expand_as(k)
+        keys = k.new_zeros(k.shape).scatter_reduce(1, slot, k, "amax", include_self=False)  # [B, T, e]
+        at = (k_base[..., None] + torch.arange(n_blocks, device=x.device)).clamp_max(T - 1)  # [B, T, n_blocks]
+        block_keys = keys.gather(1, at.reshape(B, -1, 1).expand(-1, -1, self.index_dim)).view(B, T, n_blocks, -1)
+        q = self.q_proj(x).view(B, T, self.n_kv_heads, self.heads, self.index_dim)  # [B, T, H_kv, h, e]
+        w = self.w_proj(x).view(B, T, self.n_kv_heads, self.heads)
+        logits = torch.einsum("btkhe,btne->bkhtn", q, block_keys)  # [B, H_kv, h, T, n_blocks]
+        acc = torch.promote_types(logits.dtype, torch.float32)
+        logits = F.relu(logits.to(acc)) / math.sqrt(self.index_dim)
+        return torch.einsum("bkhtn,btkh->bktn", logits, w.to(acc))
+
+
 def candidate_mask(positions: torch.Tensor, l_sel: int, n_blocks: int) -> torch.Tensor:
-    """positions [Tq] -> [Tq, N_b] bool: the blocks that compete for a query's free places (not forced: block 0, the
-    current and the previous one; and not after the current one)."""
-    current = torch.div(positions, l_sel, rounding_mode="floor")[:, None]  # [Tq, 1]
-    blk = torch.arange(n_blocks, device=positions.device)[None, :]
+    """positions [Tq] (or [B, 1, Tq]: each query's position in its document) -> [Tq, N_b] (or [B, 1, Tq, N_b])
+    bool: the blocks that compete for a query's free places (not forced: block 0, the current and the previous one;
+    and not after the current one)."""
+    current = torch.div(positions, l_sel, rounding_mode="floor")[..., None]  # [..., Tq, 1]
+    blk = torch.arange(n_blocks, device=positions.device)
     return (blk >= 1) & (blk <= current - 2)
 
 
@@ -84,19 +107,20 @@ def pooled_block_mass(q: torch.Tensor, ck: torch.Tensor, l: int, d: int, l_sel: 
     return torch.cat(parts, dim=2)
 
 
-def indexer_kl(scores: torch.Tensor, target: torch.Tensor, l_sel: int) -> torch.Tensor:
-    """Mean over (batch, KV group, query with >= 2 candidates) of KL(target || softmax(scores)) over the query's
-    candidate blocks; scores and target [B, H_kv, T, N_b] for positions 0 .. T-1 -> a 0-dim tensor in the scores'
-    dtype (0 when no query has two candidates)."""
+def indexer_kl(scores: torch.Tensor, target: torch.Tensor, l_sel: int,
+               positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean over the (batch, KV group, query) rows with >= 2 candidate blocks of KL(target || softmax(scores)) over
+    those candidates; scores and target [B, H_kv, T, N_b]; positions [B, 1, T] (each query's position in its
+    document) or None (positions 0 .. T-1) -> a 0-dim tensor in the scores' dtype (0 when no row has two)."""
     T, n_blocks = scores.shape[-2], scores.shape[-1]
-    cand = candidate_mask(torch.arange(T, device=scores.device), l_sel, n_blocks)  # [T, N_b]
-    rows = cand.sum(-1) >= 2  # [T]: one candidate has nothing to rank
+    if positions is None:
+        positions = torch.arange(T, device=scores.device)
+    cand = candidate_mask(positions, l_sel, n_blocks).expand(scores.shape)  # [B, H_kv, T, N_b]
+    rows = cand.sum(-1) >= 2  # [B, H_kv, T]: one candidate has nothing to rank
     if not bool(rows.any()):
         return scores.sum() * 0.0
-    s, p = scores[..., rows, :], target[..., rows, :].to(scores.dtype)
-    c = cand[rows]  # [R, N_b]
-    p = torch.where(c, p, 0.0)
+    p = torch.where(cand, target.to(scores.dtype), 0.0)
     p = p / p.sum(-1, keepdim=True).clamp_min(1e-30)
-    log_q = torch.log_softmax(s.masked_fill(~c, -1e30), dim=-1)  # finite everywhere: no inf * 0 in either pass
-    kl = torch.where(p > 0, p * (torch.log(p.clamp_min(1e-30)) - log_q), 0.0).sum(-1)  # [B, H_kv, R]
-    return kl.mean()
+    log_q = torch.log_softmax(scores.masked_fill(~cand, -1e30), dim=-1)  # finite everywhere: no inf * 0
+    kl = torch.where(p > 0, p * (torch.log(p.clamp_min(1e-30)) - log_q), 0.0).sum(-1)  # [B, H_kv, T]
+    return kl[rows].mean()

@@ -27,6 +27,7 @@ from nsa.attention.decode import decode_branches, decode_window
 from nsa.attention.documents import Documents, gather_blocks
 from nsa.attention.gate_stats import BRANCHES, gate_shares, gate_statistics, selection_counts, selection_statistics
 from nsa.attention.impl.compression import compress, num_compressed
+from nsa.attention.impl.masked import document_block_scores
 from nsa.attention.impl.selection import select_blocks
 from nsa.attention.indexer import BlockIndexer, indexer_kl, pooled_block_mass
 from nsa.attention.nsa_cache import NSACache
@@ -84,6 +85,7 @@ class NativeSparseAttention(nn.Module):
                                      self.cfg.l_sel) if self.cfg.selector == "indexer" else None)
         self.indexer_selects = True  # False during nsa.indexer_warmup_steps: pooled scores pick, the indexer learns
         self.indexer_loss: torch.Tensor | None = None  # 0-dim, the last training forward's weighted KL
+        self.last_indexer_kl: torch.Tensor | None = None  # 0-dim, detached and unweighted, for the training log
         self.proj = nn.Linear(q_dim, cfg.dim, bias=cfg.bias)
         self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
@@ -285,7 +287,8 @@ class NativeSparseAttention(nn.Module):
                 block_idx = select_blocks(picks, t0, c.l_sel, c.n_sel)
             if index is not None and t0 == 0 and torch.is_grad_enabled() and c.indexer_kl > 0:
                 target = pooled_block_mass(qg.detach(), ck.detach(), c.l, c.d, c.l_sel, index.shape[-1], c.q_chunk)
-                self.indexer_loss = c.indexer_kl * indexer_kl(index, target, c.l_sel)
+                kl = indexer_kl(index, target, c.l_sel)
+                self.indexer_loss, self.last_indexer_kl = c.indexer_kl * kl, kl.detach()
         with nvtx_range("nsa.selected"):
             o_sel = ops.selected_attention(qg, sel_k, sel_v, block_idx, t0, c.l_sel, c.sel_tile, kernel=c.kernel,
                                            chunk=c.sel_chunk)
@@ -313,6 +316,8 @@ class NativeSparseAttention(nn.Module):
         if record is not None:
             selection, self.last_sample = record
             self.last_stats = {**gate_statistics(g), **selection, **gate_means(g)}
+            if self.indexer is not None and self.last_indexer_kl is not None:  # the indexer's KL to its target
+                self.last_stats["indexer_kl"] = self.last_indexer_kl
         return (y, block_idx) if return_indices else y
 
     def _forward_documents(self, x, rope, documents: Documents, return_indices: bool):
@@ -335,7 +340,10 @@ class NativeSparseAttention(nn.Module):
             o_cmp = ops.compressed_attention(q, ck, cv, 0, c.l, c.d, c.q_chunk, c.kernel, frame=frame)
         qg = q.view(B, self.n_kv_heads, self.n_groups, T, self.head_dim)  # [B, H_kv, G, T, hd]
         with nvtx_range("nsa.select"):
-            block_idx = ops.select_blocks(qg, ck, 0, c.l, c.d, c.l_sel, c.n_sel, c.q_chunk, c.kernel, frame=frame)
+            if self.indexer is None:
+                block_idx = ops.select_blocks(qg, ck, 0, c.l, c.d, c.l_sel, c.n_sel, c.q_chunk, c.kernel, frame=frame)
+            else:
+                block_idx = self._index_documents(x, qg, ck, frame)
         sel_k, sel_v = br["sel"]
         with nvtx_range("nsa.selected"):
             o_sel = ops.selected_attention(qg, sel_k, sel_v, block_idx, 0, c.l_sel, c.sel_tile, kernel=c.kernel,
@@ -345,6 +353,26 @@ class NativeSparseAttention(nn.Module):
             o_win = ops.window_attention(q, win_k, win_v, 0, 0, c.w, c.win_block, c.kernel, frame=frame)
         record = self._selection_record(q, sel_k, block_idx, frame[0], frame[1]) if self.stats_enabled else None
         return self._combine(x, o_cmp, o_sel, o_win, block_idx, record, return_indices)
+
+    def _index_documents(self, x, qg, ck, frame):
+        """nsa.selector=indexer over packed documents: the indexer's scores over each query's own document's blocks
+        pick them (pooled scores during the warm-up), and a training forward leaves the KL to the compressed
+        branch's mass per document block in self.indexer_loss. -> block_idx [B, H_kv, T, n], document-relative."""
+        c = self.cfg
+        T = x.shape[1]
+        n_blocks = -(-max(ck.shape[2] * c.d + c.l, T) // c.l_sel) + 1  # as impl/masked.py's scores reach
+        index = self.indexer.document_scores(x.detach(), frame, n_blocks)  # [B, H_kv, T, n_blocks]
+        positions = frame[0][:, None, :]  # [B, 1, T]
+        if self.indexer_selects:
+            block_idx = select_blocks(index.detach(), 0, c.l_sel, c.n_sel, positions=positions).contiguous()
+        else:
+            block_idx = ops.select_blocks(qg, ck, 0, c.l, c.d, c.l_sel, c.n_sel, c.q_chunk, c.kernel, frame=frame)
+        if torch.is_grad_enabled() and c.indexer_kl > 0:
+            with torch.no_grad():
+                target = document_block_scores(qg.detach(), ck.detach(), c.l, c.d, c.l_sel, frame)
+            kl = indexer_kl(index, target, c.l_sel, positions)
+            self.indexer_loss, self.last_indexer_kl = c.indexer_kl * kl, kl.detach()
+        return block_idx
 
     def _forward_window(self, x, rope, cache: NSACache | None, documents: Documents | None, return_indices: bool):
         """nsa.gates=window: the sliding-window branch alone, projected (the gates pinned to WINDOW_GATES, so

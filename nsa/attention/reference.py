@@ -3,8 +3,8 @@
 Uses only the module's parameters (never its helper functions) and spells every mask out per query:
 for each batch row b, position p, KV group g and head h it lists the keys that (q_p, h) may read.
 Slow by design (T ~ 100 at most). Differentiable with respect to the module's parameters and x.
-nsa.selector=indexer: the indexer's block scores (per token, then max per block, spelled out) rank the blocks
-instead of the compressed probabilities (one document: the indexer does not take packed documents yet).
+nsa.selector=indexer: the indexer's block scores (per token, then max per document block, spelled out) rank the
+blocks instead of the compressed probabilities.
 Packed documents (doc_start): every rule is applied in the query's document, counted from its first token
 (compressed blocks, selection blocks and forced blocks, the window's lower end), as docs/NSA.md states;
 positions restart in every document (RoPE rotates at the position within the document).
@@ -114,11 +114,14 @@ def reference_forward(attn, x: torch.Tensor, rope=None, doc_start: torch.Tensor 
                     ck = torch.stack([_rotate(ck[g], cos[end], sin[end]) for g in range(H_kv)])
                 CK[s0].append(ck)
                 CV[s0].append(torch.stack([_phi(torch.stack([V["cmp"][s][g] for s in span]), params, "compress_v") for g in range(H_kv)]))
-        if attn.indexer is not None:  # index key of each token, then of each selection block (elementwise max)
-            e, h_I = attn.cfg.indexer_dim, attn.cfg.indexer_heads
+        if attn.indexer is not None:  # index key of each token, then of each document's selection block
+            e, h_I = attn.cfg.indexer_dim, attn.cfg.indexer_heads  # (the elementwise max of its tokens' keys)
             k_I = [_linear(x[b, t], params, "indexer.k_proj") for t in range(T)]
-            block_key = {j: torch.stack(k_I[j * c.l_sel: (j + 1) * c.l_sel]).amax(dim=0)
-                         for j in range(-(-T // c.l_sel))}
+            block_key = {}  # (document start, document-relative block) -> [e]
+            for s0 in sorted(set(starts[b])):
+                e0 = s0 + starts[b].count(s0)
+                for j in range(-(-(e0 - s0) // c.l_sel)):
+                    block_key[s0, j] = torch.stack(k_I[s0 + j * c.l_sel: min(s0 + (j + 1) * c.l_sel, e0)]).amax(dim=0)
         for p in range(T):
             s0 = starts[b][p]
             rel = p - s0  # the query's position in its document
@@ -144,7 +147,7 @@ def reference_forward(attn, x: torch.Tensor, rope=None, doc_start: torch.Tensor 
                 if attn.indexer is not None and attn.indexer_selects:  # I(p, j) = sum_h w_h ReLU(q_h . K_j) / sqrt(e)
                     q_I = _linear(x[b, p], params, "indexer.q_proj").view(H_kv, h_I, e)[g]
                     w_I = _linear(x[b, p], params, "indexer.w_proj").view(H_kv, h_I)[g]
-                    index_score = {j: sum(w_I[h].item() * max(0.0, torch.dot(q_I[h], block_key[j]).item()) / math.sqrt(e)
+                    index_score = {j: sum(w_I[h].item() * max(0.0, torch.dot(q_I[h], block_key[s0, j]).item()) / math.sqrt(e)
                                           for h in range(h_I)) for j in range(rel // c.l_sel + 1)}
                 blocks = _select(p_group, rel, c, index_score)  # document-relative block indices
                 selected[b, g, p, : len(blocks)] = torch.tensor(blocks)

@@ -2,7 +2,7 @@
 nsa/attention/kernels/selected_attention.py): forward out/lse and dq/dk/dv equal the query-centric kernels and the
 float64 dense reference; bit-identical reruns; the by-slot inverted index; the tile configs.
 
-Triton's interpreter without CUDA (tests/nsa/conftest.py); sizes stay small (T <= 64).
+Triton's interpreter without CUDA (tests/conftest.py); sizes stay small (T <= 64).
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 The reference is `block_select.select_by_score` = select_blocks(selection_block_scores(
 compression_group_probs(...))) per chunk of queries. Without CUDA the kernel runs in Triton's interpreter
-(tests/nsa/conftest.py sets TRITON_INTERPRET=1 before triton is imported); it is slow, so sizes stay small.
+(tests/conftest.py sets TRITON_INTERPRET=1 before triton is imported); it is slow, so sizes stay small.
 """
 from __future__ import annotations
 

@@ -145,3 +145,27 @@ def test_bad_indexer_keys_are_refused_in_one_line(overrides, message):
 def test_pooled_layers_have_no_indexer():
     layer = make_layer(seed=3)
     assert layer.indexer is None and not any(k.startswith("indexer.") for k in layer.state_dict())
+
+
+def test_packed_documents_equal_each_document_alone_and_the_reference():
+    """The indexer over packed documents scores each query's own document's blocks, keyed from the document's start:
+    a packed window picks and computes what each document does alone, and what the per-token reference spells out."""
+    from nsa.attention.documents import Documents
+    from tests.nsa.test_nsa_documents import LAYOUTS, _alone, _doc_rope, _starts
+
+    layer = indexer_layer(seed=5)
+    T = 100
+    x = make_input(2, T, seed=6).requires_grad_(True)
+    docs = Documents(_starts(LAYOUTS))
+    y, idx = layer(x, _doc_rope(docs), documents=docs, return_indices=True)
+    assert layer.indexer_loss is not None and layer.indexer_loss > 0  # the KL over every document's queries
+    alone = _alone(layer, x, LAYOUTS, rope=True)
+    torch.testing.assert_close(y, alone, rtol=0, atol=1e-10)
+    g = torch.randn_like(y)
+    lm = [p for n, p in layer.named_parameters() if not n.startswith("indexer.")]
+    for a, b in zip(torch.autograd.grad((y * g).sum(), [x, *lm]), torch.autograd.grad((alone * g).sum(), [x, *lm])):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+    with torch.no_grad():
+        y_ref, idx_ref = reference_forward(layer, x, rope_for(T), doc_start=docs.start)
+    torch.testing.assert_close(y.detach(), y_ref, rtol=0, atol=1e-10)
+    assert torch.equal(sorted_blocks(idx), idx_ref)

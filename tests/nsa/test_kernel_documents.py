@@ -11,7 +11,7 @@ with different layouts, GQA groups of 2 and 3) in float64 must give:
       _bwd) gives per document;
   (c) nothing a document reads changes when the keys, values and compressed tokens of the other
       documents change (exactly), while theirs do.
-Triton's interpreter without CUDA (tests/nsa/conftest.py); shapes stay tiny (the interpreter is slow).
+Triton's interpreter without CUDA (tests/conftest.py); shapes stay tiny (the interpreter is slow).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Triton selected-attention kernels (nsa/attention/kernels/selected_attention.py) against float64 references.
 
-Without CUDA the kernels run in Triton's interpreter (tests/nsa/conftest.py sets TRITON_INTERPRET=1
+Without CUDA the kernels run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1
 before anything imports the kernels). The interpreter is slow: sizes stay small (T <= 64).
 References: an explicit dense-mask float64 attention built from the block indices, the portable torch
 path (nsa/attention/impl/selection.py), and the per-token layer reference (nsa/attention/reference.py).

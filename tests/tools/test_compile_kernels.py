@@ -73,7 +73,7 @@ def shipped_configs() -> dict[str, dict]:
 def shipped_run(tmp_path_factory):
     """One run of the script at the shipped shapes: (completed process, its JSON report)."""
     out = tmp_path_factory.mktemp("compile_kernels")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # tests/nsa's conftest sets it
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # tests/conftest.py sets it
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--shapes", "shipped", "--json", str(out / "k.json"), "--markdown", str(out / "k.md")],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=900,

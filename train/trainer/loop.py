@@ -79,6 +79,8 @@ class Loop:
         self.info, self.device, self.amp_dtype = info, info.device, amp_dtype
         self.clock, self.efficiency, self.gate_stats = clock, efficiency, gate_stats
         self.params = [p for p in raw_model.parameters() if p.requires_grad]
+        nsa = raw_model.cfg.nsa if raw_model.cfg.attention == "nsa" else None
+        self.indexer_warmup = nsa.indexer_warmup_steps if nsa is not None and nsa.selector == "indexer" else 0
         self.n_micro, self.seq_len, self.staged = cfg.accumulate_grad_batches, cfg.seq_len, False
         self.tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.accumulate_grad_batches * info.world_size
         self.scaler = torch.amp.GradScaler("cuda") if amp_dtype == torch.float16 else None
@@ -116,6 +118,8 @@ class Loop:
         gate statistics on the last micro-batch (the step that ends a log interval)."""
         cfg = self.cfg
         set_lr(self.opt, lr_at(self.state.step, cfg))
+        if self.indexer_warmup:  # nsa.indexer_warmup_steps: pooled scores pick until then (a function of the step)
+            self.raw_model.set_indexer_selects(self.state.step >= self.indexer_warmup)
         loss_sum = torch.zeros((), device=self.device)
         n_micro = self.n_micro
         for micro in range(n_micro):

@@ -120,9 +120,15 @@ def compressed_bwd(d_o, q, ck, cv, o, lse, l: int, d: int, frame):
 @torch.no_grad()
 def select_blocks(q, ck, l: int, d: int, l_sel: int, n: int, frame):
     """q [B, H_kv, G, Tq, hd]; ck [B, H_kv, N_c, hd] -> [B, H_kv, Tq, n] document-relative blocks, ascending."""
+    block_scores = document_block_scores(q, ck, l, d, l_sel, frame)  # [B, H_kv, Tq, n_blocks]
+    return top_n_blocks(block_scores, 0, l_sel, n, positions=frame[0][:, None, :]).contiguous()
+
+
+def document_block_scores(q, ck, l: int, d: int, l_sel: int, frame):
+    """Eq. 9-10 per document: q [B, H_kv, G, Tq, hd]; ck [B, H_kv, N_c, hd] -> the group's compressed probability
+    mass per document-relative selection block [B, H_kv, Tq, n_blocks] (every block a query of this call may reach)."""
     B, H_kv, G, Tq, hd = q.shape
     n_c = ck.shape[2]
-    q_pos = frame[0][:, None, :]  # [B, 1, Tq]
     n_blocks = -(-max(n_c * d + l, Tq) // l_sel) + 1  # every block a query of this call may reach
     if n_c == 0:
         p_rel = q.new_zeros(B, H_kv, Tq, 0)
@@ -137,8 +143,7 @@ def select_blocks(q, ck, l: int, d: int, l_sel: int, n: int, frame):
         at = (torch.arange(n_c, device=q.device) + c_base).clamp_max(n_c)  # [B, 1, Tq, N_c]; n_c = zero column
         padded = torch.cat((p_abs, p_abs.new_zeros(B, H_kv, Tq, 1)), dim=-1)
         p_rel = padded.gather(-1, at.expand(B, H_kv, Tq, n_c))  # document-relative compressed index
-    block_scores = selection_block_scores(p_rel, l, d, l_sel, n_blocks)  # [B, H_kv, Tq, n_blocks]
-    return top_n_blocks(block_scores, 0, l_sel, n, positions=q_pos).contiguous()
+    return selection_block_scores(p_rel, l, d, l_sel, n_blocks)  # [B, H_kv, Tq, n_blocks]
 
 
 # ---------------------------------------------------------------- selected attention

@@ -1,0 +1,34 @@
+"""nsa.selector=indexer through the trainer: the indexer's KL is logged, pooled scores pick during
+nsa.indexer_warmup_steps and the indexer after, and a run killed with SIGKILL after the warm-up boundary resumes to
+the uninterrupted run's losses and weights."""
+from __future__ import annotations
+
+import torch
+
+from .helpers import TINY_CLI, kill9_after, read_csv, read_jsonl, run_reference_and_resume
+
+INDEXER = ["--model.attention=nsa", "--model.n_heads=4", "--model.n_kv_heads=2", "--model.dim=32",
+           "--model.max_seq_len=64", "--train.seq_len=64", "--nsa.l=8", "--nsa.d=4", "--nsa.l_sel=8", "--nsa.n_sel=4",
+           "--nsa.w=8", "--nsa.selector=indexer", "--nsa.indexer_heads=2", "--nsa.indexer_dim=8",
+           "--data.source=synthetic", "--train.warmup_steps=2", "--train.eval_every=0"]
+
+
+def test_warm_up_then_indexer_resumes_bit_for_bit_after_kill9(tmp_path):
+    args = [*TINY_CLI, *INDEXER, "--nsa.indexer_warmup_steps=30", "--train.steps=60", "--train.save_every=10",
+            "--train.keep_all_checkpoints=true"]
+    reference, out = tmp_path / "reference", tmp_path / "killed"
+    assert 40 <= kill9_after(args, out, "checkpoint_step40.pt") < 60  # killed after the boundary (step 30)
+    run_reference_and_resume(args, reference, out)
+    keys = ("step", "loss", "grad_norm")
+    assert [tuple(r[k] for k in keys) for r in read_csv(out / "training.csv")] == \
+        [tuple(r[k] for k in keys) for r in read_csv(reference / "training.csv")]
+    beats = [b for b in read_jsonl(reference / "heartbeat_rank0.jsonl") if b["kind"] == "train"]
+    resumed = {b["step"]: b["indexer_kl"] for b in read_jsonl(out / "heartbeat_rank0.jsonl") if b["kind"] == "train"}
+    assert len(beats) == 60 and all(b["indexer_kl"] > 0 for b in beats)  # logged at every interval
+    assert all(resumed[b["step"]] == b["indexer_kl"] for b in beats if b["step"] > 40)
+    a = torch.load(reference / "checkpoint_step60.pt", weights_only=True)["model"]
+    b = torch.load(out / "checkpoint_step60.pt", weights_only=True)["model"]
+    assert a.keys() == b.keys() and any(".indexer." in k for k in a)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    first = torch.load(reference / "checkpoint_step10.pt", weights_only=True)["model"]
+    assert all(not torch.equal(first[k], a[k]) for k in a if ".indexer." in k)  # the indexer learns
