@@ -29,7 +29,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nsa.attention.impl.compression import compression_group_probs, num_compressed
 from nsa.attention.impl.selection import selection_block_scores
 
 
@@ -63,23 +62,27 @@ class BlockIndexer(nn.Module):
         return torch.einsum("bkhtn,btkh->bktn", logits, w.to(acc))  # [B, H_kv, Tq, N_b]
 
 
-    def document_scores(self, x: torch.Tensor, frame: torch.Tensor, n_blocks: int) -> torch.Tensor:
+    def document_scores(self, x: torch.Tensor, frame: torch.Tensor, n_blocks: int,
+                        rows: torch.Tensor | None = None) -> torch.Tensor:
         """Packed documents (frame [3, B, T]: each token's position in its document, its document's first index;
-        nsa/attention/documents.py): x [B, T, dim] -> I [B, H_kv, T, n_blocks] over each query's own document's
-        blocks 0 .. n_blocks-1 (document-relative, as the selection counts them). Block j of the document starting
-        at index k0 holds that document's tokens k0 + j*l' .. ; its key is stored at index k0 + j (distinct for every
-        (document, block): j <= a position in the document). A block past a query's current one reads an unrelated
-        slot: selection and the KL never let it compete."""
+        nsa/attention/documents.py): x [B, T, dim] -> I [B, H_kv, R, n_blocks] of the queries `rows` [R] (default
+        all T) over each query's own document's blocks 0 .. n_blocks-1 (document-relative, as the selection counts
+        them). Block j of the document starting at index k0 holds that document's tokens k0 + j*l' .. ; its key is
+        stored at index k0 + j (distinct for every (document, block): j <= a position in the document). A block past
+        a query's current one reads an unrelated slot: selection and the KL never let it compete."""
         B, T, _ = x.shape
         q_pos, k_base = frame[0], frame[1]  # [B, T] each
         k = self.k_proj(x)  # [B, T, e]
         slot = (k_base + torch.div(q_pos, self.l_sel, rounding_mode="floor"))[..., None].expand_as(k)
         keys = k.new_zeros(k.shape).scatter_reduce(1, slot, k, "amax", include_self=False)  # [B, T, e]
-        at = (k_base[..., None] + torch.arange(n_blocks, device=x.device)).clamp_max(T - 1)  # [B, T, n_blocks]
-        block_keys = keys.gather(1, at.reshape(B, -1, 1).expand(-1, -1, self.index_dim)).view(B, T, n_blocks, -1)
-        q = self.q_proj(x).view(B, T, self.n_kv_heads, self.heads, self.index_dim)  # [B, T, H_kv, h, e]
-        w = self.w_proj(x).view(B, T, self.n_kv_heads, self.heads)
-        logits = torch.einsum("btkhe,btne->bkhtn", q, block_keys)  # [B, H_kv, h, T, n_blocks]
+        if rows is not None:
+            x, k_base = x[:, rows], k_base[:, rows]
+        R = x.shape[1]
+        at = (k_base[..., None] + torch.arange(n_blocks, device=x.device)).clamp_max(T - 1)  # [B, R, n_blocks]
+        block_keys = keys.gather(1, at.reshape(B, -1, 1).expand(-1, -1, self.index_dim)).view(B, R, n_blocks, -1)
+        q = self.q_proj(x).view(B, R, self.n_kv_heads, self.heads, self.index_dim)  # [B, R, H_kv, h, e]
+        w = self.w_proj(x).view(B, R, self.n_kv_heads, self.heads)
+        logits = torch.einsum("btkhe,btne->bkhtn", q, block_keys)  # [B, H_kv, h, R, n_blocks]
         acc = torch.promote_types(logits.dtype, torch.float32)
         logits = F.relu(logits.to(acc)) / math.sqrt(self.index_dim)
         return torch.einsum("bkhtn,btkh->bktn", logits, w.to(acc))
@@ -94,33 +97,42 @@ def candidate_mask(positions: torch.Tensor, l_sel: int, n_blocks: int) -> torch.
     return (blk >= 1) & (blk <= current - 2)
 
 
+KL_ROWS = 1024  # queries per layer and step the KL is taken over (evenly spaced; all of them up to this length)
+
+
+def kl_rows(T: int, device) -> torch.Tensor:
+    """The query indices the KL is taken over: all T up to KL_ROWS, else KL_ROWS evenly spaced ones (the same at
+    every step: no random state, so a resumed run draws the same rows). A fixed count keeps the target's cost and
+    launches constant in T."""
+    R = min(T, KL_ROWS)
+    return torch.arange(R, device=device) * T // R  # [R]
+
+
 @torch.no_grad()
-def pooled_block_mass(q: torch.Tensor, ck: torch.Tensor, l: int, d: int, l_sel: int, n_blocks: int,
-                      q_chunk: int) -> torch.Tensor:
+def pooled_block_mass(q: torch.Tensor, ck: torch.Tensor, positions: torch.Tensor, l: int, d: int, l_sel: int,
+                      n_blocks: int) -> torch.Tensor:
     """The compressed branch's probability mass per selection block, summed over each GQA group's heads (Eq. 9-10):
-    q [B, H_kv, G, T, hd] at positions 0 .. T-1, ck [B, H_kv, N_c, hd] -> [B, H_kv, T, N_b] (q's dtype)."""
-    parts = []
-    for a, q_sub in zip(range(0, q.shape[3], q_chunk), q.split(q_chunk, dim=3)):
-        n_vis = num_compressed(a + q_sub.shape[3], l, d)
-        p_cmp = compression_group_probs(q_sub, ck[:, :, :n_vis], a, l, d)  # [B, H_kv, C, n_vis]
-        parts.append(selection_block_scores(p_cmp, l, d, l_sel, n_blocks))
-    return torch.cat(parts, dim=2)
+    q [B, H_kv, G, R, hd] at `positions` [R] (of a sequence from 0), ck [B, H_kv, N_c, hd] -> [B, H_kv, R, N_b]."""
+    n_c = ck.shape[2]
+    if n_c == 0:
+        return q.new_zeros(q.shape[0], q.shape[1], q.shape[3], n_blocks)
+    scores = torch.einsum("bkgtd,bknd->bkgtn", q, ck) / math.sqrt(q.shape[-1])  # [B, H_kv, G, R, N_c]
+    scores = scores.float() if scores.dtype in (torch.float16, torch.bfloat16) else scores
+    visible = torch.arange(n_c, device=q.device) * d + (l - 1) <= positions[:, None]  # [R, N_c]
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    probs = torch.where(visible.any(-1, keepdim=True), probs, 0.0)  # a query that sees no token: no mass (not NaN)
+    return selection_block_scores(probs.sum(dim=2), l, d, l_sel, n_blocks)  # [B, H_kv, R, N_b]
 
 
-def indexer_kl(scores: torch.Tensor, target: torch.Tensor, l_sel: int,
-               positions: torch.Tensor | None = None) -> torch.Tensor:
+def indexer_kl(scores: torch.Tensor, target: torch.Tensor, l_sel: int, positions: torch.Tensor) -> torch.Tensor:
     """Mean over the (batch, KV group, query) rows with >= 2 candidate blocks of KL(target || softmax(scores)) over
-    those candidates; scores and target [B, H_kv, T, N_b]; positions [B, 1, T] (each query's position in its
-    document) or None (positions 0 .. T-1) -> a 0-dim tensor in the scores' dtype (0 when no row has two)."""
-    T, n_blocks = scores.shape[-2], scores.shape[-1]
-    if positions is None:
-        positions = torch.arange(T, device=scores.device)
-    cand = candidate_mask(positions, l_sel, n_blocks).expand(scores.shape)  # [B, H_kv, T, N_b]
-    rows = cand.sum(-1) >= 2  # [B, H_kv, T]: one candidate has nothing to rank
-    if not bool(rows.any()):
-        return scores.sum() * 0.0
+    those candidates; scores and target [B, H_kv, R, N_b] for queries at positions [R] (or [B, 1, R]: each query's
+    position in its document) -> a 0-dim tensor in the scores' dtype (0 when no row has two)."""
+    n_blocks = scores.shape[-1]
+    cand = candidate_mask(positions, l_sel, n_blocks).expand(scores.shape)  # [B, H_kv, R, N_b]
+    rows = (cand.sum(-1) >= 2).to(scores.dtype)  # [B, H_kv, R]: one candidate has nothing to rank
     p = torch.where(cand, target.to(scores.dtype), 0.0)
     p = p / p.sum(-1, keepdim=True).clamp_min(1e-30)
     log_q = torch.log_softmax(scores.masked_fill(~cand, -1e30), dim=-1)  # finite everywhere: no inf * 0
-    kl = torch.where(p > 0, p * (torch.log(p.clamp_min(1e-30)) - log_q), 0.0).sum(-1)  # [B, H_kv, T]
-    return kl[rows].mean()
+    kl = torch.where(p > 0, p * (torch.log(p.clamp_min(1e-30)) - log_q), 0.0).sum(-1)  # [B, H_kv, R]
+    return (kl * rows).sum() / rows.sum().clamp_min(1.0)  # a masked mean: no host sync

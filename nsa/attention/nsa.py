@@ -29,7 +29,7 @@ from nsa.attention.gate_stats import BRANCHES, gate_shares, gate_statistics, sel
 from nsa.attention.impl.compression import compress, num_compressed
 from nsa.attention.impl.masked import document_block_scores
 from nsa.attention.impl.selection import select_blocks
-from nsa.attention.indexer import BlockIndexer, indexer_kl, pooled_block_mass
+from nsa.attention.indexer import BlockIndexer, indexer_kl, kl_rows, pooled_block_mass
 from nsa.attention.nsa_cache import NSACache
 from nsa.attention.selection_health import gate_means, outside_window_counts, outside_window_share, recall_sample
 from nsa.config import ModelConfig, NSAConfig
@@ -224,7 +224,7 @@ class NativeSparseAttention(nn.Module):
         index = None
         if self.indexer is not None:
             xd = x.detach()  # the language-model loss never moves the indexer
-            index = self.indexer.scores(xd, self.indexer.block_keys(xd))  # [B, H_kv, T, ceil(T / l')]
+            index = (xd, self.indexer.block_keys(xd))  # and its block keys [B, ceil(T / l'), e]
         return self._branches(q, ck, cv, *br["sel"], *br["win"], 0, T, index)
 
     def _cached_branches(self, q, br, rope, cache: NSACache, x: torch.Tensor):
@@ -261,18 +261,22 @@ class NativeSparseAttention(nn.Module):
         index = None
         if self.indexer is not None:  # the new tokens' index keys join their blocks; the queries score every block
             xd = x.detach()
-            index = self.indexer.scores(xd, cache.index_block_keys(self.indexer.k_proj(xd)))
+            index = (xd, cache.index_block_keys(self.indexer.k_proj(xd)))
         return self._branches(q, ck, cv, sel_k, sel_v, win_k, win_v, t0, t_end, index)
 
     def _branches(self, q, ck, cv, sel_k, sel_v, win_k, win_v, t0: int, t_end: int, index=None):
         """q [B, H, T, hd] at positions t0 .. t_end-1 over compressed ck, cv [B, H_kv, C, hd], selection keys and
         values from position 0 and the window's keys and values ending at t_end - 1 -> the three branch outputs
-        [B, H, T, hd] and block_idx [B, H_kv, T, n]. index: the indexer's block scores [B, H_kv, T, N_b] (or None):
-        they pick the blocks while self.indexer_selects, and a training forward from position 0 leaves the KL
-        to the pooled block mass in self.indexer_loss."""
+        [B, H, T, hd] and block_idx [B, H_kv, T, n]. index: (the indexer's input [B, T, dim], its block keys
+        [B, N_b, e]) or None. Its scores pick the blocks while self.indexer_selects (computed without a graph), and a
+        training forward from position 0 leaves the KL to the pooled block mass in self.indexer_loss (the scores of
+        kl_rows' queries computed again, with a graph: the backward keeps [R, N_b], not [T, N_b])."""
         c = self.cfg
         B, _, T, _ = q.shape
-        picks = index.detach() if index is not None and self.indexer_selects else None
+        picks = None
+        if index is not None and self.indexer_selects:
+            with torch.no_grad():
+                picks = self.indexer.scores(*index)  # [B, H_kv, T, N_b]
         if T == 1:  # one query (a decode step): every cached key is visible, no chunking or masks
             with nvtx_range("nsa.decode"):
                 return decode_branches(q, ck, cv, sel_k, sel_v, win_k, win_v, t0, c, picks)
@@ -286,8 +290,12 @@ class NativeSparseAttention(nn.Module):
             else:
                 block_idx = select_blocks(picks, t0, c.l_sel, c.n_sel)
             if index is not None and t0 == 0 and torch.is_grad_enabled() and c.indexer_kl > 0:
-                target = pooled_block_mass(qg.detach(), ck.detach(), c.l, c.d, c.l_sel, index.shape[-1], c.q_chunk)
-                kl = indexer_kl(index, target, c.l_sel)
+                xd, keys = index
+                rows = kl_rows(T, q.device)  # [R]: every query up to KL_ROWS, else evenly spaced ones
+                scores = self.indexer.scores(xd[:, rows], keys)  # [B, H_kv, R, N_b]
+                target = pooled_block_mass(qg[:, :, :, rows].detach(), ck.detach(), rows, c.l, c.d, c.l_sel,
+                                           keys.shape[1])
+                kl = indexer_kl(scores, target, c.l_sel, rows)
                 self.indexer_loss, self.last_indexer_kl = c.indexer_kl * kl, kl.detach()
         with nvtx_range("nsa.selected"):
             o_sel = ops.selected_attention(qg, sel_k, sel_v, block_idx, t0, c.l_sel, c.sel_tile, kernel=c.kernel,
@@ -361,16 +369,21 @@ class NativeSparseAttention(nn.Module):
         c = self.cfg
         T = x.shape[1]
         n_blocks = -(-max(ck.shape[2] * c.d + c.l, T) // c.l_sel) + 1  # as impl/masked.py's scores reach
-        index = self.indexer.document_scores(x.detach(), frame, n_blocks)  # [B, H_kv, T, n_blocks]
+        xd = x.detach()
         positions = frame[0][:, None, :]  # [B, 1, T]
         if self.indexer_selects:
-            block_idx = select_blocks(index.detach(), 0, c.l_sel, c.n_sel, positions=positions).contiguous()
+            with torch.no_grad():
+                index = self.indexer.document_scores(xd, frame, n_blocks)  # [B, H_kv, T, n_blocks]
+            block_idx = select_blocks(index, 0, c.l_sel, c.n_sel, positions=positions).contiguous()
         else:
             block_idx = ops.select_blocks(qg, ck, 0, c.l, c.d, c.l_sel, c.n_sel, c.q_chunk, c.kernel, frame=frame)
         if torch.is_grad_enabled() and c.indexer_kl > 0:
+            rows = kl_rows(T, x.device)  # [R]: every query up to KL_ROWS, else evenly spaced ones
             with torch.no_grad():
-                target = document_block_scores(qg.detach(), ck.detach(), c.l, c.d, c.l_sel, frame)
-            kl = indexer_kl(index, target, c.l_sel, positions)
+                target = document_block_scores(qg[:, :, :, rows].detach(), ck.detach(), c.l, c.d, c.l_sel,
+                                               frame[:, :, rows])
+            scores = self.indexer.document_scores(xd, frame, target.shape[-1], rows)  # [B, H_kv, R, N_b]
+            kl = indexer_kl(scores, target, c.l_sel, positions[..., rows])
             self.indexer_loss, self.last_indexer_kl = c.indexer_kl * kl, kl.detach()
         return block_idx
 

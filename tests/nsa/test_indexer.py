@@ -91,8 +91,9 @@ def test_the_kl_is_zero_where_the_indexer_ranks_as_the_target_and_positive_elsew
     cand = candidate_mask(torch.arange(T), 8, n_b)
     assert not cand[:16].any() and cand[39].tolist() == [False, True, True, False, False]  # blocks 1, 2 at p=39
     same = torch.log(target)  # softmax(log p) = p on the candidates
-    assert indexer_kl(same, target, 8).abs() < 1e-12
-    assert indexer_kl(torch.zeros_like(target), target, 8) > 1e-4
+    positions = torch.arange(T)
+    assert indexer_kl(same, target, 8, positions).abs() < 1e-12
+    assert indexer_kl(torch.zeros_like(target), target, 8, positions) > 1e-4
 
 
 def test_warm_up_picks_by_pooled_scores():
