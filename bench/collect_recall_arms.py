@@ -7,7 +7,8 @@ Per arm: every `recall_step<N>[_without_<branches>][_x<M>][_<rope>].json` in its
 score, with or without --knockout, at --lengths M, with a RoPE option), as step, tokens (step x the run's tokens per
 step), knockout, length multiple, RoPE option (scalelength, thetantk, scaleyarn or none), near / far accuracy, far
 stderr and accuracy per bucket; and, for NSA runs, the gate health of the heartbeat's train records at --gate_steps
-(mean gate per branch and layer, sel_outside_window, sel_recall per layer). Nothing is computed here that the
+(mean gate per branch and layer, sel_outside_window, sel_recall per layer, and for nsa.selector=indexer the indexer's
+KL). Nothing is computed here that the
 runs did not record. Prints the JSON; --json also writes it.
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ from train.core.artifacts import CONFIG_YAML, heartbeat_name, read_heartbeat
 
 RECALL_FILE = re.compile(r"recall_step(\d+)(?:_without_([a-z_]+?))?(?:_x(\d+))?(?:_((?:scale|theta)[a-z]+))?\.json$")
 GATE_KEYS = ("gate_mean_cmp_layers", "gate_mean_sel_layers", "gate_mean_win_layers", "sel_outside_window",
-             "sel_recall_layers")
+             "sel_recall_layers", "indexer_kl")
 
 
 def probes(run: Path, tokens_per_step: int) -> list[dict]:
@@ -51,8 +52,10 @@ def collect(arms: dict[str, Path], gate_steps: set[int]) -> dict:
     for name, run in arms.items():
         cfg = yaml.safe_load((run / CONFIG_YAML).read_text(encoding="utf-8"))
         per_step = cfg["train"]["batch_size"] * cfg["train"]["seq_len"] * cfg["train"]["accumulate_grad_batches"]
+        nsa = (cfg.get("nsa") or {}) if cfg["model"]["attention"] == "nsa" else None
         arm = {"run": str(run), "seed": cfg["train"]["seed"], "attention": cfg["model"]["attention"],
-               "gates": (cfg.get("nsa") or {}).get("gates"), "probes": probes(run, per_step)}
+               "gates": (cfg.get("nsa") or {}).get("gates"), "selector": nsa.get("selector", "pooled") if nsa else None,
+               "probes": probes(run, per_step)}
         if cfg["model"]["attention"] == "nsa":
             arm["gate_health"] = gates(run, gate_steps)
         out[name] = arm

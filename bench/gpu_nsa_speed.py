@@ -455,7 +455,7 @@ def fla_arm():
     def call(q, k, v, gates, layer, T):
         c = layer.cfg
         o = parallel_nsa(*(t.transpose(1, 2).contiguous() for t in (q, k, v)),  # fla's [B, T, H, hd]
-                         g_cmp=gates[..., 0], g_slc=gates[..., 1], g_swa=None, block_counts=c.n_sel,
+                         g_cmp=gates[..., 0].contiguous(), g_slc=gates[..., 1].contiguous(), g_swa=None, block_counts=c.n_sel,
                          block_size=64, window_size=0).transpose(1, 2)  # [B, H, T, hd]
         o_win = ops.window_attention(q, k, v, 0, 0, c.w, c.win_block, c.kernel)
         return o + gates[..., 2].transpose(1, 2).unsqueeze(-1) * o_win

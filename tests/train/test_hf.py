@@ -211,8 +211,10 @@ def test_bf16_export(tmp_path):
 
 
 # ---- NSA and refusals ------------------------------------------------------------------------
-def test_nsa_exports_safetensors_and_our_config_only(tmp_path):
-    model = randomized(TINY_NSA)
+@pytest.mark.parametrize("selector", ["pooled", "indexer"])
+def test_nsa_exports_safetensors_and_our_config_only(tmp_path, selector):
+    cfg = dataclasses.replace(TINY_NSA, nsa=dataclasses.replace(TINY_NSA.nsa, selector=selector))
+    model = randomized(cfg)
     out = tmp_path / "nsa"
     assert export(save_checkpoint(tmp_path / "ckpt.pt", model), out) == "nsa"
     assert sorted(p.name for p in out.iterdir()) == ["README.md", "model.safetensors", "nsa_config.json"]
@@ -222,8 +224,9 @@ def test_nsa_exports_safetensors_and_our_config_only(tmp_path):
     ckpt = tmp_path / "back.pt"
     import_checkpoint(out, ckpt)
     back, config = model_from_checkpoint(ckpt)
-    assert back.cfg == TINY_NSA and config["model"]["attention"] == "nsa"
+    assert back.cfg == cfg and config["model"]["attention"] == "nsa"
     assert_same_state(back.state_dict(), model.state_dict())
+    assert any(".indexer." in name for name in back.state_dict()) == (selector == "indexer")
 
 
 @pytest.mark.parametrize("overrides, reason", [
