@@ -22,6 +22,7 @@ GATES = ("learned", "window")
 # nsa.selector: how a query's free blocks are scored. pooled (NSA, Eq. 8-10: the compressed branch's probabilities
 # summed over a block) | indexer (a learned block indexer, nsa/attention/indexer.py, trained by KL to that mass)
 SELECTORS = ("pooled", "indexer")
+INDEXER_POOLS = ("keys", "scores")  # nsa.indexer_pool: how the indexer scores a block (nsa/attention/indexer.py)
 # the nsa.* keys a window-only layer (gates: window) reads; the others have no effect on it
 WINDOW_FIELDS = frozenset({"gates", "w", "win_block", "kernel"})
 
@@ -60,6 +61,7 @@ class NSAConfig:
     selector: str = "pooled"  # pooled (NSA's scores from the compressed branch) | indexer (a learned block indexer); docs/NSA.md
     indexer_heads: int = 2  # selector=indexer: index-query heads per KV group
     indexer_dim: int = 32  # selector=indexer: width of an index query and of the shared index key
+    indexer_pool: str = "keys"  # selector=indexer: keys (a block's key = the max of its tokens' keys) | scores (a block's score = the max of its tokens' scores)
     indexer_kl: float = 1.0  # selector=indexer: weight of the indexer's KL term (its gradient reaches the indexer only)
     indexer_warmup_steps: int = 0  # selector=indexer: steps that select by pooled scores while the indexer learns
 
@@ -97,6 +99,8 @@ class NSAConfig:
         for name in ("indexer_heads", "indexer_dim"):
             if getattr(self, name) <= 0:
                 raise ModelConfigError(f"nsa.{name} must be positive, got {getattr(self, name)}")
+        if self.indexer_pool not in INDEXER_POOLS:
+            raise ModelConfigError(f"nsa.indexer_pool={self.indexer_pool!r}; valid: {', '.join(INDEXER_POOLS)}")
         if not self.indexer_kl >= 0:
             raise ModelConfigError(f"nsa.indexer_kl must be >= 0, got {self.indexer_kl}")
         if self.indexer_warmup_steps < 0:

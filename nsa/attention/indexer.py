@@ -33,55 +33,79 @@ from nsa.attention.impl.selection import selection_block_scores
 
 
 class BlockIndexer(nn.Module):
-    def __init__(self, dim: int, n_kv_heads: int, heads: int, index_dim: int, l_sel: int):
+    """pool (nsa.indexer_pool): "keys", one key per block (the elementwise max of its tokens' keys), scored once per
+    block; or "scores", every token scored and the block's score the max of its tokens' (MSA's pooling: exact where
+    one token matches, at T / l' times the score work)."""
+
+    def __init__(self, dim: int, n_kv_heads: int, heads: int, index_dim: int, l_sel: int, pool: str = "keys"):
         super().__init__()
-        self.n_kv_heads, self.heads, self.index_dim, self.l_sel = n_kv_heads, heads, index_dim, l_sel
+        self.n_kv_heads, self.heads, self.index_dim, self.l_sel, self.pool = n_kv_heads, heads, index_dim, l_sel, pool
         self.q_proj = nn.Linear(dim, n_kv_heads * heads * index_dim, bias=False)
         self.w_proj = nn.Linear(dim, n_kv_heads * heads, bias=False)
         self.k_proj = nn.Linear(dim, index_dim, bias=False)
 
     def block_keys(self, x: torch.Tensor) -> torch.Tensor:
-        """x [B, T, dim] at positions 0 .. T-1 -> K_I [B, ceil(T / l'), e] (the last block may be partial)."""
+        """x [B, T, dim] at positions 0 .. T-1 -> what `scores` reads: pool=keys, K_I [B, ceil(T / l'), e] (the last
+        block may be partial); pool=scores, the token keys [B, T, e]."""
         B, T, _ = x.shape
         k = self.k_proj(x)  # [B, T, e]
+        if self.pool == "scores":
+            return k
         n_blocks = -(-T // self.l_sel)
         pad = n_blocks * self.l_sel - T
         if pad:
             k = F.pad(k, (0, 0, 0, pad), value=float("-inf"))  # a partial block's max over its real keys
         return k.view(B, n_blocks, self.l_sel, self.index_dim).amax(dim=2)
 
-    def scores(self, x: torch.Tensor, block_keys: torch.Tensor) -> torch.Tensor:
-        """x [B, Tq, dim] (the queries' inputs), block_keys [B, N_b, e] -> I [B, H_kv, Tq, N_b] (float32, or float64
-        for a float64 model)."""
+    def _weighted(self, x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """x [B, Tq, dim], keys [B, N, e] -> sum_h w_h ReLU(q_h . k_n) / sqrt(e): [B, H_kv, Tq, N]."""
         B, Tq, _ = x.shape
         q = self.q_proj(x).view(B, Tq, self.n_kv_heads, self.heads, self.index_dim)  # [B, Tq, H_kv, h, e]
         w = self.w_proj(x).view(B, Tq, self.n_kv_heads, self.heads)  # [B, Tq, H_kv, h]
-        logits = torch.einsum("btkhe,bne->bkhtn", q, block_keys)  # [B, H_kv, h, Tq, N_b]
+        logits = torch.einsum("btkhe,bne->bkhtn", q, keys)  # [B, H_kv, h, Tq, N]
         acc = torch.promote_types(logits.dtype, torch.float32)
         logits = F.relu(logits.to(acc)) / math.sqrt(self.index_dim)
-        return torch.einsum("bkhtn,btkh->bktn", logits, w.to(acc))  # [B, H_kv, Tq, N_b]
+        return torch.einsum("bkhtn,btkh->bktn", logits, w.to(acc))
 
+    def scores(self, x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """x [B, Tq, dim] (the queries' inputs), keys from `block_keys` (or the decode cache) -> I [B, H_kv, Tq, N_b]
+        (float32, or float64 for a float64 model)."""
+        if self.pool == "keys":
+            return self._weighted(x, keys)
+        per_token = self._weighted(x, keys)  # [B, H_kv, Tq, S]
+        S = per_token.shape[-1]
+        n_blocks = -(-S // self.l_sel)
+        per_token = F.pad(per_token, (0, n_blocks * self.l_sel - S), value=float("-inf"))  # a partial block's max
+        return per_token.unflatten(-1, (n_blocks, self.l_sel)).amax(dim=-1)  # over its real tokens
 
     def document_scores(self, x: torch.Tensor, frame: torch.Tensor, n_blocks: int,
                         rows: torch.Tensor | None = None) -> torch.Tensor:
         """Packed documents (frame [3, B, T]: each token's position in its document, its document's first index;
         nsa/attention/documents.py): x [B, T, dim] -> I [B, H_kv, R, n_blocks] of the queries `rows` [R] (default
         all T) over each query's own document's blocks 0 .. n_blocks-1 (document-relative, as the selection counts
-        them). Block j of the document starting at index k0 holds that document's tokens k0 + j*l' .. ; its key is
-        stored at index k0 + j (distinct for every (document, block): j <= a position in the document). A block past
-        a query's current one reads an unrelated slot: selection and the KL never let it compete."""
+        them). Block j of the document starting at index k0 holds that document's tokens k0 + j*l' .. . pool=keys:
+        its key is stored at index k0 + j (distinct for every (document, block): j <= a position in the document);
+        pool=scores: its tokens' scores are gathered from k0 + j*l' on. A block past a query's current one reads
+        unrelated keys or tokens: selection and the KL never let it compete."""
         B, T, _ = x.shape
         q_pos, k_base = frame[0], frame[1]  # [B, T] each
         k = self.k_proj(x)  # [B, T, e]
+        if rows is not None:
+            xq, kq = x[:, rows], k_base[:, rows]
+        else:
+            xq, kq = x, k_base
+        R = xq.shape[1]
+        if self.pool == "scores":
+            per_token = self._weighted(xq, k)  # [B, H_kv, R, T]
+            at = kq[..., None] + torch.arange(n_blocks * self.l_sel, device=x.device)  # [B, R, n_blocks * l']
+            at = at.clamp_max(T - 1)[:, None].expand(-1, self.n_kv_heads, -1, -1)
+            return per_token.gather(-1, at).unflatten(-1, (n_blocks, self.l_sel)).amax(dim=-1)
         slot = (k_base + torch.div(q_pos, self.l_sel, rounding_mode="floor"))[..., None].expand_as(k)
         keys = k.new_zeros(k.shape).scatter_reduce(1, slot, k, "amax", include_self=False)  # [B, T, e]
-        if rows is not None:
-            x, k_base = x[:, rows], k_base[:, rows]
-        R = x.shape[1]
-        at = (k_base[..., None] + torch.arange(n_blocks, device=x.device)).clamp_max(T - 1)  # [B, R, n_blocks]
+        at = (kq[..., None] + torch.arange(n_blocks, device=x.device)).clamp_max(T - 1)  # [B, R, n_blocks]
         block_keys = keys.gather(1, at.reshape(B, -1, 1).expand(-1, -1, self.index_dim)).view(B, R, n_blocks, -1)
-        q = self.q_proj(x).view(B, R, self.n_kv_heads, self.heads, self.index_dim)  # [B, R, H_kv, h, e]
-        w = self.w_proj(x).view(B, R, self.n_kv_heads, self.heads)
+        q = self.q_proj(xq).view(B, R, self.n_kv_heads, self.heads, self.index_dim)  # [B, R, H_kv, h, e]
+        w = self.w_proj(xq).view(B, R, self.n_kv_heads, self.heads)
         logits = torch.einsum("btkhe,btne->bkhtn", q, block_keys)  # [B, H_kv, h, R, n_blocks]
         acc = torch.promote_types(logits.dtype, torch.float32)
         logits = F.relu(logits.to(acc)) / math.sqrt(self.index_dim)

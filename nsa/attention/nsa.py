@@ -82,7 +82,7 @@ class NativeSparseAttention(nn.Module):
         # nsa.selector=indexer: a learned block indexer picks the free blocks (nsa/attention/indexer.py); it learns by
         # the KL term the forward leaves in self.indexer_loss (the model adds it to the loss: nsa/model.py)
         self.indexer = (BlockIndexer(cfg.dim, cfg.n_kv_heads, self.cfg.indexer_heads, self.cfg.indexer_dim,
-                                     self.cfg.l_sel) if self.cfg.selector == "indexer" else None)
+                                     self.cfg.l_sel, self.cfg.indexer_pool) if self.cfg.selector == "indexer" else None)
         self.indexer_selects = True  # False during nsa.indexer_warmup_steps: pooled scores pick, the indexer learns
         self.indexer_loss: torch.Tensor | None = None  # 0-dim, the last training forward's weighted KL
         self.last_indexer_kl: torch.Tensor | None = None  # 0-dim, detached and unweighted, for the training log
@@ -261,7 +261,7 @@ class NativeSparseAttention(nn.Module):
         index = None
         if self.indexer is not None:  # the new tokens' index keys join their blocks; the queries score every block
             xd = x.detach()
-            index = (xd, cache.index_block_keys(self.indexer.k_proj(xd)))
+            index = (xd, cache.index_keys(self.indexer.k_proj(xd), per_token=self.indexer.pool == "scores"))
         return self._branches(q, ck, cv, sel_k, sel_v, win_k, win_v, t0, t_end, index)
 
     def _branches(self, q, ck, cv, sel_k, sel_v, win_k, win_v, t0: int, t_end: int, index=None):
@@ -294,7 +294,7 @@ class NativeSparseAttention(nn.Module):
                 rows = kl_rows(T, q.device)  # [R]: every query up to KL_ROWS, else evenly spaced ones
                 scores = self.indexer.scores(xd[:, rows], keys)  # [B, H_kv, R, N_b]
                 target = pooled_block_mass(qg[:, :, :, rows].detach(), ck.detach(), rows, c.l, c.d, c.l_sel,
-                                           keys.shape[1])
+                                           scores.shape[-1])
                 kl = indexer_kl(scores, target, c.l_sel, rows)
                 self.indexer_loss, self.last_indexer_kl = c.indexer_kl * kl, kl.detach()
         with nvtx_range("nsa.selected"):

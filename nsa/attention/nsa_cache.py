@@ -8,7 +8,8 @@ Holds, per branch:
              i.e. every d steps once l positions exist;
   window: the last w raw keys/values in a ring buffer (a decode step writes one slot);
   index (nsa.selector=indexer): one index key per complete selection block (the elementwise max of its tokens'
-             keys, nsa/attention/indexer.py), and the keys of the block being filled.
+             keys, nsa/attention/indexer.py), and the keys of the block being filled; with nsa.indexer_pool=scores
+             every token's key.
 A window-only layer (nsa.gates=window) fills only the window ring; the other buffers stay empty.
 """
 from __future__ import annotations
@@ -31,10 +32,15 @@ class NSACache:
         self.win_k, self.win_v = RingBuffer(cfg.w), RingBuffer(cfg.w)  # the last w raw positions
         self.index_blocks: torch.Tensor | None = None  # [B, complete blocks, e]
         self.index_open: torch.Tensor | None = None  # [B, < l', e] index keys of the block being filled
+        self.index_tokens: torch.Tensor | None = None  # [B, t, e] every token's key (nsa.indexer_pool=scores)
 
-    def index_block_keys(self, k: torch.Tensor) -> torch.Tensor:
-        """Append the index keys k [B, T, e] of the next T positions and return the block keys of every block up to
-        the newest position's, [B, ceil(t / l'), e] (t: positions so far; the last block over its tokens so far)."""
+    def index_keys(self, k: torch.Tensor, per_token: bool) -> torch.Tensor:
+        """Append the index keys k [B, T, e] of the next T positions and return what the indexer scores: per_token
+        (nsa.indexer_pool=scores) every token's key so far [B, t, e]; else the block keys of every block up to the
+        newest position's, [B, ceil(t / l'), e] (the last block over its tokens so far)."""
+        if per_token:
+            self.index_tokens = k if self.index_tokens is None else torch.cat((self.index_tokens, k), dim=1)
+            return self.index_tokens
         l_sel = self.cfg.l_sel
         if self.index_open is not None:
             k = torch.cat((self.index_open, k), dim=1)  # from the start of the open block

@@ -147,8 +147,17 @@ def reference_forward(attn, x: torch.Tensor, rope=None, doc_start: torch.Tensor 
                 if attn.indexer is not None and attn.indexer_selects:  # I(p, j) = sum_h w_h ReLU(q_h . K_j) / sqrt(e)
                     q_I = _linear(x[b, p], params, "indexer.q_proj").view(H_kv, h_I, e)[g]
                     w_I = _linear(x[b, p], params, "indexer.w_proj").view(H_kv, h_I)[g]
-                    index_score = {j: sum(w_I[h].item() * max(0.0, torch.dot(q_I[h], block_key[s0, j]).item()) / math.sqrt(e)
-                                          for h in range(h_I)) for j in range(rel // c.l_sel + 1)}
+                    def token_score(key):
+                        return sum(w_I[h].item() * max(0.0, torch.dot(q_I[h], key).item()) / math.sqrt(e)
+                                   for h in range(h_I))
+
+                    if attn.cfg.indexer_pool == "keys":  # one key per block: the max of its tokens' keys
+                        index_score = {j: token_score(block_key[s0, j]) for j in range(rel // c.l_sel + 1)}
+                    else:  # every token of the query's document scored; a block's score is its tokens' max
+                        end = s0 + starts[b].count(s0)  # the query's document ends before this index
+                        index_score = {j: max(token_score(k_I[s]) for s in range(s0 + j * c.l_sel,
+                                                                                 min(s0 + (j + 1) * c.l_sel, end)))
+                                       for j in range(rel // c.l_sel + 1)}
                 blocks = _select(p_group, rel, c, index_score)  # document-relative block indices
                 selected[b, g, p, : len(blocks)] = torch.tensor(blocks)
                 keys = [s0 + r for j in blocks for r in range(j * c.l_sel, (j + 1) * c.l_sel) if r <= rel]

@@ -23,9 +23,13 @@ def indexer_layer(seed: int = 3, **overrides):
     return layer
 
 
+POOLS = ["keys", "scores"]
+
+
+@pytest.mark.parametrize("pool", POOLS)
 @pytest.mark.parametrize("T", [17, 64, 100])
-def test_layer_matches_the_float64_reference(T):
-    layer = indexer_layer()
+def test_layer_matches_the_float64_reference(T, pool):
+    layer = indexer_layer(indexer_pool=pool)
     x, rope = make_input(2, T, seed=4), rope_for(T)
     with torch.no_grad():
         y, idx = layer(x, rope, return_indices=True)
@@ -41,9 +45,10 @@ def test_layer_matches_the_float64_reference(T):
         assert not torch.equal(pooled_idx, idx)
 
 
-def test_no_pick_reads_the_future():
+@pytest.mark.parametrize("pool", POOLS)
+def test_no_pick_reads_the_future(pool):
     T, t = 100, 57
-    layer = indexer_layer()
+    layer = indexer_layer(indexer_pool=pool)
     x = make_input(1, T, seed=5)
     changed = x.clone()
     changed[:, t + 1:] = torch.randn_like(changed[:, t + 1:]) * 10
@@ -109,11 +114,12 @@ def test_warm_up_picks_by_pooled_scores():
     assert torch.equal(idx, idx_pooled) and torch.equal(y, y_pooled)
 
 
+@pytest.mark.parametrize("pool", POOLS)
 @pytest.mark.parametrize("chunks", [[1] * 70, [3, 5, 4, 4, 16, 1, 7, 30], [70]],
                          ids=["token-by-token", "irregular", "one-chunk"])
-def test_decode_and_chunked_prefill_equal_full_prefill(chunks):
+def test_decode_and_chunked_prefill_equal_full_prefill(chunks, pool):
     T = 70
-    layer = indexer_layer(seed=7)
+    layer = indexer_layer(seed=7, indexer_pool=pool)
     x = make_input(2, T, seed=8)
     rope = rope_for(T)
     with torch.no_grad():
@@ -126,13 +132,17 @@ def test_decode_and_chunked_prefill_equal_full_prefill(chunks):
             t += n
     assert torch.equal(torch.cat(idxs, 2), idx_full)
     torch.testing.assert_close(torch.cat(outs, 1), y_full, rtol=0, atol=1e-12)
-    assert cache.index_blocks.shape[1] == T // L_SEL  # one stored key per complete block, not per token
+    if pool == "keys":
+        assert cache.index_blocks.shape[1] == T // L_SEL and cache.index_tokens is None  # a key per block
+    else:
+        assert cache.index_tokens.shape[1] == T and cache.index_blocks is None  # a key per token
 
 
 @pytest.mark.parametrize("overrides, message", [
     (dict(selector="learned"), "nsa.selector='learned'; valid: pooled, indexer"),
     (dict(selector="indexer", indexer_heads=0), "nsa.indexer_heads must be positive, got 0"),
     (dict(selector="indexer", indexer_dim=-1), "nsa.indexer_dim must be positive, got -1"),
+    (dict(selector="indexer", indexer_pool="mean"), "nsa.indexer_pool='mean'; valid: keys, scores"),
     (dict(selector="indexer", indexer_kl=-0.5), "nsa.indexer_kl must be >= 0, got -0.5"),
     (dict(selector="indexer", indexer_warmup_steps=-1), "nsa.indexer_warmup_steps must be >= 0, got -1"),
     (dict(selector="indexer", gates="window"), "nsa.selector=indexer needs selection: nsa.gates=window has none"),
@@ -148,13 +158,14 @@ def test_pooled_layers_have_no_indexer():
     assert layer.indexer is None and not any(k.startswith("indexer.") for k in layer.state_dict())
 
 
-def test_packed_documents_equal_each_document_alone_and_the_reference():
+@pytest.mark.parametrize("pool", POOLS)
+def test_packed_documents_equal_each_document_alone_and_the_reference(pool):
     """The indexer over packed documents scores each query's own document's blocks, keyed from the document's start:
     a packed window picks and computes what each document does alone, and what the per-token reference spells out."""
     from nsa.attention.documents import Documents
     from tests.nsa.test_nsa_documents import LAYOUTS, _alone, _doc_rope, _starts
 
-    layer = indexer_layer(seed=5)
+    layer = indexer_layer(seed=5, indexer_pool=pool)
     T = 100
     x = make_input(2, T, seed=6).requires_grad_(True)
     docs = Documents(_starts(LAYOUTS))
