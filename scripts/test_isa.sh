@@ -4,7 +4,9 @@
 #          OpenBLAS and NumPy's dispatch held to AVX2 as well
 #   novec  no vector extension: ATen's default kernels, inductor's scalar C++ (-march=x86-64), MKL SSE4.2, OpenBLAS
 #          Nehalem, NumPy's baseline
-# Each with its own inductor and Triton caches (a kernel compiled for one vector width is never reused for another).
+# avx2 turns inductor's vector kernels back on (TORCHINDUCTOR_VEC_ISA_OK=1; tests/conftest.py turns them off for the
+# default suite's speed): their width is the point. Each with its own inductor and Triton caches (a kernel compiled
+# for one vector width is never reused for another).
 # A test that compares two different code paths bit for bit fails here when its result depends on the vector width.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,7 +15,7 @@ source scripts/lib/common.sh
 require_venv
 isa=${1:-}
 case "$isa" in
-  avx2) export ATEN_CPU_CAPABILITY=avx2 TORCHINDUCTOR_CPP_MARCH=haswell MKL_ENABLE_INSTRUCTIONS=AVX2 \
+  avx2) export ATEN_CPU_CAPABILITY=avx2 TORCHINDUCTOR_VEC_ISA_OK=1 TORCHINDUCTOR_CPP_MARCH=haswell MKL_ENABLE_INSTRUCTIONS=AVX2 \
           ONEDNN_MAX_CPU_ISA=AVX2 OPENBLAS_CORETYPE=Haswell NPY_DISABLE_CPU_FEATURES="X86_V4 AVX512_ICL AVX512_SPR" ;;
   novec) export ATEN_CPU_CAPABILITY=default TORCHINDUCTOR_CPP_MARCH=x86-64 MKL_ENABLE_INSTRUCTIONS=SSE4_2 \
           ONEDNN_MAX_CPU_ISA=SSE41 OPENBLAS_CORETYPE=Nehalem NPY_DISABLE_CPU_FEATURES="X86_V3 X86_V4 AVX512_ICL AVX512_SPR" ;;

@@ -7,9 +7,22 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
 
-from tests import forkserver
+# torch.compile in the tests (inductor's C++ backend on CPU), set before torch is imported (inductor reads both when
+# its config module loads) and so for every process the tests start:
+# - one compile thread: with two cores already running two test workers, inductor's default (a pool of compile
+#   worker processes, one per core) adds fresh interpreters that import torch and contend for the same cores (the
+#   compiled-loss test: 90 s of CPU with the pool, 66 s without);
+# - inductor's scalar C++ kernels: its vectorised ones (ATen's Vectorized<T> templates) take g++ twice as long to
+#   build (the same test: 66 s -> 39 s). The product compiles on GPUs, where inductor writes Triton, not C++; what the
+#   tests check (graph capture, fullgraph, parameter names, compiled == eager within tolerance) does not depend on
+#   the C++ vector width. `make test-isa ISA=avx2` turns the vector kernels back on and holds them to AVX2.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
+
+import torch  # noqa: E402
+
+from tests import forkserver  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
