@@ -290,7 +290,10 @@ def stage_costs(layout: dict, geometry: dict, T: int, elem: int = 2) -> dict:
     each query may see; causal SDPA the lower triangle, as a flash kernel computes it). `bytes` is each tensor read or
     written once (the roofline's floor); `bytes_query_order` (selected) is what a query-centric kernel moves when each
     (query, KV head) loads its n*l' keys and values itself: their reuse across queries then lives in L2, and the
-    branch's arithmetic intensity is G FLOPs per byte (FLOPs 4*G*hd, bytes 2*hd*elem per key and query group)."""
+    branch's arithmetic intensity is G FLOPs per byte (FLOPs 4*G*hd, bytes 2*hd*elem per key and query group);
+    `bytes_block_order` what the block-centric kernels (G < 16) move: q read once per slot, and each (row, slot)
+    partial, fp32 output and log-sum-exp, written and read back by the merge, keys and values read once per tile
+    (about once)."""
     from nsa.flops import mean_capped_keys, mean_compressed_keys, n_compressed_blocks
 
     H, H_kv, hd = layout["n_heads"], layout["n_kv_heads"], layout["head_dim"]
@@ -305,7 +308,8 @@ def stage_costs(layout: dict, geometry: dict, T: int, elem: int = 2) -> dict:
                    "bytes": q_bytes + C * H_kv * hd * elem + idx_bytes},
         "selected": {"flops": per_key * mean_capped_keys(n * l_sel, T),
                      "bytes": 2 * q_bytes + 2 * kv_bytes + idx_bytes + T * H * 4,
-                     "bytes_query_order": 2 * q_bytes + T * H_kv * min(n * l_sel, T) * 2 * hd * elem + idx_bytes},
+                     "bytes_query_order": 2 * q_bytes + T * H_kv * min(n * l_sel, T) * 2 * hd * elem + idx_bytes,
+                     "bytes_block_order": (n + 1) * q_bytes + 2 * kv_bytes + idx_bytes + 2 * T * H * n * (hd + 1) * 4},
         "window": {"flops": per_key * mean_capped_keys(w, T), "bytes": 2 * q_bytes + 2 * kv_bytes},
         "sdpa": {"flops": per_key * (T + 1) / 2, "bytes": 2 * q_bytes + 2 * kv_bytes},
     }

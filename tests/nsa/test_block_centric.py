@@ -83,7 +83,8 @@ def test_default_path_follows_group_size(monkeypatch):
     launched = {}
     active = ts.interpreter_active()
     monkeypatch.setattr(ts, "interpreter_active", lambda: active)  # it looks at _fwd_kernel, spied on below
-    for name in ("block_fwd_kernel", "block_dq_kernel", "_fwd_kernel", "_dq_kernel"):
+    for name in ("block_fwd_kernel", "block_dq_kernel", "slot_merge_kernel", "slot_sum_kernel", "_fwd_kernel",
+                 "_dq_kernel"):
         kernel = getattr(ts, name)
 
         class Spy:  # records the launch, then runs the kernel
@@ -96,11 +97,41 @@ def test_default_path_follows_group_size(monkeypatch):
         q, k, v, idx = make_case(1, 1, G, 9, 16, 8, 3, seed=G)
         out, lse = ts.selected_attention_fwd(q, k, v, idx, 0, 8)
         ts.selected_attention_bwd(q, k, v, idx, out, lse, torch.ones_like(out), 0, 8)
-    # G = 6: one launch per slot (n = 3), whatever Tq; G = 16: the query-centric kernels once
-    assert launched == {"block_fwd_kernel": 3, "block_dq_kernel": 3, "_fwd_kernel": 1, "_dq_kernel": 1}
+    # G = 6: one launch for all slots (n = 3) and one merge, whatever Tq; G = 16: the query-centric kernels once
+    assert launched == {"block_fwd_kernel": 1, "block_dq_kernel": 1, "slot_merge_kernel": 1, "slot_sum_kernel": 1,
+                        "_fwd_kernel": 1, "_dq_kernel": 1}
     monkeypatch.setattr(ts, "SELECTION_PATH", "blocks")
     with pytest.raises(ValueError, match="SELECTION_PATH"):
         ts.use_block_centric(6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_slots_split_across_launches_give_the_same_result(dtype, monkeypatch):
+    """PARTIAL_BYTES bounds the per-slot partials one launch writes: at most 2 slots' worth here, so n = 5 slots
+    take 3 launch pairs, each merging into the result of the earlier ones (16-bit outputs then keep that result
+    in fp32). Same out / lse / dq as one launch for all slots, to the rounding of a different summation order."""
+    monkeypatch.setattr(ts, "SELECTION_PATH", "block")
+    q, k, v, idx = make_case(1, 2, 3, 24, 16, 8, 5, shuffle=True, seed=4)
+    idx[..., 6, :] = -1  # a row with no block: o 0, lse -inf, dq 0 in both
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    d_o = torch.randn(q.shape, generator=torch.Generator().manual_seed(6)).to(DEV, dtype)
+
+    def run():
+        out, lse = ts.selected_attention_fwd(q, k, v, idx, 0, 8, q_tile=4)
+        return out, lse, ts.selected_attention_bwd(q, k, v, idx, out, lse, d_o, 0, 8, q_tile=4)[0]
+
+    whole = run()
+    rows = q.numel() // q.shape[-1]
+    acc_bytes = 8 if dtype == torch.float64 else 4
+    assert ts._slots_per_launch(5, rows, 16, torch.float64 if dtype == torch.float64 else torch.float32) == 5
+    monkeypatch.setattr(ts, "PARTIAL_BYTES", 2 * rows * 17 * acc_bytes + 1)
+    assert ts._slots_per_launch(5, rows, 16, torch.float64 if dtype == torch.float64 else torch.float32) == 2
+    split = run()
+    tol = dict(atol=1e-12, rtol=1e-12) if dtype == torch.float64 else dict(atol=1e-2, rtol=1e-2)  # bf16: o, dq rounding
+    for name, a, b in zip(("out", "lse", "dq"), whole, split):
+        assert a.dtype == b.dtype, name
+        torch.testing.assert_close(a, b, **tol, msg=lambda m: f"{name}: {m}")
+    assert not split[0][..., 6, :].any() and (split[1][..., 6] == float("-inf")).all() and not split[2][..., 6, :].any()
 
 
 def test_slot_index_tiles_every_entry_once():
@@ -138,7 +169,8 @@ def test_tile_config_fits_targets_and_is_pure():
                 assert ts.shared_memory_estimate(hd, 64, G, dtype) <= a100, (hd, G, dtype)
     bf, fp = (ts.tile_config("dkv", 64, 64, 6, d) for d in (torch.bfloat16, torch.float32))
     assert fp.rows < bf.rows and (bf.BS, bf.DP) == (64, 64)
-    assert ts.launched_kernels(6)[:2] == ("block_fwd", "block_dq") and ts.launched_kernels(16)[:2] == ("fwd", "dq")
+    assert ts.launched_kernels(6)[:4] == ("block_fwd", "block_dq", "slot_merge", "slot_sum")
+    assert ts.launched_kernels(16)[:2] == ("fwd", "dq")
     with pytest.raises(ValueError, match="unknown kernel"):
         ts.tile_config("dkv2", 64, 64, 6, "bf16")
 

@@ -9,7 +9,8 @@
   buffer (4 bytes) and the rest AdamW's 8; ZeRO-1 and FSDP2 keep 1/W.
 - activations: what autograd saves, per layer and per token of a micro-batch (the formulas below,
   docs/MODELS.md "Memory"); with activation checkpointing every k-th block keeps only its fp32 input
-  and one block's activations are alive again during its recomputation.
+  and one block's activations are alive again during its recomputation; NSA's selected attention on a
+  GPU adds one layer's per-slot partials (small GQA groups, transient).
 - loss path: chunked cross-entropy (model.loss_chunk rows) keeps one chunk of fp32 logits and its
   gradient, the head's weight gradient and the hidden states' gradient; full logits (loss_chunk=0)
   keep bf16/fp32 logits, their fp32 upcast and their gradient for every token.
@@ -87,6 +88,19 @@ def activation_bytes_per_token(cfg: RunConfig, act_bytes: int) -> float:
 NSA_FACTOR = 1.25
 
 
+def selection_partial_bytes(cfg: RunConfig, tokens: int, cuda: bool) -> float:
+    """NSA's block-centric selected attention on a GPU (small GQA groups) holds per-slot partials for one
+    layer at a time (nsa/attention/kernels/selected_attention.py `partial_bytes`); 0 off the Triton path."""
+    m = cfg.model
+    if not cuda or m.attention != "nsa" or m.nsa.window_only or m.nsa.kernel == "torch":
+        return 0.0
+    try:
+        from nsa.attention.kernels.selected_attention import partial_bytes
+    except ImportError:  # no triton: the torch path runs
+        return 0.0
+    return float(partial_bytes(tokens * m.n_heads, m.head_dim, m.nsa.n_sel, m.n_groups))
+
+
 def loss_bytes(cfg: RunConfig, tokens: int, act_bytes: int) -> float:
     """The head's weight gradient and the hidden states' gradient (both paths), plus the logits: one
     chunk's fp32 logits and their gradient (chunked), or every token's logits in the compute dtype,
@@ -141,7 +155,7 @@ def estimate_memory(cfg: RunConfig, world_size: int = 1, *, cuda: bool = True) -
     else:
         activations = m.n_layers * per_layer
     # backward of the last block: the gradients of its activations live beside them
-    activations += per_layer
+    activations += per_layer + selection_partial_bytes(cfg, tokens, cuda)
     activations += 4 * m.dim * tokens * 2  # embedding output and the final norm's input
     return MemoryEstimate(
         params=params, grads=grads, optimizer=optimizer, activations=activations,

@@ -5,11 +5,13 @@ nsa/attention/kernels/selected_attention.py (its docstring has the contract and 
 
 Index (`inverted_index(..., by_slot=True)`): the (query, slot) entries of one selection slot s, sorted by
 (batch * H_kv + KV head, block, query position) and cut into tiles of at most Q_TILE queries; slot s's
-tiles are TILE_* [s * n_tiles, (s + 1) * n_tiles) (spare tiles: count 0). One launch per slot, grid
-(n_tiles,): a program loads its block's K/V once ([BS, DP] tiles) and walks the tile's rows, the
-(query, head) pairs, BM at a time (no padding of the group to 16). Every (query, head) row appears in at
-most one program of a launch (a query has one block per slot), so the per-row state in global memory is
-read, updated and written back without atomics, and launches run in slot order: deterministic.
+tiles are TILE_* [s * n_tiles, (s + 1) * n_tiles) (spare tiles: count 0). One launch covers a range of
+slots, grid (n_tiles, slots): program (i, p) takes tile i of slot slot0 + p, loads its block's K/V once
+([BS, DP] tiles) and walks the tile's rows, the (query, head) pairs, BM at a time (no padding of the
+group to 16). Each row meets one block per slot, so a program writes that block's share of the row as a
+partial of slot p: the attention over the block alone (normalized) and its log-sum-exp (forward), or the
+block's dQ term (dQ). No row is written twice, no atomics. `slot_merge_kernel` / `slot_sum_kernel` then
+combine a row's partials in slot order (and the running result of earlier slot ranges): deterministic.
 
 Document frames (HAS_FRAME; selected_attention.py's docstring): a tile's entries are the blocks whose
 first key lies in one aligned block, sorted by that key's offset in it; each run of equal offsets (one
@@ -52,43 +54,38 @@ def _run_rows(QUERIES, FRAME, start, r0, r_end, cur, j, b, offs_m, sf0, sf1, sf2
 
 
 @triton.jit
-def _fwd_step(Q, OACC, M, DEN, LSE, b, h, bh, g, t, r_ok, vis, kb, vb, offs_d, d_ok,
-              sqb, sqh, sqg, sqt, sqd, Tq, scale,
-              G: tl.constexpr, HD: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+def _fwd_partial(Q, OP, LSEP, part, b, h, bh, g, t, r_ok, vis, kb, vb, offs_d, d_ok,
+                 sqb, sqh, sqg, sqt, sqd, Tq, scale,
+                 G: tl.constexpr, HD: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
     """One row step of block_fwd_kernel: the (query t, head g) rows r_ok [BM] against the block's keys
-    kb, vb [BS, DP] (vis [BM, BS]: which keys each row sees) update their state in global memory."""
+    kb, vb [BS, DP] alone (vis [BM, BS]: which keys each row sees). Writes the rows' partial of slot
+    `part` (int64 offset part * R): the block's attention output, normalized, to OP [.., R, hd] and its
+    log-sum-exp to LSEP [.., R] (-inf where the row sees none of the block's keys, output 0)."""
     rd_ok = r_ok[:, None] & d_ok[None, :]
     q = tl.load(Q + b * sqb + h * sqh + g[:, None] * sqg + t[:, None] * sqt + offs_d[None, :] * sqd,
                 mask=rd_ok, other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
-    row = (bh * G + g) * Tq + t  # [B, H_kv, G, Tq] row of the state
-    m_old = tl.load(M + row, mask=r_ok, other=-1.0e30)
-    den_old = tl.load(DEN + row, mask=r_ok, other=0.0)
+    row = part + (bh * G + g) * Tq + t  # the partial's row: [B, H_kv, G, Tq] order within slot part
     sc = tl.dot(q, tl.trans(kb), input_precision=PREC, out_dtype=ACC) * scale
     sc = tl.where(vis, sc, float("-inf"))  # masked scores are -inf, never a finite sentinel
-    m_new = tl.maximum(m_old, tl.max(sc, axis=1))  # m_old >= -1e30: finite, so alpha is never NaN
-    alpha = tl.exp(m_old - m_new)
-    p = tl.exp(sc - m_new[:, None])
-    den_new = den_old * alpha + tl.sum(p, axis=1)
+    m = tl.max(sc, axis=1)
+    has = m > float("-inf")
+    m_safe = tl.where(has, m, 0.0)  # a row that sees nothing: p = exp(-inf) = 0, never NaN
+    p = tl.exp(sc - m_safe[:, None])
+    den = tl.sum(p, axis=1)
+    den_safe = tl.where(has, den, 1.0)
     pv = tl.dot(p.to(Q.dtype.element_ty).to(vb.dtype), vb, input_precision=PREC, out_dtype=ACC)
-    has = den_new > 0
-    den_safe = tl.where(has, den_new, 1.0)
-    o_ptr = OACC + row[:, None] * HD + offs_d[None, :]
-    o_old = tl.load(o_ptr, mask=rd_ok, other=0.0)
-    # rescale exactly 1 when the block adds nothing (all its keys after the query)
-    o_new = o_old * ((den_old * alpha) / den_safe)[:, None] + pv * (1.0 / den_safe)[:, None]
-    tl.store(o_ptr, o_new, mask=rd_ok)
-    tl.store(M + row, m_new, mask=r_ok)
-    tl.store(DEN + row, den_new, mask=r_ok)
-    tl.store(LSE + row, tl.where(has, m_new + tl.log(den_safe), float("-inf")), mask=r_ok)
+    tl.store(OP + row[:, None] * HD + offs_d[None, :], pv * (1.0 / den_safe)[:, None], mask=rd_ok)
+    tl.store(LSEP + row, tl.where(has, m_safe + tl.log(den_safe), float("-inf")), mask=r_ok)
 
 
 @triton.jit
-def _dq_step(Q, DO, LSE, DELTA, DQACC, b, h, bh, g, t, r_ok, vis, kb, vb, offs_d, d_ok,
+def _dq_step(Q, DO, LSE, DELTA, DQP, part, b, h, bh, g, t, r_ok, vis, kb, vb, offs_d, d_ok,
              sqb, sqh, sqg, sqt, sqd, sdb, sdh, sdg, sdt, sdd, Tq, scale,
              G: tl.constexpr, HD: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
-    """One row step of block_dq_kernel: adds the rows' term scale * dS K of this block to DQACC."""
+    """One row step of block_dq_kernel: the rows' term scale * dS K of this block, written as their partial
+    of slot `part` (int64 offset part * R) to DQP [.., R, hd]."""
     rd_ok = r_ok[:, None] & d_ok[None, :]
     q = tl.load(Q + b * sqb + h * sqh + g[:, None] * sqg + t[:, None] * sqt + offs_d[None, :] * sqd,
                 mask=rd_ok, other=0.0)
@@ -104,30 +101,31 @@ def _dq_step(Q, DO, LSE, DELTA, DQACC, b, h, bh, g, t, r_ok, vis, kb, vb, offs_d
     sc = tl.dot(q, tl.trans(kb), input_precision=PREC, out_dtype=ACC) * scale
     ds = tl.where(vis, tl.exp(sc - lse[:, None]), 0.0) * dp  # P recomputed from the final LSE
     dq = tl.dot(ds.to(Q.dtype.element_ty).to(kb.dtype), kb, input_precision=PREC, out_dtype=ACC)
-    dq_ptr = DQACC + row[:, None] * HD + offs_d[None, :]
-    tl.store(dq_ptr, tl.load(dq_ptr, mask=rd_ok, other=0.0) + dq * scale, mask=rd_ok)
+    tl.store(DQP + (part + row)[:, None] * HD + offs_d[None, :], dq * scale, mask=rd_ok)
 
 
-@triton.jit(do_not_specialize=["slot"])
+@triton.jit(do_not_specialize=["slot0"])
 def block_fwd_kernel(
-    Q, K, V, QUERIES, OFFS, RUN_END, TILE_SEG, TILE_START, TILE_COUNT, OACC, M, DEN, LSE, FRAME,
+    Q, K, V, QUERIES, OFFS, RUN_END, TILE_SEG, TILE_START, TILE_COUNT, OP, LSEP, FRAME,
     sqb, sqh, sqg, sqt, sqd,
     skb, skh, skt, skd,
     svb, svh, svt, svd,
     sf0, sf1, sf2,
-    Tq, Tk, q_start, scale, n_blocks, slot, n_tiles,
+    Tq, Tk, q_start, scale, n_blocks, slot0, n_tiles, R,
     H_KV: tl.constexpr, G: tl.constexpr, L_SEL: tl.constexpr, HD: tl.constexpr,
     BM: tl.constexpr, BS: tl.constexpr, DP: tl.constexpr,
     ACC: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, HAS_FRAME: tl.constexpr,
 ):
-    """One slot's step of an online softmax kept per (query, head) row in global memory: running max M,
-    denominator DEN, the output OACC [B, H_kv, G, Tq, hd] kept normalized (OACC = numerator / DEN), and
-    LSE = M + log(DEN) (-inf while DEN = 0). Initial state: M = -1e30, DEN = 0, OACC = 0, LSE = -inf.
+    """Program (i, p): tile i of slot slot0 + p. Each of the tile's (query, head) rows gets its partial
+    of slot p (R = B * H_kv * G * Tq rows per slot): the attention over this block alone, normalized, in
+    OP [slots, R, hd], and its log-sum-exp in LSEP [slots, R]; slot_merge_kernel combines them.
     With a frame (HAS_FRAME) the tile's entries are blocks starting in aligned block J = seg % n_blocks
     at J*l' + OFFS[entry] (sorted by offset, then query): the program walks the runs of equal offsets
     (one document's block each, usually one per tile; a run ends at RUN_END[its first entry]), loading
     each run's K/V once."""
-    tile = slot.to(tl.int64) * n_tiles + tl.program_id(0)
+    part = tl.program_id(1).to(tl.int64)
+    tile = (slot0 + part) * n_tiles + tl.program_id(0)
+    part = part * R
     count = tl.load(TILE_COUNT + tile).to(tl.int64)  # queries in this tile (0: spare, nothing to do)
     if count > 0:
         seg = tl.load(TILE_SEG + tile).to(tl.int64)  # (batch * H_kv + head) * n_blocks + block
@@ -151,8 +149,8 @@ def block_fwd_kernel(
                     r, r_ok, t, reach = _run_rows(QUERIES, FRAME, start, r0, e1 * G, cur, j, b, offs_m,
                                                   sf0, sf1, sf2, G, L_SEL)
                     vis = r_ok[:, None] & k_ok[None, :] & (offs_s[None, :] <= reach[:, None])  # [BM, BS]
-                    _fwd_step(Q, OACC, M, DEN, LSE, b, h, bh, r % G, t, r_ok, vis, kb, vb, offs_d, d_ok,
-                              sqb, sqh, sqg, sqt, sqd, Tq, scale, G, HD, ACC, UPCAST, PREC)
+                    _fwd_partial(Q, OP, LSEP, part, b, h, bh, r % G, t, r_ok, vis, kb, vb, offs_d, d_ok,
+                                 sqb, sqh, sqg, sqt, sqd, Tq, scale, G, HD, ACC, UPCAST, PREC)
                 e0 = e1
         else:
             pos_k = j * L_SEL + offs_s
@@ -163,26 +161,29 @@ def block_fwd_kernel(
                 r_ok = r < count * G
                 t = tl.load(QUERIES + start + r // G, mask=r_ok, other=0).to(tl.int64)
                 vis = r_ok[:, None] & k_ok[None, :] & (pos_k[None, :] <= (q_start + t)[:, None])  # [BM, BS]
-                _fwd_step(Q, OACC, M, DEN, LSE, b, h, bh, r % G, t, r_ok, vis, kb, vb, offs_d, d_ok,
-                          sqb, sqh, sqg, sqt, sqd, Tq, scale, G, HD, ACC, UPCAST, PREC)
+                _fwd_partial(Q, OP, LSEP, part, b, h, bh, r % G, t, r_ok, vis, kb, vb, offs_d, d_ok,
+                             sqb, sqh, sqg, sqt, sqd, Tq, scale, G, HD, ACC, UPCAST, PREC)
 
 
-@triton.jit(do_not_specialize=["slot"])
+@triton.jit(do_not_specialize=["slot0"])
 def block_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, QUERIES, OFFS, RUN_END, TILE_SEG, TILE_START, TILE_COUNT, DQACC, FRAME,
+    Q, K, V, DO, LSE, DELTA, QUERIES, OFFS, RUN_END, TILE_SEG, TILE_START, TILE_COUNT, DQP, FRAME,
     sqb, sqh, sqg, sqt, sqd,
     skb, skh, skt, skd,
     svb, svh, svt, svd,
     sdb, sdh, sdg, sdt, sdd,
     sf0, sf1, sf2,
-    Tq, Tk, q_start, scale, n_blocks, slot, n_tiles,
+    Tq, Tk, q_start, scale, n_blocks, slot0, n_tiles, R,
     H_KV: tl.constexpr, G: tl.constexpr, L_SEL: tl.constexpr, HD: tl.constexpr,
     BM: tl.constexpr, BS: tl.constexpr, DP: tl.constexpr,
     ACC: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, HAS_FRAME: tl.constexpr,
 ):
-    """One slot's term of dQ = scale * sum_s dS_s K_s, dS = P * (dO V^T - delta), P = exp(S - LSE),
-    added to DQACC [B, H_kv, G, Tq, hd] (zeros before slot 0). Frames: as block_fwd_kernel."""
-    tile = slot.to(tl.int64) * n_tiles + tl.program_id(0)
+    """Program (i, p): tile i of slot slot0 + p. Each of its rows' term of dQ = scale * sum_s dS_s K_s
+    (dS = P * (dO V^T - delta), P = exp(S - LSE)) for this block, as its partial of slot p in DQP
+    [slots, R, hd]; slot_sum_kernel adds them up. Frames: as block_fwd_kernel."""
+    part = tl.program_id(1).to(tl.int64)
+    tile = (slot0 + part) * n_tiles + tl.program_id(0)
+    part = part * R
     count = tl.load(TILE_COUNT + tile).to(tl.int64)
     if count > 0:
         seg = tl.load(TILE_SEG + tile).to(tl.int64)
@@ -206,7 +207,7 @@ def block_dq_kernel(
                     r, r_ok, t, reach = _run_rows(QUERIES, FRAME, start, r0, e1 * G, cur, j, b, offs_m,
                                                   sf0, sf1, sf2, G, L_SEL)
                     vis = r_ok[:, None] & k_ok[None, :] & (offs_s[None, :] <= reach[:, None])
-                    _dq_step(Q, DO, LSE, DELTA, DQACC, b, h, bh, r % G, t, r_ok, vis, kb, vb, offs_d, d_ok,
+                    _dq_step(Q, DO, LSE, DELTA, DQP, part, b, h, bh, r % G, t, r_ok, vis, kb, vb, offs_d, d_ok,
                              sqb, sqh, sqg, sqt, sqd, sdb, sdh, sdg, sdt, sdd, Tq, scale, G, HD, ACC, UPCAST, PREC)
                 e0 = e1
         else:
@@ -218,5 +219,75 @@ def block_dq_kernel(
                 r_ok = r < count * G
                 t = tl.load(QUERIES + start + r // G, mask=r_ok, other=0).to(tl.int64)
                 vis = r_ok[:, None] & k_ok[None, :] & (pos_k[None, :] <= (q_start + t)[:, None])
-                _dq_step(Q, DO, LSE, DELTA, DQACC, b, h, bh, r % G, t, r_ok, vis, kb, vb, offs_d, d_ok,
+                _dq_step(Q, DO, LSE, DELTA, DQP, part, b, h, bh, r % G, t, r_ok, vis, kb, vb, offs_d, d_ok,
                          sqb, sqh, sqg, sqt, sqd, sdb, sdh, sdg, sdt, sdd, Tq, scale, G, HD, ACC, UPCAST, PREC)
+
+
+@triton.jit
+def _slot_valid(HOME, rows, r_ok, slot, Tq, n, G: tl.constexpr):
+    """[BR]: whether row (bh, g, t) of the [B, H_kv, G, Tq] order has a block in slot `slot` (HOME [BH, Tq, n],
+    the index's key of each (query, slot) entry; -1: an empty slot, which no program wrote a partial for)."""
+    t = rows % Tq
+    bh = rows // (G * Tq)
+    return r_ok & (tl.load(HOME + (bh * Tq + t) * n + slot, mask=r_ok, other=-1) >= 0)
+
+
+@triton.jit(do_not_specialize=["slot0", "n_slots"])
+def slot_merge_kernel(
+    OP, LSEP, HOME, O_IN, LSE_IN, O, LSE, R, Tq, n, slot0, n_slots,
+    G: tl.constexpr, HD: tl.constexpr, BR: tl.constexpr, DP: tl.constexpr, ACC: tl.constexpr,
+    HAS_PREV: tl.constexpr,
+):
+    """Rows pid*BR .. of the output: the partials of slots slot0 .. slot0 + n_slots - 1 (OP [n_slots, R, hd]
+    normalized, LSEP [n_slots, R]; only valid slots read) merged, in slot order, with the result so far
+    (HAS_PREV: O_IN, LSE_IN, the merge of the earlier slots) into O [R, hd] (its dtype) and LSE [R]:
+    o = sum_s exp(lse_s - lse) o_s, lse = log sum_s exp(lse_s). A row with nothing visible: o 0, lse -inf."""
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    r_ok = rows < R
+    offs_d = tl.arange(0, DP)
+    rd_ok = r_ok[:, None] & (offs_d < HD)[None, :]
+    mx = tl.full((BR,), float("-inf"), ACC)
+    if HAS_PREV:
+        lse_prev = tl.load(LSE_IN + rows, mask=r_ok, other=float("-inf"))
+        mx = lse_prev
+    for p in range(n_slots):  # pass 1: the largest log-sum-exp of each row
+        ok = _slot_valid(HOME, rows, r_ok, slot0 + p, Tq, n, G)
+        mx = tl.maximum(mx, tl.load(LSEP + p * R + rows, mask=ok, other=float("-inf")))
+    has = mx > float("-inf")
+    mx_safe = tl.where(has, mx, 0.0)
+    den = tl.zeros((BR,), dtype=ACC)
+    acc = tl.zeros((BR, DP), dtype=ACC)
+    if HAS_PREV:
+        w = tl.where(has, tl.exp(lse_prev - mx_safe), 0.0)  # exp(-inf) = 0: nothing before
+        den += w
+        acc += w[:, None] * tl.load(O_IN + rows[:, None] * HD + offs_d[None, :], mask=rd_ok, other=0.0)
+    for p in range(n_slots):  # pass 2, in slot order: weights and the weighted outputs
+        ok = _slot_valid(HOME, rows, r_ok, slot0 + p, Tq, n, G)
+        w = tl.where(ok & has, tl.exp(tl.load(LSEP + p * R + rows, mask=ok, other=float("-inf")) - mx_safe), 0.0)
+        den += w
+        o_p = tl.load(OP + (p * R + rows)[:, None] * HD + offs_d[None, :], mask=ok[:, None] & rd_ok, other=0.0)
+        acc += w[:, None] * o_p
+    den_safe = tl.where(has, den, 1.0)
+    tl.store(O + rows[:, None] * HD + offs_d[None, :], (acc / den_safe[:, None]).to(O.dtype.element_ty), mask=rd_ok)
+    tl.store(LSE + rows, tl.where(has, mx_safe + tl.log(den_safe), float("-inf")), mask=r_ok)
+
+
+@triton.jit(do_not_specialize=["slot0", "n_slots"])
+def slot_sum_kernel(
+    DQP, HOME, DQ_IN, DQ, R, Tq, n, slot0, n_slots,
+    G: tl.constexpr, HD: tl.constexpr, BR: tl.constexpr, DP: tl.constexpr, ACC: tl.constexpr,
+    HAS_PREV: tl.constexpr,
+):
+    """Rows pid*BR .. of dQ: the partials of slots slot0 .. slot0 + n_slots - 1 (DQP [n_slots, R, hd]; only
+    valid slots read) added in slot order to the sum so far (HAS_PREV: DQ_IN), into DQ [R, hd] (its dtype)."""
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    r_ok = rows < R
+    offs_d = tl.arange(0, DP)
+    rd_ok = r_ok[:, None] & (offs_d < HD)[None, :]
+    acc = tl.zeros((BR, DP), dtype=ACC)
+    if HAS_PREV:
+        acc += tl.load(DQ_IN + rows[:, None] * HD + offs_d[None, :], mask=rd_ok, other=0.0)
+    for p in range(n_slots):
+        ok = _slot_valid(HOME, rows, r_ok, slot0 + p, Tq, n, G)
+        acc += tl.load(DQP + (p * R + rows)[:, None] * HD + offs_d[None, :], mask=ok[:, None] & rd_ok, other=0.0)
+    tl.store(DQ + rows[:, None] * HD + offs_d[None, :], acc.to(DQ.dtype.element_ty), mask=rd_ok)

@@ -21,26 +21,30 @@ SELECTION_PATH ("auto" | "block" | "query", read at call time) forces either.
   block-centric forward / dQ (Flash Sparse Attention's loop order, arXiv 2508.18224;
            nsa/attention/kernels/block_centric.py): a by-slot inverted index (`inverted_index(...,
            by_slot=True)`: the (query, slot s) entries sorted by (s, batch * H_kv + head, block, query),
-           tiles of at most Q_TILE queries, a fixed number of tiles per slot), then n launches, one per
-           slot in order, grid (tiles per slot,). A program loads its block's K/V once and walks the
-           (query, head) rows that picked the block, BM at a time (no group padding). A query has one
-           block per slot, so within a launch every (query, head) row belongs to at most one program:
-           the per-row state in global memory is read, updated and written back without atomics, in
-           slot order (deterministic). `block_fwd_kernel` is an online softmax across launches: per row
-           running max M and denominator DEN (fp32 [B, H_kv, G, Tq]), the output kept normalized in
-           fp32 [B, H_kv, G, Tq, hd] (O itself for fp32/fp64 inputs) and LSE = M + log(DEN). No pass
-           recomputes S for the log-sum-exp, and no per-(query, slot) partial output exists.
-           `block_dq_kernel` adds slot s's term scale * dS_s K_s to an fp32 dQ [B, H_kv, G, Tq, hd].
-           Launches per call: n (+ torch ops for the index), whatever Tq. No host sync.
-           Memory at M7C 64k (B = 1, T = 65536, H_kv = 2, G = 6, hd = 64, n = 16, l' = 64): fp32 output
-           / dQ accumulator 192 MiB (bf16 inputs; fp32 inputs use O / dQ), M + DEN 6 MiB, index
-           ~80 MiB transient (int64 sort keys and order over B*H_kv*T*n = 2M entries, int32 queries
-           8 MiB, 3 x 64K tile ints). Per-(query, slot) partial outputs would be [.., T, n, G, hd] fp32
-           = 3 GiB. Cost instead: each slot reads and writes the row state (fp32, 2 * 4 * G * hd B per
-           (query, KV head) per slot: 6.4 GB per forward at M7C 64k, as much as writing and reading
-           those partials once), and K/V are read once per (slot, block, tile) instead of once per
-           (query, block) as in the query-centric path (n * l' * hd * 2 * 2 B = 256 KiB per (query, KV
-           head) in bf16).
+           tiles of at most Q_TILE queries, a fixed number of tiles per slot), then one launch for all
+           slots, grid (tiles per slot, n). A program loads its block's K/V once and walks the (query,
+           head) rows that picked the block, BM at a time (no group padding). A query has one block per
+           slot, so each program writes its rows' partial of its slot, and no row's partial is written
+           twice: no atomics. `block_fwd_kernel` writes the attention over the one block, normalized
+           (fp32 [n, R, hd], R = B*H_kv*G*Tq rows), and its log-sum-exp (fp32 [n, R]); `slot_merge_kernel`
+           combines a row's n partials in slot order (o = sum_s exp(lse_s - lse) o_s) into O and LSE.
+           `block_dq_kernel` writes slot s's term scale * dS_s K_s (fp32 [n, R, hd]); `slot_sum_kernel`
+           adds them in slot order into dQ. Empty slots (-1) are never written and never read (the merge
+           kernels read the index). Deterministic. Launches per call: 2 forward, 2 for dQ (+ torch ops
+           for the index), whatever Tq and n; no host sync. Until 2026-11-28 these were n launches, one per
+           slot, each reading and writing an online softmax's row state: 16 launches forward and 16 for
+           dQ at M7C, 4-6 ms of host time per direction at 8k on an H200, and each launch 1/n of the
+           work (fewer programs than a wave at short T).
+           Memory: the partials, 4 * n * R * (hd + 1) B per direction at fp32 accumulation, transient
+           (M7C, n = 16: 390 MiB at 2k x batch 4 and at 8k x batch 1, 3 GiB at 64k); above PARTIAL_BYTES
+           (1 GiB) the slots are split across launch pairs (M7C 64k: 4), each merged into the result of
+           the earlier ones (fp32 [R, hd] kept between them for 16-bit outputs). Partial outputs in bf16
+           would halve the forward's (a convex combination: no cancellation), not dQ's. Traffic: each (row, slot) writes and
+           the merge reads 4 * (hd + 1) B, about what the per-slot state update read and wrote. The
+           index: ~80 MiB transient at M7C 64k (int64 sort keys and order over B*H_kv*T*n = 2M entries,
+           int32 queries 8 MiB, 3 x 64K tile ints). K/V are read once per (slot, block, tile) instead of
+           once per (query, block) as in the query-centric path (n * l' * hd * 2 * 2 B = 256 KiB per
+           (query, KV head) in bf16).
   backward delta = rowsum(dO * O) (torch), the dQ path above, then
            `_dkv_kernel`, grid (tiles, BS // BK): block-centric over the block-major inverted index
            ("which queries selected block j", built with torch sort + counts, no host sync). The
@@ -90,12 +94,14 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa.attention.kernels.block_centric import _load_block, _run_rows, block_dq_kernel, block_fwd_kernel
+from nsa.attention.kernels.block_centric import (_load_block, _run_rows, block_dq_kernel, block_fwd_kernel,
+                                                 slot_merge_kernel, slot_sum_kernel)
 from nsa.attention.kernels.interpreter import interpreter_active
 
 KV_TILE = 512  # queries per dK/dV program (bounds its serial work; partial dK/dV memory ~ 1 / KV_TILE)
 BLOCK_ROWS = None  # (query, head) rows per step in the dK/dV program; None: tile_config's (per dtype, head dim)
 Q_TILE = 64  # queries per block-centric forward / dQ program
+PARTIAL_BYTES = 1 << 30  # block-centric forward / dQ: most bytes of per-slot partials one launch writes (read at call time)
 SELECTION_PATH = "auto"  # forward + dQ kernels: "auto" (block-centric iff G < BLOCK_CENTRIC_BELOW), "block", "query"
 BLOCK_CENTRIC_BELOW = 16  # G at which a padded group stops wasting MMA rows (GP = G)
 
@@ -395,7 +401,7 @@ class TileConfig:
     shared_bytes: int  # estimated shared memory per program on sm_80 / sm_90 (bytes; >= Triton 3.9's own)
 
 
-KERNELS = ("fwd", "dq", "dkv", "dkv_reduce", "block_fwd", "block_dq")
+KERNELS = ("fwd", "dq", "dkv", "dkv_reduce", "block_fwd", "block_dq", "slot_merge", "slot_sum")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
 
 
@@ -432,6 +438,9 @@ def tile_config(kernel: str, hd: int, l_sel: int, G: int, dtype: torch.dtype | s
     keys, stages = BS, 1
     if kernel == "dkv_reduce":  # memory-bound sum of [BS, DP] partials in registers
         return TileConfig(BS, BS, BS, DP, 4 if DP <= 64 else 8 if DP <= 128 else 16, 1, 0)
+    if kernel in ("slot_merge", "slot_sum"):  # memory-bound: [rows, DP] accumulator tiles of 4,096 values, no dots
+        rows = max(16, 4096 // DP)
+        return TileConfig(rows, BS, BS, DP, 4, 1, 8 * rows)  # Triton 3.9: rows * 4 B (a layout conversion)
     if kernel in ("fwd", "dq"):  # query-centric: rows are the group padded to 16
         rows, stages = _pow2(G), 3
         warps = (4 if DP <= 64 else 8 if DP <= 128 else 16) if wide else 4
@@ -463,7 +472,7 @@ def _shared_estimate(kernel: str, rows: int, keys: int, DP: int, bits: int) -> i
 
 def launched_kernels(G: int) -> tuple[str, ...]:
     """The kernels selected_attention_fwd / _bwd launch for groups of G query heads (with SELECTION_PATH)."""
-    first = ("block_fwd", "block_dq") if use_block_centric(G) else ("fwd", "dq")
+    first = ("block_fwd", "block_dq", "slot_merge", "slot_sum") if use_block_centric(G) else ("fwd", "dq")
     return (*first, "dkv", "dkv_reduce")
 
 
@@ -499,6 +508,8 @@ def _launch(kernel: str, hd: int, l_sel: int, G: int, dtype: torch.dtype, rows: 
     out = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if kernel in ("dkv", "block_fwd", "block_dq"):
         out["BM"] = _pow2(rows) if rows else cfg.rows
+    if kernel in ("slot_merge", "slot_sum"):
+        out["BR"] = cfg.rows
     if kernel == "dkv":
         out["BK"] = cfg.keys
     return out
@@ -539,8 +550,9 @@ def _block_keys(idx: torch.Tensor, l_sel: int, Tk: int, frame: torch.Tensor | No
 
 def _slot_index(idx: torch.Tensor, Tk: int, l_sel: int, q_tile: int, frame: torch.Tensor | None = None):
     """The by-slot inverted index of the block-centric kernels: (queries, offsets, run ends, tile_seg,
-    tile_start, tile_count, n_blocks, tiles per slot). Offsets and run ends (frames; without a frame
-    `queries` stands in for both, unread): inverted_index's sub_sorted and run_end."""
+    tile_start, tile_count, n_blocks, tiles per slot, home). Offsets and run ends (frames; without a frame
+    `queries` stands in for both, unread): inverted_index's sub_sorted and run_end. home [B, H_kv, Tq, n]
+    int32: each entry's key (-1: an empty slot; the merge kernels read no partial there)."""
     B, H_kv, Tq, n = idx.shape
     n_blocks = -(-Tk // l_sel)
     home, off = _block_keys(idx, l_sel, Tk, frame)
@@ -548,7 +560,8 @@ def _slot_index(idx: torch.Tensor, Tk: int, l_sel: int, q_tile: int, frame: torc
                          sub=None if off is None else off.view(B * H_kv, Tq, n), n_sub=l_sel)
     queries, tile_seg, tile_start, tile_count = out[:4]
     offs, run_end = (queries, queries) if frame is None else out[6:]
-    return queries, offs, run_end, tile_seg, tile_start, tile_count, n_blocks, tile_seg.shape[0] // n
+    return (queries, offs, run_end, tile_seg, tile_start, tile_count, n_blocks, tile_seg.shape[0] // n,
+            home.to(torch.int32).contiguous())
 
 
 def selected_attention_fwd(q, k, v, block_idx, q_start: int, l_sel: int, q_tile: int | None = None,
@@ -586,20 +599,45 @@ def selected_attention_fwd(q, k, v, block_idx, q_start: int, l_sel: int, q_tile:
             **_launch("fwd", hd, l_sel, G, q.dtype),
         )
         return o, lse
-    queries, offs, run_end, tile_seg, tile_start, tile_count, n_blocks, n_tiles = _slot_index(
+    queries, offs, run_end, tile_seg, tile_start, tile_count, n_blocks, n_tiles, home = _slot_index(
         idx, Tk, l_sel, q_tile or Q_TILE, frame)
-    o_acc = (o if o.dtype == acc_dtype else torch.empty(o.shape, dtype=acc_dtype, device=o.device)).zero_()
-    m = torch.full(lse.shape, -1.0e30, dtype=acc_dtype, device=q.device)
-    den = torch.zeros_like(lse)
-    lse.fill_(float("-inf"))
+    R = B * H_kv * G * Tq  # rows of the [B, H_kv, G, Tq] state
+    per = _slots_per_launch(n, R, hd, acc_dtype)
+    op = torch.empty(per, R, hd, dtype=acc_dtype, device=q.device)  # partials: never read where not written
+    lsep = torch.empty(per, R, dtype=acc_dtype, device=q.device)
+    # earlier slot ranges' merge, fp32 where o is 16-bit (only when the slots take more than one launch)
+    o_run = o if per >= n or o.dtype == acc_dtype else torch.empty(o.shape, dtype=acc_dtype, device=o.device)
     launch = _launch("block_fwd", hd, l_sel, G, q.dtype, frame=has_frame)
-    for slot in range(n):  # n launches in slot order: each updates a row at most once (deterministic)
-        block_fwd_kernel[(n_tiles,)](
-            q, k, v, queries, offs, run_end, tile_seg, tile_start, tile_count, o_acc, m, den, lse, fr,
-            *q.stride(), *k.stride(), *v.stride(), *f_strides, Tq, Tk, q_start, scale, n_blocks, slot, n_tiles,
+    merge = _launch("slot_merge", hd, l_sel, G, q.dtype)
+    for slot0 in range(0, n, per):  # one launch pair unless the partials would exceed PARTIAL_BYTES
+        slots = min(per, n - slot0)
+        block_fwd_kernel[(n_tiles, slots)](
+            q, k, v, queries, offs, run_end, tile_seg, tile_start, tile_count, op, lsep, fr,
+            *q.stride(), *k.stride(), *v.stride(), *f_strides, Tq, Tk, q_start, scale, n_blocks, slot0, n_tiles, R,
             H_KV=H_kv, **meta, HAS_FRAME=has_frame, **launch,
         )
-    return o_acc.to(q.dtype), lse
+        last = slot0 + slots >= n
+        slot_merge_kernel[(triton.cdiv(R, merge["BR"]),)](
+            op, lsep, home, o_run, lse, o if last else o_run, lse, R, Tq, n, slot0, slots,
+            G=G, HD=hd, DP=meta["DP"], ACC=meta["ACC"], HAS_PREV=slot0 > 0, **merge,
+        )
+    return o, lse
+
+
+def _slots_per_launch(n: int, rows: int, hd: int, acc_dtype: torch.dtype) -> int:
+    """Selection slots one block-centric launch covers: all n unless their partials (rows x (hd + 1)
+    accumulator values per slot) would exceed PARTIAL_BYTES; at least one."""
+    per_slot = rows * (hd + 1) * torch.finfo(acc_dtype).bits // 8
+    return max(1, min(n, PARTIAL_BYTES // per_slot))
+
+
+def partial_bytes(rows: int, hd: int, n: int, G: int, acc_bytes: int = 4) -> int:
+    """Device memory the block-centric forward / dQ hold for their partials (transient, one layer at a time):
+    rows = B * H * Tq (query heads), n slots; 0 where the query-centric path runs (G >= 16 by default)."""
+    if not use_block_centric(G):
+        return 0
+    per_slot = rows * (hd + 1) * acc_bytes
+    return _slots_per_launch(n, rows, hd, torch.float64 if acc_bytes == 8 else torch.float32) * per_slot
 
 
 @torch.no_grad()
@@ -689,17 +727,27 @@ def selected_attention_bwd(q, k, v, block_idx, o, lse, d_o, q_start: int, l_sel:
     fr, *f_strides = _frame_args(frame, idx)
     has_frame = frame is not None
     if use_block_centric(G):
-        queries, offs, run_end, tile_seg, tile_start, tile_count, n_blocks_q, n_tiles_q = _slot_index(
+        queries, offs, run_end, tile_seg, tile_start, tile_count, n_blocks_q, n_tiles_q, home = _slot_index(
             idx, Tk, l_sel, q_tile, frame)
-        dq_acc = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
+        R = B * H_kv * G * Tq
+        per = _slots_per_launch(n, R, hd, acc_dtype)
+        dqp = torch.empty(per, R, hd, dtype=acc_dtype, device=q.device)  # never read where not written
+        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        dq_run = dq if per >= n or dq.dtype == acc_dtype else torch.empty(q.shape, dtype=acc_dtype, device=q.device)
         launch = _launch("block_dq", hd, l_sel, G, q.dtype, frame=has_frame)
-        for slot in range(n):  # slot order: dQ sums its n terms in a fixed order (deterministic)
-            block_dq_kernel[(n_tiles_q,)](
-                q, k, v, d_o, lse, delta, queries, offs, run_end, tile_seg, tile_start, tile_count, dq_acc, fr, *common,
-                *f_strides, Tq, Tk, q_start, scale, n_blocks_q, slot, n_tiles_q, H_KV=H_kv, **meta,
+        add = _launch("slot_sum", hd, l_sel, G, q.dtype)
+        for slot0 in range(0, n, per):  # slot order: dQ sums its n terms in a fixed order (deterministic)
+            slots = min(per, n - slot0)
+            block_dq_kernel[(n_tiles_q, slots)](
+                q, k, v, d_o, lse, delta, queries, offs, run_end, tile_seg, tile_start, tile_count, dqp, fr, *common,
+                *f_strides, Tq, Tk, q_start, scale, n_blocks_q, slot0, n_tiles_q, R, H_KV=H_kv, **meta,
                 HAS_FRAME=has_frame, **launch,
             )
-        dq = dq_acc.to(q.dtype)
+            last = slot0 + slots >= n
+            slot_sum_kernel[(triton.cdiv(R, add["BR"]),)](
+                dqp, home, dq_run, dq if last else dq_run, R, Tq, n, slot0, slots,
+                G=G, HD=hd, DP=meta["DP"], ACC=meta["ACC"], HAS_PREV=slot0 > 0, **add,
+            )
     else:
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         _dq_kernel[(Tq, B * H_kv)](
