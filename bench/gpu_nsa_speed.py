@@ -20,7 +20,8 @@ Sections, in this order (`--only` picks some; each is recorded as it ends, so a 
                of the measured ceilings it reaches; the whole NSA layer (projections included) fwd+bwd at 8k under
                the profiler: device-busy fraction, host time and kernel launches
   train        M7C-125M compiled, NSA and its dense twin, tokens/s at each --train_S, with the ideal ratio from
-               counted FLOPs (nsa/flops.py v3)
+               counted FLOPs (nsa/flops.py v3); --train_graphs also runs both with CUDA graphs (runtime.cuda_graphs:
+               torch.compile's reduce-overhead mode), which take the host's launch work off the step
   decode       one decode step of an attention layer at each --decode_S (bench/bench_decode.py), NSA vs dense
 
 Layouts: m7c (12 query heads, 2 KV heads, head dim 64: G = 6, the block-centric selection kernels) and paper (64 / 4,
@@ -519,24 +520,27 @@ def train(args) -> dict:
 
     seqs = args.train_S or ([128] if args.tiny else [2048, 8192])
     compile_ = args.device == "cuda"
+    graphs = [False, True] if args.train_graphs and compile_ else [False]  # CUDA graphs need CUDA and compile
     runs = {}
     with tempfile.TemporaryDirectory(prefix="gpu_nsa_speed_") as tmp:
         tmp = Path(tmp)
         for seq in seqs:
             flops = {}
-            for kind in ("nsa", "dense"):
-                cfg_path = acceptance._train_config(tmp, kind, seq, args.tiny, steps=12)
-                flops[kind] = flops_per_token(load_config(cfg_path).model, seq).flops_per_token
-                out = tmp / f"{kind}_{seq}"
-                code, text = acceptance.run(
-                    [sys.executable, "-m", "train", str(cfg_path), f"--train.out_dir={out}",
-                     f"--runtime.device={args.device}", f"--runtime.compile={str(compile_).lower()}",
-                     "--runtime.precision=bf16"], args.section_limit)
-                runs[f"{kind}_{seq}"] = ({**acceptance._tokens_per_s(out), "flops_per_token": flops[kind]}
-                                         if code == 0 else {"exit": code, "output": text[-800:]})
+            for graphed in graphs:
+                for kind in ("nsa", "dense"):
+                    cfg_path = acceptance._train_config(tmp, kind, seq, args.tiny, steps=12)
+                    flops[kind] = flops_per_token(load_config(cfg_path).model, seq).flops_per_token
+                    name = f"{kind}_{seq}" + ("_graphs" if graphed else "")
+                    code, text = acceptance.run(
+                        [sys.executable, "-m", "train", str(cfg_path), f"--train.out_dir={tmp / name}",
+                         f"--runtime.device={args.device}", f"--runtime.compile={str(compile_).lower()}",
+                         f"--runtime.cuda_graphs={str(graphed).lower()}", "--runtime.precision=bf16"],
+                        args.section_limit)
+                    runs[name] = ({**acceptance._tokens_per_s(tmp / name), "flops_per_token": flops[kind]}
+                                  if code == 0 else {"exit": code, "output": text[-800:]})
             runs[f"ideal_{seq}"] = round(flops["dense"] / flops["nsa"], 3)
     ok = all("toks_per_s" in r for k, r in runs.items() if not k.startswith("ideal"))
-    return {"ok": ok, "compiled": compile_, "runs": runs}
+    return {"ok": ok, "compiled": compile_, "cuda_graphs": len(graphs) > 1, "runs": runs}
 
 
 def decode(args) -> dict:
@@ -574,9 +578,10 @@ def summarise(sections: dict) -> dict:
     if "busy_fraction" in busy:
         s[f"gpu_busy_fraction_{length_tag(busy['T'])}"] = busy["busy_fraction"]
     runs = sections.get("train", {}).get("runs", {})
-    for key, r in runs.items():
+    for key, r in runs.items():  # nsa_<seq> and nsa_<seq>_graphs against dense's run of the same kind
         if key.startswith("nsa_") and "toks_per_s" in r and "toks_per_s" in runs.get("dense_" + key[4:], {}):
-            s[f"train_nsa_over_dense_{length_tag(int(key[4:]))}"] = round(
+            seq, _, graphed = key[4:].partition("_")
+            s[f"train_nsa_over_dense_{length_tag(int(seq))}" + (f"_{graphed}" if graphed else "")] = round(
                 r["toks_per_s"] / runs["dense_" + key[4:]]["toks_per_s"], 3)
     for key, v in sections.get("decode", {}).get("summary", {}).items():
         if key.startswith("speedup_"):
@@ -618,6 +623,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--S", type=int, nargs="+", help="attention lengths (default 8k 16k 32k 64k)")
     ap.add_argument("--train_S", type=int, nargs="+", help="training sequence lengths (default 2048 8192)")
     ap.add_argument("--decode_S", type=int, nargs="+", help="decode context lengths (default 32k 64k)")
+    ap.add_argument("--train_graphs", action="store_true",
+                    help="train: also run NSA and dense with CUDA graphs (runtime.cuda_graphs; CUDA only)")
     ap.add_argument("--arms", nargs="+", default=["flex", "fla"], choices=["flex", "fla"],
                     help="peers beside NSA and SDPA in the attention section (default both)")
     ap.add_argument("--section_limit", type=float, default=300, help="seconds for one training or decode run")

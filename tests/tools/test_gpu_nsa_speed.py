@@ -92,3 +92,17 @@ def test_correctness_fails_on_a_perturbed_kernel(tmp_path):
     correct = results(tmp_path)["sections"]["correctness"]
     assert not correct["ok"]
     assert all(case["reference_out"] > correct["tolerance"]["reference_out"] for case in correct["cases"].values())
+
+
+def test_summary_names_graphed_training_apart():
+    """--train_graphs' runs (key suffix _graphs) get their own ratio; the plain ones keep theirs."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_nsa_speed", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    runs = {"nsa_8192": {"toks_per_s": 150.0}, "dense_8192": {"toks_per_s": 300.0}, "ideal_8192": 2.0,
+            "nsa_8192_graphs": {"toks_per_s": 240.0}, "dense_8192_graphs": {"toks_per_s": 320.0},
+            "nsa_2048_graphs": {"exit": 1, "output": "..."}, "dense_2048_graphs": {"toks_per_s": 1.0}}
+    summary = bench.summarise({"train": {"runs": runs}})
+    assert summary == {"train_nsa_over_dense_8k": 0.5, "train_nsa_over_dense_8k_graphs": 0.75}
