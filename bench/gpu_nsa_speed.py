@@ -293,7 +293,7 @@ def stage_costs(layout: dict, geometry: dict, T: int, elem: int = 2) -> dict:
     (query, KV head) loads its n*l' keys and values itself: their reuse across queries then lives in L2, and the
     branch's arithmetic intensity is G FLOPs per byte (FLOPs 4*G*hd, bytes 2*hd*elem per key and query group);
     `bytes_block_order` what the block-centric kernels (G < 16) move: q read once per slot, and each (row, slot)
-    partial, fp32 output and log-sum-exp, written and read back by the merge, keys and values read once per tile
+    partial (output in the inputs' dtype, fp32 log-sum-exp) written and read back by the merge, keys and values read once per tile
     (about once)."""
     from nsa.flops import mean_capped_keys, mean_compressed_keys, n_compressed_blocks
 
@@ -310,7 +310,7 @@ def stage_costs(layout: dict, geometry: dict, T: int, elem: int = 2) -> dict:
         "selected": {"flops": per_key * mean_capped_keys(n * l_sel, T),
                      "bytes": 2 * q_bytes + 2 * kv_bytes + idx_bytes + T * H * 4,
                      "bytes_query_order": 2 * q_bytes + T * H_kv * min(n * l_sel, T) * 2 * hd * elem + idx_bytes,
-                     "bytes_block_order": (n + 1) * q_bytes + 2 * kv_bytes + idx_bytes + 2 * T * H * n * (hd + 1) * 4},
+                     "bytes_block_order": (n + 1) * q_bytes + 2 * kv_bytes + idx_bytes + 2 * T * H * n * (hd * elem + 4)},
         "window": {"flops": per_key * mean_capped_keys(w, T), "bytes": 2 * q_bytes + 2 * kv_bytes},
         "sdpa": {"flops": per_key * (T + 1) / 2, "bytes": 2 * q_bytes + 2 * kv_bytes},
     }

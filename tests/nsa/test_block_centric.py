@@ -122,10 +122,11 @@ def test_slots_split_across_launches_give_the_same_result(dtype, monkeypatch):
 
     whole = run()
     rows = q.numel() // q.shape[-1]
-    acc_bytes = 8 if dtype == torch.float64 else 4
-    assert ts._slots_per_launch(5, rows, 16, torch.float64 if dtype == torch.float64 else torch.float32) == 5
-    monkeypatch.setattr(ts, "PARTIAL_BYTES", 2 * rows * 17 * acc_bytes + 1)
-    assert ts._slots_per_launch(5, rows, 16, torch.float64 if dtype == torch.float64 else torch.float32) == 2
+    most = ts.partial_bytes(rows, 16, 5, 3, dtype)  # the larger of the forward's and dQ's partials, all 5 slots
+    elt, acc = (8, 8) if dtype == torch.float64 else (2, 4)  # forward: outputs in q's dtype; dQ: terms in acc's
+    assert most == rows * 5 * max(16 * elt + acc, 16 * acc)
+    monkeypatch.setattr(ts, "PARTIAL_BYTES", most * 2 // 5)  # 2 slots' worth: launches of 2, 2, 1 slots
+    assert ts.partial_bytes(rows, 16, 5, 3, dtype) == most * 2 // 5
     split = run()
     tol = dict(atol=1e-12, rtol=1e-12) if dtype == torch.float64 else dict(atol=1e-2, rtol=1e-2)  # bf16: o, dq rounding
     for name, a, b in zip(("out", "lse", "dq"), whole, split):

@@ -98,7 +98,10 @@ def selection_partial_bytes(cfg: RunConfig, tokens: int, cuda: bool) -> float:
         from nsa.attention.kernels.selected_attention import partial_bytes
     except ImportError:  # no triton: the torch path runs
         return 0.0
-    return float(partial_bytes(tokens * m.n_heads, m.head_dim, m.nsa.n_sel, m.n_groups))
+    import torch
+
+    dtype = torch.float32 if cfg.runtime.precision == "fp32" else torch.bfloat16
+    return float(partial_bytes(tokens * m.n_heads, m.head_dim, m.nsa.n_sel, m.n_groups, dtype))
 
 
 def loss_bytes(cfg: RunConfig, tokens: int, act_bytes: int) -> float:

@@ -59,8 +59,8 @@ def _fwd_partial(Q, OP, LSEP, part, b, h, bh, g, t, r_ok, vis, kb, vb, offs_d, d
                  G: tl.constexpr, HD: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
     """One row step of block_fwd_kernel: the (query t, head g) rows r_ok [BM] against the block's keys
     kb, vb [BS, DP] alone (vis [BM, BS]: which keys each row sees). Writes the rows' partial of slot
-    `part` (int64 offset part * R): the block's attention output, normalized, to OP [.., R, hd] and its
-    log-sum-exp to LSEP [.., R] (-inf where the row sees none of the block's keys, output 0)."""
+    `part` (int64 offset part * R): the block's attention output, normalized, to OP [.., R, hd] (OP's dtype)
+    and its log-sum-exp to LSEP [.., R] (-inf where the row sees none of the block's keys, output 0)."""
     rd_ok = r_ok[:, None] & d_ok[None, :]
     q = tl.load(Q + b * sqb + h * sqh + g[:, None] * sqg + t[:, None] * sqt + offs_d[None, :] * sqd,
                 mask=rd_ok, other=0.0)
@@ -76,7 +76,8 @@ def _fwd_partial(Q, OP, LSEP, part, b, h, bh, g, t, r_ok, vis, kb, vb, offs_d, d
     den = tl.sum(p, axis=1)
     den_safe = tl.where(has, den, 1.0)
     pv = tl.dot(p.to(Q.dtype.element_ty).to(vb.dtype), vb, input_precision=PREC, out_dtype=ACC)
-    tl.store(OP + row[:, None] * HD + offs_d[None, :], pv * (1.0 / den_safe)[:, None], mask=rd_ok)
+    o = pv * (1.0 / den_safe)[:, None]
+    tl.store(OP + row[:, None] * HD + offs_d[None, :], o.to(OP.dtype.element_ty), mask=rd_ok)
     tl.store(LSEP + row, tl.where(has, m_safe + tl.log(den_safe), float("-inf")), mask=r_ok)
 
 
@@ -239,7 +240,7 @@ def slot_merge_kernel(
     HAS_PREV: tl.constexpr,
 ):
     """Rows pid*BR .. of the output: the partials of slots slot0 .. slot0 + n_slots - 1 (OP [n_slots, R, hd]
-    normalized, LSEP [n_slots, R]; only valid slots read) merged, in slot order, with the result so far
+    normalized, in the inputs' dtype; LSEP [n_slots, R]; only valid slots read) merged, in slot order, with the result so far
     (HAS_PREV: O_IN, LSE_IN, the merge of the earlier slots) into O [R, hd] (its dtype) and LSE [R]:
     o = sum_s exp(lse_s - lse) o_s, lse = log sum_s exp(lse_s). A row with nothing visible: o 0, lse -inf."""
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
@@ -266,7 +267,7 @@ def slot_merge_kernel(
         w = tl.where(ok & has, tl.exp(tl.load(LSEP + p * R + rows, mask=ok, other=float("-inf")) - mx_safe), 0.0)
         den += w
         o_p = tl.load(OP + (p * R + rows)[:, None] * HD + offs_d[None, :], mask=ok[:, None] & rd_ok, other=0.0)
-        acc += w[:, None] * o_p
+        acc += w[:, None] * o_p.to(ACC)
     den_safe = tl.where(has, den, 1.0)
     tl.store(O + rows[:, None] * HD + offs_d[None, :], (acc / den_safe[:, None]).to(O.dtype.element_ty), mask=rd_ok)
     tl.store(LSE + rows, tl.where(has, mx_safe + tl.log(den_safe), float("-inf")), mask=r_ok)

@@ -26,21 +26,22 @@ SELECTION_PATH ("auto" | "block" | "query", read at call time) forces either.
            head) rows that picked the block, BM at a time (no group padding). A query has one block per
            slot, so each program writes its rows' partial of its slot, and no row's partial is written
            twice: no atomics. `block_fwd_kernel` writes the attention over the one block, normalized
-           (fp32 [n, R, hd], R = B*H_kv*G*Tq rows), and its log-sum-exp (fp32 [n, R]); `slot_merge_kernel`
-           combines a row's n partials in slot order (o = sum_s exp(lse_s - lse) o_s) into O and LSE.
-           `block_dq_kernel` writes slot s's term scale * dS_s K_s (fp32 [n, R, hd]); `slot_sum_kernel`
-           adds them in slot order into dQ. Empty slots (-1) are never written and never read (the merge
-           kernels read the index). Deterministic. Launches per call: 2 forward, 2 for dQ (+ torch ops
-           for the index), whatever Tq and n; no host sync. Until 2026-11-28 these were n launches, one per
-           slot, each reading and writing an online softmax's row state: 16 launches forward and 16 for
-           dQ at M7C, 4-6 ms of host time per direction at 8k on an H200, and each launch 1/n of the
-           work (fewer programs than a wave at short T).
-           Memory: the partials, 4 * n * R * (hd + 1) B per direction at fp32 accumulation, transient
-           (M7C, n = 16: 390 MiB at 2k x batch 4 and at 8k x batch 1, 3 GiB at 64k); above PARTIAL_BYTES
-           (1 GiB) the slots are split across launch pairs (M7C 64k: 4), each merged into the result of
-           the earlier ones (fp32 [R, hd] kept between them for 16-bit outputs). Partial outputs in bf16
-           would halve the forward's (a convex combination: no cancellation), not dQ's. Traffic: each (row, slot) writes and
-           the merge reads 4 * (hd + 1) B, about what the per-slot state update read and wrote. The
+           ([n, R, hd] in q's dtype, R = B*H_kv*G*Tq rows), and its log-sum-exp (fp32 [n, R]);
+           `slot_merge_kernel` combines a row's n partials in slot order (o = sum_s exp(lse_s - lse) o_s)
+           into O and LSE. `block_dq_kernel` writes slot s's term scale * dS_s K_s (fp32 [n, R, hd]);
+           `slot_sum_kernel` adds them in slot order into dQ. Empty slots (-1) are never written and never
+           read (the merge kernels read the index). Deterministic. Launches per call: 2 forward, 2 for dQ
+           (+ torch ops for the index), whatever Tq and n; no host sync. Until 2026-11-28 these were n
+           launches, one per slot, each reading and writing an online softmax's row state: 16 launches
+           forward and 16 for dQ at M7C, 4-6 ms of host time per direction at 8k on an H200, and each
+           launch 1/n of the work (fewer programs than a wave at short T).
+           Memory: the partials, transient: forward n * R * (hd * 2 + 4) B in bf16 (outputs in q's dtype:
+           the merge is a convex combination of them, no cancellation), dQ n * R * hd * 4 B (fp32 terms,
+           which may cancel); M7C, n = 16: 198 / 384 MiB at 2k x batch 4 and at 8k x batch 1, 1.6 / 3 GiB
+           at 64k. Above PARTIAL_BYTES (1 GiB) the slots are split across launch pairs (M7C 64k: 2 / 4),
+           each merged into the result of the earlier ones (fp32 [R, hd] kept between them for 16-bit
+           outputs). Traffic: each (row, slot) writes and the merge reads 2 * hd + 4 B forward (bf16) and
+           4 * hd B for dQ, at most what the per-slot state update read and wrote. The
            index: ~80 MiB transient at M7C 64k (int64 sort keys and order over B*H_kv*T*n = 2M entries,
            int32 queries 8 MiB, 3 x 64K tile ints). K/V are read once per (slot, block, tile) instead of
            once per (query, block) as in the query-centric path (n * l' * hd * 2 * 2 B = 256 KiB per
@@ -602,8 +603,10 @@ def selected_attention_fwd(q, k, v, block_idx, q_start: int, l_sel: int, q_tile:
     queries, offs, run_end, tile_seg, tile_start, tile_count, n_blocks, n_tiles, home = _slot_index(
         idx, Tk, l_sel, q_tile or Q_TILE, frame)
     R = B * H_kv * G * Tq  # rows of the [B, H_kv, G, Tq] state
-    per = _slots_per_launch(n, R, hd, acc_dtype)
-    op = torch.empty(per, R, hd, dtype=acc_dtype, device=q.device)  # partials: never read where not written
+    # partial outputs in q's dtype: the merge is a convex combination of them (no cancellation), so rounding each
+    # costs what rounding the output costs; log-sum-exps in the accumulator's
+    per = _slots_per_launch(n, R * _fwd_partial_row_bytes(hd, q.dtype, acc_dtype))
+    op = torch.empty(per, R, hd, dtype=q.dtype, device=q.device)  # partials: never read where not written
     lsep = torch.empty(per, R, dtype=acc_dtype, device=q.device)
     # earlier slot ranges' merge, fp32 where o is 16-bit (only when the slots take more than one launch)
     o_run = o if per >= n or o.dtype == acc_dtype else torch.empty(o.shape, dtype=acc_dtype, device=o.device)
@@ -624,20 +627,26 @@ def selected_attention_fwd(q, k, v, block_idx, q_start: int, l_sel: int, q_tile:
     return o, lse
 
 
-def _slots_per_launch(n: int, rows: int, hd: int, acc_dtype: torch.dtype) -> int:
-    """Selection slots one block-centric launch covers: all n unless their partials (rows x (hd + 1)
-    accumulator values per slot) would exceed PARTIAL_BYTES; at least one."""
-    per_slot = rows * (hd + 1) * torch.finfo(acc_dtype).bits // 8
-    return max(1, min(n, PARTIAL_BYTES // per_slot))
+def _slots_per_launch(n: int, slot_bytes: int) -> int:
+    """Selection slots one block-centric launch covers: all n unless their partials (slot_bytes per slot) would
+    exceed PARTIAL_BYTES; at least one."""
+    return max(1, min(n, PARTIAL_BYTES // slot_bytes))
 
 
-def partial_bytes(rows: int, hd: int, n: int, G: int, acc_bytes: int = 4) -> int:
-    """Device memory the block-centric forward / dQ hold for their partials (transient, one layer at a time):
-    rows = B * H * Tq (query heads), n slots; 0 where the query-centric path runs (G >= 16 by default)."""
+def _fwd_partial_row_bytes(hd: int, dtype: torch.dtype, acc_dtype: torch.dtype) -> int:
+    """Bytes of one (row, slot) forward partial: the output in the input's dtype, the log-sum-exp in acc_dtype."""
+    return hd * torch.finfo(dtype).bits // 8 + torch.finfo(acc_dtype).bits // 8
+
+
+def partial_bytes(rows: int, hd: int, n: int, G: int, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Device memory the block-centric forward or dQ holds for its partials (transient, one layer at a time; the
+    larger of the two): rows = B * H * Tq (query heads), n slots, inputs in dtype; 0 where the query-centric path
+    runs (G >= 16 by default)."""
     if not use_block_centric(G):
         return 0
-    per_slot = rows * (hd + 1) * acc_bytes
-    return _slots_per_launch(n, rows, hd, torch.float64 if acc_bytes == 8 else torch.float32) * per_slot
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    return max(_slots_per_launch(n, rows * b) * rows * b
+               for b in (_fwd_partial_row_bytes(hd, dtype, acc), hd * torch.finfo(acc).bits // 8))
 
 
 @torch.no_grad()
@@ -730,7 +739,7 @@ def selected_attention_bwd(q, k, v, block_idx, o, lse, d_o, q_start: int, l_sel:
         queries, offs, run_end, tile_seg, tile_start, tile_count, n_blocks_q, n_tiles_q, home = _slot_index(
             idx, Tk, l_sel, q_tile, frame)
         R = B * H_kv * G * Tq
-        per = _slots_per_launch(n, R, hd, acc_dtype)
+        per = _slots_per_launch(n, R * hd * torch.finfo(acc_dtype).bits // 8)  # fp32 terms: dQ's may cancel
         dqp = torch.empty(per, R, hd, dtype=acc_dtype, device=q.device)  # never read where not written
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         dq_run = dq if per >= n or dq.dtype == acc_dtype else torch.empty(q.shape, dtype=acc_dtype, device=q.device)
