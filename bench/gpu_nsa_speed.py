@@ -409,11 +409,14 @@ def stages(layer, q, br, rope, layout, geo, T, device, repeats, ceil, ops) -> di
         ck = compress(layer.compress_k, br["cmp"][0], 0, 0, count, c.l, c.d)
         cv = compress(layer.compress_v, br["cmp"][1], 0, 0, count, c.l, c.d)
         qg = q.view(B, H_kv, G, T, hd)
-        idx = ops.select_blocks(qg, ck, 0, c.l, c.d, c.l_sel, c.n_sel, c.q_chunk, c.kernel)
+        # as the layer calls them: the compressed branch returns its log-sum-exps, selection reuses them (Eq. 8)
+        lse = ops.compressed_attention(q, ck, cv, 0, c.l, c.d, c.q_chunk, c.kernel, return_lse=True)[1].view(
+            B, H_kv, G, T)
+        idx = ops.select_blocks(qg, ck, 0, c.l, c.d, c.l_sel, c.n_sel, c.q_chunk, c.kernel, lse=lse)
     calls = {
         "compress": lambda: compress(layer.compress_k, br["cmp"][0], 0, 0, count, c.l, c.d),
-        "compressed": lambda: ops.compressed_attention(q, ck, cv, 0, c.l, c.d, c.q_chunk, c.kernel),
-        "select": lambda: ops.select_blocks(qg, ck, 0, c.l, c.d, c.l_sel, c.n_sel, c.q_chunk, c.kernel),
+        "compressed": lambda: ops.compressed_attention(q, ck, cv, 0, c.l, c.d, c.q_chunk, c.kernel, return_lse=True),
+        "select": lambda: ops.select_blocks(qg, ck, 0, c.l, c.d, c.l_sel, c.n_sel, c.q_chunk, c.kernel, lse=lse),
         "selected": lambda: ops.selected_attention(qg, *br["sel"], idx, 0, c.l_sel, c.sel_tile, kernel=c.kernel,
                                                    chunk=c.sel_chunk),
         "window": lambda: ops.window_attention(q, *br["win"], 0, 0, c.w, c.win_block, c.kernel),

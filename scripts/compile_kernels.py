@@ -147,15 +147,19 @@ def exercise_selection(shape: Shape, dtype: torch.dtype) -> None:
 
 
 def exercise_select_topk(shape: Shape, dtype: torch.dtype) -> None:
-    """Fused block selection, called as nsa/attention/ops.py calls it, without and with a document frame."""
+    """Fused block selection, called as nsa/attention/ops.py calls it (with the compressed branch's log-sum-exps) and
+    on its own, without and with a document frame."""
     from nsa.attention.impl.compression import num_compressed
     from nsa.attention.kernels.select_topk import fused_select_blocks
 
     T = shape.T
     q = _meta(1, shape.H_kv, shape.G, T, shape.hd, dtype=dtype)  # [B, H_kv, G, Tq, hd]
     ck = _meta(1, shape.H_kv, num_compressed(T, shape.l, shape.d), shape.hd, dtype=dtype)  # [B, H_kv, N_c, hd]
-    fused_select_blocks(q, ck, 0, shape.l, shape.d, shape.l_sel, shape.n)
-    fused_select_blocks(q, ck, 0, shape.l, shape.d, shape.l_sel, shape.n, frame=_meta(3, 1, T, dtype=torch.long))
+    lse = _meta(1, shape.H_kv, shape.G, T, dtype=torch.promote_types(dtype, torch.float32))  # [B, H_kv, G, Tq]
+    for given in (None, lse):
+        fused_select_blocks(q, ck, 0, shape.l, shape.d, shape.l_sel, shape.n, lse=given)
+        fused_select_blocks(q, ck, 0, shape.l, shape.d, shape.l_sel, shape.n, frame=_meta(3, 1, T, dtype=torch.long),
+                            lse=given)
 
 
 # Every module with Triton kernels, and a function running its wrappers once. A module not present
@@ -251,11 +255,12 @@ def compile_row(label: str, launch: Launch, shape: str, dtype: str, capability: 
 def label_variants(prefix: str, launches: list[Launch]) -> list[tuple[str, Launch]]:
     """One launch per distinct (kernel, keyword arguments); a kernel launched with two different
     constexpr sets is listed twice, as name and name#2. A kernel's document-frame variant (HAS_FRAME=True)
-    is named name[frame]."""
+    is named name[frame], the selection kernel given the compressed branch's log-sum-exps (HAS_LSE) name[lse]."""
     seen: dict[str, list[str]] = {}
     out = []
     for launch in launches:
-        name = launch.name + ("[frame]" if launch.kwargs.get("HAS_FRAME") else "")
+        name = launch.name + ("[frame]" if launch.kwargs.get("HAS_FRAME") else "") + (
+            "[lse]" if launch.kwargs.get("HAS_LSE") else "")
         variants = seen.setdefault(name, [])
         key = repr(sorted(launch.kwargs.items()))
         if key not in variants:

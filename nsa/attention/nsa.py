@@ -282,11 +282,13 @@ class NativeSparseAttention(nn.Module):
                 return decode_branches(q, ck, cv, sel_k, sel_v, win_k, win_v, t0, c, picks)
         # one custom op per stage (nsa/attention/ops.py): a constant number of launches per layer
         with nvtx_range("nsa.compressed"):
-            o_cmp = ops.compressed_attention(q, ck, cv, t0, c.l, c.d, c.q_chunk, c.kernel)  # [B, H, T, hd]
+            # [B, H, T, hd], and its log-sum-exps [B, H, T]: selection's scores share its softmax (Eq. 8)
+            o_cmp, cmp_lse = ops.compressed_attention(q, ck, cv, t0, c.l, c.d, c.q_chunk, c.kernel, return_lse=True)
         qg = q.view(B, self.n_kv_heads, self.n_groups, T, self.head_dim)  # [B, H_kv, G, T, hd]
         with nvtx_range("nsa.select"):
             if picks is None:
-                block_idx = ops.select_blocks(qg, ck, t0, c.l, c.d, c.l_sel, c.n_sel, c.q_chunk, c.kernel)
+                block_idx = ops.select_blocks(qg, ck, t0, c.l, c.d, c.l_sel, c.n_sel, c.q_chunk, c.kernel,
+                                              lse=cmp_lse.view(B, self.n_kv_heads, self.n_groups, T))
             else:
                 block_idx = select_blocks(picks, t0, c.l_sel, c.n_sel)
             if index is not None and t0 == 0 and torch.is_grad_enabled() and c.indexer_kl > 0:
@@ -345,11 +347,13 @@ class NativeSparseAttention(nn.Module):
             at = layout.block_end[..., None].expand(-1, -1, cos.shape[-1])  # [B, C, hd/2]
             ck = apply_rotary(ck, cos.gather(1, at), sin.gather(1, at))  # cos, sin [B, C, hd/2]
         with nvtx_range("nsa.compressed"):
-            o_cmp = ops.compressed_attention(q, ck, cv, 0, c.l, c.d, c.q_chunk, c.kernel, frame=frame)
+            o_cmp, cmp_lse = ops.compressed_attention(q, ck, cv, 0, c.l, c.d, c.q_chunk, c.kernel, frame=frame,
+                                                      return_lse=True)
         qg = q.view(B, self.n_kv_heads, self.n_groups, T, self.head_dim)  # [B, H_kv, G, T, hd]
         with nvtx_range("nsa.select"):
             if self.indexer is None:
-                block_idx = ops.select_blocks(qg, ck, 0, c.l, c.d, c.l_sel, c.n_sel, c.q_chunk, c.kernel, frame=frame)
+                block_idx = ops.select_blocks(qg, ck, 0, c.l, c.d, c.l_sel, c.n_sel, c.q_chunk, c.kernel, frame=frame,
+                                              lse=cmp_lse.view(B, self.n_kv_heads, self.n_groups, T))
             else:
                 block_idx = self._index_documents(x, qg, ck, frame)
         sel_k, sel_v = br["sel"]

@@ -78,16 +78,16 @@ def _triton(kernel: str, x: Tensor) -> bool:
 # ---------------------------------------------------------------- block selection (no autograd)
 @torch.library.custom_op("nsa::select_blocks", mutates_args=())
 def _select_blocks(q: Tensor, ck: Tensor, q_start: int, l: int, d: int, l_sel: int, n: int, q_chunk: int,
-                   kernel: str, frame: Tensor | None) -> Tensor:
+                   kernel: str, frame: Tensor | None, lse: Tensor | None) -> Tensor:
     # contiguous, as the fake below says: inductor asserts a custom op's strides (a torch path returns a slice)
-    return _select_blocks_any_layout(q, ck, q_start, l, d, l_sel, n, q_chunk, kernel, frame).contiguous()
+    return _select_blocks_any_layout(q, ck, q_start, l, d, l_sel, n, q_chunk, kernel, frame, lse).contiguous()
 
 
-def _select_blocks_any_layout(q, ck, q_start, l, d, l_sel, n, q_chunk, kernel, frame) -> Tensor:
+def _select_blocks_any_layout(q, ck, q_start, l, d, l_sel, n, q_chunk, kernel, frame, lse) -> Tensor:
     if _triton(kernel, q):
         from nsa.attention.kernels.select_topk import fused_select_blocks
 
-        return fused_select_blocks(q, ck, q_start, l, d, l_sel, n, frame=frame)
+        return fused_select_blocks(q, ck, q_start, l, d, l_sel, n, frame=frame, lse=lse)
     if frame is not None:
         if masked.fits(q, q.shape[1] * q.shape[2], q.shape[3] + l_sel):
             return masked.select_blocks(q, ck, l, d, l_sel, n, frame)
@@ -96,7 +96,7 @@ def _select_blocks_any_layout(q, ck, q_start, l, d, l_sel, n, q_chunk, kernel, f
 
 
 @_select_blocks.register_fake
-def _(q, ck, q_start, l, d, l_sel, n, q_chunk, kernel, frame):
+def _(q, ck, q_start, l, d, l_sel, n, q_chunk, kernel, frame, lse):
     B, H_kv, _, Tq, _ = q.shape
     return q.new_empty(B, H_kv, Tq, n, dtype=torch.long)
 
@@ -106,9 +106,12 @@ def select_blocks(
     ck: Tensor,  # [B, H_kv, N_c, hd] compressed keys (RoPE applied)
     q_start: int, l: int, d: int, l_sel: int, n: int, q_chunk: int, kernel: str,
     frame: Tensor | None = None,  # [3, B, Tq] documents (nsa/attention/documents.py); then q_start is unused
+    lse: Tensor | None = None,  # [B, H_kv, G, Tq] the compressed branch's log-sum-exps over the same q, ck
 ) -> Tensor:  # [B, H_kv, Tq, n] int64, ascending, -1 = none (impl.selection.select_blocks' contract);
-    # with a frame the blocks are counted from each query's document start
-    return _select_blocks(q.detach(), ck.detach(), q_start, l, d, l_sel, n, q_chunk, kernel, frame)
+    # with a frame the blocks are counted from each query's document start. lse: the Triton kernel reuses the
+    # compressed branch's softmax normaliser (Eq. 8 shared) instead of computing it again; the torch path ignores it
+    lse = None if lse is None else lse.detach()
+    return _select_blocks(q.detach(), ck.detach(), q_start, l, d, l_sel, n, q_chunk, kernel, frame, lse)
 
 
 # ---------------------------------------------------------------- selected attention
@@ -240,11 +243,15 @@ def compressed_attention(
     q_start: int, l: int, d: int, chunk: int,
     kernel: str = "torch",  # NSAConfig.kernel
     frame: Tensor | None = None,  # [3, B, Tq] documents: a query sees only its document's compressed tokens
-) -> Tensor:  # [B, H, Tq, hd]; rows that see no compressed token are exactly zero
+    return_lse: bool = False,  # also the rows' log-sum-exps [B, H, Tq] (no gradient; -inf where none is seen)
+):  # [B, H, Tq, hd]; rows that see no compressed token are exactly zero
     """The compression branch, differentiable: the custom op nsa::compressed_attention, or FlexAttention on CUDA."""
     if use_flex(kernel, q):
-        return flex_compressed_attention(q, ck, cv, q_start, l, d, frame=frame)
-    return _compressed(q, ck, cv, q_start, l, d, chunk, frame)[0]
+        out = flex_compressed_attention(q, ck, cv, q_start, l, d, frame=frame, return_lse=return_lse)
+    else:
+        out = _compressed(q, ck, cv, q_start, l, d, chunk, frame)
+        out = out if return_lse else out[0]
+    return (out[0], out[1].detach()) if return_lse else out
 
 
 # ---------------------------------------------------------------- sliding window (torch path op)

@@ -140,3 +140,36 @@ def test_rejects_mismatched_shapes():
         fused_select_blocks(q, ck[..., :8], 0, 8, 4, 16, 4)
     with pytest.raises(ValueError):
         fused_select_blocks(q, ck, 0, 6, 4, 16, 4)
+
+
+@pytest.mark.parametrize("frame", [False, True], ids=["plain", "documents"])
+def test_the_compressed_branch_log_sum_exps_give_the_same_picks(frame):
+    """Eq. 8 shared: given the compressed branch's own log-sum-exps (nsa::compressed_attention's second output, the
+    torch path here, FlexAttention's on CUDA), the kernel skips its first pass and picks exactly what it picks
+    alone (float64: the two normalisers agree to rounding, and no two blocks here are that close). A wrong
+    normaliser (every row's shifted by a different amount) changes the picks: the kernel reads it."""
+    from nsa.attention import ops
+    from nsa.attention.documents import compressed_layout
+    from nsa.attention.impl.compression import compressed_attention_fwd
+
+    B, H_kv, G, Tq, hd, l, d, l_sel, n = 1, 2, 3, 96, 16, 8, 4, 8, 4  # documents of 4-5 blocks: free picks
+    q, ck = make_inputs(B, H_kv, G, Tq, hd, 0, l, d, seed=3, spread=3.0)
+    q = q.contiguous()
+    cv = torch.randn_like(ck)
+    layout = None
+    if frame:  # three documents in the window: lengths 29, 40, 27
+        starts = torch.repeat_interleave(torch.tensor([0, 29, 69]), torch.tensor([29, 40, 27]))[None]
+        layout = compressed_layout(starts.to(DEV), l, d)
+        ck = torch.randn(B, H_kv, layout.frame[2].max().item() + num_compressed(40, l, d), hd, dtype=torch.float64,
+                         generator=torch.Generator().manual_seed(4)).to(DEV)
+        cv = torch.randn_like(ck)
+    f = None if layout is None else layout.frame
+    q_flat = q.reshape(B, H_kv * G, Tq, hd)
+    _, lse = (ops._compressed(q_flat, ck, cv, 0, l, d, 32, f) if frame
+              else compressed_attention_fwd(q_flat, ck, cv, 0, l, d, 32))  # lse [B, H, Tq]
+    lse = lse.view(B, H_kv, G, Tq)
+    alone = fused_select_blocks(q, ck, 0, l, d, l_sel, n, frame=f)
+    shared = fused_select_blocks(q, ck, 0, l, d, l_sel, n, frame=f, lse=lse)
+    assert torch.equal(alone, shared)
+    shifted = lse + 3.0 * torch.randn(lse.shape, generator=torch.Generator().manual_seed(5), dtype=lse.dtype).to(DEV)
+    assert not torch.equal(alone, fused_select_blocks(q, ck, 0, l, d, l_sel, n, frame=f, lse=shifted))

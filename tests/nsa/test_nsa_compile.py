@@ -102,7 +102,10 @@ def test_custom_ops_pass_opcheck():
     qg = q.detach().view(B, H_kv, G, T, hd).requires_grad_(True)
     idx = ops.select_blocks(qg, ck, 0, l, d, l_sel, n, 16, "torch")
     cases = [
-        (ops._select_blocks, (qg.detach(), ck.detach(), 0, l, d, l_sel, n, 16, "torch", None)),
+        (ops._select_blocks, (qg.detach(), ck.detach(), 0, l, d, l_sel, n, 16, "torch", None, None)),
+        # with the compressed branch's log-sum-exps [B, H_kv, G, T] (the Triton path reads them)
+        (ops._select_blocks, (qg.detach(), ck.detach(), 0, l, d, l_sel, n, 16, "torch", None,
+                              ops._compressed(q, ck, cv, 0, l, d, 16, None)[1].detach().view(B, H_kv, G, T))),
         (ops._compressed, (q, ck, cv, 0, l, d, 16, None)),
         (ops._selected, (qg, k, v, idx, 0, l_sel, 4, 24, "torch", None)),
         (ops._window, (q, k, v, 0, 0, w, 16, None)),
@@ -113,7 +116,7 @@ def test_custom_ops_pass_opcheck():
     ck_docs, cv_docs = rnd(B, H_kv, T // d, hd), rnd(B, H_kv, T // d, hd)
     idx_docs = ops.select_blocks(qg, ck_docs, 0, l, d, l_sel, n, 16, "torch", frame=frame)
     cases += [
-        (ops._select_blocks, (qg.detach(), ck_docs.detach(), 0, l, d, l_sel, n, 16, "torch", frame)),
+        (ops._select_blocks, (qg.detach(), ck_docs.detach(), 0, l, d, l_sel, n, 16, "torch", frame, None)),
         (ops._compressed, (q, ck_docs, cv_docs, 0, l, d, 16, frame)),
         (ops._selected, (qg, k, v, idx_docs, 0, l_sel, 4, 24, "torch", frame)),
         (ops._window, (q, k, v, 0, 0, w, 16, frame)),

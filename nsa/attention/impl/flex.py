@@ -74,22 +74,23 @@ def use_flex(kernel: str, q: torch.Tensor) -> bool:
     return kernel != "torch" and q.device.type == "cuda" and q.dtype != torch.float64
 
 
-def _run_flex(site: str, q, k, v, block_mask: BlockMask) -> torch.Tensor:
+def _run_flex(site: str, q, k, v, block_mask: BlockMask, return_lse: bool = False):
     """flex_attention fused by torch.compile: inside a compiled model directly, in eager mode through one
     compiled wrapper (dynamic=False: one kernel per shape; offsets live in the mask_mod's captured tensors, so
-    a new chunk offset reuses it). Devices outside COMPILE_DEVICES (CPU forward tests) run the unfused path."""
+    a new chunk offset reuses it). Devices outside COMPILE_DEVICES (CPU forward tests) run the unfused path.
+    return_lse: also the rows' log-sum-exps [B, H, Tq] (natural log, fp32; -inf where a row sees no key)."""
     gqa = q.shape[1] != k.shape[1]
-    options = _kernel_options(q, k)
+    kw = dict(block_mask=block_mask, enable_gqa=gqa, kernel_options=_kernel_options(q, k), return_lse=return_lse)
     audit(site, "flex_attention", q, k)
     if torch.compiler.is_compiling():
-        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=gqa, kernel_options=options)
+        return flex_attention(q, k, v, **kw)
     if q.device.type not in COMPILE_DEVICES:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-            return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=gqa, kernel_options=options)
+            return flex_attention(q, k, v, **kw)
     if COMPILE_BACKEND not in _compiled_flex:
         _compiled_flex[COMPILE_BACKEND] = torch.compile(flex_attention, dynamic=False, backend=COMPILE_BACKEND)
-    return _compiled_flex[COMPILE_BACKEND](q, k, v, block_mask=block_mask, enable_gqa=gqa, kernel_options=options)
+    return _compiled_flex[COMPILE_BACKEND](q, k, v, **kw)
 
 
 def _kernel_options(q: torch.Tensor, k: torch.Tensor) -> dict | None:
@@ -292,18 +293,21 @@ def flex_compressed_attention(
     l: int,
     d: int,
     frame: torch.Tensor | None = None,  # [3, B, Tq] int64 documents (q_pos, k_base, c_base); then q_start is unused
-) -> torch.Tensor:  # [B, H, Tq, hd]; rows that see no compressed token are zero
+    return_lse: bool = False,  # also the log-sum-exps [B, H, Tq] (fp32, -inf where a row sees no token)
+):  # [B, H, Tq, hd]; rows that see no compressed token are zero
     """Without a frame query q_start + t sees tokens i with i*d + l - 1 <= q_start + t; with one, query (b, t)
     sees c_base <= ki < c_base + num_compressed(q_pos + 1, l, d) (its own document's tokens; module docstring)."""
     if frame is not None:
         _check_frame(frame, q)
     if ck.shape[2] == 0:
-        return torch.zeros_like(q)
+        empty = torch.zeros_like(q)
+        return (empty, q.new_full(q.shape[:3], float("-inf"), dtype=torch.float32)) if return_lse else empty
     if frame is not None:
-        return _run_flex("nsa.compressed[documents]", q, ck, cv, _compressed_frame_block_mask(frame, ck.shape[2], l, d))
+        return _run_flex("nsa.compressed[documents]", q, ck, cv, _compressed_frame_block_mask(frame, ck.shape[2], l, d),
+                         return_lse)
     ck, cv = (_pad_keys(t) for t in (ck, cv))  # padded tokens i >= N_c fail i*d + l - 1 <= p for every query
     mask = _block_mask("cmp", q.shape[2], ck.shape[2], q_start, 0, l, d, q.device)
-    return _run_flex("nsa.compressed", q, ck, cv, mask)
+    return _run_flex("nsa.compressed", q, ck, cv, mask, return_lse)
 
 
 def _pad_keys(x: torch.Tensor) -> torch.Tensor:

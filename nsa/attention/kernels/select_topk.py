@@ -12,7 +12,8 @@ current block is c = p // l', and only blocks j <= c compete.
 Grid (cdiv(Tq, BT), B*H_kv). A program owns BT consecutive queries of one KV head and all G query heads
 of the group as one tile of R = GP*BT rows (~64), row = g*BT + t (GP = G padded to a power of two;
 padded heads and queries past Tq get probability 0), so small groups still fill the MMA rows.
-  pass 1  over chunks of BN compressed tokens, up to those the tile's last query sees:
+  pass 1  (skipped when the compressed branch's log-sum-exps are given: `lse`, the paper's Eq. 8 sharing)
+          over chunks of BN compressed tokens, up to those the tile's last query sees:
             s = q @ ck^T / sqrt(hd)                          # [R, DP] @ [DP, BN] -> [R, BN]
             online max m and denominator den per row (scores a row cannot see are -inf);
           lse = m + log(den)                                 # [R]; a row that sees nothing keeps p = 0
@@ -188,16 +189,17 @@ def _document(todo, pos_t, cb_t, frame_b, row_q, row_ok, sf0, sf2, L_SEL: tl.con
 
 @triton.jit(do_not_specialize=["q_start", "Tq", "N_c"])  # new chunk offsets / lengths: no recompile
 def _select_topk_kernel(
-    Q, CK, OUT, FRAME,
+    Q, CK, OUT, FRAME, LSE,
     sqb, sqh, sqg, sqt, sqd,
     skb, skh, skn, skd,
     sf0, sf1, sf2,
+    slb, slh, slg, slt,
     q_start, Tq, N_c,
     H_KV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, DP: tl.constexpr,
     L: tl.constexpr, D: tl.constexpr, L_SEL: tl.constexpr, N: tl.constexpr, NP: tl.constexpr,
     BT: tl.constexpr, BJ: tl.constexpr, SHIFT: tl.constexpr, SCALE: tl.constexpr,
     RUP: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-    HAS_FRAME: tl.constexpr,
+    HAS_FRAME: tl.constexpr, HAS_LSE: tl.constexpr,
 ):
     R: tl.constexpr = GP * BT  # rows: (head, query) pairs
     q0 = tl.program_id(0) * BT  # positions and block indices are int32, pointer offsets int64
@@ -222,6 +224,10 @@ def _select_topk_kernel(
     q_idx = q0 + offs_t  # [BT]
     q_ok = q_idx < Tq
     slots = tl.arange(0, NP)
+    if HAS_LSE:  # the compressed branch's log-sum-exps (Eq. 8's softmax, shared): no pass 1
+        lse_in = tl.load(LSE + b * slb + h * slh + row_g.to(tl.int64) * slg + row_q.to(tl.int64) * slt,
+                         mask=row_ok, other=0.0).to(ACC)
+        lse_in = tl.where(lse_in > float("-inf"), lse_in, 0.0)  # a row that sees no token: p = 0 as in pass 1
     if HAS_FRAME:
         # frame [3, B, Tq]: q_pos, k_base, c_base per query. The tile's queries run one document (one
         # c_base) at a time: the document of the smallest c_base still to do, in its own frame; the
@@ -229,13 +235,16 @@ def _select_topk_kernel(
         f_t = FRAME + b * sf1 + q_idx.to(tl.int64) * sf2  # [BT]
         pos_t = tl.load(f_t, mask=q_ok, other=0).to(tl.int32)  # [BT] positions within the documents
         cb_t = tl.load(f_t + 2 * sf0, mask=q_ok, other=0).to(tl.int32)  # [BT] first compressed token
-        lse = tl.zeros([R], dtype=ACC)
-        todo = q_ok  # [BT] queries whose document has not run yet
-        while tl.max(todo.to(tl.int32), axis=0) > 0:  # pass 1, once per document in the tile (usually 1-2)
-            cb, last, row_pos = _document(todo, pos_t, cb_t, FRAME + b * sf1, row_q, row_ok, sf0, sf2, L_SEL)
-            lse = tl.where(row_pos >= 0, _row_lse(q, ck_tile + cb.to(tl.int64) * skn, skn, d_ok, row_pos, row_ok, last,
-                                                  N_c - cb, L, D, R, BJ * RUP, SCALE, ACC, UPCAST, PREC), lse)
-            todo = todo & (cb_t != cb)
+        if HAS_LSE:
+            lse = lse_in
+        else:
+            lse = tl.zeros([R], dtype=ACC)
+            todo = q_ok  # [BT] queries whose document has not run yet
+            while tl.max(todo.to(tl.int32), axis=0) > 0:  # pass 1, once per document in the tile (usually 1-2)
+                cb, last, row_pos = _document(todo, pos_t, cb_t, FRAME + b * sf1, row_q, row_ok, sf0, sf2, L_SEL)
+                lse = tl.where(row_pos >= 0, _row_lse(q, ck_tile + cb.to(tl.int64) * skn, skn, d_ok, row_pos, row_ok,
+                                                      last, N_c - cb, L, D, R, BJ * RUP, SCALE, ACC, UPCAST, PREC), lse)
+                todo = todo & (cb_t != cb)
         top_v = tl.full([BT, NP], float("-inf"), dtype=ACC)  # running top-n, best first
         top_i = tl.zeros([BT, NP], dtype=tl.int32)
         todo = q_ok
@@ -250,7 +259,11 @@ def _select_topk_kernel(
     else:
         row_pos = q_start + row_q  # [R] absolute positions
         last = q_start + tl.minimum(q0 + BT, Tq) - 1  # the tile's last query position
-        lse = _row_lse(q, ck_tile, skn, d_ok, row_pos, row_ok, last, N_c, L, D, R, BJ * RUP, SCALE, ACC, UPCAST, PREC)
+        if HAS_LSE:
+            lse = lse_in
+        else:
+            lse = _row_lse(q, ck_tile, skn, d_ok, row_pos, row_ok, last, N_c, L, D, R, BJ * RUP, SCALE, ACC, UPCAST,
+                           PREC)
         top_v = tl.full([BT, NP], float("-inf"), dtype=ACC)  # running top-n, best first
         top_i = tl.zeros([BT, NP], dtype=tl.int32)
         top_v, top_i = _merge_blocks(
@@ -311,6 +324,7 @@ def fused_select_blocks(
     l_sel: int,
     n: int,
     frame: torch.Tensor | None = None,  # [3, B, Tq] int64 (q_pos, k_base, c_base): documents; q_start unused
+    lse: torch.Tensor | None = None,  # [B, H_kv, G, Tq] the compressed branch's log-sum-exps, any strides
 ) -> torch.Tensor:  # [B, H_kv, Tq, n] int64 block indices, ascending; -1 pads |I_p| = min(n, p // l' + 1)
     """Top-n selection blocks per query (block 0, the previous and the current block forced; ties -> lower
     index), equal to block_select.select_by_score. One kernel launch, no host sync.
@@ -323,6 +337,12 @@ def fused_select_blocks(
     sliced to its tokens). A program runs the documents of its tile of queries one after another (one
     c_base at a time), so a tile straddling a boundary costs each document's own passes; the launch count
     stays one. Without a frame: queries at q_start + t, one document (bit-identical to no frame support).
+
+    lse (optional): each (query, head) row's log-sum-exp of its scaled scores over the compressed tokens it sees,
+    as the compressed branch computes it (q @ ck^T / sqrt(hd), the same visibility, -inf where it sees none):
+    the paper's Eq. 8 shares that softmax with selection. Given, the kernel skips pass 1 (one of its two q @ ck^T
+    passes); the picks equal those without it up to the roundings of the two log-sum-exps (a near-tie of two
+    blocks' scores may resolve differently).
     """
     B, H_kv, G, Tq, hd = q.shape
     if ck.dim() != 4 or ck.shape[:2] != (B, H_kv) or ck.shape[3] != hd:
@@ -333,6 +353,9 @@ def fused_select_blocks(
     if frame is not None and (frame.shape != (3, B, Tq) or frame.dtype != torch.long or frame.device != q.device):
         raise ValueError(f"fused_select_blocks: frame must be int64 [3, {B}, {Tq}] on {q.device}, got "
                          f"{frame.dtype} {tuple(frame.shape)} on {frame.device}")
+    if lse is not None and (lse.shape != (B, H_kv, G, Tq) or lse.device != q.device or not lse.is_floating_point()):
+        raise ValueError(f"fused_select_blocks: lse must be [{B}, {H_kv}, {G}, {Tq}] floating point on {q.device}, "
+                         f"got {lse.dtype} {tuple(lse.shape)} on {lse.device}")
     if q.device.type == "cpu" and not interpreter_active():
         raise RuntimeError("fused_select_blocks needs a CUDA tensor, or TRITON_INTERPRET=1 set before triton "
                            "is imported")
@@ -346,9 +369,10 @@ def fused_select_blocks(
     grid = (triton.cdiv(Tq, meta["BT"]), B * H_kv)
     f = out if frame is None else frame  # unread without a frame
     f_strides = (0, 0, 0) if frame is None else frame.stride()
+    lse_arg, l_strides = (ck, (0, 0, 0, 0)) if lse is None else (lse, lse.stride())  # unread without lse
     _select_topk_kernel[grid](
-        q, ck, out, f, *q.stride(), *ck.stride(), *f_strides, q_start, Tq, ck.shape[2], H_KV=H_kv, **meta,
-        HAS_FRAME=frame is not None, num_stages=num_stages(q.dtype, hd),
+        q, ck, out, f, lse_arg, *q.stride(), *ck.stride(), *f_strides, *l_strides, q_start, Tq, ck.shape[2],
+        H_KV=H_kv, **meta, HAS_FRAME=frame is not None, HAS_LSE=lse is not None, num_stages=num_stages(q.dtype, hd),
         # left to itself ptxas caps the kernel at 168 registers at hd 32 and spills: the frame variant on sm_80
         # (Triton 3.9), the plain one in bf16 on sm_90 (Triton 3.6); 255 lets it keep its state in registers
         maxnreg=255,
