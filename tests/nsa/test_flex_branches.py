@@ -175,3 +175,25 @@ def test_growing_compressed_keys_compile_once_per_power_of_two(monkeypatch):
     finally:
         torch._dynamo.reset()
         counters.clear()
+
+
+@pytest.mark.parametrize("q_start", [0, 21])
+def test_flex_compressed_log_sum_exps_equal_the_torch_path(q_start):
+    """return_lse (what selection reuses, Eq. 8): FlexAttention's log-sum-exps equal the torch path's on every row
+    that sees a compressed token, and are -inf on the rows that see none (the output there is 0)."""
+    from nsa.attention import ops
+
+    g = torch.Generator().manual_seed(3)
+    l, d, T = 8, 4, 40
+    q = torch.randn(1, 4, T, 16, generator=g, dtype=torch.float64)
+    ck = torch.randn(1, 2, num_compressed(q_start + T, l, d), 16, generator=g, dtype=torch.float64)
+    cv = torch.randn(ck.shape, generator=g, dtype=torch.float64)
+    o, lse = flex.flex_compressed_attention(q, ck, cv, q_start, l, d, return_lse=True)
+    o_ref, lse_ref = ops._compressed(q, ck, cv, q_start, l, d, 16, None)
+    sees = torch.arange(q_start, q_start + T) >= l - 1  # [T] a query sees compressed token 0 from position l - 1
+    assert lse.shape == (1, 4, T) and (lse[..., ~sees] == float("-inf")).all() and not o[..., ~sees, :].any()
+    torch.testing.assert_close(lse[..., sees], lse_ref[..., sees], rtol=0, atol=1e-12)
+    torch.testing.assert_close(o, o_ref, rtol=0, atol=1e-12)
+    plain, with_lse = compressed_attention(q, ck, cv, q_start, l, d, 16), compressed_attention(
+        q, ck, cv, q_start, l, d, 16, return_lse=True)
+    assert torch.equal(plain, with_lse[0]) and not with_lse[1].requires_grad

@@ -56,6 +56,11 @@ from collections.abc import Callable
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+try:  # torch >= 2.9: auxiliary outputs by request (return_lse is deprecated there)
+    from torch.nn.attention.flex_attention import AuxRequest
+except ImportError:  # older torch: return_lse
+    AuxRequest = None
+
 from nsa.profiling import audit
 
 BLOCK = 128  # FlexAttention's tile (queries x keys)
@@ -80,17 +85,21 @@ def _run_flex(site: str, q, k, v, block_mask: BlockMask, return_lse: bool = Fals
     a new chunk offset reuses it). Devices outside COMPILE_DEVICES (CPU forward tests) run the unfused path.
     return_lse: also the rows' log-sum-exps [B, H, Tq] (natural log, fp32; -inf where a row sees no key)."""
     gqa = q.shape[1] != k.shape[1]
-    kw = dict(block_mask=block_mask, enable_gqa=gqa, kernel_options=_kernel_options(q, k), return_lse=return_lse)
+    kw = dict(block_mask=block_mask, enable_gqa=gqa, kernel_options=_kernel_options(q, k))
+    if return_lse:
+        kw.update(return_aux=AuxRequest(lse=True)) if AuxRequest is not None else kw.update(return_lse=True)
     audit(site, "flex_attention", q, k)
     if torch.compiler.is_compiling():
-        return flex_attention(q, k, v, **kw)
-    if q.device.type not in COMPILE_DEVICES:
+        out = flex_attention(q, k, v, **kw)
+    elif q.device.type not in COMPILE_DEVICES:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-            return flex_attention(q, k, v, **kw)
-    if COMPILE_BACKEND not in _compiled_flex:
-        _compiled_flex[COMPILE_BACKEND] = torch.compile(flex_attention, dynamic=False, backend=COMPILE_BACKEND)
-    return _compiled_flex[COMPILE_BACKEND](q, k, v, **kw)
+            out = flex_attention(q, k, v, **kw)
+    else:
+        if COMPILE_BACKEND not in _compiled_flex:
+            _compiled_flex[COMPILE_BACKEND] = torch.compile(flex_attention, dynamic=False, backend=COMPILE_BACKEND)
+        out = _compiled_flex[COMPILE_BACKEND](q, k, v, **kw)
+    return (out[0], out[1].lse) if return_lse and AuxRequest is not None else out
 
 
 def _kernel_options(q: torch.Tensor, k: torch.Tensor) -> dict | None:
