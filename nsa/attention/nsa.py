@@ -355,7 +355,7 @@ class NativeSparseAttention(nn.Module):
                 block_idx = ops.select_blocks(qg, ck, 0, c.l, c.d, c.l_sel, c.n_sel, c.q_chunk, c.kernel, frame=frame,
                                               lse=cmp_lse.view(B, self.n_kv_heads, self.n_groups, T))
             else:
-                block_idx = self._index_documents(x, qg, ck, frame)
+                block_idx = self._index_documents(x, qg, ck, frame, cmp_lse.view(B, self.n_kv_heads, self.n_groups, T))
         sel_k, sel_v = br["sel"]
         with nvtx_range("nsa.selected"):
             o_sel = ops.selected_attention(qg, sel_k, sel_v, block_idx, 0, c.l_sel, c.sel_tile, kernel=c.kernel,
@@ -366,10 +366,11 @@ class NativeSparseAttention(nn.Module):
         record = self._selection_record(q, sel_k, block_idx, frame[0], frame[1]) if self.stats_enabled else None
         return self._combine(x, o_cmp, o_sel, o_win, block_idx, record, return_indices)
 
-    def _index_documents(self, x, qg, ck, frame):
+    def _index_documents(self, x, qg, ck, frame, cmp_lse):
         """nsa.selector=indexer over packed documents: the indexer's scores over each query's own document's blocks
-        pick them (pooled scores during the warm-up), and a training forward leaves the KL to the compressed
-        branch's mass per document block in self.indexer_loss. -> block_idx [B, H_kv, T, n], document-relative."""
+        pick them (pooled scores during the warm-up, sharing the compressed branch's log-sum-exps cmp_lse
+        [B, H_kv, G, T]), and a training forward leaves the KL to the compressed branch's mass per document block
+        in self.indexer_loss. -> block_idx [B, H_kv, T, n], document-relative."""
         c = self.cfg
         T = x.shape[1]
         n_blocks = -(-max(ck.shape[2] * c.d + c.l, T) // c.l_sel) + 1  # as impl/masked.py's scores reach
@@ -380,7 +381,8 @@ class NativeSparseAttention(nn.Module):
                 index = self.indexer.document_scores(xd, frame, n_blocks)  # [B, H_kv, T, n_blocks]
             block_idx = select_blocks(index, 0, c.l_sel, c.n_sel, positions=positions).contiguous()
         else:
-            block_idx = ops.select_blocks(qg, ck, 0, c.l, c.d, c.l_sel, c.n_sel, c.q_chunk, c.kernel, frame=frame)
+            block_idx = ops.select_blocks(qg, ck, 0, c.l, c.d, c.l_sel, c.n_sel, c.q_chunk, c.kernel, frame=frame,
+                                          lse=cmp_lse)
         if torch.is_grad_enabled() and c.indexer_kl > 0:
             rows = kl_rows(T, x.device)  # [R]: every query up to KL_ROWS, else evenly spaced ones
             with torch.no_grad():
