@@ -4,6 +4,7 @@ oracle that cannot see past the window scores 0 beyond it), and the command end 
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import subprocess
@@ -376,3 +377,31 @@ def test_selection_hits_count_the_facts_block_among_the_picks(nsa_recall_run):
             assert buckets["<1w"]["any_head"] == 1.0 and buckets["<1w"]["forced_share"] == 1.0
             assert all(0.0 <= b["any_head"] <= 1.0 and b["items"] > 0 for b in buckets.values())
     assert "4-8w" in result["lengths"]["2"]["by_layer"]["layer1"]  # the longer document's new bucket
+
+
+def test_indexer_target_position_reads_an_indexer_run_and_refuses_one_without(nsa_recall_run, tmp_path):
+    """bench/indexer_target_position.py: per layer, KL(target || .) of the run's indexer, of a position-only predictor
+    and of uniform scores (each >= 0; a KL to uniform is at most log of the candidates); a run without an indexer is
+    refused in one line."""
+    from train.trainer.runner import run_training
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "bench/indexer_target_position.py"]
+    proc = subprocess.run([*cmd, str(nsa_recall_run), "--documents", "4"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode != 0 and proc.stderr.strip().splitlines()[-1] == (
+        "error: the checkpoint has no NSA layer with an indexer (nsa.selector=indexer)")
+    data = nsa_recall_run.parent / "recall"
+    out = tmp_path / "indexer_run"
+    nsa = ["--model.attention=nsa", "--nsa.l=8", "--nsa.d=4", "--nsa.l_sel=8", "--nsa.n_sel=3", "--nsa.w=8",
+           "--nsa.selector=indexer", "--nsa.indexer_pool=scores"]
+    assert run_training(tiny_config(out, f"--data.source=bin:{data}", "--data.tokenizer=byte", "--train.steps=2",
+                                    "--data.window_start=document", *nsa)) == 0
+    proc = subprocess.run([*cmd, str(out), "--documents", "4", "--out", str(tmp_path / "kl.json")], cwd=REPO,
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads((tmp_path / "kl.json").read_text())
+    assert set(result["layers"]) == {"layer0", "layer1"} and result["documents"] == 4
+    for kl in result["layers"].values():
+        assert set(kl) == {"indexer", "position", "uniform"}
+        assert all(0.0 <= v < math.log(64) for v in kl.values()), kl
