@@ -58,11 +58,12 @@ class BlockIndexer(nn.Module):
         return k.view(B, n_blocks, self.l_sel, self.index_dim).amax(dim=2)
 
     def _weighted(self, x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        """x [B, Tq, dim], keys [B, N, e] -> sum_h w_h ReLU(q_h . k_n) / sqrt(e): [B, H_kv, Tq, N]."""
+        """x [B, Tq, dim], keys [B, N, e] (shared by the queries) or [B, Tq, N, e] (each query's own) ->
+        sum_h w_h ReLU(q_h . k_n) / sqrt(e): [B, H_kv, Tq, N]."""
         B, Tq, _ = x.shape
         q = self.q_proj(x).view(B, Tq, self.n_kv_heads, self.heads, self.index_dim)  # [B, Tq, H_kv, h, e]
         w = self.w_proj(x).view(B, Tq, self.n_kv_heads, self.heads)  # [B, Tq, H_kv, h]
-        logits = torch.einsum("btkhe,bne->bkhtn", q, keys)  # [B, H_kv, h, Tq, N]
+        logits = torch.einsum("btkhe,bne->bkhtn" if keys.dim() == 3 else "btkhe,btne->bkhtn", q, keys)
         acc = torch.promote_types(logits.dtype, torch.float32)
         logits = F.relu(logits.to(acc)) / math.sqrt(self.index_dim)
         return torch.einsum("bkhtn,btkh->bktn", logits, w.to(acc))
@@ -90,10 +91,7 @@ class BlockIndexer(nn.Module):
         B, T, _ = x.shape
         q_pos, k_base = frame[0], frame[1]  # [B, T] each
         k = self.k_proj(x)  # [B, T, e]
-        if rows is not None:
-            xq, kq = x[:, rows], k_base[:, rows]
-        else:
-            xq, kq = x, k_base
+        xq, kq = (x, k_base) if rows is None else (x[:, rows], k_base[:, rows])  # the scored queries' inputs, bases
         R = xq.shape[1]
         if self.pool == "scores":
             per_token = self._weighted(xq, k)  # [B, H_kv, R, T]
@@ -104,12 +102,7 @@ class BlockIndexer(nn.Module):
         keys = k.new_zeros(k.shape).scatter_reduce(1, slot, k, "amax", include_self=False)  # [B, T, e]
         at = (kq[..., None] + torch.arange(n_blocks, device=x.device)).clamp_max(T - 1)  # [B, R, n_blocks]
         block_keys = keys.gather(1, at.reshape(B, -1, 1).expand(-1, -1, self.index_dim)).view(B, R, n_blocks, -1)
-        q = self.q_proj(xq).view(B, R, self.n_kv_heads, self.heads, self.index_dim)  # [B, R, H_kv, h, e]
-        w = self.w_proj(xq).view(B, R, self.n_kv_heads, self.heads)
-        logits = torch.einsum("btkhe,btne->bkhtn", q, block_keys)  # [B, H_kv, h, R, n_blocks]
-        acc = torch.promote_types(logits.dtype, torch.float32)
-        logits = F.relu(logits.to(acc)) / math.sqrt(self.index_dim)
-        return torch.einsum("bkhtn,btkh->bktn", logits, w.to(acc))
+        return self._weighted(xq, block_keys)  # [B, H_kv, R, n_blocks]
 
 
 def candidate_mask(positions: torch.Tensor, l_sel: int, n_blocks: int) -> torch.Tensor:

@@ -350,12 +350,13 @@ class NativeSparseAttention(nn.Module):
             o_cmp, cmp_lse = ops.compressed_attention(q, ck, cv, 0, c.l, c.d, c.q_chunk, c.kernel, frame=frame,
                                                       return_lse=True)
         qg = q.view(B, self.n_kv_heads, self.n_groups, T, self.head_dim)  # [B, H_kv, G, T, hd]
+        cmp_lse = cmp_lse.view(B, self.n_kv_heads, self.n_groups, T)
         with nvtx_range("nsa.select"):
             if self.indexer is None:
                 block_idx = ops.select_blocks(qg, ck, 0, c.l, c.d, c.l_sel, c.n_sel, c.q_chunk, c.kernel, frame=frame,
-                                              lse=cmp_lse.view(B, self.n_kv_heads, self.n_groups, T))
+                                              lse=cmp_lse)
             else:
-                block_idx = self._index_documents(x, qg, ck, frame, cmp_lse.view(B, self.n_kv_heads, self.n_groups, T))
+                block_idx = self._index_documents(x, qg, ck, frame, cmp_lse)
         sel_k, sel_v = br["sel"]
         with nvtx_range("nsa.selected"):
             o_sel = ops.selected_attention(qg, sel_k, sel_v, block_idx, 0, c.l_sel, c.sel_tile, kernel=c.kernel,

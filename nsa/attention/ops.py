@@ -246,12 +246,13 @@ def compressed_attention(
     return_lse: bool = False,  # also the rows' log-sum-exps [B, H, Tq] (no gradient; -inf where none is seen)
 ):  # [B, H, Tq, hd]; rows that see no compressed token are exactly zero
     """The compression branch, differentiable: the custom op nsa::compressed_attention, or FlexAttention on CUDA."""
-    if use_flex(kernel, q):
-        out = flex_compressed_attention(q, ck, cv, q_start, l, d, frame=frame, return_lse=return_lse)
+    if not use_flex(kernel, q):
+        o, lse = _compressed(q, ck, cv, q_start, l, d, chunk, frame)
+    elif return_lse:
+        o, lse = flex_compressed_attention(q, ck, cv, q_start, l, d, frame=frame, return_lse=True)
     else:
-        out = _compressed(q, ck, cv, q_start, l, d, chunk, frame)
-        out = out if return_lse else out[0]
-    return (out[0], out[1].detach()) if return_lse else out
+        return flex_compressed_attention(q, ck, cv, q_start, l, d, frame=frame)
+    return (o, lse.detach()) if return_lse else o
 
 
 # ---------------------------------------------------------------- sliding window (torch path op)

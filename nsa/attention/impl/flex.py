@@ -86,8 +86,10 @@ def _run_flex(site: str, q, k, v, block_mask: BlockMask, return_lse: bool = Fals
     return_lse: also the rows' log-sum-exps [B, H, Tq] (natural log, fp32; -inf where a row sees no key)."""
     gqa = q.shape[1] != k.shape[1]
     kw = dict(block_mask=block_mask, enable_gqa=gqa, kernel_options=_kernel_options(q, k))
-    if return_lse:
-        kw.update(return_aux=AuxRequest(lse=True)) if AuxRequest is not None else kw.update(return_lse=True)
+    if return_lse and AuxRequest is not None:
+        kw["return_aux"] = AuxRequest(lse=True)
+    elif return_lse:
+        kw["return_lse"] = True
     audit(site, "flex_attention", q, k)
     if torch.compiler.is_compiling():
         out = flex_attention(q, k, v, **kw)

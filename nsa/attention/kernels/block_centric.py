@@ -225,12 +225,11 @@ def block_dq_kernel(
 
 
 @triton.jit
-def _slot_valid(HOME, rows, r_ok, slot, Tq, n, G: tl.constexpr):
-    """[BR]: whether row (bh, g, t) of the [B, H_kv, G, Tq] order has a block in slot `slot` (HOME [BH, Tq, n],
-    the index's key of each (query, slot) entry; -1: an empty slot, which no program wrote a partial for)."""
-    t = rows % Tq
-    bh = rows // (G * Tq)
-    return r_ok & (tl.load(HOME + (bh * Tq + t) * n + slot, mask=r_ok, other=-1) >= 0)
+def _home_rows(HOME, rows, Tq, n, G: tl.constexpr):
+    """[BR] pointers to the index entries of rows (bh, g, t) of the [B, H_kv, G, Tq] order: HOME [BH, Tq, n], the
+    index's key of each (query, slot) entry (-1: an empty slot, which no program wrote a partial for); slot s of a
+    row is at its pointer + s."""
+    return HOME + ((rows // (G * Tq)) * Tq + rows % Tq) * n
 
 
 @triton.jit(do_not_specialize=["slot0", "n_slots"])
@@ -245,6 +244,7 @@ def slot_merge_kernel(
     o = sum_s exp(lse_s - lse) o_s, lse = log sum_s exp(lse_s). A row with nothing visible: o 0, lse -inf."""
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     r_ok = rows < R
+    home = _home_rows(HOME, rows, Tq, n, G) + slot0
     offs_d = tl.arange(0, DP)
     rd_ok = r_ok[:, None] & (offs_d < HD)[None, :]
     mx = tl.full((BR,), float("-inf"), ACC)
@@ -252,7 +252,7 @@ def slot_merge_kernel(
         lse_prev = tl.load(LSE_IN + rows, mask=r_ok, other=float("-inf"))
         mx = lse_prev
     for p in range(n_slots):  # pass 1: the largest log-sum-exp of each row
-        ok = _slot_valid(HOME, rows, r_ok, slot0 + p, Tq, n, G)
+        ok = r_ok & (tl.load(home + p, mask=r_ok, other=-1) >= 0)  # the row has a block in slot slot0 + p
         mx = tl.maximum(mx, tl.load(LSEP + p * R + rows, mask=ok, other=float("-inf")))
     has = mx > float("-inf")
     mx_safe = tl.where(has, mx, 0.0)
@@ -263,7 +263,7 @@ def slot_merge_kernel(
         den += w
         acc += w[:, None] * tl.load(O_IN + rows[:, None] * HD + offs_d[None, :], mask=rd_ok, other=0.0)
     for p in range(n_slots):  # pass 2, in slot order: weights and the weighted outputs
-        ok = _slot_valid(HOME, rows, r_ok, slot0 + p, Tq, n, G)
+        ok = r_ok & (tl.load(home + p, mask=r_ok, other=-1) >= 0)  # the row has a block in slot slot0 + p
         w = tl.where(ok & has, tl.exp(tl.load(LSEP + p * R + rows, mask=ok, other=float("-inf")) - mx_safe), 0.0)
         den += w
         o_p = tl.load(OP + (p * R + rows)[:, None] * HD + offs_d[None, :], mask=ok[:, None] & rd_ok, other=0.0)
@@ -283,12 +283,13 @@ def slot_sum_kernel(
     valid slots read) added in slot order to the sum so far (HAS_PREV: DQ_IN), into DQ [R, hd] (its dtype)."""
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     r_ok = rows < R
+    home = _home_rows(HOME, rows, Tq, n, G) + slot0
     offs_d = tl.arange(0, DP)
     rd_ok = r_ok[:, None] & (offs_d < HD)[None, :]
     acc = tl.zeros((BR, DP), dtype=ACC)
     if HAS_PREV:
         acc += tl.load(DQ_IN + rows[:, None] * HD + offs_d[None, :], mask=rd_ok, other=0.0)
     for p in range(n_slots):
-        ok = _slot_valid(HOME, rows, r_ok, slot0 + p, Tq, n, G)
+        ok = r_ok & (tl.load(home + p, mask=r_ok, other=-1) >= 0)  # the row has a block in slot slot0 + p
         acc += tl.load(DQP + (p * R + rows)[:, None] * HD + offs_d[None, :], mask=ok[:, None] & rd_ok, other=0.0)
     tl.store(DQ + rows[:, None] * HD + offs_d[None, :], acc.to(DQ.dtype.element_ty), mask=rd_ok)

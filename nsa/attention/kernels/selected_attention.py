@@ -638,6 +638,11 @@ def _fwd_partial_row_bytes(hd: int, dtype: torch.dtype, acc_dtype: torch.dtype) 
     return hd * torch.finfo(dtype).bits // 8 + torch.finfo(acc_dtype).bits // 8
 
 
+def _dq_partial_row_bytes(hd: int, acc_dtype: torch.dtype) -> int:
+    """Bytes of one (row, slot) dQ partial: the term in acc_dtype (terms of a sum that may cancel)."""
+    return hd * torch.finfo(acc_dtype).bits // 8
+
+
 def partial_bytes(rows: int, hd: int, n: int, G: int, dtype: torch.dtype = torch.bfloat16) -> int:
     """Device memory the block-centric forward or dQ holds for its partials (transient, one layer at a time; the
     larger of the two): rows = B * H * Tq (query heads), n slots, inputs in dtype; 0 where the query-centric path
@@ -646,7 +651,7 @@ def partial_bytes(rows: int, hd: int, n: int, G: int, dtype: torch.dtype = torch
         return 0
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     return max(_slots_per_launch(n, rows * b) * rows * b
-               for b in (_fwd_partial_row_bytes(hd, dtype, acc), hd * torch.finfo(acc).bits // 8))
+               for b in (_fwd_partial_row_bytes(hd, dtype, acc), _dq_partial_row_bytes(hd, acc)))
 
 
 @torch.no_grad()
@@ -739,7 +744,7 @@ def selected_attention_bwd(q, k, v, block_idx, o, lse, d_o, q_start: int, l_sel:
         queries, offs, run_end, tile_seg, tile_start, tile_count, n_blocks_q, n_tiles_q, home = _slot_index(
             idx, Tk, l_sel, q_tile, frame)
         R = B * H_kv * G * Tq
-        per = _slots_per_launch(n, R * hd * torch.finfo(acc_dtype).bits // 8)  # fp32 terms: dQ's may cancel
+        per = _slots_per_launch(n, R * _dq_partial_row_bytes(hd, acc_dtype))
         dqp = torch.empty(per, R, hd, dtype=acc_dtype, device=q.device)  # never read where not written
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         dq_run = dq if per >= n or dq.dtype == acc_dtype else torch.empty(q.shape, dtype=acc_dtype, device=q.device)
