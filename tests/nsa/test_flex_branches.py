@@ -196,4 +196,6 @@ def test_flex_compressed_log_sum_exps_equal_the_torch_path(q_start):
     torch.testing.assert_close(o, o_ref, rtol=0, atol=1e-12)
     plain, with_lse = compressed_attention(q, ck, cv, q_start, l, d, 16), compressed_attention(
         q, ck, cv, q_start, l, d, 16, return_lse=True)
-    assert torch.equal(plain, with_lse[0]) and not with_lse[1].requires_grad
+    # flex asked for its log-sum-exps may take another internal path: the output to fp64 rounding, not bit for bit
+    torch.testing.assert_close(plain, with_lse[0], rtol=0, atol=1e-12)
+    assert not with_lse[1].requires_grad
