@@ -14,7 +14,8 @@ from nsa.triton_support import triton_unavailable
 # nsa.* keys that change kernels, memory, the initial weights or the optimizer, not the function a checkpoint computes:
 # a checkpoint made with other values loads (resume, import).
 NON_ARCHITECTURE_FIELDS = frozenset({"q_chunk", "sel_chunk", "sel_tile", "win_block", "kernel", "gate_init",
-                                     "gate_bias", "aux_decay", "aux_lr_scale", "indexer_kl", "indexer_warmup_steps"})
+                                     "gate_bias", "aux_decay", "aux_lr_scale", "indexer_kl", "indexer_warmup_steps",
+                                     "indexer_target"})
 GATE_INITS = ("equal", "window")
 # nsa.gates: learned (NSA: three branches mixed by the gate MLP) | window (the control: the gates pinned to
 # (cmp, sel, win) = (0, 0, 1), so the layer is its sliding-window branch alone; docs/NSA.md)
@@ -23,6 +24,7 @@ GATES = ("learned", "window")
 # summed over a block) | indexer (a learned block indexer, nsa/attention/indexer.py, trained by KL to that mass)
 SELECTORS = ("pooled", "indexer")
 INDEXER_POOLS = ("keys", "scores")  # nsa.indexer_pool: how the indexer scores a block (nsa/attention/indexer.py)
+INDEXER_TARGETS = ("compressed", "dense")  # nsa.indexer_target: what the indexer's KL imitates (nsa/attention/indexer.py)
 # the nsa.* keys a window-only layer (gates: window) reads; the others have no effect on it
 WINDOW_FIELDS = frozenset({"gates", "w", "win_block", "kernel"})
 
@@ -62,6 +64,7 @@ class NSAConfig:
     indexer_heads: int = 2  # selector=indexer: index-query heads per KV group
     indexer_dim: int = 32  # selector=indexer: width of an index query and of the shared index key
     indexer_pool: str = "keys"  # selector=indexer: keys (a block's key = the max of its tokens' keys) | scores (a block's score = the max of its tokens' scores)
+    indexer_target: str = "compressed"  # selector=indexer: the KL's target: compressed (the compressed branch's mass per block) | dense (dense attention over the selected branch's keys, per block)
     indexer_kl: float = 1.0  # selector=indexer: weight of the indexer's KL term (its gradient reaches the indexer only)
     indexer_warmup_steps: int = 0  # selector=indexer: steps that select by pooled scores while the indexer learns
 
@@ -101,6 +104,8 @@ class NSAConfig:
                 raise ModelConfigError(f"nsa.{name} must be positive, got {getattr(self, name)}")
         if self.indexer_pool not in INDEXER_POOLS:
             raise ModelConfigError(f"nsa.indexer_pool={self.indexer_pool!r}; valid: {', '.join(INDEXER_POOLS)}")
+        if self.indexer_target not in INDEXER_TARGETS:
+            raise ModelConfigError(f"nsa.indexer_target={self.indexer_target!r}; valid: {', '.join(INDEXER_TARGETS)}")
         if not self.indexer_kl >= 0:
             raise ModelConfigError(f"nsa.indexer_kl must be >= 0, got {self.indexer_kl}")
         if self.indexer_warmup_steps < 0:

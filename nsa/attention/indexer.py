@@ -16,10 +16,15 @@ the elementwise max, so a single strong token still shows.
 
 The indexer learns from the main attention, never from the language-model loss: its input x is detached, and its
 training signal is KL(target || softmax(I(t, .))) over the query's candidate blocks (blocks 0 .. current-2 that are
-not forced), where the target is the compressed branch's probability mass per block summed over the group's heads
-(p_slc of Eq. 9-10, the distribution pooled selection ranks by), detached. That branch attends to every compressed
-token of the past, so the target covers every candidate block, including those the selection leaves out (a
-selected-set target would never rank the tail); it is the attention that sees the whole context.
+not forced), the target detached. nsa.indexer_target chooses it:
+    compressed  the compressed branch's probability mass per block summed over the group's heads (p_slc of Eq. 9-10,
+                the distribution pooled selection ranks by; `pooled_block_mass`). That branch attends to every
+                compressed token of the past, so the target covers every candidate block, including those the
+                selection leaves out (a selected-set target would never rank the tail).
+    dense       dense attention of the layer's queries over the selected branch's keys, every visible token, its
+                probability mass per block summed over the group's heads (DSA's target; `dense_block_mass`): what the
+                selected branch would read if it read everything, token by token, not through a block's mean key.
+                Costs a full attention pass over the KL's rows (KL_ROWS queries: [R, T] scores per head).
 """
 from __future__ import annotations
 
@@ -115,6 +120,7 @@ def candidate_mask(positions: torch.Tensor, l_sel: int, n_blocks: int) -> torch.
 
 
 KL_ROWS = 1024  # queries per layer and step the KL is taken over (evenly spaced; all of them up to this length)
+DENSE_ROWS = 128  # nsa.indexer_target=dense: queries whose [T] attention rows are held at once
 
 
 def kl_rows(T: int, device) -> torch.Tensor:
@@ -139,6 +145,35 @@ def pooled_block_mass(q: torch.Tensor, ck: torch.Tensor, positions: torch.Tensor
     probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
     probs = torch.where(visible.any(-1, keepdim=True), probs, 0.0)  # a query that sees no token: no mass (not NaN)
     return selection_block_scores(probs.sum(dim=2), l, d, l_sel, n_blocks)  # [B, H_kv, R, N_b]
+
+
+@torch.no_grad()
+def dense_block_mass(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, l_sel: int, n_blocks: int,
+                     base: torch.Tensor | None = None) -> torch.Tensor:
+    """Dense attention's probability mass per selection block, summed over each GQA group's heads: q [B, H_kv, G, R, hd]
+    of the queries at sequence indices `rows` [R], k [B, H_kv, T, hd] the selected branch's keys from index 0; base
+    [B, R] (packed documents) the index of each query's document's first token: keys before it are another
+    document's, and its blocks count from it (document-relative, as the picks are). -> [B, H_kv, R, n_blocks]
+    (float32 for half-precision inputs). A query sees the keys base .. its own index (causal)."""
+    B, H_kv, G, R, hd = q.shape
+    T = k.shape[2]
+    key = torch.arange(T, device=q.device)
+    start = torch.zeros(1, R, dtype=torch.long, device=q.device) if base is None else base  # [B or 1, R]
+    visible = (key >= start[..., None]) & (key <= rows[:, None])  # [B or 1, R, T]: never empty (a query sees itself)
+    out = []
+    for r in range(0, R, DENSE_ROWS):  # at most KL_ROWS / DENSE_ROWS slices: [DENSE_ROWS, T] scores at a time
+        part = slice(r, r + DENSE_ROWS)
+        scores = torch.einsum("bkgrd,bktd->bkgrt", q[:, :, :, part], k) / math.sqrt(hd)  # [B, H_kv, G, r, T]
+        scores = scores.float() if scores.dtype in (torch.float16, torch.bfloat16) else scores
+        probs = torch.softmax(scores.masked_fill(~visible[:, None, None, part], float("-inf")), dim=-1).sum(2)
+        # a block's mass as a difference of the running sum (in float64: exact enough for blocks of tiny mass) at
+        # its first and one-past-last key, both counted from the query's document start
+        cum = F.pad(probs.double().cumsum(-1), (1, 0))  # [B, H_kv, r, T + 1]
+        first = (start[:, part, None] + l_sel * torch.arange(n_blocks + 1, device=q.device)).clamp_max(T)
+        at = first.expand(B, -1, -1)[:, None].expand(-1, H_kv, -1, -1)  # [B, H_kv, r, n_blocks + 1]
+        edge = cum.gather(-1, at)
+        out.append((edge[..., 1:] - edge[..., :-1]).to(probs.dtype))
+    return torch.cat(out, dim=2)  # [B, H_kv, R, n_blocks]
 
 
 def indexer_kl(scores: torch.Tensor, target: torch.Tensor, l_sel: int, positions: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ from nsa.attention.gate_stats import BRANCHES, gate_shares, gate_statistics, sel
 from nsa.attention.impl.compression import compress, num_compressed
 from nsa.attention.impl.masked import document_block_scores
 from nsa.attention.impl.selection import select_blocks
-from nsa.attention.indexer import BlockIndexer, indexer_kl, kl_rows, pooled_block_mass
+from nsa.attention.indexer import BlockIndexer, dense_block_mass, indexer_kl, kl_rows, pooled_block_mass
 from nsa.attention.nsa_cache import NSACache
 from nsa.attention.selection_health import gate_means, outside_window_counts, outside_window_share, recall_sample
 from nsa.config import ModelConfig, NSAConfig
@@ -269,8 +269,8 @@ class NativeSparseAttention(nn.Module):
         values from position 0 and the window's keys and values ending at t_end - 1 -> the three branch outputs
         [B, H, T, hd] and block_idx [B, H_kv, T, n]. index: (the indexer's input [B, T, dim], its block keys
         [B, N_b, e]) or None. Its scores pick the blocks while self.indexer_selects (computed without a graph), and a
-        training forward from position 0 leaves the KL to the pooled block mass in self.indexer_loss (the scores of
-        kl_rows' queries computed again, with a graph: the backward keeps [R, N_b], not [T, N_b])."""
+        training forward from position 0 leaves the KL to its target (nsa.indexer_target) in self.indexer_loss (the
+        scores of kl_rows' queries computed again, with a graph: the backward keeps [R, N_b], not [T, N_b])."""
         c = self.cfg
         B, _, T, _ = q.shape
         picks = None
@@ -295,8 +295,10 @@ class NativeSparseAttention(nn.Module):
                 xd, keys = index
                 rows = kl_rows(T, q.device)  # [R]: every query up to KL_ROWS, else evenly spaced ones
                 scores = self.indexer.scores(xd[:, rows], keys)  # [B, H_kv, R, N_b]
-                target = pooled_block_mass(qg[:, :, :, rows].detach(), ck.detach(), rows, c.l, c.d, c.l_sel,
-                                           scores.shape[-1])
+                q_rows = qg[:, :, :, rows].detach()  # [B, H_kv, G, R, hd]
+                target = (pooled_block_mass(q_rows, ck.detach(), rows, c.l, c.d, c.l_sel, scores.shape[-1])
+                          if c.indexer_target == "compressed" else
+                          dense_block_mass(q_rows, sel_k.detach(), rows, c.l_sel, scores.shape[-1]))
                 kl = indexer_kl(scores, target, c.l_sel, rows)
                 self.indexer_loss, self.last_indexer_kl = c.indexer_kl * kl, kl.detach()
         with nvtx_range("nsa.selected"):
@@ -356,7 +358,7 @@ class NativeSparseAttention(nn.Module):
                 block_idx = ops.select_blocks(qg, ck, 0, c.l, c.d, c.l_sel, c.n_sel, c.q_chunk, c.kernel, frame=frame,
                                               lse=cmp_lse)
             else:
-                block_idx = self._index_documents(x, qg, ck, frame, cmp_lse)
+                block_idx = self._index_documents(x, qg, ck, br["sel"][0], frame, cmp_lse)
         sel_k, sel_v = br["sel"]
         with nvtx_range("nsa.selected"):
             o_sel = ops.selected_attention(qg, sel_k, sel_v, block_idx, 0, c.l_sel, c.sel_tile, kernel=c.kernel,
@@ -367,11 +369,11 @@ class NativeSparseAttention(nn.Module):
         record = self._selection_record(q, sel_k, block_idx, frame[0], frame[1]) if self.stats_enabled else None
         return self._combine(x, o_cmp, o_sel, o_win, block_idx, record, return_indices)
 
-    def _index_documents(self, x, qg, ck, frame, cmp_lse):
+    def _index_documents(self, x, qg, ck, sel_k, frame, cmp_lse):
         """nsa.selector=indexer over packed documents: the indexer's scores over each query's own document's blocks
         pick them (pooled scores during the warm-up, sharing the compressed branch's log-sum-exps cmp_lse
-        [B, H_kv, G, T]), and a training forward leaves the KL to the compressed branch's mass per document block
-        in self.indexer_loss. -> block_idx [B, H_kv, T, n], document-relative."""
+        [B, H_kv, G, T]), and a training forward leaves the KL to its target per document block (nsa.indexer_target;
+        sel_k [B, H_kv, T, hd] the selected branch's keys, for the dense one) in self.indexer_loss. -> block_idx [B, H_kv, T, n], document-relative."""
         c = self.cfg
         T = x.shape[1]
         n_blocks = -(-max(ck.shape[2] * c.d + c.l, T) // c.l_sel) + 1  # as impl/masked.py's scores reach
@@ -386,9 +388,11 @@ class NativeSparseAttention(nn.Module):
                                           lse=cmp_lse)
         if torch.is_grad_enabled() and c.indexer_kl > 0:
             rows = kl_rows(T, x.device)  # [R]: every query up to KL_ROWS, else evenly spaced ones
+            q_rows = qg[:, :, :, rows].detach()  # [B, H_kv, G, R, hd]
             with torch.no_grad():
-                target = document_block_scores(qg[:, :, :, rows].detach(), ck.detach(), c.l, c.d, c.l_sel,
-                                               frame[:, :, rows])
+                target = (document_block_scores(q_rows, ck.detach(), c.l, c.d, c.l_sel, frame[:, :, rows])
+                          if c.indexer_target == "compressed" else
+                          dense_block_mass(q_rows, sel_k.detach(), rows, c.l_sel, n_blocks, base=frame[1][:, rows]))
             scores = self.indexer.document_scores(xd, frame, target.shape[-1], rows)  # [B, H_kv, R, N_b]
             kl = indexer_kl(scores, target, c.l_sel, positions[..., rows])
             self.indexer_loss, self.last_indexer_kl = c.indexer_kl * kl, kl.detach()

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nsa.attention.indexer import candidate_mask, indexer_kl
+from nsa.attention import indexer as indexer_module
+from nsa.attention.indexer import candidate_mask, dense_block_mass, indexer_kl
 from nsa.attention.reference import reference_forward
 from nsa.config import ModelConfig, ModelConfigError, NSAConfig
 from nsa.model import Transformer
@@ -69,11 +70,12 @@ def tiny_model(selector: str, kl: float = 1.0, seed: int = 0, **nsa) -> Transfor
     return Transformer(cfg).double()
 
 
-def test_the_kl_term_moves_the_indexer_only_and_leaves_the_loss_value():
+@pytest.mark.parametrize("target", ["compressed", "dense"])
+def test_the_kl_term_moves_the_indexer_only_and_leaves_the_loss_value(target):
     idx, tgt = torch.randint(0, 64, (2, 96), generator=torch.Generator().manual_seed(1)).chunk(2, dim=0)
     grads, losses = {}, {}
     for kl in (1.0, 0.0):
-        model = tiny_model("indexer", kl=kl)
+        model = tiny_model("indexer", kl=kl, indexer_target=target)
         loss = model(idx, tgt)
         loss.backward()
         losses[kl] = loss.detach()
@@ -99,6 +101,50 @@ def test_the_kl_is_zero_where_the_indexer_ranks_as_the_target_and_positive_elsew
     positions = torch.arange(T)
     assert indexer_kl(same, target, 8, positions).abs() < 1e-12
     assert indexer_kl(torch.zeros_like(target), target, 8, positions) > 1e-4
+
+
+def dense_mass_by_loops(q, k, rows, l_sel, n_blocks, base):
+    """dense_block_mass spelled out one (row, KV group, query) at a time: the softmax of each head over the keys
+    base .. t, the heads summed, each key's probability added to block (key - base) // l'."""
+    B, H_kv, G, R, hd = q.shape
+    out = torch.zeros(B, H_kv, R, n_blocks, dtype=q.dtype)
+    for b in range(B):
+        for h in range(H_kv):
+            for i, t in enumerate(rows.tolist()):
+                first = int(base[b, i])
+                keys = k[b, h, first:t + 1]  # [visible, hd]
+                probs = torch.softmax(q[b, h, :, i] @ keys.T / hd ** 0.5, dim=-1).sum(0)  # [visible]
+                for offset, p in enumerate(probs):
+                    out[b, h, i, offset // l_sel] += p
+    return out
+
+
+@pytest.mark.parametrize("documents", [False, True])
+def test_dense_target_is_each_querys_attention_summed_per_block(documents, monkeypatch):
+    """nsa.indexer_target=dense: against the per-query loops (with packed documents: keys from the query's document
+    start, blocks counted from it), across row slices (DENSE_ROWS made small); keys after a query, or before its
+    document, change nothing of its row; a visible key does."""
+    monkeypatch.setattr(indexer_module, "DENSE_ROWS", 4)  # 11 rows: slices of 4, 4 and 3
+    g = torch.Generator().manual_seed(4)
+    B, H_kv, G, T, hd, l_sel = 2, 2, 3, 45, 8, 8
+    q = torch.randn(B, H_kv, G, 11, hd, generator=g, dtype=torch.float64) * 2
+    k = torch.randn(B, H_kv, T, hd, generator=g, dtype=torch.float64)
+    rows = torch.arange(11) * T // 11  # [11], as kl_rows spaces them
+    base = (torch.div(rows, 13, rounding_mode="floor") * 13).expand(B, -1) if documents else None  # 13-token documents
+    n_blocks = -(-T // l_sel)
+    got = dense_block_mass(q, k, rows, l_sel, n_blocks, base=base)
+    want = dense_mass_by_loops(q, k, rows, l_sel, n_blocks, torch.zeros(B, 11, dtype=torch.long) if base is None else base)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    torch.testing.assert_close(got.sum(-1), torch.full((B, H_kv, 11), float(G), dtype=torch.float64), rtol=0, atol=1e-12)
+    i, t = 6, int(rows[6])
+    first = int(base[0, i]) if documents else 0
+    later, earlier = k.clone(), k.clone()
+    later[:, :, t + 1:] += 5.0  # after the query: not visible
+    if documents:
+        later[:, :, :first] -= 5.0  # another document's keys
+    earlier[:, :, first + 1] += 5.0  # a visible key
+    assert torch.equal(dense_block_mass(q, later, rows, l_sel, n_blocks, base=base)[:, :, i], got[:, :, i])
+    assert not torch.allclose(dense_block_mass(q, earlier, rows, l_sel, n_blocks, base=base)[:, :, i], got[:, :, i])
 
 
 def test_warm_up_picks_by_pooled_scores():
@@ -144,6 +190,7 @@ def test_decode_and_chunked_prefill_equal_full_prefill(chunks, pool):
     (dict(selector="indexer", indexer_dim=-1), "nsa.indexer_dim must be positive, got -1"),
     (dict(selector="indexer", indexer_pool="mean"), "nsa.indexer_pool='mean'; valid: keys, scores"),
     (dict(selector="indexer", indexer_kl=-0.5), "nsa.indexer_kl must be >= 0, got -0.5"),
+    (dict(selector="indexer", indexer_target="sparse"), "nsa.indexer_target='sparse'; valid: compressed, dense"),
     (dict(selector="indexer", indexer_warmup_steps=-1), "nsa.indexer_warmup_steps must be >= 0, got -1"),
     (dict(selector="indexer", gates="window"), "nsa.selector=indexer needs selection: nsa.gates=window has none"),
 ])
