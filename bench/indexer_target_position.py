@@ -3,7 +3,8 @@
     PYTHONPATH=. python bench/indexer_target_position.py CKPT_OR_RUN [--documents 64] [--out FILE.json]
 
 The indexer (nsa/attention/indexer.py) is trained by KL(target || softmax(scores)) over each query's candidate blocks,
-target = the compressed branch's block mass (pooled_block_mass: Eq. 9-10 over RoPE-rotated queries and compressed
+target = the layer's (NSAAttention.indexer_target: by default the compressed branch's block mass, Eq. 9-10 over
+RoPE-rotated queries and compressed keys; with nsa.indexer_target=dense, dense attention over the selected branch's
 keys). It has no positional encoding by design (its scores must not meet unseen positions beyond the training
 length), so the part of the target that depends only on where a block is, not on what it holds, is out of its reach.
 On the recall probe's documents (at the training length) of a checkpoint trained with nsa.selector=indexer, per NSA
@@ -24,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from nsa.attention.impl.masked import document_block_scores
-from nsa.attention.indexer import indexer_kl, pooled_block_mass
+from nsa.attention.impl.masked import document_block_count
+from nsa.attention.indexer import indexer_kl
 from train.checkpoint.io import load_checkpoint, model_from_checkpoint, resolve_checkpoint
 from train.data.recall import RecallEncoder, probe_document
 from train.data.tokenizers import load_tokenizer
@@ -44,19 +45,21 @@ def capture(model) -> list[tuple]:
         stores.append((layer, store))
         c = layer.cfg
 
-        def plain(q, ck, cv, *rest, layer=layer, original=layer._branches, store=store, c=c):
+        def plain(q, ck, cv, sel_k, *rest, layer=layer, original=layer._branches, store=store):
             index, T = rest[-1], q.shape[2]
             s = layer.indexer.scores(*index)  # [1, H_kv, T, N_b]
             qg = q.view(1, layer.n_kv_heads, layer.n_groups, T, layer.head_dim)
-            target = pooled_block_mass(qg, ck, torch.arange(T), c.l, c.d, c.l_sel, s.shape[-1])
+            target = layer.indexer_target(qg, ck, sel_k, torch.arange(T), s.shape[-1])  # [1, H_kv, T, N_b]
             store.append((target[0], s[0], torch.arange(T)))
-            return original(q, ck, cv, *rest)
+            return original(q, ck, cv, sel_k, *rest)
 
-        def documents(x, qg, ck, frame, *rest, layer=layer, original=layer._index_documents, store=store, c=c):
-            target = document_block_scores(qg, ck, c.l, c.d, c.l_sel, frame)  # [1, H_kv, T, N_b]
+        def documents(x, qg, ck, sel_k, frame, *rest, layer=layer, original=layer._index_documents, store=store, c=c):
+            T = x.shape[1]
+            n_blocks = document_block_count(ck.shape[2], T, c.l, c.d, c.l_sel)
+            target = layer.indexer_target(qg, ck, sel_k, torch.arange(T), n_blocks, frame)  # [1, H_kv, T, N_b]
             s = layer.indexer.document_scores(x, frame, target.shape[-1])
             store.append((target[0], s[0], frame[0][:, None, :][0]))
-            return original(x, qg, ck, frame, *rest)
+            return original(x, qg, ck, sel_k, frame, *rest)
 
         layer._branches, layer._index_documents = plain, documents
     return stores

@@ -27,7 +27,7 @@ from nsa.attention.decode import decode_branches, decode_window
 from nsa.attention.documents import Documents, gather_blocks
 from nsa.attention.gate_stats import BRANCHES, gate_shares, gate_statistics, selection_counts, selection_statistics
 from nsa.attention.impl.compression import compress, num_compressed
-from nsa.attention.impl.masked import document_block_scores
+from nsa.attention.impl.masked import document_block_count, document_block_scores
 from nsa.attention.impl.selection import select_blocks
 from nsa.attention.indexer import BlockIndexer, dense_block_mass, indexer_kl, kl_rows, pooled_block_mass
 from nsa.attention.nsa_cache import NSACache
@@ -295,10 +295,7 @@ class NativeSparseAttention(nn.Module):
                 xd, keys = index
                 rows = kl_rows(T, q.device)  # [R]: every query up to KL_ROWS, else evenly spaced ones
                 scores = self.indexer.scores(xd[:, rows], keys)  # [B, H_kv, R, N_b]
-                q_rows = qg[:, :, :, rows].detach()  # [B, H_kv, G, R, hd]
-                target = (pooled_block_mass(q_rows, ck.detach(), rows, c.l, c.d, c.l_sel, scores.shape[-1])
-                          if c.indexer_target == "compressed" else
-                          dense_block_mass(q_rows, sel_k.detach(), rows, c.l_sel, scores.shape[-1]))
+                target = self.indexer_target(qg[:, :, :, rows], ck, sel_k, rows, scores.shape[-1])
                 kl = indexer_kl(scores, target, c.l_sel, rows)
                 self.indexer_loss, self.last_indexer_kl = c.indexer_kl * kl, kl.detach()
         with nvtx_range("nsa.selected"):
@@ -369,6 +366,21 @@ class NativeSparseAttention(nn.Module):
         record = self._selection_record(q, sel_k, block_idx, frame[0], frame[1]) if self.stats_enabled else None
         return self._combine(x, o_cmp, o_sel, o_win, block_idx, record, return_indices)
 
+    @torch.no_grad()
+    def indexer_target(self, q_rows, ck, sel_k, rows, n_blocks: int, frame=None) -> torch.Tensor:
+        """The indexer's KL target (nsa.indexer_target; nsa/attention/indexer.py) for the queries at sequence indices
+        rows [R] of a forward from position 0: q_rows [B, H_kv, G, R, hd] their queries, ck [B, H_kv, N_c, hd] the
+        compressed keys, sel_k [B, H_kv, T, hd] the selected branch's keys; frame [3, B, T] with packed documents
+        (blocks document-relative). -> [B, H_kv, R, N_b] (N_b = n_blocks, or the compressed target's own count with
+        documents)."""
+        c = self.cfg
+        if c.indexer_target == "dense":
+            return dense_block_mass(q_rows, sel_k, rows, c.l_sel, n_blocks,
+                                    base=None if frame is None else frame[1][:, rows])
+        if frame is None:
+            return pooled_block_mass(q_rows, ck, rows, c.l, c.d, c.l_sel, n_blocks)
+        return document_block_scores(q_rows, ck, c.l, c.d, c.l_sel, frame[:, :, rows])
+
     def _index_documents(self, x, qg, ck, sel_k, frame, cmp_lse):
         """nsa.selector=indexer over packed documents: the indexer's scores over each query's own document's blocks
         pick them (pooled scores during the warm-up, sharing the compressed branch's log-sum-exps cmp_lse
@@ -376,7 +388,7 @@ class NativeSparseAttention(nn.Module):
         sel_k [B, H_kv, T, hd] the selected branch's keys, for the dense one) in self.indexer_loss. -> block_idx [B, H_kv, T, n], document-relative."""
         c = self.cfg
         T = x.shape[1]
-        n_blocks = -(-max(ck.shape[2] * c.d + c.l, T) // c.l_sel) + 1  # as impl/masked.py's scores reach
+        n_blocks = document_block_count(ck.shape[2], T, c.l, c.d, c.l_sel)
         xd = x.detach()
         positions = frame[0][:, None, :]  # [B, 1, T]
         if self.indexer_selects:
@@ -388,11 +400,7 @@ class NativeSparseAttention(nn.Module):
                                           lse=cmp_lse)
         if torch.is_grad_enabled() and c.indexer_kl > 0:
             rows = kl_rows(T, x.device)  # [R]: every query up to KL_ROWS, else evenly spaced ones
-            q_rows = qg[:, :, :, rows].detach()  # [B, H_kv, G, R, hd]
-            with torch.no_grad():
-                target = (document_block_scores(q_rows, ck.detach(), c.l, c.d, c.l_sel, frame[:, :, rows])
-                          if c.indexer_target == "compressed" else
-                          dense_block_mass(q_rows, sel_k.detach(), rows, c.l_sel, n_blocks, base=frame[1][:, rows]))
+            target = self.indexer_target(qg[:, :, :, rows], ck, sel_k, rows, n_blocks, frame)
             scores = self.indexer.document_scores(xd, frame, target.shape[-1], rows)  # [B, H_kv, R, N_b]
             kl = indexer_kl(scores, target, c.l_sel, positions[..., rows])
             self.indexer_loss, self.last_indexer_kl = c.indexer_kl * kl, kl.detach()

@@ -124,12 +124,17 @@ def select_blocks(q, ck, l: int, d: int, l_sel: int, n: int, frame):
     return top_n_blocks(block_scores, 0, l_sel, n, positions=frame[0][:, None, :]).contiguous()
 
 
+def document_block_count(n_c: int, T: int, l: int, d: int, l_sel: int) -> int:
+    """Selection blocks a packed window's queries may reach (document-relative): T queries over n_c compressed slots."""
+    return -(-max(n_c * d + l, T) // l_sel) + 1
+
+
 def document_block_scores(q, ck, l: int, d: int, l_sel: int, frame):
     """Eq. 9-10 per document: q [B, H_kv, G, Tq, hd]; ck [B, H_kv, N_c, hd] -> the group's compressed probability
     mass per document-relative selection block [B, H_kv, Tq, n_blocks] (every block a query of this call may reach)."""
     B, H_kv, G, Tq, hd = q.shape
     n_c = ck.shape[2]
-    n_blocks = -(-max(n_c * d + l, Tq) // l_sel) + 1  # every block a query of this call may reach
+    n_blocks = document_block_count(n_c, Tq, l, d, l_sel)  # every block a query of this call may reach
     if n_c == 0:
         p_rel = q.new_zeros(B, H_kv, Tq, 0)
     else:
