@@ -350,13 +350,13 @@ class NativeSparseAttention(nn.Module):
                                                       return_lse=True)
         qg = q.view(B, self.n_kv_heads, self.n_groups, T, self.head_dim)  # [B, H_kv, G, T, hd]
         cmp_lse = cmp_lse.view(B, self.n_kv_heads, self.n_groups, T)
+        sel_k, sel_v = br["sel"]
         with nvtx_range("nsa.select"):
             if self.indexer is None:
                 block_idx = ops.select_blocks(qg, ck, 0, c.l, c.d, c.l_sel, c.n_sel, c.q_chunk, c.kernel, frame=frame,
                                               lse=cmp_lse)
             else:
-                block_idx = self._index_documents(x, qg, ck, br["sel"][0], frame, cmp_lse)
-        sel_k, sel_v = br["sel"]
+                block_idx = self._index_documents(x, qg, ck, sel_k, frame, cmp_lse)
         with nvtx_range("nsa.selected"):
             o_sel = ops.selected_attention(qg, sel_k, sel_v, block_idx, 0, c.l_sel, c.sel_tile, kernel=c.kernel,
                                            chunk=c.sel_chunk, frame=frame).view(B, self.n_heads, T, self.head_dim)
@@ -385,7 +385,8 @@ class NativeSparseAttention(nn.Module):
         """nsa.selector=indexer over packed documents: the indexer's scores over each query's own document's blocks
         pick them (pooled scores during the warm-up, sharing the compressed branch's log-sum-exps cmp_lse
         [B, H_kv, G, T]), and a training forward leaves the KL to its target per document block (nsa.indexer_target;
-        sel_k [B, H_kv, T, hd] the selected branch's keys, for the dense one) in self.indexer_loss. -> block_idx [B, H_kv, T, n], document-relative."""
+        sel_k [B, H_kv, T, hd] the selected branch's keys, for the dense one) in self.indexer_loss.
+        -> block_idx [B, H_kv, T, n], document-relative."""
         c = self.cfg
         T = x.shape[1]
         n_blocks = document_block_count(ck.shape[2], T, c.l, c.d, c.l_sel)

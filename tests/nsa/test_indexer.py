@@ -133,9 +133,10 @@ def test_dense_target_is_each_querys_attention_summed_per_block(documents, monke
     base = (torch.div(rows, 13, rounding_mode="floor") * 13).expand(B, -1) if documents else None  # 13-token documents
     n_blocks = -(-T // l_sel)
     got = dense_block_mass(q, k, rows, l_sel, n_blocks, base=base)
-    want = dense_mass_by_loops(q, k, rows, l_sel, n_blocks, torch.zeros(B, 11, dtype=torch.long) if base is None else base)
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
-    torch.testing.assert_close(got.sum(-1), torch.full((B, H_kv, 11), float(G), dtype=torch.float64), rtol=0, atol=1e-12)
+    starts = torch.zeros(B, 11, dtype=torch.long) if base is None else base
+    torch.testing.assert_close(got, dense_mass_by_loops(q, k, rows, l_sel, n_blocks, starts), rtol=0, atol=1e-12)
+    every_head_sums_to_one = torch.full((B, H_kv, 11), float(G), dtype=torch.float64)
+    torch.testing.assert_close(got.sum(-1), every_head_sums_to_one, rtol=0, atol=1e-12)
     i, t = 6, int(rows[6])
     first = int(base[0, i]) if documents else 0
     later, earlier = k.clone(), k.clone()
