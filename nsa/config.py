@@ -15,7 +15,7 @@ from nsa.triton_support import triton_unavailable
 # a checkpoint made with other values loads (resume, import).
 NON_ARCHITECTURE_FIELDS = frozenset({"q_chunk", "sel_chunk", "sel_tile", "win_block", "kernel", "gate_init",
                                      "gate_bias", "aux_decay", "aux_lr_scale", "indexer_kl", "indexer_warmup_steps",
-                                     "indexer_target"})
+                                     "indexer_target", "indexer_lr_scale"})
 GATE_INITS = ("equal", "window")
 # nsa.gates: learned (NSA: three branches mixed by the gate MLP) | window (the control: the gates pinned to
 # (cmp, sel, win) = (0, 0, 1), so the layer is its sliding-window branch alone; docs/NSA.md)
@@ -67,6 +67,7 @@ class NSAConfig:
     indexer_target: str = "compressed"  # selector=indexer: the KL's target: compressed (the compressed branch's mass per block) | dense (dense attention over the selected branch's keys, per block)
     indexer_kl: float = 1.0  # selector=indexer: weight of the indexer's KL term (its gradient reaches the indexer only)
     indexer_warmup_steps: int = 0  # selector=indexer: steps that select by pooled scores while the indexer learns
+    indexer_lr_scale: float = 1.0  # selector=indexer: learning-rate multiplier (on train.lr's schedule) for the indexer's parameters
 
     @property
     def window_only(self) -> bool:
@@ -108,6 +109,8 @@ class NSAConfig:
             raise ModelConfigError(f"nsa.indexer_target={self.indexer_target!r}; valid: {', '.join(INDEXER_TARGETS)}")
         if not self.indexer_kl >= 0:
             raise ModelConfigError(f"nsa.indexer_kl must be >= 0, got {self.indexer_kl}")
+        if not self.indexer_lr_scale > 0:
+            raise ModelConfigError(f"nsa.indexer_lr_scale must be positive, got {self.indexer_lr_scale}")
         if self.indexer_warmup_steps < 0:
             raise ModelConfigError(f"nsa.indexer_warmup_steps must be >= 0, got {self.indexer_warmup_steps}")
         if self.selector == "indexer" and self.window_only:

@@ -136,10 +136,14 @@ class NativeSparseAttention(nn.Module):
 
     def lr_scales(self) -> dict[str, float]:
         """Names (relative to this module) of parameters whose learning rate is train.lr's times a factor: the
-        gate MLP's and phi's with nsa.aux_lr_scale != 1 (the trainer's param_groups asks every module)."""
-        if self.cfg.aux_lr_scale == 1.0:
-            return {}
-        return {name: self.cfg.aux_lr_scale for name in self.aux_parameter_names()}
+        gate MLP's and phi's with nsa.aux_lr_scale != 1, the indexer's with nsa.indexer_lr_scale != 1 (the
+        trainer's param_groups asks every module)."""
+        scales = {}
+        if self.cfg.aux_lr_scale != 1.0:
+            scales.update({name: self.cfg.aux_lr_scale for name in self.aux_parameter_names()})
+        if self.indexer is not None and self.cfg.indexer_lr_scale != 1.0:
+            scales.update({f"indexer.{name}": self.cfg.indexer_lr_scale for name, _ in self.indexer.named_parameters()})
+        return scales
 
     def new_cache(self) -> NSACache:
         return NSACache(self.cfg)

@@ -135,6 +135,22 @@ def test_aux_lr_scale_moves_only_the_gate_and_phi_parameters_faster():
     assert sorted(g["lr"] for g in opt.param_groups) == pytest.approx([1e-3, 1e-3, 3e-3, 3e-3])
 
 
+def test_indexer_lr_scale_moves_only_the_indexer_faster():
+    """nsa.indexer_lr_scale: the learned block indexer's parameters (trained by its KL alone) on their own lr."""
+    with pytest.raises(ModelConfigError, match="indexer_lr_scale"):
+        NSAConfig(indexer_lr_scale=-1.0).validate()
+    indexer = {"selector": "indexer", "indexer_heads": 2, "indexer_dim": 8}
+    model, _, plain = _one_adamw_step(indexer)
+    _, opt, scaled = _one_adamw_step({**indexer, "indexer_lr_scale": 5.0})
+    fast = {n for n in plain if ".attn.indexer." in n}
+    assert len(fast) == 2 * 3  # per layer: the index queries', head weights' and index key's projections
+    assert all(plain[n].abs().sum() > 0 for n in fast)  # the KL moved them: the factor below is not 5 x 0
+    for name, delta in scaled.items():
+        ulps = 2 * torch.finfo(torch.float32).eps * model.get_parameter(name).detach().abs().max().item()
+        torch.testing.assert_close(delta, plain[name] * (5.0 if name in fast else 1.0), rtol=1e-4, atol=max(3e-8, ulps))
+    assert sorted(g["lr"] for g in opt.param_groups) == pytest.approx([1e-3, 1e-3, 5e-3])
+
+
 @pytest.fixture
 def one_rank_group():
     """A one-process gloo group: FSDP2 (and DCP's state-dict helpers) on CPU inside the test process."""

@@ -193,6 +193,7 @@ def test_decode_and_chunked_prefill_equal_full_prefill(chunks, pool):
     (dict(selector="indexer", indexer_kl=-0.5), "nsa.indexer_kl must be >= 0, got -0.5"),
     (dict(selector="indexer", indexer_target="sparse"), "nsa.indexer_target='sparse'; valid: compressed, dense"),
     (dict(selector="indexer", indexer_warmup_steps=-1), "nsa.indexer_warmup_steps must be >= 0, got -1"),
+    (dict(selector="indexer", indexer_lr_scale=0.0), "nsa.indexer_lr_scale must be positive, got 0.0"),
     (dict(selector="indexer", gates="window"), "nsa.selector=indexer needs selection: nsa.gates=window has none"),
 ])
 def test_bad_indexer_keys_are_refused_in_one_line(overrides, message):
