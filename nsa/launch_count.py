@@ -1,18 +1,30 @@
-"""Count the ops one forward + backward dispatches: on CUDA each is at least one kernel launch.
+"""Count the kernels one forward + backward launches, on a CPU: the structure a GPU runs.
 
-Run on the meta device (shapes only, nothing computed), so a CPU machine measures the launch structure a
-GPU will see. Not counted: views (`OpOverload.is_view`), `detach`, `alias` and `empty*` allocations
-(they launch nothing). A custom op (nsa::*) counts once: its implementation is one fused kernel (or, on
-CPU, a loop the GPU path does not have).
+Two counts (`LaunchCounter`):
+  ops        every ATen op dispatched, on the meta device (shapes only, nothing computed). A custom op (nsa::*)
+             counts once, whatever it launches inside.
+  launches   (`open_custom_ops=True`, real CPU tensors, nsa.kernel=triton under Triton's interpreter) the same,
+             except that each nsa:: custom op is opened: the ATen ops its implementation dispatches and every
+             Triton kernel it launches (a spy on the launcher) are counted instead of the op. That is the
+             Triton path a CUDA run takes for selection and selected attention, counted kernel by kernel. The
+             compressed and window branches run FlexAttention on CUDA (nsa/attention/impl/flex.py), which has no
+             CPU backward: on a CPU they run the torch path's custom op, counted as one launch per direction
+             (a compiled FlexAttention forward is one Triton kernel; its backward is counted on the GPU by
+             bench/gpu_nsa_speed.py).
+Not counted, in both: views (`OpOverload.is_view`), `_unsafe_view` (a reshape's result that aliases nothing),
+`detach`, `alias`, `empty*` allocations and `promote_types` (a dtype computation): none launches a kernel.
 """
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-_FREE = {"detach", "alias", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
+_FREE = {"detach", "alias", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_unsafe_view",
+         "promote_types"}
+TRITON = "triton."  # prefix of a Triton kernel's entry in LaunchCounter.by_op
 
 
 def launches(func) -> bool:
@@ -20,31 +32,114 @@ def launches(func) -> bool:
     return not (func.is_view or func.overloadpacket.__name__ in _FREE)
 
 
-class LaunchCounter(TorchDispatchMode):
-    """`with LaunchCounter() as c: ...` then c.total and c.by_op (op name -> count)."""
+# the custom ops whose CUDA implementation is the one a CPU runs in Triton's interpreter (nsa.kernel=triton); the
+# compressed and window branches' ops are the torch path, which CUDA replaces by FlexAttention: they stay closed
+OPENED = ("nsa::select_blocks", "nsa::selected_attention", "nsa::selected_attention_backward")
 
-    def __init__(self):
+
+def _custom_op_body(func):
+    """The Python implementation of an OPENED custom op (what its CPU kernel runs), or None for other ops."""
+    from torch._library.custom_ops import OPDEFS
+
+    name = func.name().split(".")[0]  # "nsa::selected_attention"
+    return OPDEFS[name]._init_fn if name in OPENED else None
+
+
+@contextlib.contextmanager
+def _triton_launch_spy(record):
+    """Calls record(kernel name) at every Triton kernel launch (compiled or interpreted) inside the block."""
+    try:
+        from triton.runtime import interpreter, jit
+    except ImportError:  # no Triton: nothing can launch a Triton kernel
+        yield
+        return
+    patched = [(cls, cls.run) for cls in (jit.JITFunction, interpreter.InterpretedFunction)]
+
+    def spying(run):
+        def spy(self, *args, **kwargs):
+            if kwargs.get("warmup"):
+                return run(self, *args, **kwargs)
+            record(self.fn.__name__)
+            with _paused(record):  # the interpreter's own tensor copies run no kernel on a GPU
+                return run(self, *args, **kwargs)
+        return spy
+
+    for cls, run in patched:
+        cls.run = spying(run)
+    try:
+        yield
+    finally:
+        for cls, run in patched:
+            cls.run = run
+
+
+@contextlib.contextmanager
+def _paused(record):
+    """Nothing the block dispatches reaches the LaunchCounter that owns `record`."""
+    counter = getattr(record, "__self__", None)
+    if counter is None:
+        yield
+        return
+    counter.paused += 1
+    try:
+        yield
+    finally:
+        counter.paused -= 1
+
+
+class LaunchCounter(TorchDispatchMode):
+    """`with LaunchCounter() as c: ...` then c.total and c.by_op (op name -> count; Triton kernels "triton.<name>").
+    open_custom_ops: count what each nsa:: custom op dispatches and launches instead of the op (module docstring)."""
+
+    def __init__(self, open_custom_ops: bool = False):
         super().__init__()
         self.by_op: Counter[str] = Counter()
+        self.open_custom_ops = open_custom_ops
+        self.paused = 0  # > 0 while a Triton kernel runs (in the interpreter: host copies, not launches)
+        self._spy = contextlib.ExitStack()
+
+    def __enter__(self):
+        if self.open_custom_ops:
+            self._spy.enter_context(_triton_launch_spy(self._record_triton))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._spy.close()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if launches(func):
+        kwargs = kwargs or {}
+        if self.open_custom_ops and (body := _custom_op_body(func)) is not None:
+            with self:  # the body's own ops come back through this mode
+                return body(*args, **kwargs)
+        if launches(func) and not self.paused:
             self.by_op[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
+        return func(*args, **kwargs)
+
+    def _record_triton(self, name: str) -> None:
+        if not self.paused:
+            self.by_op[TRITON + name] += 1
 
     @property
     def total(self) -> int:
         return sum(self.by_op.values())
 
+    @property
+    def triton(self) -> int:
+        """Triton kernel launches among the total."""
+        return sum(n for name, n in self.by_op.items() if name.startswith(TRITON))
 
-def count_forward_backward(module, x: torch.Tensor, *args) -> LaunchCounter:
+
+def count_forward_backward(module, x: torch.Tensor, *args, open_custom_ops: bool = False) -> LaunchCounter:
     """Ops of module(x, *args) forward and backward (for a given output gradient, made outside the count),
     parameter gradients included."""
     x = x.detach().requires_grad_(True)
     with torch.no_grad():
         grad = module(x, *args)
     grad = torch.ones_like(grad)
-    with LaunchCounter() as counter:
+    with LaunchCounter(open_custom_ops) as counter:
         module(x, *args).backward(grad)
     return counter
 
@@ -61,10 +156,13 @@ def packed_starts(batch: int, T: int, n_documents: int, seed: int = 0) -> torch.
     return torch.stack(rows)
 
 
-def attention_layer_launches(cfg, T: int, batch: int = 1, documents: int = 0, device: str = "meta") -> LaunchCounter:
+def attention_layer_launches(cfg, T: int, batch: int = 1, documents: int = 0, device: str = "meta",
+                             open_custom_ops: bool = False) -> LaunchCounter:
     """One attention layer of `cfg` (a ModelConfig; dense or NSA), forward and backward at sequence length T
     with RoPE, built on `device` (meta: shapes only). documents > 0: a packed window of that many documents
-    (document masking; on the meta device their count cannot change anything: use device="cpu" to show it)."""
+    (document masking; on the meta device their count cannot change anything: use device="cpu" to show it).
+    open_custom_ops: count inside the nsa:: ops (LaunchCounter; device="cpu", and for the Triton path's
+    kernels cfg.nsa.kernel="triton" with Triton's interpreter on)."""
     from nsa.attention.documents import Documents
     from nsa.layers import RotaryEmbedding
     from nsa.model import build_attention
@@ -79,5 +177,6 @@ def attention_layer_launches(cfg, T: int, batch: int = 1, documents: int = 0, de
         positions = docs.positions if docs is not None else torch.arange(T)
         rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)(positions)
     if docs is None:
-        return count_forward_backward(layer, x, rope)
-    return count_forward_backward(lambda x_, rope_: layer(x_, rope_, documents=docs), x, rope)
+        return count_forward_backward(layer, x, rope, open_custom_ops=open_custom_ops)
+    return count_forward_backward(lambda x_, rope_: layer(x_, rope_, documents=docs), x, rope,
+                                  open_custom_ops=open_custom_ops)

@@ -222,8 +222,9 @@ class NativeSparseAttention(nn.Module):
         ck = compress(self.compress_k, raw_k, 0, 0, count, c.l, c.d)  # [B, H_kv, count, hd]
         cv = compress(self.compress_v, raw_v, 0, 0, count, c.l, c.d)
         if rope is not None and count > 0:  # rotate compressed key i at position i*d + l - 1
-            at = torch.arange(count, device=q.device) * c.d + (c.l - 1)  # [count]
-            # cos, sin [T, hd/2] or per row [B, T, hd/2]: index the T axis -> [count, hd/2] or [B, count, hd/2]
+            # cos, sin [T, hd/2] or per row [B, T, hd/2]: positions l-1, l-1+d, .. of the T axis, a strided view
+            # (no index op) -> [count, hd/2] or [B, count, hd/2]
+            at = slice(c.l - 1, c.l - 1 + (count - 1) * c.d + 1, c.d)
             ck = apply_rotary(ck, rope[0][..., at, :], rope[1][..., at, :])
         index = None
         if self.indexer is not None:

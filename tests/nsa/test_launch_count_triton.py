@@ -1,0 +1,65 @@
+"""The launch count of NSA's Triton path (nsa/launch_count.py, open_custom_ops): the selection ops opened, their
+index-building ATen ops and every Triton kernel they launch counted, run in Triton's interpreter on CPU tensors.
+
+A layer with M7C's group size (G = 6: the block-centric kernels) at small sizes, forward + backward.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from nsa.config import ModelConfig, NSAConfig
+from nsa.launch_count import OPENED, TRITON, attention_layer_launches
+
+try:
+    from nsa.attention.kernels import selected_attention as ts
+except ImportError as exc:
+    pytest.skip(f"triton is not importable ({exc})", allow_module_level=True)
+if not ts.interpreter_active():
+    pytest.skip("Triton's interpreter is off (TRITON_INTERPRET=1 before the kernels are imported)",
+                allow_module_level=True)
+
+SMALL_G6 = ModelConfig(dim=96, n_heads=6, n_kv_heads=1, head_dim=16, attention="nsa",
+                       nsa=NSAConfig(l=8, d=4, l_sel=16, n_sel=4, w=32, kernel="triton"))
+SEQ = (64, 128)
+
+
+@pytest.fixture(scope="module")
+def opened():
+    return {T: attention_layer_launches(SMALL_G6, T, device="cpu", open_custom_ops=True) for T in SEQ}
+
+
+def test_every_triton_kernel_of_the_selection_path_is_counted_once(opened):
+    kernels = {name[len(TRITON):]: n for name, n in opened[SEQ[0]].by_op.items() if name.startswith(TRITON)}
+    # selection (one fused top-k kernel), then selected attention's forward and backward launches for G = 6
+    expected = {"_select_topk_kernel": 1, "block_fwd_kernel": 1, "slot_merge_kernel": 1, "block_dq_kernel": 1,
+                "slot_sum_kernel": 1, "_dkv_kernel": 1, "_dkv_reduce_kernel": 1}
+    assert kernels == expected
+    assert set(ts.launched_kernels(6)) == {name.removesuffix("_kernel").removeprefix("_") for name in expected} - {
+        "select_topk"}
+
+
+def test_opened_ops_are_replaced_by_what_they_run_and_the_interpreters_copies_are_not_counted(opened):
+    count = opened[SEQ[0]]
+    assert not any(name.replace(".", "::", 1) in OPENED for name in count.by_op)  # opened, not counted as ops
+    # the compressed and window branches stay one op per direction (FlexAttention on CUDA: module docstring)
+    assert count.by_op["nsa.compressed_attention"] == count.by_op["nsa.window_attention_backward"] == 1
+    # the interpreter moves every kernel argument through host copies: none of that is a launch on a GPU
+    assert "aten.set_" not in count.by_op and "aten.copy_" not in count.by_op
+    closed = attention_layer_launches(SMALL_G6, SEQ[0], device="cpu")
+    assert closed.triton == 0 and closed.by_op["nsa.selected_attention"] == 1
+    # the index the kernels read is built by ATen ops the closed count never sees (sorts, cumsums)
+    assert count.by_op["aten.sort"] >= 1 and "aten.sort" not in closed.by_op
+    assert count.total - count.triton > closed.total - len(OPENED)
+
+
+def test_the_triton_path_launches_the_same_kernels_at_every_length(opened):
+    assert len({c.total for c in opened.values()}) == 1, {T: c.total for T, c in opened.items()}
+    assert opened[SEQ[0]].by_op == opened[SEQ[1]].by_op
+
+
+def test_the_torch_path_opens_nothing_triton():
+    torch_path = dataclasses.replace(SMALL_G6, nsa=dataclasses.replace(SMALL_G6.nsa, kernel="torch"))
+    count = attention_layer_launches(torch_path, SEQ[0], device="cpu", open_custom_ops=True)
+    assert count.triton == 0 and count.by_op["nsa.compressed_attention"] == 1
