@@ -179,7 +179,8 @@ def test_block_centric_tiles_hold_several_documents():
     H_kv, G, l_sel, n, lengths = CASES["G3_lsel12_n5"]
     q, k, v, d_o, ck, frame, _ = make_inputs(H_kv, G, lengths, seed=1)
     idx = fused_select_blocks(q, ck, 0, L, D, l_sel, n, frame=frame)
-    _, offs, _, _, tile_start, tile_count, *_ = ts._slot_index(idx.to(torch.int32), q.shape[3], l_sel, Q_TILE, frame)
+    index = ts.slot_index(idx.to(torch.int32), q.shape[3], l_sel, Q_TILE, frame)
+    _, offs, _, _, tile_start, tile_count, *_ = ts._slot_index(index, q.shape[3], l_sel, n)
     runs = [len(set(offs[s:s + c].tolist())) for s, c in zip(tile_start.tolist(), tile_count.tolist()) if c]
     assert max(runs) >= 2
     home, off = ts._block_keys(idx, l_sel, q.shape[3], frame)

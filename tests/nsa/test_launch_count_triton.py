@@ -54,6 +54,12 @@ def test_opened_ops_are_replaced_by_what_they_run_and_the_interpreters_copies_ar
     assert count.total - count.triton > closed.total - len(OPENED)
 
 
+def test_the_backward_reuses_the_forwards_slot_index(opened):
+    """Two sorts per layer forward + backward: the by-slot index (built in the forward, read again by dQ) and the
+    dK/dV kernel's block-major index; building the slot index again in the backward would make three."""
+    assert opened[SEQ[0]].by_op["aten.sort"] == 2
+
+
 def test_the_triton_path_launches_the_same_kernels_at_every_length(opened):
     assert len({c.total for c in opened.values()}) == 1, {T: c.total for T, c in opened.items()}
     assert opened[SEQ[0]].by_op == opened[SEQ[1]].by_op

@@ -90,6 +90,15 @@ def test_statistics_and_eval_recompile_once_per_mode():
         assert graphs_after(lambda: compiled(idx)) == 3
 
 
+def _interpreted_kernels() -> bool:
+    """Whether the Triton kernels run here (Triton importable, its interpreter on for CPU tensors)."""
+    try:
+        from nsa.attention.kernels.selected_attention import interpreter_active
+    except ImportError:
+        return False
+    return interpreter_active()
+
+
 def test_custom_ops_pass_opcheck():
     """torch.library.opcheck: schemas, fake implementations (shapes, strides, dtypes) and registered
     autograd agree with the real implementations."""
@@ -121,13 +130,18 @@ def test_custom_ops_pass_opcheck():
         (ops._selected, (qg, k, v, idx_docs, 0, l_sel, 4, 24, "torch", frame)),
         (ops._window, (q, k, v, 0, 0, w, 16, frame)),
     ]
+    if _interpreted_kernels():  # the Triton path's forward also returns the slot index its backward reuses
+        cases += [(ops._selected, (qg, k, v, idx, 0, l_sel, 4, 24, "triton", None)),
+                  (ops._selected, (qg, k, v, idx_docs, 0, l_sel, 4, 24, "triton", frame))]
     for op, args in [c for c in cases if c[0] is not ops._select_blocks]:  # each backward op on the forward's outputs
-        o, lse = (t.detach() for t in op(*args))
+        o, lse, *index = op(*args)
+        o, lse = o.detach(), lse.detach()
         tensors = [t.detach() for t in args[:3]]
         d_o = torch.randn(o.shape, generator=g, dtype=dtype)
         backward = {ops._compressed: ops._compressed_bwd, ops._selected: ops._selected_bwd, ops._window: ops._window_bwd}[op]
         if op is ops._selected:
-            cases.append((backward, (d_o, *tensors, args[3], o, lse, *args[4:])))
+            assert bool(index[0]) == (args[8] == "triton")  # the torch path has no index to hand over
+            cases.append((backward, (d_o, *tensors, args[3], o, lse, index[0], *args[4:])))
         else:
             cases.append((backward, (d_o, *tensors, o, lse, *args[3:])))
     for op, args in cases:

@@ -549,27 +549,48 @@ def _block_keys(idx: torch.Tensor, l_sel: int, Tk: int, frame: torch.Tensor | No
     return torch.where(ok, first.div(l_sel, rounding_mode="floor"), -1), torch.where(ok, first % l_sel, 0)
 
 
-def _slot_index(idx: torch.Tensor, Tk: int, l_sel: int, q_tile: int, frame: torch.Tensor | None = None):
-    """The by-slot inverted index of the block-centric kernels: (queries, offsets, run ends, tile_seg,
-    tile_start, tile_count, n_blocks, tiles per slot, home). Offsets and run ends (frames; without a frame
-    `queries` stands in for both, unread): inverted_index's sub_sorted and run_end. home [B, H_kv, Tq, n]
-    int32: each entry's key (-1: an empty slot; the merge kernels read no partial there)."""
+def slot_index(idx: torch.Tensor, Tk: int, l_sel: int, q_tile: int | None = None,
+               frame: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """The by-slot inverted index the block-centric forward and dQ kernels read, built once per forward and kept
+    for the backward (nsa::selected_attention returns it): [queries, tile_seg, tile_start, tile_count, home], and
+    with a frame also [offsets, run_ends]. idx [B, H_kv, Tq, n] (-1 = none); q_tile: queries per tile (default
+    Q_TILE, read at call time). queries, offsets, run ends: inverted_index's queries, sub_sorted and run_end (int32
+    [B*H_kv*Tq*n]); tile_*: its tiles (int64 [n * tiles per slot]); home [B, H_kv, Tq, n] int32: each entry's key
+    (-1: an empty slot; the merge kernels read no partial there). Sizes depend on shapes only (slot_index_like)."""
     B, H_kv, Tq, n = idx.shape
     n_blocks = -(-Tk // l_sel)
     home, off = _block_keys(idx, l_sel, Tk, frame)
-    out = inverted_index(home.reshape(B * H_kv, Tq, n), n_blocks, q_tile, by_slot=True,
+    out = inverted_index(home.reshape(B * H_kv, Tq, n), n_blocks, q_tile or Q_TILE, by_slot=True,
                          sub=None if off is None else off.view(B * H_kv, Tq, n), n_sub=l_sel)
-    queries, tile_seg, tile_start, tile_count = out[:4]
-    offs, run_end = (queries, queries) if frame is None else out[6:]
-    return (queries, offs, run_end, tile_seg, tile_start, tile_count, n_blocks, tile_seg.shape[0] // n,
-            home.to(torch.int32).contiguous())
+    index = [*out[:4], home.to(torch.int32).contiguous()]
+    return index if frame is None else index + list(out[6:])
+
+
+def slot_index_like(idx: torch.Tensor, Tk: int, l_sel: int, frame: bool) -> list[torch.Tensor]:
+    """Empty tensors shaped as slot_index(idx, Tk, l_sel, frame=...) returns (custom ops' fake implementations)."""
+    B, H_kv, Tq, n = idx.shape
+    entries, per_part, segments = B * H_kv * Tq * n, B * H_kv * Tq, B * H_kv * -(-Tk // l_sel)
+    tiles = n * (per_part // Q_TILE + min(segments, per_part))
+    int32 = dict(dtype=torch.int32)
+    index = [idx.new_empty(entries, **int32), *(idx.new_empty(tiles, dtype=torch.int64) for _ in range(3)),
+             idx.new_empty(idx.shape, **int32)]
+    return index + [idx.new_empty(entries, **int32) for _ in range(2)] if frame else index
+
+
+def _slot_index(index: list[torch.Tensor], Tk: int, l_sel: int, n: int):
+    """slot_index's list -> (queries, offs, run ends, tile_seg, tile_start, tile_count, n_blocks, tiles per slot,
+    home): what the kernels take (without a frame `queries` stands in for offsets and run ends, unread)."""
+    queries, tile_seg, tile_start, tile_count, home = index[:5]
+    offs, run_end = index[5:] if len(index) == 7 else (queries, queries)
+    return queries, offs, run_end, tile_seg, tile_start, tile_count, -(-Tk // l_sel), tile_seg.shape[0] // n, home
 
 
 def selected_attention_fwd(q, k, v, block_idx, q_start: int, l_sel: int, q_tile: int | None = None,
-                           frame: torch.Tensor | None = None):
+                           frame: torch.Tensor | None = None, return_index: bool = False):
     """q [B, H_kv, G, Tq, hd], k/v [B, H_kv, Tk, hd], block_idx [B, H_kv, Tq, n] (-1 = none).
 
-    Returns o [B, H_kv, G, Tq, hd] (q's dtype, contiguous) and lse [B, H_kv, G, Tq] (fp32; fp64 for fp64).
+    Returns o [B, H_kv, G, Tq, hd] (q's dtype, contiguous) and lse [B, H_kv, G, Tq] (fp32; fp64 for fp64); with
+    return_index also the block-centric path's slot_index (for selected_attention_bwd; [] on the query-centric path).
     q_tile: queries per block-centric program (default Q_TILE, read at call time).
     frame [3, B, Tq] int64 (q_pos, k_base, c_base; nsa/attention/documents.py), q_start then unused:
     query (b, t) sits at position p = frame[0, b, t] of a document whose first key is k[b, :, k_base]
@@ -588,7 +609,7 @@ def selected_attention_fwd(q, k, v, block_idx, q_start: int, l_sel: int, q_tile:
     o = torch.empty(B, H_kv, G, Tq, hd, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H_kv, G, Tq, dtype=acc_dtype, device=q.device)
     if Tq == 0:
-        return o, lse
+        return (o, lse, []) if return_index else (o, lse)
     meta = _meta(q, G, hd, l_sel)
     scale = 1.0 / math.sqrt(hd)
     fr, *f_strides = _frame_args(frame, idx)
@@ -599,9 +620,10 @@ def selected_attention_fwd(q, k, v, block_idx, q_start: int, l_sel: int, q_tile:
             Tq, Tk, q_start, scale, H_KV=H_kv, N_SEL=n, GP=_pow2(G), **meta, HAS_FRAME=has_frame,
             **_launch("fwd", hd, l_sel, G, q.dtype),
         )
-        return o, lse
+        return (o, lse, []) if return_index else (o, lse)
+    index = slot_index(idx, Tk, l_sel, q_tile, frame)
     queries, offs, run_end, tile_seg, tile_start, tile_count, n_blocks, n_tiles, home = _slot_index(
-        idx, Tk, l_sel, q_tile or Q_TILE, frame)
+        index, Tk, l_sel, n)
     R = B * H_kv * G * Tq  # rows of the [B, H_kv, G, Tq] state
     # partial outputs in q's dtype: the merge is a convex combination of them (no cancellation), so rounding each
     # costs what rounding the output costs; log-sum-exps in the accumulator's
@@ -624,7 +646,7 @@ def selected_attention_fwd(q, k, v, block_idx, q_start: int, l_sel: int, q_tile:
             op, lsep, home, o_run, lse, o if last else o_run, lse, R, Tq, n, slot0, slots,
             G=G, HD=hd, DP=meta["DP"], ACC=meta["ACC"], HAS_PREV=slot0 > 0, **merge,
         )
-    return o, lse
+    return (o, lse, index) if return_index else (o, lse)
 
 
 def _slots_per_launch(n: int, slot_bytes: int) -> int:
@@ -717,8 +739,10 @@ def inverted_index(block_idx: torch.Tensor, n_blocks: int, kv_tile: int, by_slot
 
 def selected_attention_bwd(q, k, v, block_idx, o, lse, d_o, q_start: int, l_sel: int,
                            kv_tile: int | None = None, block_rows: int | None = None, q_tile: int | None = None,
-                           frame: torch.Tensor | None = None):
+                           frame: torch.Tensor | None = None, index: list[torch.Tensor] | None = None):
     """Gradients (dq, dk, dv) of selected attention, shaped like q, k, v, in their dtypes.
+    index: the forward's slot_index (return_index), read by the block-centric dQ instead of building it again
+    (q_tile is then the forward's); None or []: built here.
     kv_tile / block_rows / q_tile default to the module's KV_TILE / BLOCK_ROWS / Q_TILE (read at call
     time; BLOCK_ROWS None: the dK/dV kernel's tile_config rows). frame: as selected_attention_fwd; the
     dK/dV index then keys (query, block) pairs by the aligned block of the block's first key (sorted by
@@ -741,8 +765,9 @@ def selected_attention_bwd(q, k, v, block_idx, o, lse, d_o, q_start: int, l_sel:
     fr, *f_strides = _frame_args(frame, idx)
     has_frame = frame is not None
     if use_block_centric(G):
+        index = index or slot_index(idx, Tk, l_sel, q_tile, frame)
         queries, offs, run_end, tile_seg, tile_start, tile_count, n_blocks_q, n_tiles_q, home = _slot_index(
-            idx, Tk, l_sel, q_tile, frame)
+            index, Tk, l_sel, n)
         R = B * H_kv * G * Tq
         per = _slots_per_launch(n, R * _dq_partial_row_bytes(hd, acc_dtype))
         dqp = torch.empty(per, R, hd, dtype=acc_dtype, device=q.device)  # never read where not written
