@@ -168,6 +168,7 @@ def exercise_select_topk(shape: Shape, dtype: torch.dtype) -> None:
 KERNEL_MODULES = (
     ("nsa.attention.kernels.selected_attention", exercise_selection),
     ("nsa.attention.kernels.block_centric", exercise_selection),  # launched by selected_attention's wrappers
+    ("nsa.attention.kernels.index_tiles", exercise_selection),  # launched by selected_attention's index
     ("nsa.attention.kernels.select_topk", exercise_select_topk),
 )
 

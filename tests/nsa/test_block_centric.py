@@ -13,6 +13,7 @@ import torch
 
 from tests.nsa.test_triton_selection import ATOL, DEV, RTOL, dense_reference, grads, make_case, ts  # skips without triton
 from tests.nsa.interpreter_probe import interpreter_loop_problem
+from nsa.attention.kernels.index_tiles import tile_layout
 
 if reason := interpreter_loop_problem():  # tests/nsa/interpreter_probe.py: a Triton interpreter limit
     pytest.skip(reason, allow_module_level=True)
@@ -133,6 +134,26 @@ def test_slots_split_across_launches_give_the_same_result(dtype, monkeypatch):
         assert a.dtype == b.dtype, name
         torch.testing.assert_close(a, b, **tol, msg=lambda m: f"{name}: {m}")
     assert not split[0][..., 6, :].any() and (split[1][..., 6] == float("-inf")).all() and not split[2][..., 6, :].any()
+
+
+@pytest.mark.parametrize("P, S, kv_tile, spread", [(1, 7, 4, "uneven"), (3, 5, 3, "empty parts"),
+                                                   (4, 300, 2, "uneven"), (2, 1, 64, "one segment")])
+def test_tile_layout_kernel_equals_its_torch_oracle(P, S, kv_tile, spread):
+    """kernels/index_tiles.py's one-launch layout against tile_layout_torch: integers, so equal exactly; segments
+    with no entries, with more than one tile, parts with no tiles at all and spare tiles (the static bound) all
+    met; S = 300 takes more than one program (BLOCK 256) and a 9-step binary search."""
+    g = torch.Generator().manual_seed(P * S)
+    counts = torch.randint(0, 3 * kv_tile, (P * S,), generator=g)
+    counts[torch.rand(P * S, generator=g) < 0.3] = 0
+    if spread == "empty parts":
+        counts.view(P, S)[1] = 0
+    seg_tiles = (counts + kv_tile - 1) // kv_tile
+    n_tiles = int(seg_tiles.view(P, S).sum(1).max()) + 5  # a bound with spare tiles in every part
+    got = tile_layout(counts.to(DEV), seg_tiles.to(DEV), P, S, n_tiles, kv_tile)
+    want = ts.tile_layout_torch(counts, seg_tiles, P, S, n_tiles, kv_tile)
+    for name, a, b in zip(("tile_seg", "tile_start", "tile_count", "seg_tile_first"), got, want):
+        assert a.dtype == b.dtype == torch.long, name
+        assert torch.equal(a.cpu(), b), name
 
 
 def test_slot_index_tiles_every_entry_once():

@@ -32,12 +32,12 @@ def opened():
 
 def test_every_triton_kernel_of_the_selection_path_is_counted_once(opened):
     kernels = {name[len(TRITON):]: n for name, n in opened[SEQ[0]].by_op.items() if name.startswith(TRITON)}
-    # selection (one fused top-k kernel), then selected attention's forward and backward launches for G = 6
-    expected = {"_select_topk_kernel": 1, "block_fwd_kernel": 1, "slot_merge_kernel": 1, "block_dq_kernel": 1,
-                "slot_sum_kernel": 1, "_dkv_kernel": 1, "_dkv_reduce_kernel": 1}
-    assert kernels == expected
-    assert set(ts.launched_kernels(6)) == {name.removesuffix("_kernel").removeprefix("_") for name in expected} - {
-        "select_topk"}
+    # selection (one fused top-k kernel), then selected attention's forward and backward launches for G = 6, and
+    # the layout of its two inverted indexes (the forward's by-slot index, the dK/dV kernel's block-major one)
+    attention = {"block_fwd_kernel": 1, "slot_merge_kernel": 1, "block_dq_kernel": 1, "slot_sum_kernel": 1,
+                 "_dkv_kernel": 1, "_dkv_reduce_kernel": 1}
+    assert kernels == {"_select_topk_kernel": 1, **attention, "tile_layout_kernel": 2}
+    assert set(ts.launched_kernels(6)) == {name.removesuffix("_kernel").removeprefix("_") for name in attention}
 
 
 def test_opened_ops_are_replaced_by_what_they_run_and_the_interpreters_copies_are_not_counted(opened):

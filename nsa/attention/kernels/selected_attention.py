@@ -97,6 +97,7 @@ import triton.language as tl
 
 from nsa.attention.kernels.block_centric import (_load_block, _run_rows, block_dq_kernel, block_fwd_kernel,
                                                  slot_merge_kernel, slot_sum_kernel)
+from nsa.attention.kernels.index_tiles import tile_layout
 from nsa.attention.kernels.interpreter import interpreter_active
 
 KV_TILE = 512  # queries per dK/dV program (bounds its serial work; partial dK/dV memory ~ 1 / KV_TILE)
@@ -710,10 +711,26 @@ def inverted_index(block_idx: torch.Tensor, n_blocks: int, kv_tile: int, by_slot
     _, order = torch.sort(seg if sub is None else seg * n_sub + sub.flatten(), stable=True)
     queries = ((order // n) % Tq).to(torch.int32)
     counts = torch.zeros(P * S + 1, dtype=torch.long, device=dev).index_add_(0, seg, torch.ones_like(seg))[:P * S]
-    seg_first = torch.cumsum(counts, 0) - counts
     seg_tiles = (counts + kv_tile - 1) // kv_tile
     per_part = BH * Tq * (1 if by_slot else min(n, n_blocks))
     n_tiles = per_part // kv_tile + min(S, per_part)
+    tile_seg, tile_start, tile_count, seg_tile_first = tile_layout(counts, seg_tiles, P, S, n_tiles, kv_tile)
+    if sub is None:
+        return queries, tile_seg, tile_start, tile_count, seg_tile_first, seg_tiles
+    key = seg * n_sub + sub.flatten()
+    sorted_key = key[order]
+    last = torch.ones_like(sorted_key, dtype=torch.bool)
+    last[:-1] = sorted_key[1:] != sorted_key[:-1]  # the last entry of its run
+    at = torch.arange(key.numel(), device=dev)
+    ends = torch.where(last, at + 1, key.numel()).flip(0).cummin(0).values.flip(0)  # the next run end at or after
+    return (queries, tile_seg, tile_start, tile_count, seg_tile_first, seg_tiles, sub.flatten()[order].to(torch.int32),
+            ends.to(torch.int32))
+
+
+def tile_layout_torch(counts: torch.Tensor, seg_tiles: torch.Tensor, P: int, S: int, n_tiles: int, kv_tile: int):
+    """The oracle of kernels/index_tiles.tile_layout (same arguments and results), in torch ops: ~25 launches."""
+    dev = counts.device
+    seg_first = torch.cumsum(counts, 0) - counts
     tiles = seg_tiles.view(P, S)
     used = tiles.sum(1, keepdim=True)  # [P, 1]
     local_first = torch.cumsum(tiles, 1) - tiles  # [P, S]: first tile of a segment within its part
@@ -725,16 +742,7 @@ def inverted_index(block_idx: torch.Tensor, n_blocks: int, kv_tile: int, by_slot
     tile_count = (torch.cat((counts.view(P, S), zero), 1).flatten()[tile_ext] - rank * kv_tile).clamp(0, kv_tile)
     tile_seg = (tile_ext % (S + 1)).clamp_max(S - 1)
     seg_tile_first = (local_first + torch.arange(P, device=dev).view(P, 1) * n_tiles).flatten()
-    if sub is None:
-        return queries, tile_seg, tile_start, tile_count, seg_tile_first, seg_tiles
-    key = seg * n_sub + sub.flatten()
-    sorted_key = key[order]
-    last = torch.ones_like(sorted_key, dtype=torch.bool)
-    last[:-1] = sorted_key[1:] != sorted_key[:-1]  # the last entry of its run
-    at = torch.arange(key.numel(), device=dev)
-    ends = torch.where(last, at + 1, key.numel()).flip(0).cummin(0).values.flip(0)  # the next run end at or after
-    return (queries, tile_seg, tile_start, tile_count, seg_tile_first, seg_tiles, sub.flatten()[order].to(torch.int32),
-            ends.to(torch.int32))
+    return tile_seg, tile_start, tile_count, seg_tile_first
 
 
 def selected_attention_bwd(q, k, v, block_idx, o, lse, d_o, q_start: int, l_sel: int,

@@ -1,0 +1,81 @@
+"""The tile layout of the selected-attention inverted index (selected_attention.inverted_index) in one launch.
+
+Given how many entries each segment holds and their sorted order, the kernels of selected attention read the entries
+as tiles of at most `kv_tile` queries of one segment, a fixed number of tiles per part (static sizes, no host
+sync). Built from torch ops that layout takes ~25 launches (a repeat_interleave, cumulative sums, gathers);
+`tile_layout_kernel` writes it in one, each program finding its tiles' segments by binary search over the
+part's cumulative tile counts. Pure integer arithmetic: it equals the torch layout (`inverted_index`'s oracle,
+selected_attention._tile_layout_torch) exactly. Kernels only; the launcher is `tile_layout`.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nsa.attention.kernels.interpreter import interpreter_active  # noqa: F401  (kernels built as the switch says)
+
+BLOCK = 256  # tiles (or segments) per program
+
+
+@triton.jit(do_not_specialize=["S", "n_tiles", "search_steps"])
+def tile_layout_kernel(
+    COUNTS, CUM_COUNTS, CUM_TILES, TILE_SEG, TILE_START, TILE_COUNT, SEG_TILE_FIRST,
+    P, S, n_tiles, search_steps, kv_tile,
+    BLOCK: tl.constexpr,
+):
+    """Programs 0 .. cdiv(P * n_tiles, BLOCK) - 1: tiles i (part p = i // n_tiles, r = i % n_tiles): the segment s
+    holding the part's r-th tile (the first with CUM_TILES[p, s] > r; none: a spare tile), its rank within the
+    segment, its first entry and count. Then the segments g = p * S + s: SEG_TILE_FIRST[g], their first tile.
+    COUNTS [P * S] entries per segment, CUM_COUNTS their inclusive cumulative sum (over all parts), CUM_TILES
+    [P, S] the inclusive cumulative sum of each segment's tiles within its part. Spare tiles: segment S - 1,
+    count 0, first entry rank * kv_tile past the part's last tile (as the torch layout writes them)."""
+    pid = tl.program_id(0)
+    i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < P * n_tiles
+    p = i // n_tiles
+    r = i % n_tiles
+    row = CUM_TILES + p * S
+    lo = tl.zeros((BLOCK,), dtype=tl.int64)
+    hi = lo + S
+    for _ in range(search_steps):  # smallest s in [0, S] with CUM_TILES[p, s] > r (S: none)
+        mid = (lo + hi) // 2
+        above = tl.load(row + mid, mask=ok & (mid < S), other=0) > r
+        go_left = (mid < hi) & above
+        hi = tl.where(go_left, mid, hi)
+        lo = tl.where(go_left | (mid >= hi), lo, mid + 1)
+    s = lo
+    spare = s >= S
+    s_c = tl.minimum(s, S - 1)
+    g = p * S + s_c
+    count = tl.load(COUNTS + g, mask=ok, other=0)
+    tiles = (count + kv_tile - 1) // kv_tile
+    first_tile = tl.load(row + s_c, mask=ok, other=0) - tiles  # the segment's first tile within the part
+    used = tl.load(row + S - 1, mask=ok, other=0)  # the part's tiles in use
+    rank = tl.where(spare, r - used, r - first_tile)
+    first_entry = tl.where(spare, 0, tl.load(CUM_COUNTS + g, mask=ok, other=0) - count)
+    left = tl.where(spare, 0, count - rank * kv_tile)
+    tl.store(TILE_SEG + i, s_c, mask=ok)
+    tl.store(TILE_START + i, first_entry + rank * kv_tile, mask=ok)
+    tl.store(TILE_COUNT + i, tl.minimum(tl.maximum(left, 0), kv_tile), mask=ok)
+    # segments: the same programs, over P * S
+    g2 = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok2 = g2 < P * S
+    count2 = tl.load(COUNTS + g2, mask=ok2, other=0)
+    first2 = tl.load(CUM_TILES + g2, mask=ok2, other=0) - (count2 + kv_tile - 1) // kv_tile
+    tl.store(SEG_TILE_FIRST + g2, first2 + (g2 // S) * n_tiles, mask=ok2)
+
+
+def tile_layout(counts: torch.Tensor, seg_tiles: torch.Tensor, P: int, S: int, n_tiles: int, kv_tile: int):
+    """counts [P * S] int64 (entries per segment, part-major) and seg_tiles = ceil(counts / kv_tile) -> tile_seg,
+    tile_start, tile_count [P * n_tiles] and seg_tile_first [P * S], int64, as selected_attention.inverted_index
+    documents them (its oracle: selected_attention.tile_layout_torch). n_tiles must bound every part's tiles
+    (inverted_index's static bound). Three launches: two cumulative sums and the kernel."""
+    cum_counts = torch.cumsum(counts, 0)  # [P * S]
+    cum_tiles = torch.cumsum(seg_tiles.view(P, S), 1)  # [P, S]
+    tile_seg, tile_start, tile_count = (counts.new_empty(P * n_tiles) for _ in range(3))
+    seg_tile_first = counts.new_empty(P * S)
+    grid = (triton.cdiv(max(P * n_tiles, P * S), BLOCK),)
+    tile_layout_kernel[grid](counts, cum_counts, cum_tiles, tile_seg, tile_start, tile_count, seg_tile_first,
+                             P, S, n_tiles, S.bit_length() + 1, kv_tile, BLOCK=BLOCK)
+    return tile_seg, tile_start, tile_count, seg_tile_first
