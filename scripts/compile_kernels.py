@@ -146,6 +146,18 @@ def exercise_selection(shape: Shape, dtype: torch.dtype) -> None:
         ts.SELECTION_PATH = default
 
 
+def exercise_rotary(shape: Shape, dtype: torch.dtype) -> None:
+    """The rotary kernel as the layer calls it (nsa/attention/ops.py): queries and the selection and window keys in
+    one tensor, positions shared by the batch rows or per row (packed documents), forward and inverse (backward)."""
+    from nsa.attention.kernels.rotary import rotary
+
+    T, half = shape.T, shape.hd // 2
+    qk = _meta(1, shape.H_kv * (shape.G + 2), T, shape.hd, dtype=dtype)  # [B, H + 2 H_kv, T, hd]
+    for angles in (_meta(T, half, dtype=torch.float32), _meta(1, T, half, dtype=torch.float32)):
+        for inverse in (False, True):
+            rotary(qk, angles, angles, inverse)
+
+
 def exercise_select_topk(shape: Shape, dtype: torch.dtype) -> None:
     """Fused block selection, called as nsa/attention/ops.py calls it (with the compressed branch's log-sum-exps) and
     on its own, without and with a document frame."""
@@ -170,6 +182,7 @@ KERNEL_MODULES = (
     ("nsa.attention.kernels.block_centric", exercise_selection),  # launched by selected_attention's wrappers
     ("nsa.attention.kernels.index_tiles", exercise_selection),  # launched by selected_attention's index
     ("nsa.attention.kernels.select_topk", exercise_select_topk),
+    ("nsa.attention.kernels.rotary", exercise_rotary),
 )
 
 

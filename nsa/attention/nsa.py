@@ -33,7 +33,6 @@ from nsa.attention.indexer import BlockIndexer, dense_block_mass, indexer_kl, kl
 from nsa.attention.nsa_cache import NSACache
 from nsa.attention.selection_health import gate_means, outside_window_counts, outside_window_share, recall_sample
 from nsa.config import ModelConfig, NSAConfig
-from nsa.layers import apply_rotary
 from nsa.profiling import nvtx_range
 
 WINDOW_GATES = (0.0, 0.0, 1.0)  # nsa.gates=window: the (cmp, sel, win) gates, pinned
@@ -167,7 +166,8 @@ class NativeSparseAttention(nn.Module):
         if rope is not None:  # one rotation for q and the selection and window keys; compression keys
             # stay raw (rotated after phi)
             rotate = [i for i, name in enumerate(self.branches) if name != "cmp"]
-            rotated = apply_rotary(torch.cat((q, *(keys[i] for i in rotate)), dim=1), *rope)  # [B, H + n*H_kv, T, hd]
+            qk = torch.cat((q, *(keys[i] for i in rotate)), dim=1)  # [B, H + n*H_kv, T, hd]
+            rotated = ops.rotary(qk, *rope, self.cfg.kernel)
             q, *rotated_keys = rotated.split((H,) + (H_kv,) * len(rotate), dim=1)
             for i, k in zip(rotate, rotated_keys):
                 keys[i] = k
@@ -225,7 +225,7 @@ class NativeSparseAttention(nn.Module):
             # cos, sin [T, hd/2] or per row [B, T, hd/2]: positions l-1, l-1+d, .. of the T axis, a strided view
             # (no index op) -> [count, hd/2] or [B, count, hd/2]
             at = slice(c.l - 1, c.l - 1 + (count - 1) * c.d + 1, c.d)
-            ck = apply_rotary(ck, rope[0][..., at, :], rope[1][..., at, :])
+            ck = ops.rotary(ck, rope[0][..., at, :], rope[1][..., at, :], c.kernel)
         index = None
         if self.indexer is not None:
             xd = x.detach()  # the language-model loss never moves the indexer
@@ -251,7 +251,7 @@ class NativeSparseAttention(nn.Module):
             cv = compress(self.compress_v, raw_v, raw_start, first, count, c.l, c.d)
         if rope is not None and count > 0:  # rotate compressed key i at position i*d + l - 1 (in x)
             at = torch.arange(count, device=q.device) * c.d + (first * c.d + c.l - 1 - t0)  # [count]
-            ck = apply_rotary(ck, rope[0][..., at, :], rope[1][..., at, :])
+            ck = ops.rotary(ck, rope[0][..., at, :], rope[1][..., at, :], c.kernel)
         if emit:
             cache.cmp_k.append(ck)
             cache.cmp_v.append(cv)
@@ -349,7 +349,7 @@ class NativeSparseAttention(nn.Module):
         if rope is not None:  # rotate each compressed key at the last position of its block
             cos, sin = (r.expand(B, *r.shape[-2:]) for r in rope)  # [B, T, hd/2]: per-row (document) positions
             at = layout.block_end[..., None].expand(-1, -1, cos.shape[-1])  # [B, C, hd/2]
-            ck = apply_rotary(ck, cos.gather(1, at), sin.gather(1, at))  # cos, sin [B, C, hd/2]
+            ck = ops.rotary(ck, cos.gather(1, at), sin.gather(1, at), c.kernel)  # cos, sin [B, C, hd/2]
         with nvtx_range("nsa.compressed"):
             o_cmp, cmp_lse = ops.compressed_attention(q, ck, cv, 0, c.l, c.d, c.q_chunk, c.kernel, frame=frame,
                                                       return_lse=True)

@@ -1,6 +1,7 @@
-"""NSA's stages as torch.library custom ops: the layer calls the same four functions on every device.
+"""NSA's stages as torch.library custom ops: the layer calls the same five functions on every device.
 The only module that registers custom ops and chooses a kernel (`resolve_kernel`).
 
+    rotary(x, cos, sin)                    -> x rotated          nsa::rotary (its backward: the inverse rotation)
     select_blocks(q, ck)                   -> block_idx          nsa::select_blocks (no autograd)
     compressed_attention(q, ck, cv)        -> o                  nsa::compressed_attention (+ _backward)
     selected_attention(q, k, v, block_idx) -> o                  nsa::selected_attention (+ _backward)
@@ -33,6 +34,7 @@ from torch import Tensor
 
 from nsa.attention.impl import block_select, compression, masked, segments, selection, window
 from nsa.attention.impl.flex import flex_compressed_attention, flex_window_attention, use_flex
+from nsa.layers import apply_rotary
 from nsa.triton_support import triton_unavailable
 
 KERNELS = ("auto", "triton", "torch")
@@ -73,6 +75,46 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _triton(kernel: str, x: Tensor) -> bool:
     return resolve_kernel(kernel, x.device) == "triton"
+
+
+# ---------------------------------------------------------------- rotary position embedding
+@torch.library.custom_op("nsa::rotary", mutates_args=())
+def _rotary(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool, kernel: str) -> Tensor:
+    if _triton(kernel, x):
+        from nsa.attention.kernels.rotary import rotary
+
+        return rotary(x, cos, sin, inverse)
+    return apply_rotary(x, cos, -sin if inverse else sin).contiguous()
+
+
+@_rotary.register_fake
+def _(x, cos, sin, inverse, kernel):
+    return x.new_empty(x.shape)
+
+
+def _rotary_setup(ctx, inputs, output):
+    _, cos, sin, inverse, kernel = inputs
+    ctx.save_for_backward(cos, sin)
+    ctx.inverse, ctx.kernel = inverse, kernel
+
+
+def _rotary_backward(ctx, d_out):
+    cos, sin = ctx.saved_tensors
+    return _rotary(d_out, cos, sin, not ctx.inverse, ctx.kernel), None, None, None, None  # a rotation's adjoint
+
+
+_rotary.register_autograd(_rotary_backward, setup_context=_rotary_setup)
+
+
+def rotary(
+    x: Tensor,  # [B, H, T, hd]
+    cos: Tensor,  # [T, hd/2], or per row [B, T, hd/2] (positions that restart in each packed document); no gradient
+    sin: Tensor,  # like cos
+    kernel: str = "torch",  # NSAConfig.kernel: the Triton kernel (kernels/rotary.py, one launch) or apply_rotary
+) -> Tensor:  # [B, H, T, hd] contiguous, x's dtype
+    """nsa.layers.apply_rotary as one op (forward and backward one launch each on the Triton path); the torch path
+    runs apply_rotary itself, so CPU results are those of apply_rotary's, bit for bit."""
+    return _rotary(x, cos.detach(), sin.detach(), False, kernel)
 
 
 # ---------------------------------------------------------------- block selection (no autograd)

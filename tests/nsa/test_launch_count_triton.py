@@ -36,7 +36,7 @@ def test_every_triton_kernel_of_the_selection_path_is_counted_once(opened):
     # the layout of its two inverted indexes (the forward's by-slot index, the dK/dV kernel's block-major one)
     attention = {"block_fwd_kernel": 1, "slot_merge_kernel": 1, "block_dq_kernel": 1, "slot_sum_kernel": 1,
                  "_dkv_kernel": 1, "_dkv_reduce_kernel": 1}
-    assert kernels == {"_select_topk_kernel": 1, **attention, "tile_layout_kernel": 2}
+    assert kernels == {"_select_topk_kernel": 1, **attention, "tile_layout_kernel": 2, "rotary_kernel": 4}
     assert set(ts.launched_kernels(6)) == {name.removesuffix("_kernel").removeprefix("_") for name in attention}
 
 
@@ -58,6 +58,17 @@ def test_the_backward_reuses_the_forwards_slot_index(opened):
     """Two sorts per layer forward + backward: the by-slot index (built in the forward, read again by dQ) and the
     dK/dV kernel's block-major index; building the slot index again in the backward would make three."""
     assert opened[SEQ[0]].by_op["aten.sort"] == 2
+
+
+# ATen ops and Triton launches per layer forward + backward on the Triton path at this size: 145 on 2026-11-28
+# (273 before the backward reused the forward's slot index, the index layout became one launch and RoPE one op);
+# issue 50's goal is <= 80 with projections included. A regression guard, not the goal.
+TRITON_PATH_BUDGET = 150
+
+
+def test_the_triton_path_stays_within_its_budget(opened):
+    assert opened[SEQ[0]].total <= TRITON_PATH_BUDGET, opened[SEQ[0]].by_op.most_common(10)
+    assert opened[SEQ[0]].by_op["triton.rotary_kernel"] == 4  # forward and backward of both rotations
 
 
 def test_the_triton_path_launches_the_same_kernels_at_every_length(opened):

@@ -263,7 +263,7 @@ def test_flops_launches_and_memory_count_the_window_branch_only():
     counts["packed"] = attention_layer_launches(window, 2048, documents=8)
     assert len({c.total for c in counts.values()}) == 1  # constant in length and document count
     ops = {name: n for name, n in counts[65536].by_op.items() if name.startswith("nsa.")}
-    assert ops == {"nsa.window_attention": 1, "nsa.window_attention_backward": 1}
+    assert ops == {"nsa.rotary": 2, "nsa.window_attention": 1, "nsa.window_attention_backward": 1}
     assert counts[2048].total < attention_layer_launches(learned, 2048).total
     # the memory planner saves what a dense layer saves for it
     from train.core.config import load_config

@@ -1,0 +1,82 @@
+"""nsa::rotary (nsa/attention/ops.py) and its Triton kernel (nsa/attention/kernels/rotary.py): the op's torch path is
+nsa.layers.apply_rotary bit for bit, forward and backward (the backward is the inverse rotation, which autograd
+through apply_rotary computes with the same roundings); the kernel, in Triton's interpreter, equals it to the
+rounding of its own fused products, for shared and per-row positions, strided inputs, every dtype the layer
+uses, and its inverse undoes it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nsa.attention import ops
+from nsa.layers import RotaryEmbedding, apply_rotary
+
+
+def _case(dtype, per_row: bool, seed: int = 0, B: int = 2, H: int = 3, T: int = 37, hd: int = 16):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, H + 2, T, hd, generator=g, dtype=torch.float64)[:, 1:-1].to(dtype)  # strided, as a slice
+    positions = torch.randint(0, 500, (B, T), generator=g) if per_row else torch.arange(T) * 7
+    if dtype != torch.float64:
+        cos, sin = RotaryEmbedding(hd, 10_000.0)(positions)  # float32, as the model's are
+        return x, cos, sin
+    # float64 angles (cos^2 + sin^2 = 1 to float64 rounding: the inverse rotation gives x back)
+    angles = positions[..., None].double() * 10_000.0 ** (-torch.arange(hd // 2, dtype=torch.float64) / (hd // 2))
+    return x, angles.cos(), angles.sin()
+
+
+@pytest.mark.parametrize("per_row", [False, True], ids=["shared", "per_row"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_torch_path_is_apply_rotary_forward_and_backward_bit_for_bit(dtype, per_row):
+    x, cos, sin = _case(dtype, per_row)
+    d_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(5)).to(dtype)
+    a = x.clone().requires_grad_(True)
+    want = apply_rotary(a, cos, sin)
+    want.backward(d_out)
+    b = x.clone().requires_grad_(True)
+    got = ops.rotary(b, cos, sin, "torch")
+    got.backward(d_out)
+    assert got.is_contiguous() and got.dtype == dtype
+    assert torch.equal(got, want) and torch.equal(b.grad, a.grad)
+
+
+def test_rotary_op_passes_opcheck():
+    x, cos, sin = _case(torch.float64, per_row=True)
+    torch.library.opcheck(ops._rotary, (x.contiguous().requires_grad_(True), cos, sin, False, "torch"))
+
+
+try:
+    from nsa.attention.kernels import rotary as kr
+except ImportError:
+    kr = None
+needs_interpreter = pytest.mark.skipif(kr is None or not kr.interpreter_active(),
+                                       reason="triton or its interpreter (TRITON_INTERPRET=1) is not available")
+# the kernel rounds a product sum once per term in fp32 (or fuses it): a few ulp of fp32, or one bf16 rounding
+TOLERANCE = {torch.float64: dict(atol=1e-12, rtol=1e-12), torch.float32: dict(atol=2e-6, rtol=2e-6),
+             torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
+
+
+@needs_interpreter
+@pytest.mark.parametrize("per_row", [False, True], ids=["shared", "per_row"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_kernel_equals_apply_rotary_and_its_inverse_undoes_it(dtype, per_row):
+    x, cos, sin = _case(dtype, per_row, seed=1, hd=24)  # hd/2 = 12: a padded power-of-two tile
+    want = apply_rotary(x, cos, sin)
+    got = kr.rotary(x, cos, sin)
+    assert got.is_contiguous() and got.dtype == dtype
+    torch.testing.assert_close(got, want, **TOLERANCE[dtype])
+    back = kr.rotary(got, cos, sin, inverse=True)
+    torch.testing.assert_close(back, apply_rotary(got, cos, -sin), **TOLERANCE[dtype])
+    if dtype == torch.float64:
+        torch.testing.assert_close(back, x, atol=1e-12, rtol=1e-12)  # a rotation's inverse
+
+
+@needs_interpreter
+def test_triton_op_backward_is_the_inverse_rotation_of_the_gradient():
+    x, cos, sin = _case(torch.float64, per_row=True, seed=2)
+    d_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    a = x.clone().requires_grad_(True)
+    apply_rotary(a, cos, sin).backward(d_out)
+    b = x.clone().requires_grad_(True)
+    ops.rotary(b, cos, sin, "triton").backward(d_out)
+    torch.testing.assert_close(b.grad, a.grad, atol=1e-12, rtol=1e-12)
+    assert not torch.allclose(b.grad, d_out)  # a real rotation: the gradient moved
