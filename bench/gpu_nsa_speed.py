@@ -328,7 +328,6 @@ def attention(args, ceil: dict | None) -> dict:
     import torch.nn.functional as F
 
     from nsa.attention import ops
-    from nsa.attention.nsa import gated_sum
 
     layouts, geometry = (TINY_LAYOUTS, TINY_GEOMETRY) if args.tiny else (LAYOUTS, NSA_GEOMETRY)
     Ss = args.S or ([128, 256] if args.tiny else [8192, 16384, 32768, 65536])
@@ -353,7 +352,7 @@ def attention(args, ceil: dict | None) -> dict:
         leaves = [q, gates, *[t for pair in br.values() for t in pair]]
 
         def nsa_fwd():
-            return gated_sum(gates, *layer.sparse_attention(q, br, rope)[:3])
+            return ops.gated_combine(gates, *layer.sparse_attention(q, br, rope)[:3], layer.cfg.kernel)
 
         def sdpa_fwd():
             return F.scaled_dot_product_attention(q, br["sel"][0], br["sel"][1], is_causal=True, enable_gqa=True)

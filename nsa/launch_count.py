@@ -34,7 +34,8 @@ def launches(func) -> bool:
 
 # the custom ops whose CUDA implementation is the one a CPU runs in Triton's interpreter (nsa.kernel=triton); the
 # compressed and window branches' ops are the torch path, which CUDA replaces by FlexAttention: they stay closed
-OPENED = ("nsa::rotary", "nsa::select_blocks", "nsa::selected_attention", "nsa::selected_attention_backward")
+OPENED = ("nsa::rotary", "nsa::gated_combine", "nsa::gated_combine_backward", "nsa::select_blocks", "nsa::selected_attention",
+          "nsa::selected_attention_backward")
 
 
 def _custom_op_body(func):

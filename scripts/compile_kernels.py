@@ -158,6 +158,18 @@ def exercise_rotary(shape: Shape, dtype: torch.dtype) -> None:
             rotary(qk, angles, angles, inverse)
 
 
+def exercise_gated_combine(shape: Shape, dtype: torch.dtype) -> None:
+    """The gated combination forward and backward as nsa/attention/ops.py calls them (gates [B, T, H, 3] in the
+    branches' dtype, branch outputs [B, H, T, hd])."""
+    from nsa.attention.kernels.gated_combine import gated_combine_bwd, gated_combine_fwd
+
+    H, T = shape.H_kv * shape.G, shape.T
+    gates = _meta(1, T, H, 3, dtype=dtype)
+    branches = [_meta(1, H, T, shape.hd, dtype=dtype) for _ in range(3)]
+    y = gated_combine_fwd(gates, *branches)
+    gated_combine_bwd(y, gates, *branches)
+
+
 def exercise_select_topk(shape: Shape, dtype: torch.dtype) -> None:
     """Fused block selection, called as nsa/attention/ops.py calls it (with the compressed branch's log-sum-exps) and
     on its own, without and with a document frame."""
@@ -183,6 +195,7 @@ KERNEL_MODULES = (
     ("nsa.attention.kernels.index_tiles", exercise_selection),  # launched by selected_attention's index
     ("nsa.attention.kernels.select_topk", exercise_select_topk),
     ("nsa.attention.kernels.rotary", exercise_rotary),
+    ("nsa.attention.kernels.gated_combine", exercise_gated_combine),
 )
 
 

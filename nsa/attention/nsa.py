@@ -52,12 +52,6 @@ def initial_gate_entropy(cfg: NSAConfig) -> float:
     return -g * math.log(g) - (1 - g) * math.log(1 - g)
 
 
-def gated_sum(g: torch.Tensor, o_cmp: torch.Tensor, o_sel: torch.Tensor, o_win: torch.Tensor) -> torch.Tensor:
-    """g [B, T, H, 3] (cmp, sel, win) and the branch outputs [B, H, T, hd] -> their gated sum [B, H, T, hd]."""
-    gt = g.transpose(1, 2).unsqueeze(-1).to(o_cmp.dtype)  # [B, H, T, 3, 1]
-    return gt[..., 0, :] * o_cmp + gt[..., 1, :] * o_sel + gt[..., 2, :] * o_win
-
-
 class NativeSparseAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -325,8 +319,8 @@ class NativeSparseAttention(nn.Module):
         record: _selection_record's (stats, sample) when statistics are on, else None."""
         B, T, _ = x.shape
         g = self.gates(x)  # [B, T, H, 3]
-        y = gated_sum(g, o_cmp, o_sel, o_win)  # [B, H, T, hd]
-        y = self.dropout(self.proj(y.transpose(1, 2).reshape(B, T, -1)))
+        y = ops.gated_combine(g, o_cmp, o_sel, o_win, self.cfg.kernel)  # [B, T, H, hd]
+        y = self.dropout(self.proj(y.view(B, T, -1)))
         if record is not None:
             selection, self.last_sample = record
             self.last_stats = {**gate_statistics(g), **selection, **gate_means(g)}

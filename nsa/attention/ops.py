@@ -1,7 +1,8 @@
-"""NSA's stages as torch.library custom ops: the layer calls the same five functions on every device.
+"""NSA's stages as torch.library custom ops: the layer calls the same six functions on every device.
 The only module that registers custom ops and chooses a kernel (`resolve_kernel`).
 
     rotary(x, cos, sin)                    -> x rotated          nsa::rotary (its backward: the inverse rotation)
+    gated_combine(g, o_cmp, o_sel, o_win)  -> y                  nsa::gated_combine (+ _backward)
     select_blocks(q, ck)                   -> block_idx          nsa::select_blocks (no autograd)
     compressed_attention(q, ck, cv)        -> o                  nsa::compressed_attention (+ _backward)
     selected_attention(q, k, v, block_idx) -> o                  nsa::selected_attention (+ _backward)
@@ -32,7 +33,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from nsa.attention.impl import block_select, compression, masked, segments, selection, window
+from nsa.attention.impl import block_select, combine, compression, masked, segments, selection, window
 from nsa.attention.impl.flex import flex_compressed_attention, flex_window_attention, use_flex
 from nsa.layers import apply_rotary
 from nsa.triton_support import triton_unavailable
@@ -115,6 +116,64 @@ def rotary(
     """nsa.layers.apply_rotary as one op (forward and backward one launch each on the Triton path); the torch path
     runs apply_rotary itself, so CPU results are those of apply_rotary's, bit for bit."""
     return _rotary(x, cos.detach(), sin.detach(), False, kernel)
+
+
+# ---------------------------------------------------------------- the gated combination of the branches
+@torch.library.custom_op("nsa::gated_combine", mutates_args=())
+def _combine(g: Tensor, o_cmp: Tensor, o_sel: Tensor, o_win: Tensor, kernel: str) -> Tensor:
+    if _triton(kernel, o_cmp):
+        from nsa.attention.kernels.gated_combine import gated_combine_fwd
+
+        return gated_combine_fwd(g, o_cmp, o_sel, o_win)
+    return combine.gated_combine_fwd(g, o_cmp, o_sel, o_win)
+
+
+@_combine.register_fake
+def _(g, o_cmp, o_sel, o_win, kernel):
+    B, H, T, hd = o_cmp.shape
+    return o_cmp.new_empty(B, T, H, hd)
+
+
+@torch.library.custom_op("nsa::gated_combine_backward", mutates_args=())
+def _combine_bwd(d_y: Tensor, g: Tensor, o_cmp: Tensor, o_sel: Tensor, o_win: Tensor,
+                 kernel: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    if _triton(kernel, o_cmp):
+        from nsa.attention.kernels.gated_combine import gated_combine_bwd
+
+        return gated_combine_bwd(d_y, g, o_cmp, o_sel, o_win)
+    return combine.gated_combine_bwd(d_y, g, o_cmp, o_sel, o_win)
+
+
+@_combine_bwd.register_fake
+def _(d_y, g, o_cmp, o_sel, o_win, kernel):
+    return g.new_empty(g.shape), *(o.new_empty(o.shape) for o in (o_cmp, o_sel, o_win))
+
+
+def _combine_setup(ctx, inputs, output):
+    *tensors, kernel = inputs
+    ctx.save_for_backward(*tensors)
+    ctx.kernel = kernel
+
+
+def _combine_backward(ctx, d_y):
+    return (*_combine_bwd(d_y, *ctx.saved_tensors, ctx.kernel), None)
+
+
+_combine.register_autograd(_combine_backward, setup_context=_combine_setup)
+
+
+def gated_combine(
+    g: Tensor,  # [B, T, H, 3] the gates (cmp, sel, win)
+    o_cmp: Tensor,  # [B, H, T, hd] the branch outputs
+    o_sel: Tensor,
+    o_win: Tensor,
+    kernel: str = "torch",  # NSAConfig.kernel: the Triton kernels (kernels/gated_combine.py) or impl/combine.py
+) -> Tensor:  # [B, T, H, hd] contiguous: the output projection's layout
+    """sum_i g_i o_i (paper Eq. 5) as one op per direction; the torch path's forward is gated_sum's, bit for bit."""
+    if not o_cmp.dtype == o_sel.dtype == o_win.dtype:  # autocast may mix them
+        dtype = torch.promote_types(torch.promote_types(o_cmp.dtype, o_sel.dtype), o_win.dtype)
+        o_cmp, o_sel, o_win = o_cmp.to(dtype), o_sel.to(dtype), o_win.to(dtype)
+    return _combine(g, o_cmp, o_sel, o_win, kernel)
 
 
 # ---------------------------------------------------------------- block selection (no autograd)
