@@ -1,25 +1,52 @@
-"""Ops dispatched by one attention layer, forward + backward, per sequence length (on CUDA each is at least
-one kernel launch), counted on the meta device (nsa/launch_count.py): NSA vs the dense layer, M7C-125M
-shapes (dim 768, 12 heads, 2 KV heads, head dim 64; NSA l=32 d=16 l'=64 n=16 w=512), batch 1.
+"""Launches of one attention layer, forward + backward, per sequence length (nsa/launch_count.py): NSA vs the dense
+layer, M7C-125M shapes (dim 768, 12 heads, 2 KV heads, head dim 64; NSA l=32 d=16 l'=64 n=16 w=512), batch 1.
 
-    .venv/bin/python bench/bench_launches.py [--T 2048 8192 32768 65536] [--json FILE]
+    .venv/bin/python bench/bench_launches.py [--T 2048 8192 32768 65536] [--triton-T 256] [--json FILE]
 
+Two counts per NSA layer:
+  ops       ATen ops and custom ops dispatched, counted on the meta device (a custom op counts once);
+  triton    the Triton path a CUDA run takes, counted on CPU in Triton's interpreter: the selection, RoPE and gated-sum
+            ops opened, their index-building ATen ops and every Triton kernel they launch counted (the compressed and
+            window branches stay one op per direction: FlexAttention on CUDA, whose backward has no CPU path). The
+            interpreter is slow, so this count runs at --triton-T tokens (constant in T:
+            tests/nsa/test_launch_count_triton.py).
 Prints a markdown table (docs/BENCHMARKS.md) and one JSON line.
 """
 from __future__ import annotations
 
-import argparse
-import json
+import os
 
-from nsa.config import ModelConfig, NSAConfig
-from nsa.launch_count import attention_layer_launches
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton: the kernels run on CPU tensors
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+
+from nsa.config import ModelConfig, NSAConfig  # noqa: E402
+from nsa.launch_count import TRITON, attention_layer_launches  # noqa: E402
 
 M7C = dict(dim=768, n_heads=12, n_kv_heads=2, head_dim=64)
+
+
+def triton_path(nsa: ModelConfig, T: int) -> dict:
+    """The Triton path's count (module docstring), or why it could not be taken."""
+    try:
+        from nsa.attention.kernels.selected_attention import interpreter_active
+    except ImportError as exc:
+        return {"skipped": f"triton is not importable ({exc})"}
+    if not interpreter_active():
+        return {"skipped": "Triton's interpreter is off (TRITON_INTERPRET was set to 0)"}
+    cfg = dataclasses.replace(nsa, nsa=dataclasses.replace(nsa.nsa, kernel="triton"))
+    count = attention_layer_launches(cfg, T, device="cpu", open_custom_ops=True)
+    return {"T": T, "total": count.total, "triton_kernels": count.triton, "aten": count.total - count.triton,
+            "by_op": dict(count.by_op.most_common()), "kernels": sorted(n[len(TRITON):] for n in count.by_op
+                                                                        if n.startswith(TRITON))}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--T", type=int, nargs="+", default=[2048, 8192, 32768, 65536])
+    ap.add_argument("--triton-T", type=int, default=256, help="tokens for the Triton path's count (0: skip it)")
     ap.add_argument("--json", help="also write the JSON here")
     args = ap.parse_args()
     nsa = ModelConfig(**M7C, attention="nsa", nsa=NSAConfig(l=32, d=16, l_sel=64, n_sel=16, w=512))
@@ -30,6 +57,13 @@ def main() -> None:
     for r in rows:
         print(f"| {r['T']:,} | {r['nsa']} | {r['dense']} | {r['nsa'] / r['dense']:.2f} |")
     result = {"bench": "launches", "rows": rows}
+    if args.triton_T:
+        result["triton_path"] = path = triton_path(nsa, args.triton_T)
+        if "skipped" in path:
+            print(f"Triton path: skipped: {path['skipped']}")
+        else:
+            print(f"Triton path (T = {path['T']}): {path['total']} launches per layer fwd+bwd = {path['aten']} ATen ops"
+                  f" + {path['triton_kernels']} Triton kernels ({', '.join(path['kernels'])})")
     print(json.dumps(result))
     if args.json:
         with open(args.json, "w") as f:
