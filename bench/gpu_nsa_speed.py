@@ -496,6 +496,11 @@ def layer_busy(args, layout: dict, geometry: dict, T: int) -> dict:
     sync(args.device)
     wall_ms = (time.perf_counter() - t) * 1e3 / n
     out = {"T": T, "wall_ms": round(wall_ms, 3), "host_issue_ms": round(host_ms, 3)}
+    # what a CPU counts for the same layer (nsa/launch_count.py, the meta device: each op one launch, a custom op
+    # one), beside the kernels the profiler sees below (autocast's weight casts and the loss's ops included there)
+    from nsa.launch_count import attention_layer_launches
+
+    out["ops_counted_on_cpu"] = attention_layer_launches(model_config(layout, geometry, "auto", T), T).total
     if args.device == "cuda":
         from torch.profiler import ProfilerActivity, profile
 
