@@ -13,7 +13,7 @@ import torch
 
 from tests.nsa.test_triton_selection import ATOL, DEV, RTOL, dense_reference, grads, make_case, ts  # skips without triton
 from tests.nsa.interpreter_probe import interpreter_loop_problem
-from nsa.attention.kernels.index_tiles import tile_layout
+from nsa.attention.kernels.index_tiles import segment_keys, tile_layout
 
 if reason := interpreter_loop_problem():  # tests/nsa/interpreter_probe.py: a Triton interpreter limit
     pytest.skip(reason, allow_module_level=True)
@@ -154,6 +154,22 @@ def test_tile_layout_kernel_equals_its_torch_oracle(P, S, kv_tile, spread):
     for name, a, b in zip(("tile_seg", "tile_start", "tile_count", "seg_tile_first"), got, want):
         assert a.dtype == b.dtype == torch.long, name
         assert torch.equal(a.cpu(), b), name
+
+
+@pytest.mark.parametrize("by_slot", [False, True], ids=["block_major", "by_slot"])
+@pytest.mark.parametrize("with_sub", [False, True], ids=["plain", "sub"])
+def test_segment_keys_kernel_equals_its_torch_oracle(by_slot, with_sub):
+    """kernels/index_tiles.py's keys and counts against segment_keys_torch: integers, equal exactly; empty slots (-1)
+    go to the spare segment, uncounted; 700 entries take three programs."""
+    g = torch.Generator().manual_seed(3 + by_slot + 2 * with_sub)
+    BH, Tq, n, n_blocks, n_sub = 5, 35, 4, 9, 16
+    idx = torch.randint(-1, n_blocks, (BH, Tq, n), generator=g)
+    sub = torch.randint(0, n_sub, (BH, Tq, n), generator=g) if with_sub else None
+    key, counts = segment_keys(idx.to(DEV), n_blocks, by_slot, None if sub is None else sub.to(DEV), n_sub)
+    want_key, want_counts = ts.segment_keys_torch(idx, n_blocks, by_slot, sub, n_sub)
+    assert key.dtype == counts.dtype == torch.long
+    assert torch.equal(key.cpu(), want_key) and torch.equal(counts.cpu(), want_counts)
+    assert int(counts.sum()) == int((idx >= 0).sum())
 
 
 def test_slot_index_tiles_every_entry_once():

@@ -36,7 +36,8 @@ def test_every_triton_kernel_of_the_selection_path_is_counted_once(opened):
     # the layout of its two inverted indexes (the forward's by-slot index, the dK/dV kernel's block-major one)
     attention = {"block_fwd_kernel": 1, "slot_merge_kernel": 1, "block_dq_kernel": 1, "slot_sum_kernel": 1,
                  "_dkv_kernel": 1, "_dkv_reduce_kernel": 1}
-    assert kernels == {"_select_topk_kernel": 1, **attention, "tile_layout_kernel": 2, "rotary_kernel": 4,
+    assert kernels == {"_select_topk_kernel": 1, **attention, "segment_keys_kernel": 2, "tile_layout_kernel": 2,
+                       "rotary_kernel": 4,
                        "gated_combine_fwd_kernel": 1, "gated_combine_bwd_kernel": 1}
     assert set(ts.launched_kernels(6)) == {name.removesuffix("_kernel").removeprefix("_") for name in attention}
 
@@ -61,10 +62,11 @@ def test_the_backward_reuses_the_forwards_slot_index(opened):
     assert opened[SEQ[0]].by_op["aten.sort"] == 2
 
 
-# ATen ops and Triton launches per layer forward + backward on the Triton path at this size: 124 on 2026-11-28
-# (273 before the backward reused the forward's slot index, the index layout became one launch, RoPE and the gated
-# sum one op each); issue 50's goal is <= 80 with projections included. A regression guard, not the goal.
-TRITON_PATH_BUDGET = 130
+# ATen ops and Triton launches per layer forward + backward on the Triton path at this size: 109 on 2026-11-28
+# (273 before the backward reused the forward's slot index, the index's keys, counts and tile layout became a
+# launch each, RoPE and the gated sum one op each); issue 50's goal is <= 80 with projections included. A
+# regression guard, not the goal.
+TRITON_PATH_BUDGET = 115
 
 
 def test_the_triton_path_stays_within_its_budget(opened):

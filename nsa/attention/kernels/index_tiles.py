@@ -1,4 +1,8 @@
-"""The tile layout of the selected-attention inverted index (selected_attention.inverted_index) in one launch.
+"""The selected-attention inverted index (selected_attention.inverted_index) in few launches: each entry's segment
+and sort key with the segments' entry counts (`segment_keys`: one launch after a zero fill), and the tile layout
+(`tile_layout`: one launch after two cumulative sums). Torch ops took ~12 and ~25 launches for these.
+
+Tile layout.
 
 Given how many entries each segment holds and their sorted order, the kernels of selected attention read the entries
 as tiles of at most `kv_tile` queries of one segment, a fixed number of tiles per part (static sizes, no host
@@ -15,7 +19,53 @@ import triton.language as tl
 
 from nsa.attention.kernels.interpreter import interpreter_active  # noqa: F401  (kernels built as the switch says)
 
-BLOCK = 256  # tiles (or segments) per program
+BLOCK = 256  # tiles, segments or entries per program
+
+
+@triton.jit(do_not_specialize=["E", "Tq", "n_blocks", "S"])
+def segment_keys_kernel(
+    IDX, SUB, KEY, COUNTS,
+    E, Tq, n, n_blocks, S, n_sub,
+    BY_SLOT: tl.constexpr, HAS_SUB: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Entries e of IDX [BH, Tq, n] (flat; -1 = none): their segment bh * n_blocks + block (+ slot * S by slot; empty
+    entries the spare segment P * S), stored as the sort key (segment * n_sub + SUB[e] with HAS_SUB) in KEY, and
+    one count per entry into COUNTS[segment] ([P * S + 1], zeroed; integer atomics: the counts do not depend on
+    their order)."""
+    e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = e < E
+    block = tl.load(IDX + e, mask=ok, other=-1).to(tl.int64)
+    slot = e % n
+    seg = (e // (Tq * n)) * n_blocks + block
+    spare = S
+    if BY_SLOT:
+        seg += slot * S
+        spare = n * S
+    seg = tl.where(block >= 0, seg, spare)
+    if HAS_SUB:
+        tl.store(KEY + e, seg * n_sub + tl.load(SUB + e, mask=ok, other=0).to(tl.int64), mask=ok)
+    else:
+        tl.store(KEY + e, seg, mask=ok)
+    tl.atomic_add(COUNTS + seg, tl.full((BLOCK,), 1, tl.int64), mask=ok)
+
+
+def segment_keys(block_idx: torch.Tensor, n_blocks: int, by_slot: bool, sub: torch.Tensor | None = None,
+                 n_sub: int = 1):
+    """block_idx [BH, Tq, n] (-1 = none) -> the sort key [BH*Tq*n] int64 (each entry's segment in inverted_index's
+    numbering, times n_sub plus sub where given) and counts [P * S] int64 (entries per segment, P = n by slot else 1,
+    S = BH * n_blocks). Two launches (the counts' zero fill and the kernel); the oracle is
+    selected_attention.segment_keys_torch."""
+    BH, Tq, n = block_idx.shape
+    S, E = BH * n_blocks, block_idx.numel()
+    P = n if by_slot else 1
+    idx = block_idx.contiguous()
+    key = torch.empty(E, dtype=torch.long, device=idx.device)
+    counts = torch.zeros(P * S + 1, dtype=torch.long, device=idx.device)
+    if E:
+        segment_keys_kernel[(triton.cdiv(E, BLOCK),)](
+            idx, idx if sub is None else sub.contiguous(), key, counts, E, Tq, n, n_blocks, S, n_sub,
+            BY_SLOT=by_slot, HAS_SUB=sub is not None, BLOCK=BLOCK)
+    return key, counts[:P * S]
 
 
 @triton.jit(do_not_specialize=["S", "n_tiles", "search_steps"])

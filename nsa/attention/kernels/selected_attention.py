@@ -97,7 +97,7 @@ import triton.language as tl
 
 from nsa.attention.kernels.block_centric import (_load_block, _run_rows, block_dq_kernel, block_fwd_kernel,
                                                  slot_merge_kernel, slot_sum_kernel)
-from nsa.attention.kernels.index_tiles import tile_layout
+from nsa.attention.kernels.index_tiles import segment_keys, tile_layout
 from nsa.attention.kernels.interpreter import interpreter_active
 
 KV_TILE = 512  # queries per dK/dV program (bounds its serial work; partial dK/dV memory ~ 1 / KV_TILE)
@@ -704,20 +704,16 @@ def inverted_index(block_idx: torch.Tensor, n_blocks: int, kv_tile: int, by_slot
     dev = block_idx.device
     S = BH * n_blocks
     P = n if by_slot else 1
-    seg = block_idx.long() + (torch.arange(BH, device=dev) * n_blocks).view(BH, 1, 1)
-    if by_slot:
-        seg = seg + (torch.arange(n, device=dev) * S).view(1, 1, n)
-    seg = torch.where(block_idx >= 0, seg, P * S).flatten()  # empty slots -> spare segment P*S (sorted last)
-    _, order = torch.sort(seg if sub is None else seg * n_sub + sub.flatten(), stable=True)
+    # empty slots -> the spare segment P*S (sorted last, not counted); kernels/index_tiles.py
+    key, counts = segment_keys(block_idx, n_blocks, by_slot, sub, n_sub)
+    _, order = torch.sort(key, stable=True)
     queries = ((order // n) % Tq).to(torch.int32)
-    counts = torch.zeros(P * S + 1, dtype=torch.long, device=dev).index_add_(0, seg, torch.ones_like(seg))[:P * S]
     seg_tiles = (counts + kv_tile - 1) // kv_tile
     per_part = BH * Tq * (1 if by_slot else min(n, n_blocks))
     n_tiles = per_part // kv_tile + min(S, per_part)
     tile_seg, tile_start, tile_count, seg_tile_first = tile_layout(counts, seg_tiles, P, S, n_tiles, kv_tile)
     if sub is None:
         return queries, tile_seg, tile_start, tile_count, seg_tile_first, seg_tiles
-    key = seg * n_sub + sub.flatten()
     sorted_key = key[order]
     last = torch.ones_like(sorted_key, dtype=torch.bool)
     last[:-1] = sorted_key[1:] != sorted_key[:-1]  # the last entry of its run
@@ -725,6 +721,20 @@ def inverted_index(block_idx: torch.Tensor, n_blocks: int, kv_tile: int, by_slot
     ends = torch.where(last, at + 1, key.numel()).flip(0).cummin(0).values.flip(0)  # the next run end at or after
     return (queries, tile_seg, tile_start, tile_count, seg_tile_first, seg_tiles, sub.flatten()[order].to(torch.int32),
             ends.to(torch.int32))
+
+
+def segment_keys_torch(block_idx: torch.Tensor, n_blocks: int, by_slot: bool, sub: torch.Tensor | None = None,
+                       n_sub: int = 1):
+    """The oracle of kernels/index_tiles.segment_keys (same arguments and results), in torch ops: ~12 launches."""
+    BH, Tq, n = block_idx.shape
+    dev, S, P = block_idx.device, BH * n_blocks, n if by_slot else 1
+    seg = block_idx.long() + (torch.arange(BH, device=dev) * n_blocks).view(BH, 1, 1)
+    if by_slot:
+        seg = seg + (torch.arange(n, device=dev) * S).view(1, 1, n)
+    seg = torch.where(block_idx >= 0, seg, P * S).flatten()  # empty slots -> spare segment P*S (sorted last)
+    key = seg if sub is None else seg * n_sub + sub.flatten()
+    counts = torch.zeros(P * S + 1, dtype=torch.long, device=dev).index_add_(0, seg, torch.ones_like(seg))[:P * S]
+    return key, counts
 
 
 def tile_layout_torch(counts: torch.Tensor, seg_tiles: torch.Tensor, P: int, S: int, n_tiles: int, kv_tile: int):
