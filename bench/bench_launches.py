@@ -1,7 +1,7 @@
 """Launches of one attention layer, forward + backward, per sequence length (nsa/launch_count.py): NSA vs the dense
 layer, M7C-125M shapes (dim 768, 12 heads, 2 KV heads, head dim 64; NSA l=32 d=16 l'=64 n=16 w=512), batch 1.
 
-    .venv/bin/python bench/bench_launches.py [--T 2048 8192 32768 65536] [--triton-T 256] [--json FILE]
+    TRITON_INTERPRET=1 .venv/bin/python bench/bench_launches.py [--T 2048 8192 32768 65536] [--triton-T 256] [--json FILE]
 
 Two counts per NSA layer:
   ops       ATen ops and custom ops dispatched, counted on the meta device (a custom op counts once);
@@ -9,21 +9,18 @@ Two counts per NSA layer:
             ops opened, their index-building ATen ops and every Triton kernel they launch counted (the compressed and
             window branches stay one op per direction: FlexAttention on CUDA, whose backward has no CPU path). The
             interpreter is slow, so this count runs at --triton-T tokens (constant in T:
-            tests/nsa/test_launch_count_triton.py).
+            tests/nsa/test_launch_count_triton.py). It needs TRITON_INTERPRET=1 in the environment (Triton reads it
+            when the kernels are defined); without it the count is reported as skipped.
 Prints a markdown table (docs/BENCHMARKS.md) and one JSON line.
 """
 from __future__ import annotations
 
-import os
+import argparse
+import dataclasses
+import json
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton: the kernels run on CPU tensors
-
-import argparse  # noqa: E402
-import dataclasses  # noqa: E402
-import json  # noqa: E402
-
-from nsa.config import ModelConfig, NSAConfig  # noqa: E402
-from nsa.launch_count import TRITON, attention_layer_launches  # noqa: E402
+from nsa.config import ModelConfig, NSAConfig
+from nsa.launch_count import TRITON, attention_layer_launches
 
 M7C = dict(dim=768, n_heads=12, n_kv_heads=2, head_dim=64)
 
@@ -35,7 +32,7 @@ def triton_path(nsa: ModelConfig, T: int) -> dict:
     except ImportError as exc:
         return {"skipped": f"triton is not importable ({exc})"}
     if not interpreter_active():
-        return {"skipped": "Triton's interpreter is off (TRITON_INTERPRET was set to 0)"}
+        return {"skipped": "Triton's interpreter is off: run with TRITON_INTERPRET=1"}
     cfg = dataclasses.replace(nsa, nsa=dataclasses.replace(nsa.nsa, kernel="triton"))
     count = attention_layer_launches(cfg, T, device="cpu", open_custom_ops=True)
     return {"T": T, "total": count.total, "triton_kernels": count.triton, "aten": count.total - count.triton,
