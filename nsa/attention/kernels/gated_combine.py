@@ -21,6 +21,16 @@ ROWS = 32  # positions per program
 
 
 @triton.jit
+def _program_rows(T, H, HD: tl.constexpr, DP: tl.constexpr, ROWS: tl.constexpr):
+    """Program (i, bh)'s batch row b, head h, positions t [ROWS] (i*ROWS ..), head-dim offsets d [DP] and masks."""
+    bh = tl.program_id(1).to(tl.int64)
+    t = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    d = tl.arange(0, DP)
+    t_ok = t < T
+    return bh // H, bh % H, t, d, t_ok, t_ok[:, None] & (d < HD)[None, :]
+
+
+@triton.jit
 def _branch(O, b, h, t, d, ok, sob, soh, sot, sod, ACC: tl.constexpr):
     return tl.load(O + b * sob + h * soh + t[:, None] * sot + d[None, :] * sod, mask=ok, other=0.0).to(ACC)
 
@@ -40,13 +50,7 @@ def gated_combine_fwd_kernel(
 ):
     """Program (i, bh): positions i*ROWS .. of head bh % H, batch row bh // H. Gt [B, T, H, 3], O* [B, H, T, hd] (any
     strides), Y [B, T, H, hd] contiguous."""
-    bh = tl.program_id(1).to(tl.int64)
-    b = bh // H
-    h = bh % H
-    t = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    d = tl.arange(0, DP)
-    t_ok = t < T
-    ok = t_ok[:, None] & (d < HD)[None, :]
+    b, h, t, d, t_ok, ok = _program_rows(T, H, HD, DP, ROWS)
     y = _gate(Gt, b, h, t, 0, t_ok, sgb, sgt, sgh, sgi, ACC)[:, None] * _branch(OC, b, h, t, d, ok, scb, sch, sct, scd, ACC)
     y += _gate(Gt, b, h, t, 1, t_ok, sgb, sgt, sgh, sgi, ACC)[:, None] * _branch(OS, b, h, t, d, ok, ssb, ssh, sst, ssd, ACC)
     y += _gate(Gt, b, h, t, 2, t_ok, sgb, sgt, sgh, sgi, ACC)[:, None] * _branch(OW, b, h, t, d, ok, swb, swh, swt, swd, ACC)
@@ -74,13 +78,7 @@ def gated_combine_bwd_kernel(
 ):
     """Program (i, bh) as the forward's. DY [B, T, H, hd] (any strides); DO* [B, H, T, hd] and DG [B, T, H, 3]
     contiguous."""
-    bh = tl.program_id(1).to(tl.int64)
-    b = bh // H
-    h = bh % H
-    t = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    d = tl.arange(0, DP)
-    t_ok = t < T
-    ok = t_ok[:, None] & (d < HD)[None, :]
+    b, h, t, d, t_ok, ok = _program_rows(T, H, HD, DP, ROWS)
     dy = tl.load(DY + b * sdb + t[:, None] * sdt + h * sdh + d[None, :] * sdd, mask=ok, other=0.0).to(ACC)
     _branch_grads(dy, _gate(Gt, b, h, t, 0, t_ok, sgb, sgt, sgh, sgi, ACC), OC, DOC, DG, b, h, t, d, ok, t_ok, H, T,
                   scb, sch, sct, scd, 0, HD, ACC)
