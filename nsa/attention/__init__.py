@@ -7,11 +7,13 @@ imports inside functions):
   kernels/    all Triton code: kernels, host launch wrappers, tile configs, the Triton autograd Function
               (imports only torch, triton and kernels/ itself)
   impl/       pure torch implementations of the branches: partial.py (attention partials),
-              compression.py, selection.py, window.py, block_select.py, flex.py (FlexAttention), and for
+              compression.py, selection.py, window.py, block_select.py, combine.py (the gated sum), flex.py
+              (FlexAttention), and for
               packed documents masked.py (all at once, small sizes) and segments.py (one at a time); never
               imports ops or kernels
-  ops.py      the only module that registers custom ops (nsa::select_blocks, nsa::compressed_attention,
-              nsa::selected_attention, nsa::window_attention) and chooses the kernel (resolve_kernel)
+  ops.py      the only module that registers custom ops (nsa::rotary, nsa::select_blocks,
+              nsa::compressed_attention, nsa::selected_attention, nsa::window_attention, nsa::gated_combine)
+              and chooses the kernel (resolve_kernel)
   modules     nsa.py (NativeSparseAttention), compressor.py (BlockCompressor, phi), decode.py,
               nsa_cache.py, kv_buffer.py, dense.py, reference.py (the test oracle), gate_stats.py (pure
               gate / selection statistics), selection_health.py (selection recall, outside-window
