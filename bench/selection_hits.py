@@ -1,7 +1,7 @@
 """Does NSA's selection pick the block that holds the fact? Measured on the recall probe, at multiples of the training
 length (issue 43: which part fails when recall does not extrapolate).
 
-    PYTHONPATH=. python bench/selection_hits.py CKPT_OR_RUN [--lengths 1 2 4 8] [--documents 64] [--out FILE.json]
+    PYTHONPATH=. python bench/selection_hits.py CKPT_OR_RUN [--lengths 1 2 4 8] [--documents 64] [--n_sel K] [--out FILE.json]
 
 For every query of the probe documents (train/data/recall.py, the checkpoint's recall corpus, RecallSpec.at_length),
 the token that predicts the answer's first token selects n_sel blocks of l_sel keys per KV head (nsa/attention: block
@@ -9,10 +9,15 @@ numbers counted from the document's first token). A hit: the block of the fact's
 least one KV head (any_head) or for each KV head (per_head: the share of heads). Reported per distance bucket and layer,
 with the blocks the selection always takes (block 0, the query's own block and the one before) counted apart: a
 fact in one of those is no test of the free picks.
+
+--n_sel K: select K blocks per query at inference instead of the trained n_sel (K - 3 free picks instead of n_sel - 3):
+the free-hit rate is then the share of facts whose block the selector ranks among its top K - 3 candidates (how far
+from the one free pick a miss is); the model is otherwise unchanged.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 from collections import defaultdict
@@ -48,12 +53,16 @@ def capture_selection(model) -> list[list]:
 
 
 @torch.inference_mode()
-def hits_at(checkpoint: Path, multiple: int, documents: int, seed: int) -> dict:
+def hits_at(checkpoint: Path, multiple: int, documents: int, seed: int, n_sel: int | None = None) -> dict:
     spec = corpus_spec(checkpoint).at_length(multiple)
     stored = load_checkpoint(checkpoint)["config"]
     model, cfg = model_from_checkpoint(checkpoint, "cpu", max_seq_len=max(stored["model"]["max_seq_len"],
                                                                           spec.doc_tokens + 1))
     l_sel = model.cfg.nsa.l_sel
+    if n_sel is not None:  # an inference-time change of the picks' count (module docstring)
+        for blk in model.blocks:
+            if hasattr(blk.attn, "branches"):
+                blk.attn.cfg = dataclasses.replace(blk.attn.cfg, n_sel=n_sel)
     layers = capture_selection(model)
     tok = load_tokenizer(cfg["data"]["tokenizer"])
     rng = random.Random(seed)
@@ -92,7 +101,8 @@ def hits_at(checkpoint: Path, multiple: int, documents: int, seed: int) -> dict:
         out.setdefault(f"layer{layer}", {})[name] = {
             "items": items, "any_head": any_hits / items, "per_head": share / items, "forced_share": forced / items,
             "free_items": free, "free_any_head": free_hits / free if free else None}
-    return {"length_multiple": multiple, "doc_tokens": spec.doc_tokens, "n_sel": model.cfg.nsa.n_sel, "l_sel": l_sel,
+    return {"length_multiple": multiple, "doc_tokens": spec.doc_tokens, "n_sel": n_sel or model.cfg.nsa.n_sel,
+            "n_sel_trained": model.cfg.nsa.n_sel, "l_sel": l_sel,
             "by_layer": out}
 
 
@@ -102,11 +112,12 @@ def main() -> None:
     p.add_argument("--lengths", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--documents", type=int, default=64)
     p.add_argument("--seed", type=int, default=PROBE_SEED)
+    p.add_argument("--n_sel", type=int, default=None, help="blocks selected per query at inference (default: trained)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     path = resolve_checkpoint(args.checkpoint).resolve()
     result = {"checkpoint": str(path), "documents": args.documents, "seed": args.seed,
-              "lengths": {str(m): hits_at(path, m, args.documents, args.seed) for m in args.lengths}}
+              "lengths": {str(m): hits_at(path, m, args.documents, args.seed, args.n_sel) for m in args.lengths}}
     text = json.dumps(result, indent=1)
     print(text)
     if args.out is not None:
