@@ -51,9 +51,12 @@ def gated_combine_fwd_kernel(
     """Program (i, bh): positions i*ROWS .. of head bh % H, batch row bh // H. Gt [B, T, H, 3], O* [B, H, T, hd] (any
     strides), Y [B, T, H, hd] contiguous."""
     b, h, t, d, t_ok, ok = _program_rows(T, H, HD, DP, ROWS)
-    y = _gate(Gt, b, h, t, 0, t_ok, sgb, sgt, sgh, sgi, ACC)[:, None] * _branch(OC, b, h, t, d, ok, scb, sch, sct, scd, ACC)
-    y += _gate(Gt, b, h, t, 1, t_ok, sgb, sgt, sgh, sgi, ACC)[:, None] * _branch(OS, b, h, t, d, ok, ssb, ssh, sst, ssd, ACC)
-    y += _gate(Gt, b, h, t, 2, t_ok, sgb, sgt, sgh, sgi, ACC)[:, None] * _branch(OW, b, h, t, d, ok, swb, swh, swt, swd, ACC)
+    y = (_gate(Gt, b, h, t, 0, t_ok, sgb, sgt, sgh, sgi, ACC)[:, None]
+         * _branch(OC, b, h, t, d, ok, scb, sch, sct, scd, ACC))
+    y += (_gate(Gt, b, h, t, 1, t_ok, sgb, sgt, sgh, sgi, ACC)[:, None]
+          * _branch(OS, b, h, t, d, ok, ssb, ssh, sst, ssd, ACC))
+    y += (_gate(Gt, b, h, t, 2, t_ok, sgb, sgt, sgh, sgi, ACC)[:, None]
+          * _branch(OW, b, h, t, d, ok, swb, swh, swt, swd, ACC))
     tl.store(Y + ((b * T + t[:, None]) * H + h) * HD + d[None, :], y.to(Y.dtype.element_ty), mask=ok)
 
 
