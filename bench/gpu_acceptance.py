@@ -79,7 +79,7 @@ LAUNCH_BUDGET = 150  # ops per NSA layer forward + backward at any T (issue 19)
 
 
 def launches(args) -> dict:
-    code, out = run([PY, "bench/bench_launches.py"], args.limit)
+    code, out = run([PY, "bench/bench_launches.py", "--triton-T", "0"], args.limit)  # the meta count (the interpreter's is slow)
     if code:
         return {"ok": False, "exit": code, "output": out[-1500:]}
     rows = last_json(out)["rows"]
@@ -102,9 +102,10 @@ def kernel_compile(args) -> dict:
             **({"output": out[-1500:]} if code else {})}
 
 
-CUDA_TESTS_FIRST = ["tests/nsa/test_nsa_gpu.py", "tests/nsa/test_kernel_documents.py", "tests/nsa/test_dense_documents.py"]
-CUDA_TESTS_FULL = CUDA_TESTS_FIRST + ["tests/nsa/test_triton_selection.py", "tests/nsa/test_flex_branches.py",
-                                      "tests/nsa/test_flex_documents.py"]
+CUDA_TESTS_FIRST = ["tests/nsa/test_nsa_gpu.py", "tests/nsa/test_kernel_documents.py", "tests/nsa/test_dense_documents.py",
+                    "tests/nsa/test_rotary_op.py", "tests/nsa/test_gated_combine.py"]
+CUDA_TESTS_FULL = CUDA_TESTS_FIRST + ["tests/nsa/test_triton_selection.py", "tests/nsa/test_block_centric.py",
+                                      "tests/nsa/test_flex_branches.py", "tests/nsa/test_flex_documents.py"]
 
 
 def cuda_tests(args) -> dict:

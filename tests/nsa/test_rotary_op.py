@@ -48,7 +48,8 @@ try:
     from nsa.attention.kernels import rotary as kr
 except ImportError:
     kr = None
-needs_interpreter = pytest.mark.skipif(kr is None or not kr.interpreter_active(),
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # compiled kernels on CUDA, the interpreter elsewhere
+needs_interpreter = pytest.mark.skipif(kr is None or (DEV.type == "cpu" and not kr.interpreter_active()),
                                        reason="triton or its interpreter (TRITON_INTERPRET=1) is not available")
 # the kernel rounds a product sum once per term in fp32 (or fuses it): a few ulp of fp32, or one bf16 rounding
 TOLERANCE = {torch.float64: dict(atol=1e-12, rtol=1e-12), torch.float32: dict(atol=2e-6, rtol=2e-6),
@@ -59,7 +60,7 @@ TOLERANCE = {torch.float64: dict(atol=1e-12, rtol=1e-12), torch.float32: dict(at
 @pytest.mark.parametrize("per_row", [False, True], ids=["shared", "per_row"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 def test_kernel_equals_apply_rotary_and_its_inverse_undoes_it(dtype, per_row):
-    x, cos, sin = _case(dtype, per_row, seed=1, hd=24)  # hd/2 = 12: a padded power-of-two tile
+    x, cos, sin = (t.to(DEV) for t in _case(dtype, per_row, seed=1, hd=24))  # hd/2 = 12: a padded power-of-two tile
     want = apply_rotary(x, cos, sin)
     got = kr.rotary(x, cos, sin)
     assert got.is_contiguous() and got.dtype == dtype
@@ -72,8 +73,8 @@ def test_kernel_equals_apply_rotary_and_its_inverse_undoes_it(dtype, per_row):
 
 @needs_interpreter
 def test_triton_op_backward_is_the_inverse_rotation_of_the_gradient():
-    x, cos, sin = _case(torch.float64, per_row=True, seed=2)
-    d_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    x, cos, sin = (t.to(DEV) for t in _case(torch.float64, per_row=True, seed=2))
+    d_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(6), dtype=torch.float64).to(DEV)
     a = x.clone().requires_grad_(True)
     apply_rotary(a, cos, sin).backward(d_out)
     b = x.clone().requires_grad_(True)
