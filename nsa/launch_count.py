@@ -47,8 +47,9 @@ def _custom_op_body(func):
 
 
 @contextlib.contextmanager
-def _triton_launch_spy(record):
-    """Calls record(kernel name) at every Triton kernel launch (compiled or interpreted) inside the block."""
+def _triton_launch_spy(counter: "LaunchCounter"):
+    """Inside the block, every Triton kernel launch (compiled or interpreted) is recorded in `counter`, and nothing
+    the launch itself dispatches (the interpreter's host copies: no kernel on a GPU) is."""
     try:
         from triton.runtime import interpreter, jit
     except ImportError:  # no Triton: nothing can launch a Triton kernel
@@ -60,9 +61,13 @@ def _triton_launch_spy(record):
         def spy(self, *args, **kwargs):
             if kwargs.get("warmup"):
                 return run(self, *args, **kwargs)
-            record(self.fn.__name__)
-            with _paused(record):  # the interpreter's own tensor copies run no kernel on a GPU
+            if not counter.paused:
+                counter.by_op[TRITON + self.fn.__name__] += 1
+            counter.paused += 1
+            try:
                 return run(self, *args, **kwargs)
+            finally:
+                counter.paused -= 1
         return spy
 
     for cls, run in patched:
@@ -72,20 +77,6 @@ def _triton_launch_spy(record):
     finally:
         for cls, run in patched:
             cls.run = run
-
-
-@contextlib.contextmanager
-def _paused(record):
-    """Nothing the block dispatches reaches the LaunchCounter that owns `record`."""
-    counter = getattr(record, "__self__", None)
-    if counter is None:
-        yield
-        return
-    counter.paused += 1
-    try:
-        yield
-    finally:
-        counter.paused -= 1
 
 
 class LaunchCounter(TorchDispatchMode):
@@ -101,7 +92,7 @@ class LaunchCounter(TorchDispatchMode):
 
     def __enter__(self):
         if self.open_custom_ops:
-            self._spy.enter_context(_triton_launch_spy(self._record_triton))
+            self._spy.enter_context(_triton_launch_spy(self))
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -118,10 +109,6 @@ class LaunchCounter(TorchDispatchMode):
         if launches(func) and not self.paused:
             self.by_op[str(func.overloadpacket)] += 1
         return func(*args, **kwargs)
-
-    def _record_triton(self, name: str) -> None:
-        if not self.paused:
-            self.by_op[TRITON + name] += 1
 
     @property
     def total(self) -> int:

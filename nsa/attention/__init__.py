@@ -7,7 +7,8 @@ imports inside functions):
   kernels/    all Triton code: kernels, host launch wrappers, tile configs, the Triton autograd Function
               (imports only torch, triton and kernels/ itself)
   impl/       pure torch implementations of the branches: partial.py (attention partials),
-              compression.py, selection.py, window.py, block_select.py, combine.py (the gated sum), flex.py
+              compression.py, selection.py, window.py, block_select.py, combine.py (the gated sum), index.py (the
+              selection index's oracles), flex.py
               (FlexAttention), and for
               packed documents masked.py (all at once, small sizes) and segments.py (one at a time); never
               imports ops or kernels

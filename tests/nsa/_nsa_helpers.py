@@ -68,3 +68,20 @@ def starts_of(rows: list[list[int]], eos: int = 0) -> torch.Tensor:
         for s in torch.tensor(lengths).cumsum(0)[:-1].tolist():
             idx[b, s] = eos
     return document_starts(idx, eos)
+
+
+KERNEL_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # compiled on CUDA, the interpreter elsewhere
+
+
+def kernels_unavailable(module_name: str) -> str | None:
+    """Why the Triton kernels of nsa.attention.kernels.<module_name> cannot run on KERNEL_DEVICE here (triton missing,
+    or on CPU its interpreter off), else None. For pytest.mark.skipif(reason := ..., reason=reason)."""
+    import importlib
+
+    try:
+        module = importlib.import_module(f"nsa.attention.kernels.{module_name}")
+    except ImportError as exc:
+        return f"triton is not importable ({exc})"
+    if KERNEL_DEVICE.type == "cpu" and not module.interpreter_active():
+        return "Triton's interpreter is off (TRITON_INTERPRET=1 before the kernels are imported)"
+    return None

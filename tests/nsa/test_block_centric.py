@@ -13,6 +13,7 @@ import torch
 
 from tests.nsa.test_triton_selection import ATOL, DEV, RTOL, dense_reference, grads, make_case, ts  # skips without triton
 from tests.nsa.interpreter_probe import interpreter_loop_problem
+from nsa.attention.impl.index import segment_keys_torch, tile_layout_torch
 from nsa.attention.kernels.index_tiles import segment_keys, tile_layout
 
 if reason := interpreter_loop_problem():  # tests/nsa/interpreter_probe.py: a Triton interpreter limit
@@ -150,7 +151,7 @@ def test_tile_layout_kernel_equals_its_torch_oracle(P, S, kv_tile, spread):
     seg_tiles = (counts + kv_tile - 1) // kv_tile
     n_tiles = int(seg_tiles.view(P, S).sum(1).max()) + 5  # a bound with spare tiles in every part
     got = tile_layout(counts.to(DEV), seg_tiles.to(DEV), P, S, n_tiles, kv_tile)
-    want = ts.tile_layout_torch(counts, seg_tiles, P, S, n_tiles, kv_tile)
+    want = tile_layout_torch(counts, seg_tiles, P, S, n_tiles, kv_tile)
     for name, a, b in zip(("tile_seg", "tile_start", "tile_count", "seg_tile_first"), got, want):
         assert a.dtype == b.dtype == torch.long, name
         assert torch.equal(a.cpu(), b), name
@@ -166,7 +167,7 @@ def test_segment_keys_kernel_equals_its_torch_oracle(by_slot, with_sub):
     idx = torch.randint(-1, n_blocks, (BH, Tq, n), generator=g)
     sub = torch.randint(0, n_sub, (BH, Tq, n), generator=g) if with_sub else None
     key, counts = segment_keys(idx.to(DEV), n_blocks, by_slot, None if sub is None else sub.to(DEV), n_sub)
-    want_key, want_counts = ts.segment_keys_torch(idx, n_blocks, by_slot, sub, n_sub)
+    want_key, want_counts = segment_keys_torch(idx, n_blocks, by_slot, sub, n_sub)
     assert key.dtype == counts.dtype == torch.long
     assert torch.equal(key.cpu(), want_key) and torch.equal(counts.cpu(), want_counts)
     assert int(counts.sum()) == int((idx >= 0).sum())

@@ -1,6 +1,5 @@
 """nsa::gated_combine (nsa/attention/ops.py), the gated sum of NSA's branches (Eq. 5) in the output projection's
-layout: its torch path equals gated_sum with autograd (forward bit for bit; gradients too, the same products and
-sums); the Triton kernels (kernels/gated_combine.py, Triton's interpreter) equal it to their fp32 accumulation's
+layout: its torch path equals gated_sum with autograd (forward: the same code; gradients within a few roundings); the Triton kernels (kernels/gated_combine.py, Triton's interpreter) equal it to their fp32 accumulation's
 rounding, with branch outputs of any strides; each input's gradient moves when that input does."""
 from __future__ import annotations
 
@@ -9,6 +8,7 @@ import torch
 
 from nsa.attention import ops
 from nsa.attention.impl.combine import gated_sum
+from tests.nsa._nsa_helpers import KERNEL_DEVICE, kernels_unavailable
 
 
 def _case(dtype, seed: int = 0, B: int = 2, H: int = 3, T: int = 37, hd: int = 24):
@@ -35,9 +35,13 @@ def test_torch_path_equals_gated_sum_with_autograd(dtype):
     case = _case(dtype)
     y_ref, g_ref = _grads(_autograd_reference, *case)
     y, grads = _grads(lambda *t: ops.gated_combine(*t, "torch"), *case)
-    assert y.is_contiguous() and torch.equal(y, y_ref)
+    assert y.is_contiguous() and torch.equal(y, y_ref)  # the same code: gated_sum
+    # the gradients are another code path (explicit products and sums against autograd's): the gates' sums over hd
+    # may be ordered otherwise on another CPU, so within a few roundings of the dtype
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
     for name, a, b in zip(("gates", "o_cmp", "o_sel", "o_win"), grads, g_ref):
-        assert a.dtype == b.dtype and torch.equal(a, b), name
+        assert a.dtype == b.dtype, name
+        torch.testing.assert_close(a, b, atol=tol, rtol=tol, msg=name)
 
 
 def test_gated_combine_ops_pass_opcheck():
@@ -47,13 +51,9 @@ def test_gated_combine_ops_pass_opcheck():
     torch.library.opcheck(ops._combine_bwd, (d_y, gates.detach(), oc.detach(), os_.detach(), ow.detach(), "torch"))
 
 
-try:
-    from nsa.attention.kernels import gated_combine as kg
-except ImportError:
-    kg = None
-DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # compiled kernels on CUDA, the interpreter elsewhere
-needs_kernels = pytest.mark.skipif(kg is None or (DEV.type == "cpu" and not kg.interpreter_active()),
-                                   reason="triton or its interpreter (TRITON_INTERPRET=1) is not available")
+DEV = KERNEL_DEVICE
+UNAVAILABLE = kernels_unavailable("gated_combine")
+needs_kernels = pytest.mark.skipif(UNAVAILABLE is not None, reason=str(UNAVAILABLE))
 
 
 @needs_kernels

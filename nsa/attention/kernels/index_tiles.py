@@ -9,7 +9,7 @@ as tiles of at most `kv_tile` queries of one segment, a fixed number of tiles pe
 sync). Built from torch ops that layout takes ~25 launches (a repeat_interleave, cumulative sums, gathers);
 `tile_layout_kernel` writes it in one, each program finding its tiles' segments by binary search over the
 part's cumulative tile counts. Pure integer arithmetic: it equals the torch layout (`inverted_index`'s oracle,
-selected_attention._tile_layout_torch) exactly. Kernels only; the launcher is `tile_layout`.
+nsa/attention/impl/index.py tile_layout_torch) exactly. Kernels only; the launcher is `tile_layout`.
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def segment_keys(block_idx: torch.Tensor, n_blocks: int, by_slot: bool, sub: tor
     """block_idx [BH, Tq, n] (-1 = none) -> the sort key [BH*Tq*n] int64 (each entry's segment in inverted_index's
     numbering, times n_sub plus sub where given) and counts [P * S] int64 (entries per segment, P = n by slot else 1,
     S = BH * n_blocks). Two launches (the counts' zero fill and the kernel); the oracle is
-    selected_attention.segment_keys_torch."""
+    nsa/attention/impl/index.py segment_keys_torch."""
     BH, Tq, n = block_idx.shape
     S, E = BH * n_blocks, block_idx.numel()
     P = n if by_slot else 1
@@ -119,7 +119,7 @@ def tile_layout_kernel(
 def tile_layout(counts: torch.Tensor, seg_tiles: torch.Tensor, P: int, S: int, n_tiles: int, kv_tile: int):
     """counts [P * S] int64 (entries per segment, part-major) and seg_tiles = ceil(counts / kv_tile) -> tile_seg,
     tile_start, tile_count [P * n_tiles] and seg_tile_first [P * S], int64, as selected_attention.inverted_index
-    documents them (its oracle: selected_attention.tile_layout_torch). n_tiles must bound every part's tiles
+    documents them (its oracle: impl/index.py tile_layout_torch). n_tiles must bound every part's tiles
     (inverted_index's static bound). Three launches: two cumulative sums and the kernel."""
     cum_counts = torch.cumsum(counts, 0)  # [P * S]
     cum_tiles = torch.cumsum(seg_tiles.view(P, S), 1)  # [P, S]
