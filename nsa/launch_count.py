@@ -4,7 +4,7 @@ Two counts (`LaunchCounter`):
   ops        every ATen op dispatched, on the meta device (shapes only, nothing computed). A custom op (nsa::*)
              counts once, whatever it launches inside.
   launches   (`open_custom_ops=True`, real CPU tensors, nsa.kernel=triton under Triton's interpreter) the same,
-             except that the custom ops in OPENED (RoPE, selection, selected attention, the gated sum) are opened:
+             except that the custom ops in OPENED (RoPE, phi, selection, selected attention, the gated sum) are opened:
              the ATen ops their implementation dispatches and every Triton kernel they launch (a spy on the
              launcher) are counted instead of the op. That is the Triton path a CUDA run takes, kernel by kernel.
              The compressed and window branches run FlexAttention on CUDA (nsa/attention/impl/flex.py), which has
@@ -34,8 +34,9 @@ def launches(func) -> bool:
 
 # the custom ops whose CUDA implementation is the one a CPU runs in Triton's interpreter (nsa.kernel=triton); the
 # compressed and window branches' ops are the torch path, which CUDA replaces by FlexAttention: they stay closed
-OPENED = ("nsa::rotary", "nsa::gated_combine", "nsa::gated_combine_backward", "nsa::select_blocks",
-          "nsa::selected_attention", "nsa::selected_attention_backward")
+OPENED = ("nsa::rotary", "nsa::compress_blocks", "nsa::compress_blocks_backward", "nsa::gated_combine",
+          "nsa::gated_combine_backward", "nsa::select_blocks", "nsa::selected_attention",
+          "nsa::selected_attention_backward")
 
 
 def _custom_op_body(func):

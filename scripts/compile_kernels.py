@@ -170,6 +170,30 @@ def exercise_gated_combine(shape: Shape, dtype: torch.dtype) -> None:
     gated_combine_bwd(y, gates, *branches)
 
 
+def exercise_compress_blocks(shape: Shape, dtype: torch.dtype) -> None:
+    """phi for keys and values forward and backward as nsa/attention/ops.py calls them: raw keys and values strided
+    views of one projection (as the layer's `project` makes them), parameters in float32 (autocast's master weights),
+    without and with bias, without and with a packed documents' layout."""
+    from nsa.attention.impl.compression import num_compressed
+    from nsa.attention.kernels.compress_blocks import compress_blocks_bwd, compress_blocks_fwd
+
+    T, hd, H_kv = shape.T, shape.hd, shape.H_kv
+    kv = _meta(1, T, 6, H_kv, hd, dtype=dtype).permute(2, 0, 3, 1, 4)  # [6, B, H_kv, T, hd]
+    raw_k, raw_v = kv[0], kv[1]
+    f32 = torch.float32
+    for bias in (False, True):
+        phi = [_meta(shape.l, hd, dtype=f32), _meta(hd, shape.l * hd, dtype=f32), _meta(hd, dtype=f32) if bias else None,
+               _meta(hd, hd, dtype=f32), _meta(hd, dtype=f32) if bias else None]
+        count = num_compressed(T, shape.l, shape.d)
+        ck, cv, a = compress_blocks_fwd(raw_k, raw_v, phi, phi, 0, count, shape.l, shape.d)
+        compress_blocks_bwd(ck, cv, raw_k, raw_v, phi, phi, a, 0, shape.l, shape.d)
+        C = T // shape.d
+        block_start, valid = _meta(1, C, dtype=torch.long), _meta(1, C, dtype=torch.bool)
+        ck, cv, a = compress_blocks_fwd(raw_k, raw_v, phi, phi, 0, C, shape.l, shape.d, block_start, valid)
+        compress_blocks_bwd(ck, cv, raw_k, raw_v, phi, phi, a, 0, shape.l, shape.d, block_start, valid,
+                            _meta(3, 1, T, dtype=torch.long))
+
+
 def exercise_select_topk(shape: Shape, dtype: torch.dtype) -> None:
     """Fused block selection, called as nsa/attention/ops.py calls it (with the compressed branch's log-sum-exps) and
     on its own, without and with a document frame."""
@@ -196,6 +220,7 @@ KERNEL_MODULES = (
     ("nsa.attention.kernels.select_topk", exercise_select_topk),
     ("nsa.attention.kernels.rotary", exercise_rotary),
     ("nsa.attention.kernels.gated_combine", exercise_gated_combine),
+    ("nsa.attention.kernels.compress_blocks", exercise_compress_blocks),
 )
 
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
+
+from nsa.attention.impl.compression import phi
 
 
 class BlockCompressor(nn.Module):
@@ -27,6 +28,10 @@ class BlockCompressor(nn.Module):
     def reset_extra_parameters(self) -> None:
         nn.init.normal_(self.pos_enc, mean=0.0, std=0.02)
 
+    def weights(self) -> tuple:
+        """(E [l, hd], W1 [hd, l*hd], b1 [hd] | None, W2 [hd, hd], b2 [hd] | None): impl/compression.py `phi`'s
+        arguments, as nsa/attention/ops.py `compress_blocks` takes them."""
+        return self.pos_enc, self.fc_in.weight, self.fc_in.bias, self.fc_out.weight, self.fc_out.bias
+
     def forward(self, blocks: torch.Tensor) -> torch.Tensor:  # [..., l, hd] -> [..., hd]
-        h = (blocks + self.pos_enc.to(blocks.dtype)).flatten(-2)  # [..., l*hd]
-        return blocks.mean(dim=-2) + self.fc_out(F.gelu(self.fc_in(h)))
+        return phi(blocks, *self.weights())

@@ -82,7 +82,7 @@ class CompressedLayout:
     block_start: torch.Tensor  # [B, C] int64, C = T // d
     valid: torch.Tensor  # [B, C] bool
     frame: torch.Tensor  # [3, B, T] int64 (q_pos, k_base, c_base) for queries at window positions 0 .. T-1
-    block_rows: torch.Tensor  # [B, 1, C*l, 1] int64: the raw rows of every slot's block (gather_blocks' index)
+    block_rows: torch.Tensor  # [B, 1, C*l, 1] int64: the raw rows of every slot's block (impl/compression.py gather_blocks' index)
     block_end: torch.Tensor  # [B, C] int64: window index of each slot's last position (where its key is rotated)
     l: int  # positions per block
 
@@ -115,11 +115,3 @@ def plain_frame(B: int, Tq: int, q_start: int, device) -> torch.Tensor:
     q_pos = torch.arange(q_start, q_start + Tq, device=device).expand(B, Tq)
     zero = torch.zeros(B, Tq, dtype=torch.long, device=device)
     return torch.stack((q_pos, zero, zero))
-
-
-def gather_blocks(raw: torch.Tensor, layout: CompressedLayout) -> torch.Tensor:
-    """raw [B, H_kv, T, hd] -> [B, H_kv, C, l, hd]: each slot's block of raw rows (one gather)."""
-    B, H, _, hd = raw.shape
-    C = layout.block_start.shape[1]
-    rows = layout.block_rows
-    return raw.gather(2, rows.expand(B, H, rows.shape[2], hd)).view(B, H, C, layout.l, hd)

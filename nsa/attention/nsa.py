@@ -24,9 +24,9 @@ import torch.nn as nn
 from nsa.attention import ops
 from nsa.attention.compressor import BlockCompressor
 from nsa.attention.decode import decode_branches, decode_window
-from nsa.attention.documents import Documents, gather_blocks
+from nsa.attention.documents import Documents
 from nsa.attention.gate_stats import BRANCHES, gate_shares, gate_statistics, selection_counts, selection_statistics
-from nsa.attention.impl.compression import compress, num_compressed
+from nsa.attention.impl.compression import num_compressed
 from nsa.attention.impl.masked import document_block_count, document_block_scores
 from nsa.attention.impl.selection import select_blocks
 from nsa.attention.indexer import BlockIndexer, dense_block_mass, indexer_kl, kl_rows, pooled_block_mass
@@ -213,8 +213,8 @@ class NativeSparseAttention(nn.Module):
         T = q.shape[2]
         raw_k, raw_v = br["cmp"]
         count = num_compressed(T, c.l, c.d)
-        ck = compress(self.compress_k, raw_k, 0, 0, count, c.l, c.d)  # [B, H_kv, count, hd]
-        cv = compress(self.compress_v, raw_v, 0, 0, count, c.l, c.d)
+        ck, cv = ops.compress_blocks(raw_k, raw_v, self.compress_k.weights(), self.compress_v.weights(), 0, count, c.l,
+                                     c.d, c.kernel)  # [B, H_kv, count, hd]
         if rope is not None and count > 0:  # rotate compressed key i at position i*d + l - 1
             # cos, sin [T, hd/2] or per row [B, T, hd/2]: positions l-1, l-1+d, .. of the T axis, a strided view
             # (no index op) -> [count, hd/2] or [B, count, hd/2]
@@ -241,8 +241,8 @@ class NativeSparseAttention(nn.Module):
         count = num_compressed(t_end, c.l, c.d) - first
         emit = count > 0 or cache.cmp_k.data is None  # else reuse the cache's tokens
         if emit:
-            ck = compress(self.compress_k, raw_k, raw_start, first, count, c.l, c.d)  # [B, H_kv, count, hd]
-            cv = compress(self.compress_v, raw_v, raw_start, first, count, c.l, c.d)
+            ck, cv = ops.compress_blocks(raw_k, raw_v, self.compress_k.weights(), self.compress_v.weights(),
+                                         first * c.d - raw_start, count, c.l, c.d, c.kernel)  # [B, H_kv, count, hd]
         if rope is not None and count > 0:  # rotate compressed key i at position i*d + l - 1 (in x)
             at = torch.arange(count, device=q.device) * c.d + (first * c.d + c.l - 1 - t0)  # [count]
             ck = ops.rotary(ck, rope[0][..., at, :], rope[1][..., at, :], c.kernel)
@@ -338,8 +338,8 @@ class NativeSparseAttention(nn.Module):
         layout = documents.compressed(c.l, c.d)  # computed once per batch, shared by the layers
         frame = layout.frame  # [3, B, T]
         raw_k, raw_v = br["cmp"]
-        ck = self.compress_k(gather_blocks(raw_k, layout))  # [B, H_kv, T // d, hd]
-        cv = self.compress_v(gather_blocks(raw_v, layout))
+        ck, cv = ops.compress_blocks(raw_k, raw_v, self.compress_k.weights(), self.compress_v.weights(), 0,
+                                     layout.block_start.shape[1], c.l, c.d, c.kernel, layout)  # [B, H_kv, T // d, hd]
         if rope is not None:  # rotate each compressed key at the last position of its block
             cos, sin = (r.expand(B, *r.shape[-2:]) for r in rope)  # [B, T, hd/2]: per-row (document) positions
             at = layout.block_end[..., None].expand(-1, -1, cos.shape[-1])  # [B, C, hd/2]

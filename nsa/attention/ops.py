@@ -2,6 +2,7 @@
 The only module that registers custom ops and chooses a kernel (`resolve_kernel`).
 
     rotary(x, cos, sin)                    -> x rotated          nsa::rotary (its backward: the inverse rotation)
+    compress_blocks(raw_k, raw_v, phi_k, phi_v) -> ck, cv        nsa::compress_blocks (+ _backward), Triton path only
     gated_combine(g, o_cmp, o_sel, o_win)  -> y                  nsa::gated_combine (+ _backward)
     select_blocks(q, ck)                   -> block_idx          nsa::select_blocks (no autograd)
     compressed_attention(q, ck, cv)        -> o                  nsa::compressed_attention (+ _backward)
@@ -116,6 +117,105 @@ def rotary(
     """nsa.layers.apply_rotary as one op (forward and backward one launch each on the Triton path); the torch path
     runs apply_rotary itself, so CPU results are those of apply_rotary's, bit for bit."""
     return _rotary(x, cos.detach(), sin.detach(), False, kernel)
+
+
+# ---------------------------------------------------------------- phi, the block compressor (Triton path)
+@torch.library.custom_op("nsa::compress_blocks", mutates_args=())
+def _compress_blocks(raw_k: Tensor, raw_v: Tensor, ek: Tensor, w1k: Tensor, b1k: Tensor | None, w2k: Tensor,
+                     b2k: Tensor | None, ev: Tensor, w1v: Tensor, b1v: Tensor | None, w2v: Tensor, b2v: Tensor | None,
+                     lo: int, count: int, l: int, d: int, block_start: Tensor | None, valid: Tensor | None,
+                     frame: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    from nsa.attention.kernels.compress_blocks import compress_blocks_fwd
+
+    return compress_blocks_fwd(raw_k, raw_v, [ek, w1k, b1k, w2k, b2k], [ev, w1v, b1v, w2v, b2v], lo, count, l, d,
+                               block_start, valid)
+
+
+@_compress_blocks.register_fake
+def _(raw_k, raw_v, ek, w1k, b1k, w2k, b2k, ev, w1v, b1v, w2v, b2v, lo, count, l, d, block_start, valid, frame):
+    B, H, _, hd = raw_k.shape
+    ck = raw_k.new_empty(B, H, count, hd)
+    return ck, raw_v.new_empty(ck.shape), raw_k.new_empty(2, B, H, count, hd, dtype=_lse_dtype(raw_k.dtype))
+
+
+@torch.library.custom_op("nsa::compress_blocks_backward", mutates_args=())
+def _compress_blocks_bwd(d_ck: Tensor, d_cv: Tensor, raw_k: Tensor, raw_v: Tensor, weights: list[Tensor], a: Tensor,
+                         has_bias: bool, lo: int, l: int, d: int, block_start: Tensor | None, valid: Tensor | None,
+                         frame: Tensor | None) -> list[Tensor]:
+    from nsa.attention.kernels.compress_blocks import compress_blocks_bwd
+
+    phi_k, phi_v = _phi_lists(weights, has_bias)
+    d_raw_k, d_raw_v, g_k, g_v = compress_blocks_bwd(d_ck, d_cv, raw_k, raw_v, phi_k, phi_v, a, lo, l, d,
+                                                     block_start, valid, frame)
+    return [d_raw_k, d_raw_v, *(g for g in g_k + g_v if g is not None)]
+
+
+@_compress_blocks_bwd.register_fake
+def _(d_ck, d_cv, raw_k, raw_v, weights, a, has_bias, lo, l, d, block_start, valid, frame):
+    return [raw_k.new_empty(raw_k.shape), raw_v.new_empty(raw_v.shape), *(w.new_empty(w.shape) for w in weights)]
+
+
+def _phi_lists(weights: list, has_bias: bool) -> tuple[list, list]:
+    """The present parameters (E, W1, [b1,] W2, [b2]) of keys then values -> two lists of five (None: no bias)."""
+    n = len(weights) // 2
+    lists = []
+    for part in (weights[:n], weights[n:]):
+        lists.append(list(part) if has_bias else [part[0], part[1], None, part[2], None])
+    return lists[0], lists[1]
+
+
+def _compress_blocks_setup(ctx, inputs, output):
+    raw_k, raw_v, *weights = inputs[:12]
+    lo, count, l, d, block_start, valid, frame = inputs[12:]
+    ctx.has_bias = weights[2] is not None
+    present = [w for w in weights if w is not None]
+    ctx.save_for_backward(raw_k, raw_v, output[2], *present)
+    ctx.args = (lo, l, d, block_start, valid, frame)
+    ctx.mark_non_differentiable(output[2])
+    ctx.set_materialize_grads(False)  # the unused outputs' gradients stay None (no zero-filled tensors)
+
+
+def _compress_blocks_backward(ctx, d_ck, d_cv, _d_a):
+    raw_k, raw_v, a, *weights = ctx.saved_tensors
+    if d_ck is None or d_cv is None:  # one of the two unused (gradients are not materialised)
+        d_ck, d_cv = (g if g is not None else torch.zeros_like(a[0], dtype=raw_k.dtype) for g in (d_ck, d_cv))
+    d_raw_k, d_raw_v, *d_weights = _compress_blocks_bwd(d_ck, d_cv, raw_k, raw_v, weights, a, ctx.has_bias,
+                                                         *ctx.args)
+    g_k, g_v = _phi_lists(d_weights, ctx.has_bias)
+    return (d_raw_k, d_raw_v, *g_k, *g_v, None, None, None, None, None, None, None)
+
+
+_compress_blocks.register_autograd(_compress_blocks_backward, setup_context=_compress_blocks_setup)
+
+
+def compress_blocks(
+    raw_k: Tensor,  # [B, H_kv, R, hd] raw (un-rotated) keys of the compression branch
+    raw_v: Tensor,  # [B, H_kv, R, hd] raw values
+    phi_k: tuple,  # BlockCompressor.weights() of phi_K: (E, W1, b1 | None, W2, b2 | None)
+    phi_v: tuple,  # of phi_V
+    lo: int,  # raw row where compressed token 0's block starts (token i: lo + i*d)
+    count: int,  # compressed tokens to emit
+    l: int,
+    d: int,
+    kernel: str = "torch",  # NSAConfig.kernel
+    layout=None,  # packed documents: a documents.CompressedLayout (then lo = 0, count = its slots)
+) -> tuple[Tensor, Tensor]:  # ck, cv [B, H_kv, count, hd]
+    """phi over every block of keys and values. Triton path: the op nsa::compress_blocks (kernels/compress_blocks.py:
+    one launch forward and three backward for keys and values together; a layout's unused slots come out zero). Torch
+    path: impl/compression.py `phi` over a strided view (or one gather per tensor with a layout), bit for bit the
+    BlockCompressor modules' result."""
+    if count <= 0:
+        B, H, _, hd = raw_k.shape
+        return raw_k.new_zeros(B, H, 0, hd), raw_v.new_zeros(B, H, 0, hd)
+    if _triton(kernel, raw_k):
+        packed = (layout.block_start, layout.valid, layout.frame) if layout is not None else (None, None, None)
+        ck, cv, _ = _compress_blocks(raw_k, raw_v, *phi_k, *phi_v, lo, count, l, d, *packed)
+        return ck, cv
+    if layout is not None:
+        return (compression.phi(compression.gather_blocks(raw_k, layout.block_rows, l), *phi_k),
+                compression.phi(compression.gather_blocks(raw_v, layout.block_rows, l), *phi_v))
+    return (compression.phi(compression.strided_blocks(raw_k, lo, count, l, d), *phi_k),
+            compression.phi(compression.strided_blocks(raw_v, lo, count, l, d), *phi_v))
 
 
 # ---------------------------------------------------------------- the gated combination of the branches
@@ -272,6 +372,7 @@ def _selected_setup(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, block_idx, o, lse, *index)
     ctx.args = args
     ctx.mark_non_differentiable(lse, *index)
+    ctx.set_materialize_grads(False)  # the unused outputs' gradients stay None (no zero-filled tensors)
 
 
 def _selected_backward(ctx, d_o, _d_lse, _d_index):
@@ -339,6 +440,7 @@ def _compressed_setup(ctx, inputs, output):
     ctx.save_for_backward(q, ck, cv, *output)
     ctx.args = args
     ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)  # the log-sum-exps' gradient stays None (no zero-filled tensor)
 
 
 def _compressed_backward(ctx, d_o, _d_lse):
@@ -405,6 +507,7 @@ def _window_setup(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, *output)
     ctx.args = args
     ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)  # the log-sum-exps' gradient stays None (no zero-filled tensor)
 
 
 def _window_backward(ctx, d_o, _d_lse):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from nsa.attention.impl.partial import attention_partial, attention_partial_backward
 
@@ -27,8 +28,36 @@ def visible_compressed(p: int, l: int, d: int) -> int:
     return num_compressed(p + 1, l, d)
 
 
+def phi(
+    blocks: torch.Tensor,  # [..., l, hd] raw keys (or values) of each block, un-rotated
+    pos_enc: torch.Tensor,  # [l, hd] E, the learned intra-block position encoding
+    w1: torch.Tensor,  # [hd, l*hd]
+    b1: torch.Tensor | None,  # [hd]
+    w2: torch.Tensor,  # [hd, hd]
+    b2: torch.Tensor | None,  # [hd]
+) -> torch.Tensor:  # [..., hd]
+    """NSA's block compressor (paper §3.3.1): phi(X) = mean_j X_j + W2 gelu(W1 flatten(X + E) + b1) + b2, the
+    BlockCompressor module's forward (nsa/attention/compressor.py holds the parameters; the Triton form is
+    kernels/compress_blocks.py)."""
+    h = (blocks + pos_enc.to(blocks.dtype)).flatten(-2)  # [..., l*hd]
+    return blocks.mean(dim=-2) + F.linear(F.gelu(F.linear(h, w1, b1)), w2, b2)
+
+
+def strided_blocks(raw: torch.Tensor, lo: int, count: int, l: int, d: int) -> torch.Tensor:
+    """raw [B, H_kv, R, hd] -> [B, H_kv, count, l, hd], block i = raw rows lo + i*d .. + l - 1 (a strided view)."""
+    span = raw[:, :, lo : lo + (count - 1) * d + l]  # [B, H_kv, (count-1)*d + l, hd]
+    return span.unfold(2, l, d).transpose(-1, -2)
+
+
+def gather_blocks(raw: torch.Tensor, block_rows: torch.Tensor, l: int) -> torch.Tensor:
+    """raw [B, H_kv, T, hd], block_rows [B, 1, C*l, 1] (documents.CompressedLayout) -> [B, H_kv, C, l, hd]: each
+    slot's block of raw rows (one gather)."""
+    B, H, _, hd = raw.shape
+    return raw.gather(2, block_rows.expand(B, H, block_rows.shape[2], hd)).view(B, H, -1, l, hd)
+
+
 def compress(
-    phi: torch.nn.Module,  # a BlockCompressor (nsa/attention/compressor.py)
+    compressor: torch.nn.Module,  # a BlockCompressor (nsa/attention/compressor.py)
     raw: torch.Tensor,  # [B, H_kv, R, hd] raw keys or values at positions raw_start .. raw_start+R-1
     raw_start: int,
     first: int,  # first compressed token to emit
@@ -39,10 +68,7 @@ def compress(
     B, H, _, hd = raw.shape
     if count <= 0:
         return raw.new_zeros(B, H, 0, hd)
-    lo = first * d - raw_start
-    span = raw[:, :, lo : lo + (count - 1) * d + l]  # [B, H_kv, (count-1)*d + l, hd]
-    blocks = span.unfold(2, l, d).transpose(-1, -2)  # [B, H_kv, count, l, hd] (a strided view)
-    return phi(blocks)
+    return compressor(strided_blocks(raw, first * d - raw_start, count, l, d))  # blocks [B, H_kv, count, l, hd]
 
 
 def compressed_visibility(q_start: int, t_q: int, n_c: int, l: int, d: int, device) -> torch.Tensor:
