@@ -58,6 +58,7 @@ TINY_LAYOUTS = {"m7c": dict(n_heads=12, n_kv_heads=2, head_dim=16), "paper": dic
 SECTIONS = ("environment", "correctness", "ceilings", "attention", "train", "decode")
 # relative RMS error in bf16, and the share of rows whose picks may differ (see correctness())
 TOLERANCE = {"reference_out": 1e-2, "out": 1e-2, "grad": 2e-2, "selection_disagreement": 0.02}
+INTERPRETER_SLACK = 2.5  # Triton's interpreter truncates float32 -> bf16 casts (correctness' docstring)
 
 
 # ---------------------------------------------------------------- timing
@@ -182,7 +183,9 @@ def correctness(args) -> dict:
     gates' bf16 matmuls and the backward's dS, dP: ~2^-8 each, averaged; seen on CPU: outputs 0.005-0.006, most
     gradients 0.005-0.013). A gradient with much cancellation has a larger relative error in any bf16 run (phi's
     position encoding: 0.006-0.023), so each tensor's bound is its floor or twice the error of the torch path in
-    bf16 against the same float64 run, whichever is larger. Picks differ where two blocks' scores are
+    bf16 against the same float64 run, whichever is larger. On CPU (--tiny) the kernels run in Triton's interpreter,
+    whose float32 -> bf16 casts truncate (a GPU rounds to nearest: half the values differ, twice the mean error), so
+    every bound there is INTERPRETER_SLACK times wider. Picks differ where two blocks' scores are
     within that rounding (phi's bf16 compressed keys): a few rows in 10^3 on random inputs; more than 2% would be a
     scoring bug."""
     import torch
@@ -191,6 +194,7 @@ def correctness(args) -> dict:
     from nsa.attention.reference import reference_forward
 
     seed = int(time.time()) % 100_000
+    slack = INTERPRETER_SLACK if args.device == "cpu" else 1.0
     layouts, geometry = (TINY_LAYOUTS, TINY_GEOMETRY) if args.tiny else (LAYOUTS, NSA_GEOMETRY)
     small_T, long_T = (48, 96) if args.tiny else (96, 2048)
     cases, ok = {}, True
@@ -239,18 +243,19 @@ def correctness(args) -> dict:
         # kernels) where that is larger (a gradient with much cancellation, e.g. phi's position encoding)
         errors = {n: (rel_rms(g, grads["exact"][n]), rel_rms(grads["portable"][n], grads["exact"][n]))
                   for n, g in grads["fast"].items()}
-        bounds = {n: max(TOLERANCE["out" if n == "out" else "grad"], 2 * torch_err) for n, (_, torch_err) in errors.items()}
+        bounds = {n: slack * max(TOLERANCE["out" if n == "out" else "grad"], 2 * torch_err)
+                  for n, (_, torch_err) in errors.items()}
         case.update(T_long=long_T, out=errors["out"][0], out_torch_bf16=errors["out"][1])
         case["grad"] = {n: {"triton_bf16": e, "torch_bf16": t, "bound": bounds[n]}
                         for n, (e, t) in errors.items() if n != "out"}
         case["worst"] = max(((n, e / bounds[n]) for n, (e, _) in errors.items()), key=lambda kv: kv[1])
         differ = (picks["fast"].sort(-1).values != picks["exact"].sort(-1).values).any(-1)  # [B, H_kv, T]
         case["selection_disagreement"] = differ.double().mean().item()
-        case["ok"] = (case["reference_out"] < TOLERANCE["reference_out"] and case["worst"][1] <= 1.0
+        case["ok"] = (case["reference_out"] < slack * TOLERANCE["reference_out"] and case["worst"][1] <= 1.0
                       and case["selection_disagreement"] <= TOLERANCE["selection_disagreement"])
         ok = ok and case["ok"]
         cases[name] = case
-    return {"ok": ok, "seed": seed, "tolerance": TOLERANCE, "cases": cases}
+    return {"ok": ok, "seed": seed, "tolerance": TOLERANCE, "slack": slack, "cases": cases}
 
 
 def ceilings(args) -> dict:
@@ -302,7 +307,10 @@ def stage_costs(layout: dict, geometry: dict, T: int, elem: int = 2) -> dict:
     C = n_compressed_blocks(l, d, T)
     q_bytes, kv_bytes, idx_bytes = T * H * hd * elem, T * H_kv * hd * elem, T * H_kv * n * 8
     per_key = 4 * H * hd * T  # q·k and p·v for every query head, per key each query sees
+    phi_weights = (l * hd * hd + hd * hd + l * hd) * 4  # float32 master weights of one phi
     return {
+        "compress": {"flops": 2 * C * H_kv * 2 * (l * hd * hd + hd * hd),  # phi_K and phi_V: W1 then W2 per token
+                     "bytes": 2 * kv_bytes + 2 * C * H_kv * hd * (elem + 4) + 2 * phi_weights},  # + the fp32 a
         "compressed": {"flops": per_key * mean_compressed_keys(l, d, T),
                        "bytes": 2 * q_bytes + 2 * C * H_kv * hd * elem + T * H * 4},
         "select": {"flops": per_key / 2 * mean_compressed_keys(l, d, T),
@@ -399,21 +407,21 @@ def stages(layer, q, br, rope, layout, geo, T, device, repeats, ceil, ops) -> di
     """Each stage of the NSA core alone, forward (selection has no backward), on the inputs the layer gives it."""
     import torch
 
-    from nsa.attention.impl.compression import compress, num_compressed
+    from nsa.attention.impl.compression import num_compressed
 
     c = layer.cfg
     B, H_kv, G, hd = q.shape[0], layer.n_kv_heads, layer.n_groups, layer.head_dim
+    phis = (layer.compress_k.weights(), layer.compress_v.weights())
     with torch.no_grad():
         count = num_compressed(T, c.l, c.d)
-        ck = compress(layer.compress_k, br["cmp"][0], 0, 0, count, c.l, c.d)
-        cv = compress(layer.compress_v, br["cmp"][1], 0, 0, count, c.l, c.d)
+        ck, cv = ops.compress_blocks(*br["cmp"], *phis, 0, count, c.l, c.d, c.kernel)
         qg = q.view(B, H_kv, G, T, hd)
         # as the layer calls them: the compressed branch returns its log-sum-exps, selection reuses them (Eq. 8)
         lse = ops.compressed_attention(q, ck, cv, 0, c.l, c.d, c.q_chunk, c.kernel, return_lse=True)[1].view(
             B, H_kv, G, T)
         idx = ops.select_blocks(qg, ck, 0, c.l, c.d, c.l_sel, c.n_sel, c.q_chunk, c.kernel, lse=lse)
     calls = {
-        "compress": lambda: compress(layer.compress_k, br["cmp"][0], 0, 0, count, c.l, c.d),
+        "compress": lambda: ops.compress_blocks(*br["cmp"], *phis, 0, count, c.l, c.d, c.kernel),  # phi_K and phi_V
         "compressed": lambda: ops.compressed_attention(q, ck, cv, 0, c.l, c.d, c.q_chunk, c.kernel, return_lse=True),
         "select": lambda: ops.select_blocks(qg, ck, 0, c.l, c.d, c.l_sel, c.n_sel, c.q_chunk, c.kernel, lse=lse),
         "selected": lambda: ops.selected_attention(qg, *br["sel"], idx, 0, c.l_sel, c.sel_tile, kernel=c.kernel,

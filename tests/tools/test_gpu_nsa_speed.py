@@ -42,9 +42,11 @@ def test_tiny_run_checks_then_times_every_arm_and_stage_and_merges(tmp_path):
     sections = report["sections"]
     correct = sections["correctness"]
     assert correct["ok"] and set(correct["cases"]) == {"m7c", "paper"}
+    slack = correct["slack"]  # the interpreter's truncating bf16 casts (gpu_nsa_speed.correctness)
+    assert slack == 2.5
     for case in correct["cases"].values():  # both kernel families (G = 6 block-centric, G = 16 query-centric)
-        assert 0 < case["reference_out"] < correct["tolerance"]["reference_out"]
-        assert 0 < case["out"] < correct["tolerance"]["out"] and case["worst"][1] <= 1
+        assert 0 < case["reference_out"] < slack * correct["tolerance"]["reference_out"]
+        assert 0 < case["out"] < slack * correct["tolerance"]["out"] and case["worst"][1] <= 1
         assert "x" in case["grad"] and "compress_k.fc_in.weight" in case["grad"]  # every gradient compared
         assert all(0 < g["triton_bf16"] <= g["bound"] for g in case["grad"].values())
     assert sections["ceilings"]["copy_bytes_per_s"] > 0 and sections["ceilings"]["bf16_matmul_flops_per_s"] > 0
@@ -91,7 +93,8 @@ def test_correctness_fails_on_a_perturbed_kernel(tmp_path):
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     correct = results(tmp_path)["sections"]["correctness"]
     assert not correct["ok"]
-    assert all(case["reference_out"] > correct["tolerance"]["reference_out"] for case in correct["cases"].values())
+    assert all(case["reference_out"] > correct["slack"] * correct["tolerance"]["reference_out"]
+               for case in correct["cases"].values())
 
 
 def test_summary_names_graphed_training_apart():
