@@ -12,7 +12,7 @@ imports inside functions):
               (FlexAttention), and for
               packed documents masked.py (all at once, small sizes) and segments.py (one at a time); never
               imports ops or kernels
-  ops.py      the only module that registers custom ops (nsa::rotary, nsa::select_blocks,
+  ops.py      the only module that registers custom ops (nsa::rotary, nsa::compress_blocks, nsa::select_blocks,
               nsa::compressed_attention, nsa::selected_attention, nsa::window_attention, nsa::gated_combine)
               and chooses the kernel (resolve_kernel)
   modules     nsa.py (NativeSparseAttention), compressor.py (BlockCompressor, phi), decode.py,
