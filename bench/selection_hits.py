@@ -17,7 +17,6 @@ from the one free pick a miss is); the model is otherwise unchanged.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import random
 from collections import defaultdict
@@ -26,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from nsa.gate_health import selected_blocks
 from train.checkpoint.io import load_checkpoint, model_from_checkpoint, resolve_checkpoint
 from train.data.recall import RecallEncoder, bucket_name, probe_document
 from train.data.tokenizers import load_tokenizer
@@ -59,10 +59,6 @@ def hits_at(checkpoint: Path, multiple: int, documents: int, seed: int, n_sel: i
     model, cfg = model_from_checkpoint(checkpoint, "cpu", max_seq_len=max(stored["model"]["max_seq_len"],
                                                                           spec.doc_tokens + 1))
     l_sel = model.cfg.nsa.l_sel
-    if n_sel is not None:  # an inference-time change of the picks' count (module docstring)
-        for blk in model.blocks:
-            if hasattr(blk.attn, "branches"):
-                blk.attn.cfg = dataclasses.replace(blk.attn.cfg, n_sel=n_sel)
     layers = capture_selection(model)
     tok = load_tokenizer(cfg["data"]["tokenizer"])
     rng = random.Random(seed)
@@ -72,30 +68,31 @@ def hits_at(checkpoint: Path, multiple: int, documents: int, seed: int, n_sel: i
     names = [bucket_name(lo, hi, spec.window) for lo, hi in buckets]
     # (layer, bucket) -> [any-head hits, items, head-share sum, forced, any-head hits among the free, free items]
     tally = defaultdict(lambda: [0, 0, 0.0, 0, 0, 0])
-    for doc in docs:
-        x = torch.full((1, len(doc.ids) + 1), tok.eos_id, dtype=torch.long)
-        x[0, 1:] = torch.from_numpy(doc.ids)
-        for store in layers:
-            store.clear()
-        model(x)
-        answer = doc.answer_start + 1  # x positions of each answer's first token
-        query = answer - 1  # the position whose output predicts it
-        fact_block = (answer - doc.distance - 1) // l_sel  # the fact's value token, in document blocks
-        query_block = (query - 1) // l_sel
-        which = np.searchsorted(edges, doc.distance, side="right")
-        for layer, store in enumerate(layers):
-            picks = store[0][0][:, torch.from_numpy(query)]  # [H_kv, q, n]
-            hit = (picks == torch.from_numpy(fact_block)[None, :, None]).any(-1)  # [H_kv, q]
-            forced = (fact_block == 0) | (fact_block >= query_block - 1)  # [q]
-            for i, b in enumerate(which):
-                t = tally[(layer, names[b])]
-                t[0] += int(hit[:, i].any())
-                t[1] += 1
-                t[2] += float(hit[:, i].float().mean())
-                t[3] += int(forced[i])
-                if not forced[i]:
-                    t[4] += int(hit[:, i].any())
-                    t[5] += 1
+    with selected_blocks(model, n_sel):  # an inference-time change of the picks' count (module docstring)
+        for doc in docs:
+            x = torch.full((1, len(doc.ids) + 1), tok.eos_id, dtype=torch.long)
+            x[0, 1:] = torch.from_numpy(doc.ids)
+            for store in layers:
+                store.clear()
+            model(x)
+            answer = doc.answer_start + 1  # x positions of each answer's first token
+            query = answer - 1  # the position whose output predicts it
+            fact_block = (answer - doc.distance - 1) // l_sel  # the fact's value token, in document blocks
+            query_block = (query - 1) // l_sel
+            which = np.searchsorted(edges, doc.distance, side="right")
+            for layer, store in enumerate(layers):
+                picks = store[0][0][:, torch.from_numpy(query)]  # [H_kv, q, n]
+                hit = (picks == torch.from_numpy(fact_block)[None, :, None]).any(-1)  # [H_kv, q]
+                forced = (fact_block == 0) | (fact_block >= query_block - 1)  # [q]
+                for i, b in enumerate(which):
+                    t = tally[(layer, names[b])]
+                    t[0] += int(hit[:, i].any())
+                    t[1] += 1
+                    t[2] += float(hit[:, i].float().mean())
+                    t[3] += int(forced[i])
+                    if not forced[i]:
+                        t[4] += int(hit[:, i].any())
+                        t[5] += 1
     out = {}
     for (layer, name), (any_hits, items, share, forced, free_hits, free) in sorted(tally.items()):
         out.setdefault(f"layer{layer}", {})[name] = {

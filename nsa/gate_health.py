@@ -3,10 +3,12 @@ layer, aggregate what the layers recorded last (the statistics and their definit
 nsa/attention/gate_stats.py, nsa/attention/selection_health.py, docs/NSA.md "Gate health"), and give the
 selection health of each layer (`selection_health`: computes sel_recall from the copies the layers kept, so
 the trainer calls it after the step, off its clock). Kept on device (no host sync) for the trainer to log.
-`knock_out` zeroes chosen branches' gates of a trained model for a probe (what the model loses without them).
+`knock_out` zeroes chosen branches' gates of a trained model for a probe (what the model loses without them);
+`selected_blocks` lets its selection pick more (or fewer) blocks than trained (what the ranking finds with more picks).
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -89,3 +91,29 @@ def knock_out(model: nn.Module, branches: tuple[str, ...]) -> Iterator[int]:
     finally:
         for layer, prior in zip(layers, before):
             layer.knocked_out = prior
+
+
+@contextmanager
+def selected_blocks(model: nn.Module, n_sel: int | None) -> Iterator[int]:
+    """Within the block, every NSA layer of `model` selects n_sel blocks per query instead of its trained nsa.n_sel
+    (the same forced blocks, n_sel - forced free picks, the trained scorer ranking them): what the ranking finds when
+    it may pick more (a probe; the weights are untouched). None: as trained. Yields the number of layers changed;
+    restores them on exit. ValueError when n_sel is invalid for a layer (NSAConfig's own check) or the model has no
+    selecting NSA layer."""
+    if n_sel is None:
+        yield 0
+        return
+    layers = [layer for layer in _nsa_layers(model) if not layer.cfg.window_only]
+    if not layers:
+        raise ValueError("the model has no NSA layer that selects blocks")
+    changed = [dataclasses.replace(layer.cfg, n_sel=n_sel) for layer in layers]
+    for cfg in changed:
+        cfg.validate()  # ModelConfigError (a ValueError) before any layer changes
+    before = [layer.cfg for layer in layers]
+    try:
+        for layer, cfg in zip(layers, changed):
+            layer.cfg = cfg
+        yield len(layers)
+    finally:
+        for layer, prior in zip(layers, before):
+            layer.cfg = prior

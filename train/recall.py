@@ -8,6 +8,7 @@
         [--format kv|prose]           (lines in this format; default: the corpus's, or kv)
         [--lengths 1 2 4 8]           (documents at these multiples of the training length; buckets extended)
         [--rope_scale F|length|yarn] [--rope_theta B|ntk]   (a RoPE change for scoring only: interpolation, base)
+        [--n_sel K]                   (NSA: K blocks selected per query while scoring; the trained ranking)
 
 `make` writes a prepared directory (train.bin, val.bin, meta.json with the task's spec) that any config reads
 as data.source: bin:DIR. `score` feeds probe documents (their own seed) and reports accuracy and answer loss
@@ -67,6 +68,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                        "does before training long")
     score.add_argument("--rope_theta", default=None, help="score with this RoPE base, or 'ntk' (NTK-aware: the base "
                        "times multiple^(hd/(hd-2)))")
+    score.add_argument("--n_sel", type=int, default=None, help="NSA: select this many blocks per query while scoring "
+                       "(the trained ranking, more free picks); written to recall_step<N>_..._nsel<K>.json")
     return p.parse_args(argv)
 
 
@@ -120,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         rope = RopeAtLength(scale=_rope_value(args.rope_scale, ("length", "yarn"), "--rope_scale"),
                             theta=_rope_value(args.rope_theta, "ntk", "--rope_theta"))
         reports = [probe_checkpoint(args.checkpoint, spec=spec, documents=args.documents, seed=args.seed,
-                                    device=args.device, knockout=_branches(args.knockout), length=m, rope=rope)
+                                    device=args.device, knockout=_branches(args.knockout), length=m, rope=rope,
+                                    n_sel=args.n_sel)
                    for m in args.lengths]
         if len(reports) == 1:
             print(json.dumps(reports[0]))

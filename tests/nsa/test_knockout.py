@@ -69,3 +69,30 @@ def test_refusals():
     with pytest.raises(ValueError, match="no NSA layer with learned gates"):
         with knock_out(window_only, ("sel",)):
             pass
+
+
+def test_selected_blocks_changes_the_picks_count_and_restores_the_layer():
+    """nsa.gate_health.selected_blocks (the recall probe's --n_sel): inside, every query selects K blocks (its
+    forced ones plus K - 3 by the trained scores: the trained picks among them); outside, the trained count again."""
+    from nsa.gate_health import selected_blocks
+
+    layer = make_layer(seed=9)
+    trained = layer.cfg.n_sel
+    T = 64
+    x, rope = make_input(1, T, seed=10), rope_for(T)
+    with torch.no_grad():
+        _, idx = layer(x, rope, return_indices=True)  # [B, H_kv, T, n]
+        with selected_blocks(layer, trained + 2) as changed:
+            _, more = layer(x, rope, return_indices=True)
+        assert changed == 1 and layer.cfg.n_sel == trained
+        assert more.shape[-1] == trained + 2
+        for t in range(T):  # every block picked with n is still picked with n + 2 (the same ranking)
+            for h in range(idx.shape[1]):
+                before = set(idx[0, h, t].tolist()) - {-1}
+                assert before <= set(more[0, h, t].tolist()), (t, h)
+        _, again = layer(x, rope, return_indices=True)
+    assert torch.equal(again, idx)
+    with pytest.raises(ValueError, match="n_sel=2 must be >= 3"):
+        with selected_blocks(layer, 2):
+            pass
+    assert layer.cfg.n_sel == trained

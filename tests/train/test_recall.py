@@ -258,6 +258,16 @@ def test_knockout_scores_an_nsa_checkpoint_apart(tmp_path, capsys):
     assert json.loads((out / f"recall_step{step}.json").read_text()) == full  # untouched
     loss = lambda r: [b["answer_loss"] for b in r["buckets"].values()]  # noqa: E731
     assert loss(knocked) != loss(full)
+    # --n_sel: more picks than trained (3: all forced) at twice the length (8 blocks: free picks exist), its own file
+    assert recall_main(["score", str(out), "--documents", "4", "--device", "cpu", "--lengths", "2"]) == 0
+    trained = json.loads(capsys.readouterr().out)
+    assert recall_main(["score", str(out), "--documents", "4", "--device", "cpu", "--lengths", "2", "--n_sel", "5"]) == 0
+    more = json.loads(capsys.readouterr().out)
+    assert more["n_sel"] == 5 and "n_sel" not in trained and loss(more) != loss(trained)
+    assert json.loads((out / f"recall_step{step}_x2_nsel5.json").read_text()) == more
+    assert recall_main(["score", str(out), "--documents", "4", "--device", "cpu", "--n_sel", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --n_sel: nsa.n_sel=2 must be >= 3") and "\n" not in err
 
 
 def test_answers_only_loss_mask_reaches_the_batches(tmp_path, capsys):

@@ -10,6 +10,7 @@ Chance: 1 / len(VALUES) (every value equally likely, independent of the rest of 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
@@ -21,7 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from nsa.gate_health import knock_out
+from nsa.gate_health import knock_out, selected_blocks
 from train.checkpoint.io import (
     config_as_trained,
     load_checkpoint,
@@ -127,13 +128,13 @@ def recall_spec_of(data_source: str) -> RecallSpec | None:
 
 
 def result_name(step: int, knockout: tuple[str, ...] = (), line_format: str = DEFAULT_FORMAT, length: int = 1,
-                rope: str = "") -> str:
+                rope: str = "", n_sel: int | None = None) -> str:
     """recall_step<N>.json; recall_step<N>_without_<branches>.json for a probe with NSA branches knocked out;
     _<format> before .json for lines in another format than kv; _x<M> for documents M times the training length;
-    _<rope> for a RoPE changed at scoring time (RopeAtLength.tag)."""
+    _<rope> for a RoPE changed at scoring time (RopeAtLength.tag); _nsel<K> for K blocks selected at scoring time."""
     return (f"recall_step{step}" + (f"_without_{'_'.join(sorted(knockout))}" if knockout else "")
             + (f"_{line_format}" if line_format != DEFAULT_FORMAT else "") + (f"_x{length}" if length != 1 else "")
-            + (f"_{rope}" if rope else "") + ".json")
+            + (f"_{rope}" if rope else "") + (f"_nsel{n_sel}" if n_sel is not None else "") + ".json")
 
 
 @dataclass(frozen=True)
@@ -177,14 +178,15 @@ def corpus_spec(checkpoint) -> RecallSpec:
 
 def probe_checkpoint(checkpoint, *, spec: RecallSpec | None = None, documents: int = 64, seed: int = PROBE_SEED,
                      device: str = "auto", knockout: tuple[str, ...] = (), length: int = 1,
-                     rope: RopeAtLength = RopeAtLength()) -> dict:
+                     rope: RopeAtLength = RopeAtLength(), n_sel: int | None = None) -> dict:
     """Score a checkpoint (file or run directory) on the recall probe; write recall_step<N>.json beside it
     (result_name; an earlier file of the same checkpoint, documents, seed and spec is returned instead of scoring
     again). spec None: the run's own corpus's (its data.source must be a recall corpus). knockout: NSA branches (cmp,
     sel, win) whose gates are zeroed while scoring (nsa.gate_health.knock_out), written to their own file.
     length: probe documents this many times the training length (spec.doc_tokens + 1), distance buckets extended to
     them (RecallSpec.at_length); a RoPE model is scored at any length (its max_seq_len raised for the probe), learned
-    positions only within theirs. rope: a RoPE change made for scoring only."""
+    positions only within theirs. rope: a RoPE change made for scoring only. n_sel: NSA layers select this many blocks
+    per query while scoring (nsa.gate_health.selected_blocks; None: as trained), written to its own file."""
     if documents < 1:
         raise UserError(f"--documents must be >= 1, got {documents}")
     if length < 1:
@@ -193,7 +195,7 @@ def probe_checkpoint(checkpoint, *, spec: RecallSpec | None = None, documents: i
     step = load_checkpoint(path)["step"]
     base = spec if spec is not None else corpus_spec(path)
     spec = base.at_length(length)
-    done = path.parent / result_name(step, knockout, spec.format, length, rope.tag)
+    done = path.parent / result_name(step, knockout, spec.format, length, rope.tag, n_sel)
     if done.exists():
         try:
             prior = json.loads(done.read_text(encoding="utf-8"))
@@ -212,17 +214,20 @@ def probe_checkpoint(checkpoint, *, spec: RecallSpec | None = None, documents: i
         raise UserError(f"recall documents of {spec.doc_tokens} tokens do not fit the model's max_seq_len "
                         f"{model.cfg.max_seq_len} (learned positions end there)")
     started = time.perf_counter()
-    try:
-        with knock_out(model, knockout):
-            result = score_recall(model, load_tokenizer(cfg["data"]["tokenizer"]), spec, documents=documents,
-                                  seed=seed, device=dev)
-    except ValueError as exc:  # a branch name or a model knock_out refuses
-        raise UserError(f"--knockout: {exc}") from None
+    with contextlib.ExitStack() as probes:
+        for flag, probe in (("--n_sel", selected_blocks(model, n_sel)), ("--knockout", knock_out(model, knockout))):
+            try:
+                probes.enter_context(probe)
+            except ValueError as exc:  # a branch name or an n_sel the model refuses
+                raise UserError(f"{flag}: {exc}") from None
+        result = score_recall(model, load_tokenizer(cfg["data"]["tokenizer"]), spec, documents=documents, seed=seed,
+                              device=dev)
     result.update(tool="train.recall", checkpoint=str(path), step=step, attention=cfg["model"]["attention"],
                   spec=spec.to_dict(), length_multiple=length, training_length=base.doc_tokens + 1,
                   **({"rope_overrides": {k: v for k, v in overrides.items() if k != "max_seq_len"}} if rope.tag else {}),
                   seconds=round(time.perf_counter() - started, 3),
                   **({"knockout": sorted(knockout)} if knockout else {}),
+                  **({"n_sel": n_sel} if n_sel is not None else {}),
                   file=str(done))
     write_json_atomic(Path(result["file"]), result)
     return result
