@@ -28,8 +28,15 @@ TRITON = "triton."  # prefix of a Triton kernel's entry in LaunchCounter.by_op
 
 
 def launches(func) -> bool:
-    """Whether an ATen / custom op overload counts as a launch."""
+    """Whether an ATen / custom op overload counts as a launch (`aten.to`, declared aliasing, is _converted's)."""
     return not (func.is_view or func.overloadpacket.__name__ in _FREE)
+
+
+def _converted(func, args, out) -> bool:
+    """aten.to that converted (a dtype or device change: a copy kernel), not the alias it returns when nothing
+    changes; its schema says it may alias its input, so `launches` alone would call every .to() free."""
+    return (func.overloadpacket.__name__ == "to" and isinstance(out, torch.Tensor) and isinstance(args[0], torch.Tensor)
+            and out is not args[0])
 
 
 # the custom ops whose CUDA implementation is the one a CPU runs in Triton's interpreter (nsa.kernel=triton); the
@@ -107,9 +114,10 @@ class LaunchCounter(TorchDispatchMode):
         if self.open_custom_ops and (body := _custom_op_body(func)) is not None:
             with self:  # the body's own ops come back through this mode
                 return body(*args, **kwargs)
-        if launches(func) and not self.paused:
+        out = func(*args, **kwargs)
+        if not self.paused and (launches(func) or _converted(func, args, out)):
             self.by_op[str(func.overloadpacket)] += 1
-        return func(*args, **kwargs)
+        return out
 
     @property
     def total(self) -> int:

@@ -148,7 +148,8 @@ def exercise_selection(shape: Shape, dtype: torch.dtype) -> None:
 
 def exercise_rotary(shape: Shape, dtype: torch.dtype) -> None:
     """The rotary kernel as the layer calls it (nsa/attention/ops.py): queries and the selection and window keys in
-    one tensor, positions shared by the batch rows or per row (packed documents), forward and inverse (backward)."""
+    one tensor, positions shared by the batch rows or per row (packed documents), forward and inverse (backward); and
+    packed documents' compressed keys, their rows read through an index."""
     from nsa.attention.kernels.rotary import rotary
 
     T, half = shape.T, shape.hd // 2
@@ -156,6 +157,10 @@ def exercise_rotary(shape: Shape, dtype: torch.dtype) -> None:
     for angles in (_meta(T, half, dtype=torch.float32), _meta(1, T, half, dtype=torch.float32)):
         for inverse in (False, True):
             rotary(qk, angles, angles, inverse)
+    ck = _meta(1, shape.H_kv, T // shape.d, shape.hd, dtype=dtype)  # packed documents' compressed keys: rows by index
+    for inverse in (False, True):
+        rotary(ck, _meta(1, T, half, dtype=torch.float32), _meta(1, T, half, dtype=torch.float32), inverse,
+               at=_meta(1, T // shape.d, dtype=torch.long))
 
 
 def exercise_gated_combine(shape: Shape, dtype: torch.dtype) -> None:

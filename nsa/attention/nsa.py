@@ -340,10 +340,8 @@ class NativeSparseAttention(nn.Module):
         raw_k, raw_v = br["cmp"]
         ck, cv = ops.compress_blocks(raw_k, raw_v, self.compress_k.weights(), self.compress_v.weights(), 0,
                                      layout.block_start.shape[1], c.l, c.d, c.kernel, layout)  # [B, H_kv, T // d, hd]
-        if rope is not None:  # rotate each compressed key at the last position of its block
-            cos, sin = (r.expand(B, *r.shape[-2:]) for r in rope)  # [B, T, hd/2]: per-row (document) positions
-            at = layout.block_end[..., None].expand(-1, -1, cos.shape[-1])  # [B, C, hd/2]
-            ck = ops.rotary(ck, cos.gather(1, at), sin.gather(1, at), c.kernel)  # cos, sin [B, C, hd/2]
+        if rope is not None:  # rotate each compressed key at the last position of its block: the rope tables' rows
+            ck = ops.rotary(ck, *rope, c.kernel, at=layout.block_end)  # at [B, C] (per-row, document positions)
         with nvtx_range("nsa.compressed"):
             o_cmp, cmp_lse = ops.compressed_attention(q, ck, cv, 0, c.l, c.d, c.q_chunk, c.kernel, frame=frame,
                                                       return_lse=True)

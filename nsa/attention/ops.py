@@ -81,28 +81,31 @@ def _triton(kernel: str, x: Tensor) -> bool:
 
 # ---------------------------------------------------------------- rotary position embedding
 @torch.library.custom_op("nsa::rotary", mutates_args=())
-def _rotary(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool, kernel: str) -> Tensor:
+def _rotary(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool, kernel: str, at: Tensor | None = None) -> Tensor:
     if _triton(kernel, x):
         from nsa.attention.kernels.rotary import rotary
 
-        return rotary(x, cos, sin, inverse)
+        return rotary(x, cos, sin, inverse, at)
+    if at is not None:  # rows at[b, t] of the tables [T', hd/2] or [B, T', hd/2] -> [B, T, hd/2]
+        index = at[..., None].expand(-1, -1, cos.shape[-1])
+        cos, sin = (r.expand(at.shape[0], *r.shape[-2:]).gather(1, index) for r in (cos, sin))
     return apply_rotary(x, cos, -sin if inverse else sin).contiguous()
 
 
 @_rotary.register_fake
-def _(x, cos, sin, inverse, kernel):
+def _(x, cos, sin, inverse, kernel, at=None):
     return x.new_empty(x.shape)
 
 
 def _rotary_setup(ctx, inputs, output):
-    _, cos, sin, inverse, kernel = inputs
-    ctx.save_for_backward(cos, sin)
+    _, cos, sin, inverse, kernel, at = inputs
+    ctx.save_for_backward(cos, sin, at)
     ctx.inverse, ctx.kernel = inverse, kernel
 
 
 def _rotary_backward(ctx, d_out):
-    cos, sin = ctx.saved_tensors
-    return _rotary(d_out, cos, sin, not ctx.inverse, ctx.kernel), None, None, None, None  # a rotation's adjoint
+    cos, sin, at = ctx.saved_tensors
+    return _rotary(d_out, cos, sin, not ctx.inverse, ctx.kernel, at), None, None, None, None, None  # the adjoint
 
 
 _rotary.register_autograd(_rotary_backward, setup_context=_rotary_setup)
@@ -113,10 +116,12 @@ def rotary(
     cos: Tensor,  # [T, hd/2], or per row [B, T, hd/2] (positions that restart in each packed document); no gradient
     sin: Tensor,  # like cos
     kernel: str = "torch",  # NSAConfig.kernel: the Triton kernel (kernels/rotary.py, one launch) or apply_rotary
+    at: Tensor | None = None,  # [B, T] int64: position t of row b takes the tables' row at[b, t] (cos, sin [T' or B,
+    # T', hd/2]); the Triton kernel reads it, the torch path gathers those rows first
 ) -> Tensor:  # [B, H, T, hd] contiguous, x's dtype
     """nsa.layers.apply_rotary as one op (forward and backward one launch each on the Triton path); the torch path
     runs apply_rotary itself, so CPU results are those of apply_rotary's, bit for bit."""
-    return _rotary(x, cos.detach(), sin.detach(), False, kernel)
+    return _rotary(x, cos.detach(), sin.detach(), False, kernel, at)
 
 
 # ---------------------------------------------------------------- phi, the block compressor (Triton path)

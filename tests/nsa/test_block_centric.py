@@ -13,8 +13,8 @@ import torch
 
 from tests.nsa.test_triton_selection import ATOL, DEV, RTOL, dense_reference, grads, make_case, ts  # skips without triton
 from tests.nsa.interpreter_probe import interpreter_loop_problem
-from nsa.attention.impl.index import segment_keys_torch, tile_layout_torch
-from nsa.attention.kernels.index_tiles import segment_keys, tile_layout
+from nsa.attention.impl.index import frame_block_keys_torch, segment_keys_torch, sorted_entries_torch, tile_layout_torch
+from nsa.attention.kernels.index_tiles import frame_block_keys, segment_keys, sorted_entries, tile_layout
 
 if reason := interpreter_loop_problem():  # tests/nsa/interpreter_probe.py: a Triton interpreter limit
     pytest.skip(reason, allow_module_level=True)
@@ -171,6 +171,50 @@ def test_segment_keys_kernel_equals_its_torch_oracle(by_slot, with_sub):
     assert key.dtype == counts.dtype == torch.long
     assert torch.equal(key.cpu(), want_key) and torch.equal(counts.cpu(), want_counts)
     assert int(counts.sum()) == int((idx >= 0).sum())
+
+
+def test_frame_block_keys_kernel_equals_its_torch_oracle():
+    """kernels/index_tiles.py frame_block_keys against frame_block_keys_torch: integers, equal exactly; empty slots and
+    first keys outside 0 .. Tk-1 (k_base beyond the keys) give -1 / 0; k_base read through the frame's strides."""
+    g = torch.Generator().manual_seed(11)
+    B, H_kv, Tq, n, l_sel, Tk = 2, 3, 37, 5, 8, 60
+    idx = torch.randint(-1, 6, (B, H_kv, Tq, n), generator=g)
+    frame = torch.randint(0, 30, (3, B, Tq), generator=g)
+    frame[1, 1, :4] = Tk + 3  # a frame breaking k_base + p < Tk: no block there
+    home, off = frame_block_keys(idx.to(DEV), frame.to(DEV)[1], l_sel, Tk)
+    want_home, want_off = frame_block_keys_torch(idx, frame[1], l_sel, Tk)
+    assert home.dtype == off.dtype == torch.int32
+    assert torch.equal(home.cpu(), want_home) and torch.equal(off.cpu(), want_off)
+    assert (want_home[1, :, :4] == -1).all() and (want_home >= 0).any() and (want_off > 0).any()
+
+
+@pytest.mark.parametrize("n_sub", [None, 8])
+def test_sorted_entries_kernel_equals_its_torch_oracle(n_sub):
+    g = torch.Generator().manual_seed(13)
+    Tq, n, E = 23, 4, 3 * 23 * 4
+    order = torch.randperm(E, generator=g)
+    sorted_key = torch.randint(0, 500, (E,), generator=g).sort().values
+    got = sorted_entries(order.to(DEV), sorted_key.to(DEV), Tq, n, n_sub)
+    want = sorted_entries_torch(order, sorted_key, Tq, n, n_sub)
+    assert got[0].dtype == torch.int32 and torch.equal(got[0].cpu(), want[0])
+    assert (got[1] is None) == (n_sub is None) and (n_sub is None or torch.equal(got[1].cpu(), want[1]))
+
+
+def test_inverted_index_runs_and_offsets_with_a_second_key():
+    """With a second sort key (frames: the offset in the aligned block), each sorted entry's offset and the end of its
+    run (entries of equal segment and offset) are what a walk over the sorted entries finds."""
+    g = torch.Generator().manual_seed(12)
+    BH, Tq, n, n_blocks, n_sub = 3, 23, 4, 5, 8
+    idx = torch.randint(-1, n_blocks, (BH, Tq, n), generator=g)
+    sub = torch.randint(0, 3, (BH, Tq, n), generator=g)  # few offsets: long runs
+    out = ts.inverted_index(idx.to(DEV), n_blocks, 4, sub=sub.to(DEV), n_sub=n_sub)
+    sub_sorted, run_end = out[6].cpu(), out[7].cpu()
+    key, _ = segment_keys_torch(idx, n_blocks, False, sub, n_sub)
+    sorted_key, order = torch.sort(key, stable=True)
+    assert torch.equal(sub_sorted, sub.flatten()[order].to(torch.int32))
+    want = [next(j for j in range(i, len(sorted_key) + 1) if j == len(sorted_key) or sorted_key[j] != sorted_key[i])
+            for i in range(len(sorted_key))]
+    assert run_end.dtype == torch.int32 and run_end.tolist() == want
 
 
 def test_slot_index_tiles_every_entry_once():

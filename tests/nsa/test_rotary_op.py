@@ -54,6 +54,8 @@ def test_torch_path_is_apply_rotary_and_its_gradient_the_inverse_rotation(dtype,
 def test_rotary_op_passes_opcheck():
     x, cos, sin = _case(torch.float64, per_row=True)
     torch.library.opcheck(ops._rotary, (x.contiguous().requires_grad_(True), cos, sin, False, "torch"))
+    at = torch.randint(0, x.shape[2], (x.shape[0], 5), generator=torch.Generator().manual_seed(4))
+    torch.library.opcheck(ops._rotary, (x[:, :, :5].contiguous().requires_grad_(True), cos, sin, False, "torch", at))
 
 
 DEV = KERNEL_DEVICE
@@ -87,3 +89,35 @@ def test_triton_op_backward_is_the_inverse_rotation_of_the_gradient():
     ops.rotary(b, cos, sin, "triton").backward(d_out)
     torch.testing.assert_close(b.grad, a.grad, atol=1e-12, rtol=1e-12)
     assert not torch.allclose(b.grad, d_out)  # a real rotation: the gradient moved
+
+
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+@pytest.mark.parametrize("per_row", [False, True], ids=["shared", "per_row"])
+def test_rows_taken_by_index_equal_the_gathered_tables(kernel, per_row):
+    """`at` [B, T] (packed documents' compressed keys: each at its block's last position): the op equals rotating by
+    the gathered rows (the torch path gathers them: bit for bit; the kernel reads them: to float64 rounding), forward
+    and backward; rows of the tables no index names change nothing."""
+    if kernel == "triton" and UNAVAILABLE:
+        pytest.skip(UNAVAILABLE)
+    dev = DEV if kernel == "triton" else torch.device("cpu")
+    x, cos, sin = (t.to(dev) for t in _case(torch.float64, per_row, seed=3, T=41))
+    B, _, _, hd = x.shape
+    g = torch.Generator().manual_seed(7)
+    at = torch.randint(0, 30, (B, 11), generator=g).to(dev)  # 11 outputs from rows 0 .. 29 of 41
+    y = x[:, :, :11].clone().requires_grad_(True)
+    index = at[..., None].expand(-1, -1, hd // 2)
+    rows = [t.expand(B, *t.shape[-2:]).gather(1, index) for t in (cos, sin)]
+    d_out = torch.randn(y.shape, generator=g, dtype=torch.float64).to(dev)
+    want = apply_rotary(y, *rows)
+    (want_grad,) = torch.autograd.grad(want, y, d_out)
+    got = ops.rotary(y, cos, sin, kernel, at=at)
+    (got_grad,) = torch.autograd.grad(got, y, d_out)
+    tol = dict(atol=0, rtol=0) if kernel == "torch" else dict(atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(got_grad, want_grad, **tol)
+    unread = torch.ones(41, dtype=torch.bool)
+    unread[at.flatten().cpu()] = False
+    cos2, sin2 = cos.clone(), sin.clone()
+    cos2[..., unread.to(dev), :] += 1.0
+    sin2[..., unread.to(dev), :] -= 1.0
+    assert torch.equal(ops.rotary(y, cos2, sin2, kernel, at=at), got)

@@ -6,6 +6,14 @@ from __future__ import annotations
 import torch
 
 
+def frame_block_keys_torch(idx: torch.Tensor, k_base: torch.Tensor, l_sel: int, Tk: int):
+    """The oracle of kernels/index_tiles.frame_block_keys (same arguments and results), in torch ops: ~11 launches."""
+    first = k_base[:, None, :, None] + idx.long() * l_sel  # [B, H_kv, Tq, n] the block's first key
+    ok = (idx >= 0) & (first >= 0) & (first < Tk)
+    home = torch.where(ok, first.div(l_sel, rounding_mode="floor"), -1)
+    return home.to(torch.int32), torch.where(ok, first % l_sel, 0).to(torch.int32)
+
+
 def segment_keys_torch(block_idx: torch.Tensor, n_blocks: int, by_slot: bool, sub: torch.Tensor | None = None,
                        n_sub: int = 1):
     """The oracle of kernels/index_tiles.segment_keys (same arguments and results), in torch ops: ~12 launches."""
@@ -18,6 +26,12 @@ def segment_keys_torch(block_idx: torch.Tensor, n_blocks: int, by_slot: bool, su
     key = seg if sub is None else seg * n_sub + sub.flatten()
     counts = torch.zeros(P * S + 1, dtype=torch.long, device=dev).index_add_(0, seg, torch.ones_like(seg))[:P * S]
     return key, counts
+
+
+def sorted_entries_torch(order: torch.Tensor, sorted_key: torch.Tensor, Tq: int, n: int, n_sub: int | None = None):
+    """The oracle of kernels/index_tiles.sorted_entries (same arguments and results), in torch ops: 3-5 launches."""
+    queries = ((order // n) % Tq).to(torch.int32)
+    return queries, (sorted_key % n_sub).to(torch.int32) if n_sub is not None else None
 
 
 def tile_layout_torch(counts: torch.Tensor, seg_tiles: torch.Tensor, P: int, S: int, n_tiles: int, kv_tile: int):

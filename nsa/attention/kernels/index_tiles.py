@@ -1,6 +1,8 @@
-"""The selected-attention inverted index (selected_attention.inverted_index) in few launches: each entry's segment
-and sort key with the segments' entry counts (`segment_keys`: one launch after a zero fill), and the tile layout
-(`tile_layout`: one launch after two cumulative sums). Torch ops took ~12 and ~25 launches for these.
+"""The selected-attention inverted index (selected_attention.inverted_index) in few launches: with packed documents
+each entry's aligned block and offset (`frame_block_keys`: one launch), each entry's segment and sort key with the
+segments' entry counts (`segment_keys`: one launch after a zero fill), after the sort each sorted entry's query and
+second key (`sorted_entries`: one launch), and the tile layout (`tile_layout`: one launch after two cumulative sums).
+Torch ops took ~11, ~12, 3-5 and ~25 launches for these.
 
 Tile layout.
 
@@ -66,6 +68,70 @@ def segment_keys(block_idx: torch.Tensor, n_blocks: int, by_slot: bool, sub: tor
             idx, idx if sub is None else sub.contiguous(), key, counts, E, Tq, n, n_blocks, S, n_sub,
             BY_SLOT=by_slot, HAS_SUB=sub is not None, BLOCK=BLOCK)
     return key, counts[:P * S]
+
+
+@triton.jit(do_not_specialize=["E", "Tq", "H", "Tk"])
+def frame_block_keys_kernel(
+    IDX, FRAME, HOME, OFF,
+    sfb, sft,
+    E, Tq, n, H, l_sel, Tk,
+    BLOCK: tl.constexpr,
+):
+    """Entries e of IDX [B, H, Tq, n] (flat, contiguous; -1 = none) with packed documents: block j of query (b, t)
+    starts at key s = k_base + j*l' (k_base = FRAME[b, t], the frame's second row); HOME[e] = s // l' (its aligned
+    block; -1 for an empty slot or a first key outside 0 .. Tk-1) and OFF[e] = s % l' (0 there), int32."""
+    e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = e < E
+    j = tl.load(IDX + e, mask=ok, other=-1).to(tl.int64)
+    t = (e // n) % Tq
+    b = e // (n * Tq * H)
+    first = tl.load(FRAME + b * sfb + t * sft, mask=ok, other=0) + j * l_sel
+    seen = (j >= 0) & (first >= 0) & (first < Tk)
+    tl.store(HOME + e, tl.where(seen, first // l_sel, -1).to(tl.int32), mask=ok)
+    tl.store(OFF + e, tl.where(seen, first % l_sel, 0).to(tl.int32), mask=ok)
+
+
+def frame_block_keys(idx: torch.Tensor, k_base: torch.Tensor, l_sel: int, Tk: int):
+    """idx [B, H_kv, Tq, n] (-1 = none), k_base [B, Tq] (the frame's second row, any strides) -> the aligned block
+    each entry's block starts in, and its offset there, [B, H_kv, Tq, n] int32 each (as selected_attention's
+    _block_keys documents them). One launch; the oracle is nsa/attention/impl/index.py frame_block_keys_torch."""
+    B, H, Tq, n = idx.shape
+    idx = idx.contiguous()
+    home = torch.empty(idx.shape, dtype=torch.int32, device=idx.device)
+    off = torch.empty_like(home)
+    if idx.numel():
+        frame_block_keys_kernel[(triton.cdiv(idx.numel(), BLOCK),)](
+            idx, k_base, home, off, *k_base.stride(), idx.numel(), Tq, n, H, l_sel, Tk, BLOCK=BLOCK)
+    return home, off
+
+
+@triton.jit(do_not_specialize=["E", "Tq"])
+def sorted_entries_kernel(
+    ORDER, SORTED_KEY, QUERIES, SUB_SORTED,
+    E, Tq, n, n_sub,
+    HAS_SUB: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Sorted entries i: QUERIES[i] = the query position of entry ORDER[i] ((ORDER[i] // n) % Tq), and with HAS_SUB
+    SUB_SORTED[i] = SORTED_KEY[i] % n_sub (the second key in sorted order); int32."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < E
+    entry = tl.load(ORDER + i, mask=ok, other=0)
+    tl.store(QUERIES + i, ((entry // n) % Tq).to(tl.int32), mask=ok)
+    if HAS_SUB:
+        tl.store(SUB_SORTED + i, (tl.load(SORTED_KEY + i, mask=ok, other=0) % n_sub).to(tl.int32), mask=ok)
+
+
+def sorted_entries(order: torch.Tensor, sorted_key: torch.Tensor, Tq: int, n: int, n_sub: int | None = None):
+    """The sort's order and sorted keys [E] int64 (entries of a [BH, Tq, n] index) -> queries [E] int32, and with
+    n_sub the second key in sorted order [E] int32 (else None). One launch; the oracle is nsa/attention/impl/index.py
+    sorted_entries_torch."""
+    queries = torch.empty(order.shape, dtype=torch.int32, device=order.device)
+    sub_sorted = torch.empty_like(queries) if n_sub is not None else None
+    if order.numel():
+        sorted_entries_kernel[(triton.cdiv(order.numel(), BLOCK),)](
+            order, sorted_key, queries, queries if sub_sorted is None else sub_sorted, order.numel(), Tq, n,
+            n_sub or 1, HAS_SUB=n_sub is not None, BLOCK=BLOCK)
+    return queries, sub_sorted
 
 
 @triton.jit(do_not_specialize=["S", "n_tiles", "search_steps"])

@@ -21,11 +21,13 @@ ROWS = 32  # positions per program
 
 @triton.jit(do_not_specialize=["T", "H"])
 def rotary_kernel(
-    X, COS, SIN, OUT,
+    X, COS, SIN, OUT, AT,
     sxb, sxh, sxt, sxd,
     scb, sct, scd,
+    sab, sat,
     T, H,
     HALF: tl.constexpr, HP: tl.constexpr, ROWS: tl.constexpr, INVERSE: tl.constexpr, ACC: tl.constexpr,
+    HAS_AT: tl.constexpr,
 ):
     """Program (i, bh): positions i*ROWS .. of head bh % H of batch row bh // H. X [B, H, T, 2*HALF] (any strides),
     COS / SIN [B or 1, T, HALF] (scb = 0: shared by the batch rows; same strides for both), OUT [B, H, T, 2*HALF]
@@ -39,7 +41,10 @@ def rotary_kernel(
     x = X + b * sxb + h * sxh + t[:, None] * sxt + j[None, :] * sxd
     x1 = tl.load(x, mask=ok, other=0.0).to(ACC)
     x2 = tl.load(x + HALF * sxd, mask=ok, other=0.0).to(ACC)
-    angle = b * scb + t[:, None] * sct + j[None, :] * scd
+    row = t
+    if HAS_AT:  # position t's angles are the table's row AT[b, t]
+        row = tl.load(AT + b * sab + t * sat, mask=t < T, other=0)
+    angle = b * scb + row[:, None] * sct + j[None, :] * scd
     cos = tl.load(COS + angle, mask=ok, other=0.0).to(ACC)
     sin = tl.load(SIN + angle, mask=ok, other=0.0).to(ACC)
     if INVERSE:
@@ -49,9 +54,12 @@ def rotary_kernel(
     tl.store(out + HALF, (x2 * cos + x1 * sin).to(OUT.dtype.element_ty), mask=ok)
 
 
-def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False,
+           at: torch.Tensor | None = None) -> torch.Tensor:
     """x [B, H, T, hd] (any strides), cos / sin [T, hd/2] or per row [B, T, hd/2] (the same layout) -> x rotated
-    [B, H, T, hd], contiguous, x's dtype (inverse: by -angle). One launch."""
+    [B, H, T, hd], contiguous, x's dtype (inverse: by -angle). at [B, T] int64 (optional): position t of row b takes
+    the tables' row at[b, t] (tables then [T', hd/2] or [B, T', hd/2]), read in the kernel instead of a gather before
+    it. One launch."""
     B, H, T, hd = x.shape
     half = hd // 2
     if cos.dim() == 2:
@@ -62,7 +70,9 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool 
     out = torch.empty(B, H, T, hd, dtype=x.dtype, device=x.device)
     if out.numel():
         rotary_kernel[(triton.cdiv(T, ROWS), B * H)](
-            x, cos, sin, out, *x.stride(), cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1), cos.stride(2),
-            T, H, HALF=half, HP=triton.next_power_of_2(half), ROWS=ROWS, INVERSE=inverse, ACC=acc,
+            x, cos, sin, out, at if at is not None else cos, *x.stride(),
+            cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1), cos.stride(2),
+            *(at.stride() if at is not None else (0, 0)),
+            T, H, HALF=half, HP=triton.next_power_of_2(half), ROWS=ROWS, INVERSE=inverse, ACC=acc, HAS_AT=at is not None,
         )
     return out

@@ -97,7 +97,7 @@ import triton.language as tl
 
 from nsa.attention.kernels.block_centric import (_load_block, _run_rows, block_dq_kernel, block_fwd_kernel,
                                                  slot_merge_kernel, slot_sum_kernel)
-from nsa.attention.kernels.index_tiles import segment_keys, tile_layout
+from nsa.attention.kernels.index_tiles import frame_block_keys, segment_keys, sorted_entries, tile_layout
 from nsa.attention.kernels.interpreter import interpreter_active
 
 KV_TILE = 512  # queries per dK/dV program (bounds its serial work; partial dK/dV memory ~ 1 / KV_TILE)
@@ -542,12 +542,11 @@ def _block_keys(idx: torch.Tensor, l_sel: int, Tk: int, frame: torch.Tensor | No
     """idx [B, H_kv, Tq, n] (-1 = none) -> what the inverted indexes are keyed by: without a frame the
     block itself (and no offsets); with one, block j of query (b, t) starts at key s = k_base + j*l', keyed
     by its aligned block s // l' (-1 for empty slots) and the offset s % l' [B, H_kv, Tq, n] (int64).
-    A first key outside 0 .. Tk-1 (a frame breaking k_base + p < Tk) counts as an empty slot."""
+    A first key outside 0 .. Tk-1 (a frame breaking k_base + p < Tk) counts as an empty slot. With a frame both int32,
+    from one launch (kernels/index_tiles.py frame_block_keys)."""
     if frame is None:
         return idx, None
-    first = frame[1][:, None, :, None] + idx.long() * l_sel  # [B, H_kv, Tq, n] the block's first key
-    ok = (idx >= 0) & (first >= 0) & (first < Tk)
-    return torch.where(ok, first.div(l_sel, rounding_mode="floor"), -1), torch.where(ok, first % l_sel, 0)
+    return frame_block_keys(idx, frame[1], l_sel, Tk)
 
 
 def slot_index(idx: torch.Tensor, Tk: int, l_sel: int, q_tile: int | None = None,
@@ -701,26 +700,20 @@ def inverted_index(block_idx: torch.Tensor, n_blocks: int, kv_tile: int, by_slot
     bounds sum_s ceil(count_s / kv_tile) over a part's segments.
     """
     BH, Tq, n = block_idx.shape
-    dev = block_idx.device
     S = BH * n_blocks
     P = n if by_slot else 1
     # empty slots -> the spare segment P*S (sorted last, not counted); kernels/index_tiles.py
     key, counts = segment_keys(block_idx, n_blocks, by_slot, sub, n_sub)
-    _, order = torch.sort(key, stable=True)
-    queries = ((order // n) % Tq).to(torch.int32)
-    seg_tiles = (counts + kv_tile - 1) // kv_tile
+    sorted_key, order = torch.sort(key, stable=True)
+    queries, sub_sorted = sorted_entries(order, sorted_key, Tq, n, None if sub is None else n_sub)
+    seg_tiles = (counts + (kv_tile - 1)) // kv_tile
     per_part = BH * Tq * (1 if by_slot else min(n, n_blocks))
     n_tiles = per_part // kv_tile + min(S, per_part)
     tile_seg, tile_start, tile_count, seg_tile_first = tile_layout(counts, seg_tiles, P, S, n_tiles, kv_tile)
     if sub is None:
         return queries, tile_seg, tile_start, tile_count, seg_tile_first, seg_tiles
-    sorted_key = key[order]
-    last = torch.ones_like(sorted_key, dtype=torch.bool)
-    last[:-1] = sorted_key[1:] != sorted_key[:-1]  # the last entry of its run
-    at = torch.arange(key.numel(), device=dev)
-    ends = torch.where(last, at + 1, key.numel()).flip(0).cummin(0).values.flip(0)  # the next run end at or after
-    return (queries, tile_seg, tile_start, tile_count, seg_tile_first, seg_tiles, sub.flatten()[order].to(torch.int32),
-            ends.to(torch.int32))
+    run_end = torch.searchsorted(sorted_key, sorted_key, right=True, out_int32=True)  # past the last equal key
+    return queries, tile_seg, tile_start, tile_count, seg_tile_first, seg_tiles, sub_sorted, run_end
 
 
 def selected_attention_bwd(q, k, v, block_idx, o, lse, d_o, q_start: int, l_sel: int,
