@@ -10,7 +10,9 @@ Two counts per NSA layer:
             window branches stay one op per direction: FlexAttention on CUDA, whose backward has no CPU path). The
             interpreter is slow, so this count runs at --triton-T tokens (constant in T:
             tests/nsa/test_launch_count_triton.py). It needs TRITON_INTERPRET=1 in the environment (Triton reads it
-            when the kernels are defined); without it the count is reported as skipped.
+            when the kernels are defined); without it the count is reported as skipped. Also taken with 4 packed
+            documents, and under bf16 autocast (how the trainer runs a GPU: the weights' casts are launches too),
+            beside the dense layer's count under autocast.
 Prints a markdown table (docs/BENCHMARKS.md) and one JSON line.
 """
 from __future__ import annotations
@@ -19,14 +21,17 @@ import argparse
 import dataclasses
 import json
 
+import torch
+
 from nsa.config import ModelConfig, NSAConfig
 from nsa.launch_count import TRITON, attention_layer_launches
 
 M7C = dict(dim=768, n_heads=12, n_kv_heads=2, head_dim=64)
 
 
-def triton_path(nsa: ModelConfig, T: int) -> dict:
-    """The Triton path's count (module docstring), or why it could not be taken."""
+def triton_path(nsa: ModelConfig, T: int, documents: int = 0, autocast: bool = False) -> dict:
+    """The Triton path's count (module docstring), or why it could not be taken. documents > 0: a packed window of
+    that many documents; autocast: under bf16 autocast, as the trainer runs a GPU (its weight casts counted too)."""
     try:
         from nsa.attention.kernels.selected_attention import interpreter_active
     except ImportError as exc:
@@ -34,8 +39,9 @@ def triton_path(nsa: ModelConfig, T: int) -> dict:
     if not interpreter_active():
         return {"skipped": "Triton's interpreter is off: run with TRITON_INTERPRET=1"}
     cfg = dataclasses.replace(nsa, nsa=dataclasses.replace(nsa.nsa, kernel="triton"))
-    count = attention_layer_launches(cfg, T, device="cpu", open_custom_ops=True)
-    return {"T": T, "total": count.total, "triton_kernels": count.triton, "aten": count.total - count.triton,
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        count = attention_layer_launches(cfg, T, documents=documents, device="cpu", open_custom_ops=True)
+    return {"T": T, "documents": documents, "autocast_bf16": autocast, "total": count.total, "triton_kernels": count.triton, "aten": count.total - count.triton,
             "by_op": dict(count.by_op.most_common()), "kernels": sorted(n[len(TRITON):] for n in count.by_op
                                                                         if n.startswith(TRITON))}
 
@@ -61,6 +67,13 @@ def main() -> None:
         else:
             print(f"Triton path (T = {path['T']}): {path['total']} launches per layer fwd+bwd = {path['aten']} ATen ops"
                   f" + {path['triton_kernels']} Triton kernels ({', '.join(path['kernels'])})")
+            result["triton_path_documents"] = packed = triton_path(nsa, args.triton_T, documents=4)
+            result["triton_path_autocast"] = amp = triton_path(nsa, args.triton_T, autocast=True)
+            result["dense_cpu"] = attention_layer_launches(dense, args.triton_T, device="cpu").total
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                result["dense_cpu_autocast"] = attention_layer_launches(dense, args.triton_T, device="cpu").total
+            print(f"  with 4 packed documents: {packed['total']}; under bf16 autocast: {amp['total']} (the dense layer "
+                  f"on CPU tensors: {result['dense_cpu']}, {result['dense_cpu_autocast']} under autocast)")
     print(json.dumps(result))
     if args.json:
         with open(args.json, "w") as f:
