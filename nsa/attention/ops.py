@@ -193,6 +193,12 @@ def _compress_blocks_backward(ctx, d_ck, d_cv, _d_a):
 _compress_blocks.register_autograd(_compress_blocks_backward, setup_context=_compress_blocks_setup)
 
 
+def _phi_kernels_fit(head_dim: int) -> bool:
+    from nsa.attention.kernels.compress_blocks import fits
+
+    return fits(head_dim)
+
+
 def compress_blocks(
     raw_k: Tensor,  # [B, H_kv, R, hd] raw (un-rotated) keys of the compression branch
     raw_v: Tensor,  # [B, H_kv, R, hd] raw values
@@ -206,13 +212,13 @@ def compress_blocks(
     layout=None,  # packed documents: a documents.CompressedLayout (then lo = 0, count = its slots)
 ) -> tuple[Tensor, Tensor]:  # ck, cv [B, H_kv, count, hd]
     """phi over every block of keys and values. Triton path: the op nsa::compress_blocks (kernels/compress_blocks.py:
-    one launch forward and three backward for keys and values together; a layout's unused slots come out zero). Torch
-    path: impl/compression.py `phi` over a strided view (or one gather per tensor with a layout), bit for bit the
-    BlockCompressor modules' result."""
+    one launch forward and three backward for keys and values together; a layout's unused slots come out zero), for
+    head dims up to its MAX_HEAD_DIM (64; larger ones take the torch path). Torch path: impl/compression.py `phi` over
+    a strided view (or one gather per tensor with a layout), bit for bit the BlockCompressor modules' result."""
     if count <= 0:
         B, H, _, hd = raw_k.shape
         return raw_k.new_zeros(B, H, 0, hd), raw_v.new_zeros(B, H, 0, hd)
-    if _triton(kernel, raw_k):
+    if _triton(kernel, raw_k) and _phi_kernels_fit(raw_k.shape[-1]):
         packed = (layout.block_start, layout.valid, layout.frame) if layout is not None else (None, None, None)
         ck, cv, _ = _compress_blocks(raw_k, raw_v, *phi_k, *phi_v, lo, count, l, d, *packed)
         return ck, cv

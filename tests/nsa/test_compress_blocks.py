@@ -246,3 +246,25 @@ def test_chunked_prefill_and_decode_with_the_kernels_equal_one_prefill():
             outs.append(layer(x[:, t:t + size], tuple(r[t:t + size] for r in rope), cache=cache))
             t += size
     torch.testing.assert_close(torch.cat(outs, 1), full, rtol=0, atol=1e-10)
+
+
+@needs_kernels
+def test_head_dims_beyond_the_kernels_tiles_take_the_torch_path():
+    """The kernels hold [hd, hd] weight tiles in registers (MAX_HEAD_DIM = 64): a larger head dim runs phi's torch ops
+    even with kernel="triton", the same numbers as kernel="torch"."""
+    from nsa.attention.kernels import compress_blocks as kernels
+
+    assert kernels.fits(64) and not kernels.fits(80)
+    torch.manual_seed(16)
+    pk, pv = (BlockCompressor(L, 80, False).double().to(DEV) for _ in range(2))
+    kv = torch.randn(2, 1, 2, 24, 80, dtype=torch.float64, device=DEV)  # keys, values [B, H_kv, T, hd]
+    count = (24 - L) // D + 1
+    launched = []
+    real = kernels.compress_blocks_fwd
+    kernels.compress_blocks_fwd = lambda *a, **k: launched.append(1) or real(*a, **k)
+    try:
+        got = ops.compress_blocks(kv[0], kv[1], pk.weights(), pv.weights(), 0, count, L, D, "triton")
+    finally:
+        kernels.compress_blocks_fwd = real
+    want = ops.compress_blocks(kv[0], kv[1], pk.weights(), pv.weights(), 0, count, L, D, "torch")
+    assert not launched and all(torch.equal(a, b) for a, b in zip(got, want))

@@ -28,6 +28,7 @@ import triton.language as tl
 
 from nsa.attention.kernels.interpreter import interpreter_active
 
+MAX_HEAD_DIM = 64  # the tiles hold whole [hd, hd] weight blocks and [BM, hd] rows in registers: sized for hd <= 64
 BM = 32  # slots per program (and rows per reduction step)
 BR = 32  # raw rows per program of the raw-gradient kernel
 NUM_STAGES = 1  # the forward's loads over the block's rows unpipelined (3 and 2 stages spill 24 and 4 B at hd 32 with bias on sm_90)
@@ -276,6 +277,12 @@ def phi_dweight_kernel(
             DB2 = _pick(which, DB2K, DB2V)
             tl.store(DB1 + o, sum_da, mask=o < HD)
             tl.store(DB2 + o, sum_dy, mask=o < HD)
+
+
+def fits(head_dim: int) -> bool:
+    """Whether these kernels are tiled for this head dim (larger ones would spill; ops.compress_blocks then runs phi's
+    torch ops)."""
+    return head_dim <= MAX_HEAD_DIM
 
 
 def _acc(dtype: torch.dtype):
