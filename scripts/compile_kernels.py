@@ -13,7 +13,7 @@ instruction family (PTX wgmma / mma.sync; none: FMA dots, e.g. fp32 in IEEE prec
 Triton's cache: the first run takes minutes, later ones seconds.
 
 Exit status 1 when: a wrapper or a kernel fails to compile, a module defines a kernel its wrappers never
-launch, a kernel needs more shared memory than the target allows (the launcher would raise
+launch (at a shape where the ops use the module: an exercise function returns False where they do not), a kernel needs more shared memory than the target allows (the launcher would raise
 OutOfResources), or a bf16 kernel spills registers at a shipped shape. Other spills are reported only.
 """
 from __future__ import annotations
@@ -175,16 +175,17 @@ def exercise_gated_combine(shape: Shape, dtype: torch.dtype) -> None:
     gated_combine_bwd(y, gates, *branches)
 
 
-def exercise_compress_blocks(shape: Shape, dtype: torch.dtype) -> None:
+def exercise_compress_blocks(shape: Shape, dtype: torch.dtype) -> bool | None:
     """phi for keys and values forward and backward as nsa/attention/ops.py calls them: raw keys and values strided
     views of one projection (as the layer's `project` makes them), parameters in float32 (autocast's master weights),
-    without and with bias, without and with a packed documents' layout."""
+    without and with bias, without and with a packed documents' layout. False for a head dim the kernels are not
+    tiled for (the ops run phi's torch ops there)."""
     from nsa.attention.impl.compression import num_compressed
     from nsa.attention.kernels.compress_blocks import compress_blocks_bwd, compress_blocks_fwd, fits
 
     T, hd, H_kv = shape.T, shape.hd, shape.H_kv
     if not fits(hd):  # ops.compress_blocks runs phi's torch ops there: nothing of this module launches
-        return
+        return False
     kv = _meta(1, T, 6, H_kv, hd, dtype=dtype).permute(2, 0, 3, 1, 4)  # [6, B, H_kv, T, hd]
     raw_k, raw_v = kv[0], kv[1]
     f32 = torch.float32
@@ -334,14 +335,14 @@ def check_module(module, exercise, shape: Shape, dtype: str, targets: list[int],
     prefix = module.__name__.rsplit(".", 1)[-1]
     try:
         with capture_launches() as launches:
-            exercise(shape, DTYPES[dtype])
+            used = exercise(shape, DTYPES[dtype]) is not False  # False: the ops never launch this module here
     except Exception as exc:
         error = "wrapper failed under capture: " + _short_error(exc)
         return [Row(f"{prefix}.<wrappers>", shape.name, dtype, t, error=error, failures=[error]) for t in targets]
     launches = [launch for launch in launches if launch.kernel.module == module.__name__]  # its own kernels
     rows = [compile_row(label, launch, shape.name, dtype, t, shipped)
             for label, launch in label_variants(prefix, launches) for t in targets]
-    for name in sorted(set(module_kernels(module)) - {launch.name for launch in launches}):
+    for name in sorted(set(module_kernels(module)) - {launch.name for launch in launches} if used else ()):
         error = "never launched by the module's wrappers (add it to the exercise function)"
         rows += [Row(f"{prefix}.{name}", shape.name, dtype, t, error=error, failures=[error]) for t in targets]
     return rows
