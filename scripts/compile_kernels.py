@@ -202,6 +202,14 @@ def exercise_compress_blocks(shape: Shape, dtype: torch.dtype) -> bool | None:
                             _meta(3, 1, T, dtype=torch.long))
 
 
+def exercise_row_dot(shape: Shape, dtype: torch.dtype) -> None:
+    """The selection backward's delta (sum over hd of dO * O) as selected_attention_bwd takes it."""
+    from nsa.attention.kernels.row_dot import row_dot
+
+    o = _meta(1, shape.H_kv, shape.G, shape.T, shape.hd, dtype=dtype)
+    row_dot(o, o)
+
+
 def exercise_select_topk(shape: Shape, dtype: torch.dtype) -> None:
     """Fused block selection, called as nsa/attention/ops.py calls it (with the compressed branch's log-sum-exps) and
     on its own, without and with a document frame."""
@@ -229,6 +237,7 @@ KERNEL_MODULES = (
     ("nsa.attention.kernels.rotary", exercise_rotary),
     ("nsa.attention.kernels.gated_combine", exercise_gated_combine),
     ("nsa.attention.kernels.compress_blocks", exercise_compress_blocks),
+    ("nsa.attention.kernels.row_dot", exercise_row_dot),
 )
 
 

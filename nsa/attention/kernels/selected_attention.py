@@ -99,6 +99,7 @@ from nsa.attention.kernels.block_centric import (_load_block, _run_rows, block_d
                                                  slot_merge_kernel, slot_sum_kernel)
 from nsa.attention.kernels.index_tiles import frame_block_keys, segment_keys, sorted_entries, tile_layout
 from nsa.attention.kernels.interpreter import interpreter_active
+from nsa.attention.kernels.row_dot import row_dot
 
 KV_TILE = 512  # queries per dK/dV program (bounds its serial work; partial dK/dV memory ~ 1 / KV_TILE)
 BLOCK_ROWS = None  # (query, head) rows per step in the dK/dV program; None: tile_config's (per dtype, head dim)
@@ -733,7 +734,7 @@ def selected_attention_bwd(q, k, v, block_idx, o, lse, d_o, q_start: int, l_sel:
     Tk, n = k.shape[2], block_idx.shape[-1]
     acc_dtype = lse.dtype
     idx = block_idx.to(torch.int32).contiguous()
-    delta = (d_o.to(acc_dtype) * o.to(acc_dtype)).sum(-1).contiguous()  # [B, H_kv, G, Tq]
+    delta = row_dot(d_o, o)  # [B, H_kv, G, Tq] in acc_dtype: sum over hd of dO * O
     meta = _meta(q, G, hd, l_sel)
     scale = 1.0 / math.sqrt(hd)
     dk = torch.empty(B, H_kv, Tk, hd, dtype=k.dtype, device=k.device)
