@@ -41,7 +41,8 @@ def triton_path(nsa: ModelConfig, T: int, documents: int = 0, autocast: bool = F
     cfg = dataclasses.replace(nsa, nsa=dataclasses.replace(nsa.nsa, kernel="triton"))
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         count = attention_layer_launches(cfg, T, documents=documents, device="cpu", open_custom_ops=True)
-    return {"T": T, "documents": documents, "autocast_bf16": autocast, "total": count.total, "triton_kernels": count.triton, "aten": count.total - count.triton,
+    return {"T": T, "documents": documents, "autocast_bf16": autocast, "total": count.total,
+            "triton_kernels": count.triton, "aten": count.total - count.triton,
             "by_op": dict(count.by_op.most_common()), "kernels": sorted(n[len(TRITON):] for n in count.by_op
                                                                         if n.startswith(TRITON))}
 

@@ -31,7 +31,7 @@ from nsa.attention.kernels.interpreter import interpreter_active
 MAX_HEAD_DIM = 64  # the tiles hold whole [hd, hd] weight blocks and [BM, hd] rows in registers: sized for hd <= 64
 BM = 32  # slots per program (and rows per reduction step)
 BR = 32  # raw rows per program of the raw-gradient kernel
-NUM_STAGES = 1  # the forward's loads over the block's rows unpipelined (3 and 2 stages spill 24 and 4 B at hd 32 with bias on sm_90)
+NUM_STAGES = 1  # the forward's loads over the block's rows unpipelined (3 / 2 stages: 24 / 4 B spills, hd 32, bias, sm_90)
 
 
 @triton.jit
@@ -128,7 +128,8 @@ def phi_fwd_kernel(
     if HAS_BIAS:
         y += tl.load(B2 + o, mask=o < HD, other=0.0).to(ACC)[None, :]
     y = tl.where(ok[:, None], y, 0.0)
-    tl.store(Y + (bh * C + i)[:, None] * HD + o[None, :], y.to(Y.dtype.element_ty), mask=(i < C)[:, None] & c_ok[None, :])
+    tl.store(Y + (bh * C + i)[:, None] * HD + o[None, :], y.to(Y.dtype.element_ty),
+             mask=(i < C)[:, None] & c_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["C", "H"])
@@ -151,7 +152,7 @@ def phi_dblock_kernel(
     c = tl.arange(0, DP)
     o = tl.arange(0, DP)
     c_ok = c < HD
-    _, ok = _slots(i, b, C, 0, BS, VALID, sbs_b, sbs_c, 1, HAS_LAYOUT)
+    _, ok = _slots(i, b, C, 0, BS, VALID, sbs_b, sbs_c, 1, HAS_LAYOUT)  # which slots hold a block (starts unused)
     m_ok = ok[:, None] & c_ok[None, :]
     w_ok = (o < HD)[:, None] & c_ok[None, :]
     DT = DYK.dtype.element_ty
@@ -159,7 +160,8 @@ def phi_dblock_kernel(
     slot = (which * tl.num_programs(1) + bh) * C + i  # [BM] in [2, B*H, C]
     a = tl.load(A + slot[:, None] * HD + c[None, :], mask=m_ok, other=0.0)  # [BM, DP(c)]
     w2 = _operand(tl.load(W2 + o[:, None] * HD + c[None, :], mask=w_ok, other=0.0), DT, UPCAST)  # [o, c]
-    da = tl.dot(_operand(dy, DT, UPCAST), w2, input_precision=PREC, out_dtype=ACC) * _gelu_grad(a)  # [BM, DP(c)]: d(pre-act)
+    dg = tl.dot(_operand(dy, DT, UPCAST), w2, input_precision=PREC, out_dtype=ACC)  # [BM, DP(c)] d gelu(a)
+    da = dg * _gelu_grad(a)  # d(pre-activation)
     tl.store(DA + slot[:, None] * HD + c[None, :], da, mask=(i < C)[:, None] & c_ok[None, :])
     da = _operand(da, DT, UPCAST)
     mean_part = dy / L
@@ -393,5 +395,6 @@ def compress_blocks_bwd(
         bs, vd, sbs_b, sbs_c, *raw_k.stride(), C, H, lo, B * H * C,
         L=l, D=d, HD=hd, DP=dp, BM=BM, HAS_BIAS=has_bias, HAS_LAYOUT=has_layout, **_dots(raw_k.dtype), **consts,
     )
-    out = [[g.to(t.dtype) if g is not None else None for g, t in zip(gs, phi)] for gs, phi in zip(grads, (phi_k, phi_v))]
+    out = [[g.to(t.dtype) if g is not None else None for g, t in zip(gs, phi)]
+           for gs, phi in zip(grads, (phi_k, phi_v))]
     return d_raw_k, d_raw_v, out[0], out[1]
