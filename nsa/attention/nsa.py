@@ -213,8 +213,7 @@ class NativeSparseAttention(nn.Module):
         T = q.shape[2]
         raw_k, raw_v = br["cmp"]
         count = num_compressed(T, c.l, c.d)
-        ck, cv = ops.compress_blocks(raw_k, raw_v, self.compress_k.weights(), self.compress_v.weights(), 0, count, c.l,
-                                     c.d, c.kernel)  # [B, H_kv, count, hd]
+        ck, cv = self._compress(raw_k, raw_v, 0, count)  # [B, H_kv, count, hd]
         if rope is not None and count > 0:  # rotate compressed key i at position i*d + l - 1
             # cos, sin [T, hd/2] or per row [B, T, hd/2]: positions l-1, l-1+d, .. of the T axis, a strided view
             # (no index op) -> [count, hd/2] or [B, count, hd/2]
@@ -225,6 +224,13 @@ class NativeSparseAttention(nn.Module):
             xd = x.detach()  # the language-model loss never moves the indexer
             index = (xd, self.indexer.block_keys(xd))  # and its block keys [B, ceil(T / l'), e]
         return self._branches(q, ck, cv, *br["sel"], *br["win"], 0, T, index)
+
+    def _compress(self, raw_k: torch.Tensor, raw_v: torch.Tensor, lo: int, count: int, layout=None):
+        """phi_K and phi_V over `count` blocks of the raw keys and values [B, H_kv, R, hd], block i from raw row
+        lo + i*d (or a packed documents' layout's slots) -> ck, cv [B, H_kv, count, hd] (ops.compress_blocks)."""
+        c = self.cfg
+        return ops.compress_blocks(raw_k, raw_v, self.compress_k.weights(), self.compress_v.weights(), lo, count,
+                                   c.l, c.d, c.kernel, layout)
 
     def _cached_branches(self, q, br, rope, cache: NSACache, x: torch.Tensor):
         """The three branches of x's tokens appended to `cache` (prefill chunks and decode steps): compressed tokens
@@ -241,8 +247,7 @@ class NativeSparseAttention(nn.Module):
         count = num_compressed(t_end, c.l, c.d) - first
         emit = count > 0 or cache.cmp_k.data is None  # else reuse the cache's tokens
         if emit:
-            ck, cv = ops.compress_blocks(raw_k, raw_v, self.compress_k.weights(), self.compress_v.weights(),
-                                         first * c.d - raw_start, count, c.l, c.d, c.kernel)  # [B, H_kv, count, hd]
+            ck, cv = self._compress(raw_k, raw_v, first * c.d - raw_start, count)  # [B, H_kv, count, hd]
         if rope is not None and count > 0:  # rotate compressed key i at position i*d + l - 1 (in x)
             at = torch.arange(count, device=q.device) * c.d + (first * c.d + c.l - 1 - t0)  # [count]
             ck = ops.rotary(ck, rope[0][..., at, :], rope[1][..., at, :], c.kernel)
@@ -338,8 +343,7 @@ class NativeSparseAttention(nn.Module):
         layout = documents.compressed(c.l, c.d)  # computed once per batch, shared by the layers
         frame = layout.frame  # [3, B, T]
         raw_k, raw_v = br["cmp"]
-        ck, cv = ops.compress_blocks(raw_k, raw_v, self.compress_k.weights(), self.compress_v.weights(), 0,
-                                     layout.block_start.shape[1], c.l, c.d, c.kernel, layout)  # [B, H_kv, T // d, hd]
+        ck, cv = self._compress(raw_k, raw_v, 0, layout.block_start.shape[1], layout)  # [B, H_kv, T // d, hd]
         if rope is not None:  # rotate each compressed key at the last position of its block: the rope tables' rows
             ck = ops.rotary(ck, *rope, c.kernel, at=layout.block_end)  # at [B, C] (per-row, document positions)
         with nvtx_range("nsa.compressed"):

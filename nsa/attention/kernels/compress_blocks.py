@@ -298,6 +298,21 @@ def _dots(dtype: torch.dtype) -> dict:
                 UPCAST=interpreted and dtype in (torch.bfloat16, torch.float16))
 
 
+def _numerics(dtype: torch.dtype) -> dict:
+    """The dot kernels' accumulator, dot precision and interpreter upcast for inputs of this dtype."""
+    return dict(ACC=_acc(dtype), **_dots(dtype))
+
+
+def _padded(hd: int) -> int:
+    """The head-dim tile: a power of two, at least 16 (tl.dot's smallest)."""
+    return max(16, triton.next_power_of_2(hd))
+
+
+def _one_layout(raw_k: torch.Tensor, raw_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values with one stride set (the kernels take one): as given when they share it, else contiguous."""
+    return (raw_k, raw_v) if raw_v.stride() == raw_k.stride() else (raw_k.contiguous(), raw_v.contiguous())
+
+
 def _layout_args(block_start, valid, device):
     """(BS, VALID, stride_b, stride_c) of a packed layout, or placeholders (never read) without one."""
     if block_start is None:
@@ -321,8 +336,7 @@ def compress_blocks_fwd(
     valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # ck, cv [B, H, C, hd] (raw's dtype), a [2, B, H, C, hd] fp32
     B, H, R, hd = raw_k.shape
-    if raw_v.stride() != raw_k.stride():
-        raw_k, raw_v = raw_k.contiguous(), raw_v.contiguous()
+    raw_k, raw_v = _one_layout(raw_k, raw_v)
     acc_dtype = torch.float64 if raw_k.dtype == torch.float64 else torch.float32
     ck = torch.empty(B, H, count, hd, dtype=raw_k.dtype, device=raw_k.device)
     cv = torch.empty_like(ck)
@@ -335,8 +349,8 @@ def compress_blocks_fwd(
         phi_fwd_kernel[(triton.cdiv(count, BM), B * H, 2)](
             raw_k, raw_v, ek, ev, w1k, w1v, b1k, b1v, w2k, w2v, b2k, b2v, ck, cv, a,
             bs, vd, sbs_b, sbs_c, *raw_k.stride(), R, count, H, lo,
-            L=l, D=d, HD=hd, DP=max(16, triton.next_power_of_2(hd)), BM=BM, HAS_BIAS=has_bias,
-            HAS_LAYOUT=block_start is not None, ACC=_acc(raw_k.dtype), **_dots(raw_k.dtype), num_stages=NUM_STAGES,
+            L=l, D=d, HD=hd, DP=_padded(hd), BM=BM, HAS_BIAS=has_bias, HAS_LAYOUT=block_start is not None,
+            **_numerics(raw_k.dtype), num_stages=NUM_STAGES,
         )
     return ck, cv, a
 
@@ -360,8 +374,7 @@ def compress_blocks_bwd(
     parameters in their order and dtypes (None for absent biases)."""
     B, H, R, hd = raw_k.shape
     C = d_ck.shape[2]
-    if raw_v.stride() != raw_k.stride():
-        raw_k, raw_v = raw_k.contiguous(), raw_v.contiguous()
+    raw_k, raw_v = _one_layout(raw_k, raw_v)
     d_ck, d_cv = d_ck.contiguous(), d_cv.contiguous()
     dev, acc_dtype = raw_k.device, a.dtype
     d_raw_k = torch.empty(B, H, R, hd, dtype=raw_k.dtype, device=dev)
@@ -372,28 +385,27 @@ def compress_blocks_bwd(
         return d_raw_k, d_raw_v, *([g.zero_() if g is not None else None for g in gs] for gs in grads)
     bs, vd, sbs_b, sbs_c = _layout_args(block_start, valid, dev)
     has_layout, has_bias = block_start is not None, phi_k[2] is not None
-    dp = max(16, triton.next_power_of_2(hd))
-    consts = dict(ACC=_acc(raw_k.dtype))
+    dp, numerics = _padded(hd), _numerics(raw_k.dtype)
     da = torch.empty_like(a)
     dh = torch.empty(2, B, H, C, l, hd, dtype=acc_dtype, device=dev)
     w1k, w1v, w2k, w2v = phi_k[1], phi_v[1], phi_k[3], phi_v[3]
     if C:
         phi_dblock_kernel[(triton.cdiv(C, BM), B * H, 2)](
             d_ck, d_cv, w1k, w1v, w2k, w2v, a, da, dh, bs, vd, sbs_b, sbs_c, C, H,
-            L=l, HD=hd, DP=dp, BM=BM, HAS_LAYOUT=has_layout, **_dots(raw_k.dtype), **consts,
+            L=l, HD=hd, DP=dp, BM=BM, HAS_LAYOUT=has_layout, **numerics,
         )
     fr = frame if frame is not None else bs
     phi_draw_kernel[(triton.cdiv(R, BR), B * H, 2)](
         dh, d_raw_k, d_raw_v, fr, bs, vd, *(frame.stride() if frame is not None else (0, 0, 0)), sbs_b, sbs_c,
-        R, C, H, lo, L=l, D=d, HD=hd, DP=dp, BR=BR, HAS_LAYOUT=has_layout, **consts,
+        R, C, H, lo, L=l, D=d, HD=hd, DP=dp, BR=BR, HAS_LAYOUT=has_layout, ACC=numerics["ACC"],
     )
-    (dek, dw1k, db1k, dw2k, db2k), (dev_, dw1v, db1v, dw2v, db2v) = (
-        [g if g is not None else da for g in gs] for gs in grads)
+    (de_k, dw1_k, db1_k, dw2_k, db2_k), (de_v, dw1_v, db1_v, dw2_v, db2_v) = (
+        [g if g is not None else da for g in gs] for gs in grads)  # an absent bias: a placeholder, never written
     phi_dweight_kernel[(l + 1, 2)](
         raw_k, raw_v, phi_k[0], phi_v[0], w1k, w1v, d_ck, d_cv, a, da,
-        dek, dev_, dw1k, dw1v, db1k, db1v, dw2k, dw2v, db2k, db2v,
+        de_k, de_v, dw1_k, dw1_v, db1_k, db1_v, dw2_k, dw2_v, db2_k, db2_v,
         bs, vd, sbs_b, sbs_c, *raw_k.stride(), C, H, lo, B * H * C,
-        L=l, D=d, HD=hd, DP=dp, BM=BM, HAS_BIAS=has_bias, HAS_LAYOUT=has_layout, **_dots(raw_k.dtype), **consts,
+        L=l, D=d, HD=hd, DP=dp, BM=BM, HAS_BIAS=has_bias, HAS_LAYOUT=has_layout, **numerics,
     )
     out = [[g.to(t.dtype) if g is not None else None for g, t in zip(gs, phi)]
            for gs, phi in zip(grads, (phi_k, phi_v))]
