@@ -3,10 +3,11 @@
     PYTHONPATH=. .venv/bin/python bench/collect_recall_arms.py --arm dense=RUN_DIR --arm nsa=RUN_DIR ... \
         [--gate_steps 100 500 1000 2000 5000] [--what "..."] [--json bench/results/recall_w8_arms.json]
 
-Per arm: every `recall_step<N>[_without_<branches>][_x<M>][_<rope>][_nsel<K>].json` in its run directory (train.recall
-score, with or without --knockout, at --lengths M, with a RoPE option, with --n_sel K), as step, tokens (step x the
-run's tokens per step), knockout, length multiple, RoPE option (scalelength, thetantk, scaleyarn or none), n_sel
-(picks at scoring time; None: as trained), near / far accuracy, far
+Per arm: every `recall_step<N>[_without_<branches>][_x<M>][_<rope>][_nsel<K>][_cap<D>].json` in its run directory
+(train.recall score, with or without --knockout, at --lengths M, with a RoPE option, with --n_sel K, with
+--distance_cap D), as step, tokens (step x the run's tokens per step), knockout, length multiple, RoPE option
+(scalelength, thetantk, scaleyarn or none), n_sel (picks at scoring time; None: as trained), distance_cap (None: as
+trained), near / far accuracy, far
 stderr and accuracy per bucket; and, for NSA runs, the gate health of the heartbeat's train records at --gate_steps
 (mean gate per branch and layer, sel_outside_window, sel_recall per layer, and for nsa.selector=indexer the indexer's
 KL). Nothing is computed here that the
@@ -24,7 +25,8 @@ import yaml
 from train.core.artifacts import CONFIG_YAML, heartbeat_name, read_heartbeat
 
 RECALL_FILE = re.compile(
-    r"recall_step(\d+)(?:_without_([a-z_]+?))?(?:_x(\d+))?(?:_((?:scale|theta)[a-z]+))?(?:_nsel(\d+))?\.json$")
+    r"recall_step(\d+)(?:_without_([a-z_]+?))?(?:_x(\d+))?(?:_((?:scale|theta)[a-z]+))?(?:_nsel(\d+))?(?:_cap(\d+))?"
+    r"\.json$")
 GATE_KEYS = ("gate_mean_cmp_layers", "gate_mean_sel_layers", "gate_mean_win_layers", "sel_outside_window",
              "sel_recall_layers", "indexer_kl")
 
@@ -39,11 +41,12 @@ def probes(run: Path, tokens_per_step: int) -> list[dict]:
         out.append({"step": r["step"], "tokens": r["step"] * tokens_per_step, "knockout": r.get("knockout", []),
                     "length_multiple": r.get("length_multiple", 1), "rope": match.group(4),
                     "n_sel": r.get("n_sel"),  # picks per query at scoring time (None: as trained)
+                    "distance_cap": r.get("distance_cap"),  # the selected branch's distance cap (None: none)
                     "near_accuracy": r["near_accuracy"], "far_accuracy": r["far_accuracy"],
                     "far_stderr": r["far_stderr"], "far_items": r["far_items"], "documents": r["documents"],
                     "buckets": {name: b["accuracy"] for name, b in r["buckets"].items()}})
     return sorted(out, key=lambda p: (p["step"], len(p["knockout"]), p["knockout"], p["rope"] or "", p["n_sel"] or 0,
-                                      p["length_multiple"]))
+                                      p["distance_cap"] or 0, p["length_multiple"]))
 
 
 def gates(run: Path, steps: set[int]) -> list[dict]:

@@ -68,6 +68,7 @@ class NSAConfig:
     indexer_kl: float = 1.0  # selector=indexer: weight of the indexer's KL term (its gradient reaches the indexer only)
     indexer_warmup_steps: int = 0  # selector=indexer: steps that select by pooled scores while the indexer learns
     indexer_lr_scale: float = 1.0  # selector=indexer: learning-rate multiplier (on train.lr's schedule) for the indexer's parameters
+    sel_distance_cap: int = 0  # the selected branch reads keys more than this many positions back as if this far back (RoPE; ReRoPE / InfLLM-style); 0: off. Torch ops over a [T, T] mask (short contexts), no cached decoding; docs/NSA.md
 
     @property
     def window_only(self) -> bool:
@@ -113,6 +114,10 @@ class NSAConfig:
             raise ModelConfigError(f"nsa.indexer_lr_scale must be positive, got {self.indexer_lr_scale}")
         if self.indexer_warmup_steps < 0:
             raise ModelConfigError(f"nsa.indexer_warmup_steps must be >= 0, got {self.indexer_warmup_steps}")
+        if self.sel_distance_cap < 0:
+            raise ModelConfigError(f"nsa.sel_distance_cap must be >= 0 (0: off), got {self.sel_distance_cap}")
+        if self.sel_distance_cap and self.window_only:
+            raise ModelConfigError("nsa.sel_distance_cap needs selection: nsa.gates=window has none")
         if self.selector == "indexer" and self.window_only:
             raise ModelConfigError("nsa.selector=indexer needs selection: nsa.gates=window has none")
         if self.kernel not in ("auto", "triton", "torch"):
@@ -161,6 +166,14 @@ class ModelConfig:
             self.head_dim = self.dim // self.n_heads
         self.validate()
 
+    def cached_decoding_problem(self) -> str | None:
+        """Why this model cannot decode with a cache (generation, prefill in chunks), or None: the one place that
+        decides it (the NSA layer, nsa.generate, the trainer's samples and the needle probe refuse by it)."""
+        if self.attention == "nsa" and self.nsa.sel_distance_cap:
+            return (f"nsa.sel_distance_cap={self.nsa.sel_distance_cap}: cached decoding is not supported (the capped "
+                    f"selected branch runs full forwards only)")
+        return None
+
     @property
     def n_groups(self) -> int:
         """Query heads per KV head (G in the GQA formulas)."""
@@ -198,3 +211,6 @@ class ModelConfig:
             raise ModelConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
         if self.attention == "nsa":
             self.nsa.validate()
+            if self.nsa.sel_distance_cap and (self.pos_emb != "rope" or self.rope_scaling == "yarn"):
+                raise ModelConfigError("nsa.sel_distance_cap needs plain RoPE positions (model.pos_emb=rope, "
+                                       "model.rope_scaling=linear)")

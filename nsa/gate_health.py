@@ -4,7 +4,8 @@ nsa/attention/gate_stats.py, nsa/attention/selection_health.py, docs/NSA.md "Gat
 selection health of each layer (`selection_health`: computes sel_recall from the copies the layers kept, so
 the trainer calls it after the step, off its clock). Kept on device (no host sync) for the trainer to log.
 `knock_out` zeroes chosen branches' gates of a trained model for a probe (what the model loses without them);
-`selected_blocks` lets its selection pick more (or fewer) blocks than trained (what the ranking finds with more picks).
+`selected_blocks` lets its selection pick more (or fewer) blocks than trained (what the ranking finds with more picks);
+`distance_capped` lets its selected branch read far keys at one distance it trained on (what reading costs beyond it).
 """
 from __future__ import annotations
 
@@ -117,3 +118,33 @@ def selected_blocks(model: nn.Module, n_sel: int | None) -> Iterator[int]:
     finally:
         for layer, prior in zip(layers, before):
             layer.cfg = prior
+
+
+@contextmanager
+def distance_capped(model: nn.Module, cap: int | None) -> Iterator[int]:
+    """Within the block, the selected branch of every NSA layer of `model` reads a key more than `cap` positions
+    before its query as if it were `cap` positions before it (nsa/attention/impl/capped.py; the blocks picked and
+    every other branch as trained): whether what was found beyond the training length is read wrong because of its
+    RoPE distance (a probe; the weights are untouched; forwards from position 0 without a cache, packed documents too).
+    None: as trained. Yields the number of layers changed; restores them on exit. ValueError for cap < 1, a model
+    without RoPE (or with YaRN's scaled magnitude) or without a selecting NSA layer."""
+    if cap is None:
+        yield 0
+        return
+    if cap < 1:
+        raise ValueError(f"the distance cap must be >= 1, got {cap}")
+    rope = getattr(model, "rope", None)
+    if rope is None or getattr(rope, "magnitude", 1.0) != 1.0:
+        raise ValueError("a distance cap needs a model with plain RoPE positions (not learned ones, not YaRN)")
+    layers = [layer for layer in _nsa_layers(model) if not layer.cfg.window_only]
+    if not layers:
+        raise ValueError("the model has no NSA layer that selects blocks")
+    cos, sin = rope(torch.tensor([cap], device=rope.inv_freq.device))  # [1, hd/2] each: position cap
+    before = [layer.distance_cap for layer in layers]
+    try:
+        for layer in layers:
+            layer.distance_cap = (cap, (cos[0], sin[0]))
+        yield len(layers)
+    finally:
+        for layer, prior in zip(layers, before):
+            layer.distance_cap = prior

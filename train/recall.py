@@ -9,6 +9,7 @@
         [--lengths 1 2 4 8]           (documents at these multiples of the training length; buckets extended)
         [--rope_scale F|length|yarn] [--rope_theta B|ntk]   (a RoPE change for scoring only: interpolation, base)
         [--n_sel K]                   (NSA: K blocks selected per query while scoring; the trained ranking)
+        [--distance_cap D]            (NSA: the selected branch reads keys further back than D as D back)
 
 `make` writes a prepared directory (train.bin, val.bin, meta.json with the task's spec) that any config reads
 as data.source: bin:DIR. `score` feeds probe documents (their own seed) and reports accuracy and answer loss
@@ -70,6 +71,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                        "times multiple^(hd/(hd-2)))")
     score.add_argument("--n_sel", type=int, default=None, help="NSA: select this many blocks per query while scoring "
                        "(the trained ranking, more free picks); written to recall_step<N>_..._nsel<K>.json")
+    score.add_argument("--distance_cap", type=int, default=None, help="NSA: the selected branch reads keys more than "
+                       "this many positions back as if this far back (RoPE distances it trained on); written to "
+                       "recall_step<N>_..._cap<D>.json")
     return p.parse_args(argv)
 
 
@@ -124,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                             theta=_rope_value(args.rope_theta, "ntk", "--rope_theta"))
         reports = [probe_checkpoint(args.checkpoint, spec=spec, documents=args.documents, seed=args.seed,
                                     device=args.device, knockout=_branches(args.knockout), length=m, rope=rope,
-                                    n_sel=args.n_sel)
+                                    n_sel=args.n_sel, distance_cap=args.distance_cap)
                    for m in args.lengths]
         if len(reports) == 1:
             print(json.dumps(reports[0]))

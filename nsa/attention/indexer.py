@@ -149,12 +149,14 @@ def pooled_block_mass(q: torch.Tensor, ck: torch.Tensor, positions: torch.Tensor
 
 @torch.no_grad()
 def dense_block_mass(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, l_sel: int, n_blocks: int,
-                     base: torch.Tensor | None = None) -> torch.Tensor:
+                     base: torch.Tensor | None = None, far: tuple | None = None) -> torch.Tensor:
     """Dense attention's probability mass per selection block, summed over each GQA group's heads: q [B, H_kv, G, R, hd]
     of the queries at sequence indices `rows` [R], k [B, H_kv, T, hd] the selected branch's keys from index 0; base
     [B, R] (packed documents) the index of each query's document's first token: keys before it are another
     document's, and its blocks count from it (document-relative, as the picks are). -> [B, H_kv, R, n_blocks]
-    (float32 for half-precision inputs). A query sees the keys base .. its own index (causal)."""
+    (float32 for half-precision inputs). A query sees the keys base .. its own index (causal). far (nsa.sel_distance_cap:
+    keys more than cap back scored at distance cap, as the selected branch reads them): (the queries rotated at the
+    cap [B, H_kv, G, R, hd], the keys un-rotated [B, H_kv, T, hd], cap) (nsa/attention/impl/capped.py)."""
     B, H_kv, G, R, hd = q.shape
     T = k.shape[2]
     key = torch.arange(T, device=q.device)
@@ -164,6 +166,10 @@ def dense_block_mass(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, l_sel
     for r in range(0, R, DENSE_ROWS):  # at most KL_ROWS / DENSE_ROWS slices: [DENSE_ROWS, T] scores at a time
         part = slice(r, r + DENSE_ROWS)
         scores = torch.einsum("bkgrd,bktd->bkgrt", q[:, :, :, part], k) / math.sqrt(hd)  # [B, H_kv, G, r, T]
+        if far is not None:
+            q_cap, k_raw, cap = far
+            capped = torch.einsum("bkgrd,bktd->bkgrt", q_cap[:, :, :, part], k_raw) / math.sqrt(hd)
+            scores = torch.where((rows[part, None] - key) > cap, capped.to(scores.dtype), scores)
         scores = scores.float() if scores.dtype in (torch.float16, torch.bfloat16) else scores
         probs = torch.softmax(scores.masked_fill(~visible[:, None, None, part], float("-inf")), dim=-1).sum(2)
         # a block's mass as a difference of the running sum (in float64: exact enough for blocks of tiny mass) at

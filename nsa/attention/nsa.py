@@ -26,13 +26,15 @@ from nsa.attention.compressor import BlockCompressor
 from nsa.attention.decode import decode_branches, decode_window
 from nsa.attention.documents import Documents
 from nsa.attention.gate_stats import BRANCHES, gate_shares, gate_statistics, selection_counts, selection_statistics
+from nsa.attention.impl.capped import capped_queries, capped_selected_attention, unrotated
 from nsa.attention.impl.compression import num_compressed
 from nsa.attention.impl.masked import document_block_count, document_block_scores
 from nsa.attention.impl.selection import select_blocks
 from nsa.attention.indexer import BlockIndexer, dense_block_mass, indexer_kl, kl_rows, pooled_block_mass
 from nsa.attention.nsa_cache import NSACache
 from nsa.attention.selection_health import gate_means, outside_window_counts, outside_window_share, recall_sample
-from nsa.config import ModelConfig, NSAConfig
+from nsa.config import ModelConfig, ModelConfigError, NSAConfig
+from nsa.layers import RotaryEmbedding
 from nsa.profiling import nvtx_range
 
 WINDOW_GATES = (0.0, 0.0, 1.0)  # nsa.gates=window: the (cmp, sel, win) gates, pinned
@@ -91,6 +93,14 @@ class NativeSparseAttention(nn.Module):
         self.forced_gates: tuple[float, float, float] | None = None  # tests: fixed (cmp, sel, win) gates (learned mode)
         # probes: branches whose learned gate is multiplied by 0, the others kept (nsa.gate_health.knock_out)
         self.knocked_out: frozenset[str] = frozenset()
+        # nsa.sel_distance_cap: the selected branch reads keys more than cap positions back as if cap back
+        # (impl/capped.py); the RoPE tables of position cap come from this model's RoPE (its inv_freq a buffer that
+        # is not saved: checkpoints are unchanged)
+        self.cap_rope = (RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scale, cfg.rope_scaling,
+                                         cfg.max_seq_len) if self.cfg.sel_distance_cap else None)
+        # probes: the same for a model trained without it, (cap, (cos, sin) [hd/2] of position cap)
+        # (nsa.gate_health.distance_capped); None: nsa.sel_distance_cap's
+        self.distance_cap: tuple[int, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def reset_extra_parameters(self) -> None:
         """Called by Transformer.reset_parameters after its generic init: phi position encodings, and the
@@ -223,7 +233,28 @@ class NativeSparseAttention(nn.Module):
         if self.indexer is not None:
             xd = x.detach()  # the language-model loss never moves the indexer
             index = (xd, self.indexer.block_keys(xd))  # and its block keys [B, ceil(T / l'), e]
-        return self._branches(q, ck, cv, *br["sel"], *br["win"], 0, T, index)
+        return self._branches(q, ck, cv, *br["sel"], *br["win"], 0, T, index, self._distance_cap(rope, q.device))
+
+    def _distance_cap(self, rope, device: torch.device):
+        """(cap, RoPE tables (cos, sin) [hd/2] of position cap, the forward's tables rope) when the selected branch
+        reads far keys at a capped distance (a probe's, else nsa.sel_distance_cap), else None."""
+        if rope is None:
+            return None
+        if self.distance_cap is not None:
+            return (*self.distance_cap, rope)
+        if self.cap_rope is None:
+            return None
+        cap = self.cfg.sel_distance_cap
+        cos, sin = self.cap_rope(torch.tensor([cap], device=device))
+        return cap, (cos[0], sin[0]), rope
+
+    def _capped_selected(self, qg, sel_k, sel_v, block_idx, capped, frame=None):
+        """The selected branch with far keys read at the distance cap: qg [B, H_kv, G, T, hd], sel_k, sel_v
+        [B, H_kv, T, hd], capped = _distance_cap's (cap, at_cap, rope) -> o_sel [B, H, T, hd]."""
+        B, H_kv, G, T, hd = qg.shape
+        cap, at_cap, rope = capped
+        o = capped_selected_attention(qg, sel_k, sel_v, block_idx, rope, at_cap, self.cfg.l_sel, cap, frame)
+        return o.view(B, H_kv * G, T, hd)
 
     def _compress(self, raw_k: torch.Tensor, raw_v: torch.Tensor, lo: int, count: int, layout=None):
         """phi_K and phi_V over `count` blocks of the raw keys and values [B, H_kv, R, hd], block i from raw row
@@ -236,6 +267,9 @@ class NativeSparseAttention(nn.Module):
         """The three branches of x's tokens appended to `cache` (prefill chunks and decode steps): compressed tokens
         are emitted for every block that ends inside this call, the caches grow, then `_branches`."""
         c = self.cfg
+        if self.cap_rope is not None or self.distance_cap is not None:  # ModelConfig.cached_decoding_problem
+            raise ModelConfigError("nsa.sel_distance_cap: cached decoding is not supported (the capped selected branch "
+                                   "runs full forwards only)")
         T = q.shape[2]
         t0 = cache.t  # absolute position of x[:, 0]
         t_end = t0 + T
@@ -268,13 +302,14 @@ class NativeSparseAttention(nn.Module):
             index = (xd, cache.index_keys(self.indexer.k_proj(xd), per_token=self.indexer.pool == "scores"))
         return self._branches(q, ck, cv, sel_k, sel_v, win_k, win_v, t0, t_end, index)
 
-    def _branches(self, q, ck, cv, sel_k, sel_v, win_k, win_v, t0: int, t_end: int, index=None):
+    def _branches(self, q, ck, cv, sel_k, sel_v, win_k, win_v, t0: int, t_end: int, index=None, capped=None):
         """q [B, H, T, hd] at positions t0 .. t_end-1 over compressed ck, cv [B, H_kv, C, hd], selection keys and
         values from position 0 and the window's keys and values ending at t_end - 1 -> the three branch outputs
         [B, H, T, hd] and block_idx [B, H_kv, T, n]. index: (the indexer's input [B, T, dim], its block keys
         [B, N_b, e]) or None. Its scores pick the blocks while self.indexer_selects (computed without a graph), and a
         training forward from position 0 leaves the KL to its target (nsa.indexer_target) in self.indexer_loss (the
-        scores of kl_rows' queries computed again, with a graph: the backward keeps [R, N_b], not [T, N_b])."""
+        scores of kl_rows' queries computed again, with a graph: the backward keeps [R, N_b], not [T, N_b]).
+        capped: _distance_cap's, for a forward from position 0 whose selected branch reads far keys at the cap."""
         c = self.cfg
         B, _, T, _ = q.shape
         picks = None
@@ -299,13 +334,16 @@ class NativeSparseAttention(nn.Module):
                 xd, keys = index
                 rows = kl_rows(T, q.device)  # [R]: every query up to KL_ROWS, else evenly spaced ones
                 scores = self.indexer.scores(xd[:, rows], keys)  # [B, H_kv, R, N_b]
-                target = self.indexer_target(qg[:, :, :, rows], ck, sel_k, rows, scores.shape[-1])
+                target = self.indexer_target(qg[:, :, :, rows], ck, sel_k, rows, scores.shape[-1], capped=capped)
                 kl = indexer_kl(scores, target, c.l_sel, rows)
                 self.indexer_loss, self.last_indexer_kl = c.indexer_kl * kl, kl.detach()
         with nvtx_range("nsa.selected"):
-            o_sel = ops.selected_attention(qg, sel_k, sel_v, block_idx, t0, c.l_sel, c.sel_tile, kernel=c.kernel,
-                                           chunk=c.sel_chunk)
-            o_sel = o_sel.view(B, self.n_heads, T, self.head_dim)
+            if capped is not None:
+                o_sel = self._capped_selected(qg, sel_k, sel_v, block_idx, capped)
+            else:
+                o_sel = ops.selected_attention(qg, sel_k, sel_v, block_idx, t0, c.l_sel, c.sel_tile, kernel=c.kernel,
+                                               chunk=c.sel_chunk)
+                o_sel = o_sel.view(B, self.n_heads, T, self.head_dim)
         with nvtx_range("nsa.window"):
             o_win = ops.window_attention(q, win_k, win_v, t0, t_end - win_k.shape[2], c.w, c.win_block, c.kernel)
         return o_cmp, o_sel, o_win, block_idx
@@ -352,15 +390,19 @@ class NativeSparseAttention(nn.Module):
         qg = q.view(B, self.n_kv_heads, self.n_groups, T, self.head_dim)  # [B, H_kv, G, T, hd]
         cmp_lse = cmp_lse.view(B, self.n_kv_heads, self.n_groups, T)
         sel_k, sel_v = br["sel"]
+        capped = self._distance_cap(rope, x.device)
         with nvtx_range("nsa.select"):
             if self.indexer is None:
                 block_idx = ops.select_blocks(qg, ck, 0, c.l, c.d, c.l_sel, c.n_sel, c.q_chunk, c.kernel, frame=frame,
                                               lse=cmp_lse)
             else:
-                block_idx = self._index_documents(x, qg, ck, sel_k, frame, cmp_lse)
+                block_idx = self._index_documents(x, qg, ck, sel_k, frame, cmp_lse, capped)
         with nvtx_range("nsa.selected"):
-            o_sel = ops.selected_attention(qg, sel_k, sel_v, block_idx, 0, c.l_sel, c.sel_tile, kernel=c.kernel,
-                                           chunk=c.sel_chunk, frame=frame).view(B, self.n_heads, T, self.head_dim)
+            if capped is not None:
+                o_sel = self._capped_selected(qg, sel_k, sel_v, block_idx, capped, frame)
+            else:
+                o_sel = ops.selected_attention(qg, sel_k, sel_v, block_idx, 0, c.l_sel, c.sel_tile, kernel=c.kernel,
+                                               chunk=c.sel_chunk, frame=frame).view(B, self.n_heads, T, self.head_dim)
         win_k, win_v = br["win"]
         with nvtx_range("nsa.window"):
             o_win = ops.window_attention(q, win_k, win_v, 0, 0, c.w, c.win_block, c.kernel, frame=frame)
@@ -368,21 +410,26 @@ class NativeSparseAttention(nn.Module):
         return self._combine(x, o_cmp, o_sel, o_win, block_idx, record, return_indices)
 
     @torch.no_grad()
-    def indexer_target(self, q_rows, ck, sel_k, rows, n_blocks: int, frame=None) -> torch.Tensor:
+    def indexer_target(self, q_rows, ck, sel_k, rows, n_blocks: int, frame=None, capped=None) -> torch.Tensor:
         """The indexer's KL target (nsa.indexer_target; nsa/attention/indexer.py) for the queries at sequence indices
         rows [R] of a forward from position 0: q_rows [B, H_kv, G, R, hd] their queries, ck [B, H_kv, N_c, hd] the
         compressed keys, sel_k [B, H_kv, T, hd] the selected branch's keys; frame [3, B, T] with packed documents
-        (blocks document-relative). -> [B, H_kv, R, N_b] (N_b = n_blocks, or the compressed target's own count with
-        documents)."""
+        (blocks document-relative); capped: _distance_cap's, when the selected branch reads far keys at the cap (the
+        dense target reads them so too). -> [B, H_kv, R, N_b] (N_b = n_blocks, or the compressed target's own count
+        with documents)."""
         c = self.cfg
         if c.indexer_target == "dense":
+            far = None
+            if capped is not None:
+                cap, at_cap, rope = capped
+                far = (capped_queries(q_rows, rope, at_cap, rows), unrotated(sel_k, rope), cap)
             return dense_block_mass(q_rows, sel_k, rows, c.l_sel, n_blocks,
-                                    base=None if frame is None else frame[1][:, rows])
+                                    base=None if frame is None else frame[1][:, rows], far=far)
         if frame is None:
             return pooled_block_mass(q_rows, ck, rows, c.l, c.d, c.l_sel, n_blocks)
         return document_block_scores(q_rows, ck, c.l, c.d, c.l_sel, frame[:, :, rows])
 
-    def _index_documents(self, x, qg, ck, sel_k, frame, cmp_lse):
+    def _index_documents(self, x, qg, ck, sel_k, frame, cmp_lse, capped=None):
         """nsa.selector=indexer over packed documents: the indexer's scores over each query's own document's blocks
         pick them (pooled scores during the warm-up, sharing the compressed branch's log-sum-exps cmp_lse
         [B, H_kv, G, T]), and a training forward leaves the KL to its target per document block (nsa.indexer_target;
@@ -402,7 +449,7 @@ class NativeSparseAttention(nn.Module):
                                           lse=cmp_lse)
         if torch.is_grad_enabled() and c.indexer_kl > 0:
             rows = kl_rows(T, x.device)  # [R]: every query up to KL_ROWS, else evenly spaced ones
-            target = self.indexer_target(qg[:, :, :, rows], ck, sel_k, rows, n_blocks, frame)
+            target = self.indexer_target(qg[:, :, :, rows], ck, sel_k, rows, n_blocks, frame, capped)
             scores = self.indexer.document_scores(xd, frame, target.shape[-1], rows)  # [B, H_kv, R, N_b]
             kl = indexer_kl(scores, target, c.l_sel, positions[..., rows])
             self.indexer_loss, self.last_indexer_kl = c.indexer_kl * kl, kl.detach()

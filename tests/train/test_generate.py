@@ -259,3 +259,18 @@ def test_training_refuses_prompts_that_do_not_fit(tmp_path):
                       f"--train.sample_prompts={'x' * 60}", "--train.sample_tokens=8")
     with pytest.raises(ConfigError, match="max_seq_len=64"):
         run_training(cfg)
+
+
+def test_a_model_that_cannot_decode_is_refused_before_any_work(tmp_path):
+    """nsa.sel_distance_cap runs full forwards only (ModelConfig.cached_decoding_problem): training with sample
+    prompts is refused at start, and generating from such a checkpoint is refused in one line."""
+    nsa = ["--model.attention=nsa", "--nsa.l=8", "--nsa.d=4", "--nsa.l_sel=8", "--nsa.n_sel=3", "--nsa.w=8",
+           "--nsa.sel_distance_cap=16", "--data.tokenizer=byte"]
+    cfg = tiny_config(tmp_path / "sampled", *nsa, "--train.sample_every=2", "--train.sample_prompts=ab")
+    with pytest.raises(ConfigError, match="sel_distance_cap=16: cached decoding is not supported"):
+        run_training(cfg)
+    out = tmp_path / "run"
+    assert run_training(tiny_config(out, *nsa, "--train.steps=2")) == 0
+    rc, _, err = _main(str(out), "--prompt", "ab", "--max_new_tokens", "2", "--device", "cpu")
+    assert rc == 2
+    assert err.strip().splitlines()[-1].startswith("error: nsa.sel_distance_cap=16: cached decoding is not supported")

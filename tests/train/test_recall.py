@@ -268,6 +268,22 @@ def test_knockout_scores_an_nsa_checkpoint_apart(tmp_path, capsys):
     assert recall_main(["score", str(out), "--documents", "4", "--device", "cpu", "--n_sel", "2"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --n_sel: nsa.n_sel=2 must be >= 3") and "\n" not in err
+    # --distance_cap: the selected branch's far keys at one trained distance; beyond every distance in the documents
+    # it is the model as trained (to rounding), below them a different model; its own file; 0 refused in one line
+    assert recall_main(["score", str(out), "--documents", "4", "--device", "cpu", "--lengths", "2",
+                        "--distance_cap", "200"]) == 0
+    uncapped = json.loads(capsys.readouterr().out)
+    assert uncapped["distance_cap"] == 200
+    for got, want in zip(loss(uncapped), loss(trained)):
+        assert abs(got - want) <= 1e-4 * max(1.0, abs(want))
+    assert recall_main(["score", str(out), "--documents", "4", "--device", "cpu", "--lengths", "2",
+                        "--distance_cap", "8"]) == 0
+    capped = json.loads(capsys.readouterr().out)
+    assert loss(capped) != loss(trained)
+    assert json.loads((out / f"recall_step{step}_x2_cap8.json").read_text()) == capped
+    assert recall_main(["score", str(out), "--documents", "4", "--device", "cpu", "--distance_cap", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --distance_cap: the distance cap must be >= 1") and "\n" not in err
 
 
 def test_answers_only_loss_mask_reaches_the_batches(tmp_path, capsys):

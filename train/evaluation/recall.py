@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from nsa.gate_health import knock_out, selected_blocks
+from nsa.gate_health import distance_capped, knock_out, selected_blocks
 from train.checkpoint.io import (
     config_as_trained,
     load_checkpoint,
@@ -128,13 +128,15 @@ def recall_spec_of(data_source: str) -> RecallSpec | None:
 
 
 def result_name(step: int, knockout: tuple[str, ...] = (), line_format: str = DEFAULT_FORMAT, length: int = 1,
-                rope: str = "", n_sel: int | None = None) -> str:
+                rope: str = "", n_sel: int | None = None, distance_cap: int | None = None) -> str:
     """recall_step<N>.json; recall_step<N>_without_<branches>.json for a probe with NSA branches knocked out;
     _<format> before .json for lines in another format than kv; _x<M> for documents M times the training length;
-    _<rope> for a RoPE changed at scoring time (RopeAtLength.tag); _nsel<K> for K blocks selected at scoring time."""
+    _<rope> for a RoPE changed at scoring time (RopeAtLength.tag); _nsel<K> for K blocks selected at scoring time;
+    _cap<D> for the selected branch's distances capped at D."""
     return (f"recall_step{step}" + (f"_without_{'_'.join(sorted(knockout))}" if knockout else "")
             + (f"_{line_format}" if line_format != DEFAULT_FORMAT else "") + (f"_x{length}" if length != 1 else "")
-            + (f"_{rope}" if rope else "") + (f"_nsel{n_sel}" if n_sel is not None else "") + ".json")
+            + (f"_{rope}" if rope else "") + (f"_nsel{n_sel}" if n_sel is not None else "")
+            + (f"_cap{distance_cap}" if distance_cap is not None else "") + ".json")
 
 
 @dataclass(frozen=True)
@@ -178,7 +180,8 @@ def corpus_spec(checkpoint) -> RecallSpec:
 
 def probe_checkpoint(checkpoint, *, spec: RecallSpec | None = None, documents: int = 64, seed: int = PROBE_SEED,
                      device: str = "auto", knockout: tuple[str, ...] = (), length: int = 1,
-                     rope: RopeAtLength = RopeAtLength(), n_sel: int | None = None) -> dict:
+                     rope: RopeAtLength = RopeAtLength(), n_sel: int | None = None,
+                     distance_cap: int | None = None) -> dict:
     """Score a checkpoint (file or run directory) on the recall probe; write recall_step<N>.json beside it
     (result_name; an earlier file of the same checkpoint, documents, seed and spec is returned instead of scoring
     again). spec None: the run's own corpus's (its data.source must be a recall corpus). knockout: NSA branches (cmp,
@@ -186,7 +189,8 @@ def probe_checkpoint(checkpoint, *, spec: RecallSpec | None = None, documents: i
     length: probe documents this many times the training length (spec.doc_tokens + 1), distance buckets extended to
     them (RecallSpec.at_length); a RoPE model is scored at any length (its max_seq_len raised for the probe), learned
     positions only within theirs. rope: a RoPE change made for scoring only. n_sel: NSA layers select this many blocks
-    per query while scoring (nsa.gate_health.selected_blocks; None: as trained), written to its own file."""
+    per query while scoring (nsa.gate_health.selected_blocks; None: as trained), written to its own file. distance_cap:
+    NSA's selected branch reads keys further back than this as this far back (nsa.gate_health.distance_capped)."""
     if documents < 1:
         raise UserError(f"--documents must be >= 1, got {documents}")
     if length < 1:
@@ -195,7 +199,7 @@ def probe_checkpoint(checkpoint, *, spec: RecallSpec | None = None, documents: i
     step = load_checkpoint(path)["step"]
     base = spec if spec is not None else corpus_spec(path)
     spec = base.at_length(length)
-    done = path.parent / result_name(step, knockout, spec.format, length, rope.tag, n_sel)
+    done = path.parent / result_name(step, knockout, spec.format, length, rope.tag, n_sel, distance_cap)
     if done.exists():
         try:
             prior = json.loads(done.read_text(encoding="utf-8"))
@@ -215,10 +219,11 @@ def probe_checkpoint(checkpoint, *, spec: RecallSpec | None = None, documents: i
                         f"{model.cfg.max_seq_len} (learned positions end there)")
     started = time.perf_counter()
     with contextlib.ExitStack() as probes:
-        for flag, probe in (("--n_sel", selected_blocks(model, n_sel)), ("--knockout", knock_out(model, knockout))):
+        for flag, probe in (("--n_sel", selected_blocks(model, n_sel)), ("--knockout", knock_out(model, knockout)),
+                            ("--distance_cap", distance_capped(model, distance_cap))):
             try:
                 probes.enter_context(probe)
-            except ValueError as exc:  # a branch name or an n_sel the model refuses
+            except ValueError as exc:  # a branch name, an n_sel or a distance cap the model refuses
                 raise UserError(f"{flag}: {exc}") from None
         result = score_recall(model, load_tokenizer(cfg["data"]["tokenizer"]), spec, documents=documents, seed=seed,
                               device=dev)
@@ -228,6 +233,7 @@ def probe_checkpoint(checkpoint, *, spec: RecallSpec | None = None, documents: i
                   seconds=round(time.perf_counter() - started, 3),
                   **({"knockout": sorted(knockout)} if knockout else {}),
                   **({"n_sel": n_sel} if n_sel is not None else {}),
+                  **({"distance_cap": distance_cap} if distance_cap is not None else {}),
                   file=str(done))
     write_json_atomic(Path(result["file"]), result)
     return result
