@@ -44,6 +44,7 @@ def probes(run: Path, tokens_per_step: int) -> list[dict]:
                     "distance_cap": r.get("distance_cap"),  # the selected branch's distance cap (None: none)
                     "near_accuracy": r["near_accuracy"], "far_accuracy": r["far_accuracy"],
                     "far_stderr": r["far_stderr"], "far_items": r["far_items"], "documents": r["documents"],
+                    "probe_seed": r.get("seed"),
                     "buckets": {name: b["accuracy"] for name, b in r["buckets"].items()}})
     return sorted(out, key=lambda p: (p["step"], len(p["knockout"]), p["knockout"], p["rope"] or "", p["n_sel"] or 0,
                                       p["distance_cap"] or 0, p["length_multiple"]))
