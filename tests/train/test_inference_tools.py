@@ -58,6 +58,19 @@ def test_needle_runs_on_a_checkpoint(tmp_path, attention):
     assert result["attention"] == attention and result["rope_scale"] == 2.0
 
 
+def test_needle_refuses_a_model_that_cannot_decode_in_one_line(tmp_path):
+    """nsa.sel_distance_cap runs full forwards only: the probe decodes with caches, so it refuses before any trial."""
+    out = tmp_path / "run"
+    assert run_training(tiny_config(out, "--data.tokenizer=byte", "--train.steps=1", "--model.attention=nsa",
+                                    "--nsa.l=8", "--nsa.d=4", "--nsa.l_sel=16", "--nsa.n_sel=3", "--nsa.w=32",
+                                    "--nsa.sel_distance_cap=16")) == 0
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "needle.py"), str(out / "latest.pt"), "--S", "300",
+                           "--trials", "1"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert "nsa.sel_distance_cap=16: cached decoding is not supported" in proc.stderr
+
+
 def test_needle_missing_checkpoint_is_one_line(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "needle.py"), str(tmp_path / "none.pt")],
                           capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
