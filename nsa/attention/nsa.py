@@ -245,7 +245,7 @@ class NativeSparseAttention(nn.Module):
         if self.cap_rope is None:
             return None
         cap = self.cfg.sel_distance_cap
-        cos, sin = self.cap_rope(torch.tensor([cap], device=device))
+        cos, sin = self.cap_rope(torch.full((1,), cap, device=device))  # a fill on the device, no host copy
         return cap, (cos[0], sin[0]), rope
 
     def _capped_selected(self, qg, sel_k, sel_v, block_idx, capped, frame=None):
