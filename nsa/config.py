@@ -70,6 +70,13 @@ class NSAConfig:
     indexer_lr_scale: float = 1.0  # selector=indexer: learning-rate multiplier (on train.lr's schedule) for the indexer's parameters
     sel_distance_cap: int = 0  # the selected branch reads keys more than this many positions back as if this far back (RoPE; ReRoPE / InfLLM-style); 0: off. Torch ops over a [T, T] mask (short contexts), no cached decoding; docs/NSA.md
 
+    def cached_decoding_problem(self) -> str | None:
+        """Why a layer of this configuration cannot decode with a cache, or None (ModelConfig's asks here)."""
+        if self.sel_distance_cap:
+            return (f"nsa.sel_distance_cap={self.sel_distance_cap}: cached decoding is not supported (the capped "
+                    f"selected branch runs full forwards only)")
+        return None
+
     @property
     def window_only(self) -> bool:
         """nsa.gates=window: the layer is its sliding-window branch alone (WINDOW_FIELDS are all it reads)."""
@@ -167,11 +174,15 @@ class ModelConfig:
         self.validate()
 
     def cached_decoding_problem(self) -> str | None:
-        """Why this model cannot decode with a cache (generation, prefill in chunks), or None: the one place that
-        decides it (the NSA layer, nsa.generate, the trainer's samples and the needle probe refuse by it)."""
-        if self.attention == "nsa" and self.nsa.sel_distance_cap:
-            return (f"nsa.sel_distance_cap={self.nsa.sel_distance_cap}: cached decoding is not supported (the capped "
-                    f"selected branch runs full forwards only)")
+        """Why this model cannot decode with a cache (generation, prefill in chunks), or None (NSAConfig's; the NSA
+        layer, nsa.generate, the trainer's samples and the needle probe refuse by it)."""
+        return self.nsa.cached_decoding_problem() if self.attention == "nsa" else None
+
+    def distance_cap_problem(self) -> str | None:
+        """Why the selected branch's distance cap (nsa.sel_distance_cap, or the probe nsa.gate_health.distance_capped)
+        cannot apply to this model, or None: it needs plain RoPE (a rotation of unit magnitude it can undo)."""
+        if self.pos_emb != "rope" or self.rope_scaling == "yarn":
+            return "the distance cap needs plain RoPE positions (model.pos_emb=rope, model.rope_scaling=linear)"
         return None
 
     @property
@@ -211,6 +222,5 @@ class ModelConfig:
             raise ModelConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
         if self.attention == "nsa":
             self.nsa.validate()
-            if self.nsa.sel_distance_cap and (self.pos_emb != "rope" or self.rope_scaling == "yarn"):
-                raise ModelConfigError("nsa.sel_distance_cap needs plain RoPE positions (model.pos_emb=rope, "
-                                       "model.rope_scaling=linear)")
+            if self.nsa.sel_distance_cap and (problem := self.distance_cap_problem()):
+                raise ModelConfigError(f"nsa.sel_distance_cap: {problem}")

@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from nsa.attention.gate_stats import BRANCHES
 from nsa.attention.nsa import NativeSparseAttention
+from nsa.config import ModelConfig
 from nsa.attention.selection_health import selection_recall
 
 # per-layer statistics selection_health returns, in this order (train/core/artifacts.py: SELECTION_HEALTH)
@@ -127,19 +128,20 @@ def distance_capped(model: nn.Module, cap: int | None) -> Iterator[int]:
     every other branch as trained): whether what was found beyond the training length is read wrong because of its
     RoPE distance (a probe; the weights are untouched; forwards from position 0 without a cache, packed documents too).
     None: as trained. Yields the number of layers changed; restores them on exit. ValueError for cap < 1, a model
-    without RoPE (or with YaRN's scaled magnitude) or without a selecting NSA layer."""
+    ModelConfig.distance_cap_problem refuses (learned positions, YaRN) or one without a selecting NSA layer."""
     if cap is None:
         yield 0
         return
     if cap < 1:
         raise ValueError(f"the distance cap must be >= 1, got {cap}")
-    rope = getattr(model, "rope", None)
-    if rope is None or getattr(rope, "magnitude", 1.0) != 1.0:
-        raise ValueError("a distance cap needs a model with plain RoPE positions (not learned ones, not YaRN)")
+    cfg = getattr(model, "cfg", None)  # a Transformer's ModelConfig; its RoPE tables give position cap's rotation
+    problem = cfg.distance_cap_problem() if isinstance(cfg, ModelConfig) else "the distance cap needs a Transformer"
+    if problem:
+        raise ValueError(problem)
     layers = [layer for layer in _nsa_layers(model) if not layer.cfg.window_only]
     if not layers:
         raise ValueError("the model has no NSA layer that selects blocks")
-    cos, sin = rope(torch.tensor([cap], device=rope.inv_freq.device))  # [1, hd/2] each: position cap
+    cos, sin = model.rope(torch.tensor([cap], device=model.rope.inv_freq.device))  # [1, hd/2] each: position cap
     before = [layer.distance_cap for layer in layers]
     try:
         for layer in layers:

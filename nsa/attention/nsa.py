@@ -267,9 +267,10 @@ class NativeSparseAttention(nn.Module):
         """The three branches of x's tokens appended to `cache` (prefill chunks and decode steps): compressed tokens
         are emitted for every block that ends inside this call, the caches grow, then `_branches`."""
         c = self.cfg
-        if self.cap_rope is not None or self.distance_cap is not None:  # ModelConfig.cached_decoding_problem
-            raise ModelConfigError("nsa.sel_distance_cap: cached decoding is not supported (the capped selected branch "
-                                   "runs full forwards only)")
+        problem = c.cached_decoding_problem() if self.distance_cap is None else \
+            "a distance-cap probe: cached decoding is not supported (the capped selected branch runs full forwards only)"
+        if problem:
+            raise ModelConfigError(problem)
         T = q.shape[2]
         t0 = cache.t  # absolute position of x[:, 0]
         t_end = t0 + T

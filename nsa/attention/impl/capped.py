@@ -1,8 +1,8 @@
 """Selected attention with its RoPE distance capped: a key more than `cap` positions before the query is read as if
 it were exactly `cap` positions before it (ReRoPE's clipped relative position, InfLLM's one distance for every
-retrieved block). A probe of a trained model beyond its training length (nsa.gate_health.distance_capped): the
-selection may find a far block (the indexer scores without positions) and the selected branch still read it wrong,
-at a distance its RoPE never saw in training.
+retrieved block). The model option nsa.sel_distance_cap, and a probe of a model trained without it beyond its
+training length (nsa.gate_health.distance_capped): the selection may find a far block (the indexer scores without
+positions) and the selected branch still read it wrong, at a distance its RoPE never saw in training.
 
 With RoPE a score depends on the query and key positions only through their difference, so a far key at "distance
 cap" is the query rotated at position cap against the key rotated at position 0 (un-rotated):
@@ -10,8 +10,9 @@ cap" is the query rotated at position cap against the key rotated at position 0 
     score(t, s) = q_t(t) . k_s(s)        if t - s <= cap    (as trained)
                 = q_t(cap) . k_s(0)      if t - s >  cap
 
-Every query scores every key here, masked to its selected blocks (memory O(B * H * T^2)): for probes at the recall
-task's lengths (T <= a few thousand), not for training; the float64 per-pair oracle: tests/nsa/test_distance_cap.py.
+Every query scores every key here, masked to its selected blocks (impl/masked.py selected_keys; memory
+O(B * H * T^2)): short contexts only (the recall task's, T <= a few thousand); autograd differentiates it. The float64
+per-pair oracle: tests/nsa/test_distance_cap.py.
 """
 from __future__ import annotations
 
@@ -19,27 +20,8 @@ import math
 
 import torch
 
+from nsa.attention.impl.masked import selected_keys
 from nsa.layers import apply_rotary
-
-
-def _selected_keys(block_idx: torch.Tensor, l_sel: int, frame: torch.Tensor | None) -> torch.Tensor:
-    """block_idx [B, H_kv, T, n] (each query's selected blocks, -1 = none; document-relative with packed documents)
-    -> [B, H_kv, T, T] bool: key s is visible to query t (same document, not later) and in a block it selected.
-    frame [3, B, T] (q_pos, k_base, c_base: nsa/attention/documents.py) or None (one document from index 0)."""
-    B, H_kv, T, _ = block_idx.shape
-    index = torch.arange(T, device=block_idx.device)
-    if frame is None:
-        q_pos, k_base = index.expand(B, T), torch.zeros(B, T, dtype=torch.long, device=block_idx.device)
-    else:
-        q_pos, k_base = frame[0], frame[1]
-    r = index - k_base[..., None]  # [B, T, T]: key s's position in query t's document
-    seen = (r >= 0) & (r <= q_pos[..., None])
-    n_blocks = -(-T // l_sel)
-    picked = torch.zeros(B, H_kv, T, n_blocks + 1, dtype=torch.bool, device=block_idx.device)
-    picked.scatter_(-1, torch.where(block_idx < 0, n_blocks, block_idx), True)  # -1 -> the spare column
-    picked[..., n_blocks] = False
-    key_block = torch.where(seen, r // l_sel, n_blocks)  # [B, T, T]; unseen keys -> the spare (False) column
-    return picked.gather(-1, key_block[:, None].expand(B, H_kv, T, T))  # [B, H_kv, T, T]
 
 
 def unrotated(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -77,6 +59,9 @@ def capped_selected_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         far = (index[:, None] - index) > cap  # [T, T]: within a document, distance = index difference
         far_scores = capped_queries(q, rope, at_cap) @ unrotated(k, rope).transpose(-1, -2)[:, :, None]
         scores = torch.where(far, far_scores, scores)
-    allowed = _selected_keys(block_idx, l_sel, frame)[:, :, None]  # [B, H_kv, 1, T, T]
+    if frame is None:  # one document from index 0: positions 0 .. T-1, keys from 0
+        positions = torch.arange(T, device=q.device).expand(q.shape[0], T)
+        frame = torch.stack((positions, torch.zeros_like(positions), torch.zeros_like(positions)))  # [3, B, T]
+    allowed = selected_keys(frame, block_idx, T, l_sel)[:, :, None]  # [B, H_kv, 1, T, T]
     probs = torch.softmax((scores * scale).masked_fill(~allowed, float("-inf")), dim=-1)
     return (probs @ v.to(compute)[:, :, None]).to(q.dtype)  # [B, H_kv, G, T, hd]

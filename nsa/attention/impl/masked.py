@@ -152,8 +152,9 @@ def document_block_scores(q, ck, l: int, d: int, l_sel: int, frame):
 
 
 # ---------------------------------------------------------------- selected attention
-def _selected_mask(frame, block_idx, k_len: int, l_sel: int, dtype) -> torch.Tensor:
-    """[B * H_kv, 1, Tq, Tk] additive: keys of the query's document up to it, in its selected blocks."""
+def selected_keys(frame, block_idx, k_len: int, l_sel: int) -> torch.Tensor:
+    """[B, H_kv, Tq, Tk] bool: keys of the query's document up to it, in its selected blocks (block_idx
+    [B, H_kv, Tq, n], document-relative, -1 = none)."""
     B, H_kv, Tq, n = block_idx.shape
     r, seen = _seen_keys(frame, k_len)  # [B, 1, Tq, Tk]
     n_blocks = -(-k_len // l_sel)
@@ -161,8 +162,13 @@ def _selected_mask(frame, block_idx, k_len: int, l_sel: int, dtype) -> torch.Ten
     chosen = torch.zeros(B, H_kv, Tq, n_blocks + 1, dtype=torch.bool, device=block_idx.device)
     chosen.scatter_(-1, slot, True)  # [B, H_kv, Tq, n_blocks + 1]
     key_block = torch.div(r.clamp(0, k_len - 1), l_sel, rounding_mode="floor")  # [B, 1, Tq, Tk]
-    allowed = chosen.gather(-1, key_block.expand(B, H_kv, Tq, k_len)) & seen
-    return _additive(allowed, dtype).reshape(B * H_kv, 1, Tq, k_len)
+    return chosen.gather(-1, key_block.expand(B, H_kv, Tq, k_len)) & seen
+
+
+def _selected_mask(frame, block_idx, k_len: int, l_sel: int, dtype) -> torch.Tensor:
+    """[B * H_kv, 1, Tq, Tk] additive: `selected_keys` as a mask."""
+    B, H_kv, Tq, _ = block_idx.shape
+    return _additive(selected_keys(frame, block_idx, k_len, l_sel), dtype).reshape(B * H_kv, 1, Tq, k_len)
 
 
 def _flat(q, k, v):
