@@ -45,13 +45,14 @@ def capture(model) -> list[tuple]:
         stores.append((layer, store))
         c = layer.cfg
 
-        def plain(q, ck, cv, sel_k, *rest, layer=layer, original=layer._branches, store=store):
-            index, T = rest[-1], q.shape[2]
+        def plain(q, ck, cv, sel_k, sel_v, win_k, win_v, t0, t_end, index=None, capped=None, layer=layer,
+                  original=layer._branches, store=store):
+            T = q.shape[2]
             s = layer.indexer.scores(*index)  # [1, H_kv, T, N_b]
             qg = q.view(1, layer.n_kv_heads, layer.n_groups, T, layer.head_dim)
             target = layer.indexer_target(qg, ck, sel_k, torch.arange(T), s.shape[-1])  # [1, H_kv, T, N_b]
             store.append((target[0], s[0], torch.arange(T)))
-            return original(q, ck, cv, sel_k, *rest)
+            return original(q, ck, cv, sel_k, sel_v, win_k, win_v, t0, t_end, index, capped)
 
         def documents(x, qg, ck, sel_k, frame, *rest, layer=layer, original=layer._index_documents, store=store, c=c):
             T = x.shape[1]

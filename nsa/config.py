@@ -15,7 +15,7 @@ from nsa.triton_support import triton_unavailable
 # a checkpoint made with other values loads (resume, import).
 NON_ARCHITECTURE_FIELDS = frozenset({"q_chunk", "sel_chunk", "sel_tile", "win_block", "kernel", "gate_init",
                                      "gate_bias", "aux_decay", "aux_lr_scale", "indexer_kl", "indexer_warmup_steps",
-                                     "indexer_target", "indexer_lr_scale"})
+                                     "indexer_target", "indexer_lr_scale", "sel_distance_cap_from_step"})
 GATE_INITS = ("equal", "window")
 # nsa.gates: learned (NSA: three branches mixed by the gate MLP) | window (the control: the gates pinned to
 # (cmp, sel, win) = (0, 0, 1), so the layer is its sliding-window branch alone; docs/NSA.md)
@@ -69,6 +69,7 @@ class NSAConfig:
     indexer_warmup_steps: int = 0  # selector=indexer: steps that select by pooled scores while the indexer learns
     indexer_lr_scale: float = 1.0  # selector=indexer: learning-rate multiplier (on train.lr's schedule) for the indexer's parameters
     sel_distance_cap: int = 0  # the selected branch reads keys more than this many positions back as if this far back (RoPE; ReRoPE / InfLLM-style); 0: off. Torch ops over a [T, T] mask (short contexts), no cached decoding; docs/NSA.md
+    sel_distance_cap_from_step: int = 0  # sel_distance_cap > 0: training steps before the cap takes effect (the selected branch reads at every distance until then; inference always capped)
 
     def cached_decoding_problem(self) -> str | None:
         """Why a layer of this configuration cannot decode with a cache, or None (ModelConfig's asks here)."""
@@ -123,6 +124,10 @@ class NSAConfig:
             raise ModelConfigError(f"nsa.indexer_warmup_steps must be >= 0, got {self.indexer_warmup_steps}")
         if self.sel_distance_cap < 0:
             raise ModelConfigError(f"nsa.sel_distance_cap must be >= 0 (0: off), got {self.sel_distance_cap}")
+        if self.sel_distance_cap_from_step < 0:
+            raise ModelConfigError(f"nsa.sel_distance_cap_from_step must be >= 0, got {self.sel_distance_cap_from_step}")
+        if self.sel_distance_cap_from_step and not self.sel_distance_cap:
+            raise ModelConfigError("nsa.sel_distance_cap_from_step needs nsa.sel_distance_cap > 0 (the cap it delays)")
         if self.sel_distance_cap and self.window_only:
             raise ModelConfigError("nsa.sel_distance_cap needs selection: nsa.gates=window has none")
         if self.selector == "indexer" and self.window_only:

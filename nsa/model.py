@@ -111,6 +111,13 @@ class Transformer(nn.Module):
             if getattr(blk.attn, "indexer", None) is not None:
                 blk.attn.indexer_selects = on
 
+    def set_distance_cap_on(self, on: bool) -> None:
+        """nsa.sel_distance_cap: whether the selected branches read far keys at the cap (else at their distance:
+        nsa.sel_distance_cap_from_step's first steps). The trainer sets it before every step from the step number."""
+        for blk in self.blocks:
+            if getattr(blk.attn, "cap_rope", None) is not None:
+                blk.attn.distance_cap_on = on
+
     def num_params(self, include_embeddings: bool = True) -> int:
         """Unique parameters (a tied head counts once). Without embeddings: no token/position tables."""
         n = sum(p.numel() for p in self.parameters())

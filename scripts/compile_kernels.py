@@ -226,6 +226,20 @@ def exercise_select_topk(shape: Shape, dtype: torch.dtype) -> None:
                             lse=given)
 
 
+def exercise_indexer_topk(shape: Shape, dtype: torch.dtype) -> None:
+    """The learned indexer's picks (nsa.selector=indexer), as ops.indexer_picks calls them, at the indexer's default
+    sizes (NSAConfig: heads, dim) with one key per block and one per token."""
+    from nsa.attention.kernels.indexer_topk import fused_indexer_picks
+    from nsa.config import NSAConfig
+
+    T, h, e = shape.T, NSAConfig.indexer_heads, NSAConfig.indexer_dim
+    q = _meta(1, T, shape.H_kv, h, e, dtype=dtype)  # [B, Tq, H_kv, h, e]
+    w = _meta(1, T, shape.H_kv, h, dtype=dtype)
+    for per_token in (False, True):
+        keys = _meta(1, T if per_token else -(-T // shape.l_sel), e, dtype=dtype)
+        fused_indexer_picks(q, w, keys, 0, shape.l_sel, shape.n, per_token)
+
+
 # Every module with Triton kernels, and a function running its wrappers once. A module not present
 # (not landed yet) is skipped with a notice; tests/tools/test_compile_kernels.py checks that every
 # module of nsa/ with @triton.jit is listed here.
@@ -234,6 +248,7 @@ KERNEL_MODULES = (
     ("nsa.attention.kernels.block_centric", exercise_selection),  # launched by selected_attention's wrappers
     ("nsa.attention.kernels.index_tiles", exercise_selection),  # launched by selected_attention's index
     ("nsa.attention.kernels.select_topk", exercise_select_topk),
+    ("nsa.attention.kernels.indexer_topk", exercise_indexer_topk),
     ("nsa.attention.kernels.rotary", exercise_rotary),
     ("nsa.attention.kernels.gated_combine", exercise_gated_combine),
     ("nsa.attention.kernels.compress_blocks", exercise_compress_blocks),

@@ -34,55 +34,47 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from nsa.attention.impl.index_scores import index_block_scores, weighted_scores
 from nsa.attention.impl.selection import selection_block_scores
 
 
 class BlockIndexer(nn.Module):
     """pool (nsa.indexer_pool): "keys", one key per block (the elementwise max of its tokens' keys), scored once per
     block; or "scores", every token scored and the block's score the max of its tokens' (MSA's pooling: exact where
-    one token matches, at T / l' times the score work)."""
+    one token matches, at T / l' times the score work). One projection (one matmul each way) makes a token's index
+    queries, head weights and index key: its output is [q (H_kv * h * e) | w (H_kv * h) | k (e)]."""
 
     def __init__(self, dim: int, n_kv_heads: int, heads: int, index_dim: int, l_sel: int, pool: str = "keys"):
         super().__init__()
         self.n_kv_heads, self.heads, self.index_dim, self.l_sel, self.pool = n_kv_heads, heads, index_dim, l_sel, pool
-        self.q_proj = nn.Linear(dim, n_kv_heads * heads * index_dim, bias=False)
-        self.w_proj = nn.Linear(dim, n_kv_heads * heads, bias=False)
-        self.k_proj = nn.Linear(dim, index_dim, bias=False)
+        self.projection = nn.Linear(dim, n_kv_heads * heads * (index_dim + 1) + index_dim, bias=False)
+        self.register_load_state_dict_pre_hook(_join_projections)
 
-    def block_keys(self, x: torch.Tensor) -> torch.Tensor:
-        """x [B, T, dim] at positions 0 .. T-1 -> what `scores` reads: pool=keys, K_I [B, ceil(T / l'), e] (the last
-        block may be partial); pool=scores, the token keys [B, T, e]."""
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, dim] -> views of one matmul's output: index queries [B, T, H_kv, h, e], head weights
+        [B, T, H_kv, h] and index keys [B, T, e]."""
         B, T, _ = x.shape
-        k = self.k_proj(x)  # [B, T, e]
+        H_kv, h, e = self.n_kv_heads, self.heads, self.index_dim
+        out = self.projection(x)  # [B, T, H_kv*h*e + H_kv*h + e]
+        q, w, k = out.split((H_kv * h * e, H_kv * h, e), dim=-1)
+        return q.unflatten(-1, (H_kv, h, e)), w.unflatten(-1, (H_kv, h)), k
+
+    def block_keys(self, k: torch.Tensor) -> torch.Tensor:
+        """The index keys k [B, T, e] of positions 0 .. T-1 -> what the scores read: pool=keys, K_I [B, ceil(T / l'), e]
+        (the last block may be partial); pool=scores, the token keys themselves."""
         if self.pool == "scores":
             return k
+        B, T, e = k.shape
         n_blocks = -(-T // self.l_sel)
         pad = n_blocks * self.l_sel - T
         if pad:
             k = F.pad(k, (0, 0, 0, pad), value=float("-inf"))  # a partial block's max over its real keys
-        return k.view(B, n_blocks, self.l_sel, self.index_dim).amax(dim=2)
+        return k.reshape(B, n_blocks, self.l_sel, e).amax(dim=2)
 
-    def _weighted(self, x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        """x [B, Tq, dim], keys [B, N, e] (shared by the queries) or [B, Tq, N, e] (each query's own) ->
-        sum_h w_h ReLU(q_h . k_n) / sqrt(e): [B, H_kv, Tq, N]."""
-        B, Tq, _ = x.shape
-        q = self.q_proj(x).view(B, Tq, self.n_kv_heads, self.heads, self.index_dim)  # [B, Tq, H_kv, h, e]
-        w = self.w_proj(x).view(B, Tq, self.n_kv_heads, self.heads)  # [B, Tq, H_kv, h]
-        logits = torch.einsum("btkhe,bne->bkhtn" if keys.dim() == 3 else "btkhe,btne->bkhtn", q, keys)
-        acc = torch.promote_types(logits.dtype, torch.float32)
-        logits = F.relu(logits.to(acc)) / math.sqrt(self.index_dim)
-        return torch.einsum("bkhtn,btkh->bktn", logits, w.to(acc))
-
-    def scores(self, x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        """x [B, Tq, dim] (the queries' inputs), keys from `block_keys` (or the decode cache) -> I [B, H_kv, Tq, N_b]
-        (float32, or float64 for a float64 model)."""
-        if self.pool == "keys":
-            return self._weighted(x, keys)
-        per_token = self._weighted(x, keys)  # [B, H_kv, Tq, S]
-        S = per_token.shape[-1]
-        n_blocks = -(-S // self.l_sel)
-        per_token = F.pad(per_token, (0, n_blocks * self.l_sel - S), value=float("-inf"))  # a partial block's max
-        return per_token.unflatten(-1, (n_blocks, self.l_sel)).amax(dim=-1)  # over its real tokens
+    def scores(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """q [B, Tq, H_kv, h, e], w [B, Tq, H_kv, h] (from `project`), keys from `block_keys` (or the decode cache)
+        -> I [B, H_kv, Tq, N_b] (float32, or float64 for a float64 model; impl/index_scores.py)."""
+        return index_block_scores(q, w, keys, self.l_sel, self.pool == "scores")
 
     def document_scores(self, x: torch.Tensor, frame: torch.Tensor, n_blocks: int,
                         rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -95,11 +87,13 @@ class BlockIndexer(nn.Module):
         unrelated keys or tokens: selection and the KL never let it compete."""
         B, T, _ = x.shape
         q_pos, k_base = frame[0], frame[1]  # [B, T] each
-        k = self.k_proj(x)  # [B, T, e]
-        xq, kq = (x, k_base) if rows is None else (x[:, rows], k_base[:, rows])  # the scored queries' inputs, bases
-        R = xq.shape[1]
+        q, w, k = self.project(x)  # [B, T, H_kv, h, e], [B, T, H_kv, h], [B, T, e]
+        kq = k_base  # the scored queries' document bases
+        if rows is not None:  # the scored queries' index queries, weights and bases
+            q, w, kq = q[:, rows], w[:, rows], k_base[:, rows]
+        R = q.shape[1]
         if self.pool == "scores":
-            per_token = self._weighted(xq, k)  # [B, H_kv, R, T]
+            per_token = weighted_scores(q, w, k)  # [B, H_kv, R, T]
             at = kq[..., None] + torch.arange(n_blocks * self.l_sel, device=x.device)  # [B, R, n_blocks * l']
             at = at.clamp_max(T - 1)[:, None].expand(-1, self.n_kv_heads, -1, -1)
             return per_token.gather(-1, at).unflatten(-1, (n_blocks, self.l_sel)).amax(dim=-1)
@@ -107,7 +101,15 @@ class BlockIndexer(nn.Module):
         keys = k.new_zeros(k.shape).scatter_reduce(1, slot, k, "amax", include_self=False)  # [B, T, e]
         at = (kq[..., None] + torch.arange(n_blocks, device=x.device)).clamp_max(T - 1)  # [B, R, n_blocks]
         block_keys = keys.gather(1, at.reshape(B, -1, 1).expand(-1, -1, self.index_dim)).view(B, R, n_blocks, -1)
-        return self._weighted(xq, block_keys)  # [B, H_kv, R, n_blocks]
+        return weighted_scores(q, w, block_keys)  # [B, H_kv, R, n_blocks]
+
+
+def _join_projections(module, state_dict, prefix, *args) -> None:
+    """Checkpoints written before the indexer had one projection (q_proj, w_proj, k_proj): their weights stacked
+    into `projection` in its output order, so they load unchanged."""
+    names = [f"{prefix}{n}_proj.weight" for n in ("q", "w", "k")]
+    if all(n in state_dict for n in names):
+        state_dict[f"{prefix}projection.weight"] = torch.cat([state_dict.pop(n) for n in names], dim=0)
 
 
 def candidate_mask(positions: torch.Tensor, l_sel: int, n_blocks: int) -> torch.Tensor:

@@ -98,6 +98,8 @@ class NativeSparseAttention(nn.Module):
         # is not saved: checkpoints are unchanged)
         self.cap_rope = (RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scale, cfg.rope_scaling,
                                          cfg.max_seq_len) if self.cfg.sel_distance_cap else None)
+        # False during nsa.sel_distance_cap_from_step's first training steps: the selected branch reads uncapped
+        self.distance_cap_on = True
         # probes: the same for a model trained without it, (cap, (cos, sin) [hd/2] of position cap)
         # (nsa.gate_health.distance_capped); None: nsa.sel_distance_cap's
         self.distance_cap: tuple[int, tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -230,9 +232,9 @@ class NativeSparseAttention(nn.Module):
             at = slice(c.l - 1, c.l - 1 + (count - 1) * c.d + 1, c.d)
             ck = ops.rotary(ck, rope[0][..., at, :], rope[1][..., at, :], c.kernel)
         index = None
-        if self.indexer is not None:
-            xd = x.detach()  # the language-model loss never moves the indexer
-            index = (xd, self.indexer.block_keys(xd))  # and its block keys [B, ceil(T / l'), e]
+        if self.indexer is not None:  # the language-model loss never moves the indexer: its input is detached
+            q_I, w_I, k_I = self.indexer.project(x.detach())
+            index = (q_I, w_I, self.indexer.block_keys(k_I))  # and its block keys [B, ceil(T / l'), e] (or k_I)
         return self._branches(q, ck, cv, *br["sel"], *br["win"], 0, T, index, self._distance_cap(rope, q.device))
 
     def _distance_cap(self, rope, device: torch.device):
@@ -242,7 +244,7 @@ class NativeSparseAttention(nn.Module):
             return None
         if self.distance_cap is not None:
             return (*self.distance_cap, rope)
-        if self.cap_rope is None:
+        if self.cap_rope is None or not self.distance_cap_on:
             return None
         cap = self.cfg.sel_distance_cap
         cos, sin = self.cap_rope(torch.full((1,), cap, device=device))  # a fill on the device, no host copy
@@ -299,26 +301,25 @@ class NativeSparseAttention(nn.Module):
         cache.t = t_end
         index = None
         if self.indexer is not None:  # the new tokens' index keys join their blocks; the queries score every block
-            xd = x.detach()
-            index = (xd, cache.index_keys(self.indexer.k_proj(xd), per_token=self.indexer.pool == "scores"))
+            q_I, w_I, k_I = self.indexer.project(x.detach())
+            index = (q_I, w_I, cache.index_keys(k_I, per_token=self.indexer.pool == "scores"))
         return self._branches(q, ck, cv, sel_k, sel_v, win_k, win_v, t0, t_end, index)
 
     def _branches(self, q, ck, cv, sel_k, sel_v, win_k, win_v, t0: int, t_end: int, index=None, capped=None):
         """q [B, H, T, hd] at positions t0 .. t_end-1 over compressed ck, cv [B, H_kv, C, hd], selection keys and
         values from position 0 and the window's keys and values ending at t_end - 1 -> the three branch outputs
-        [B, H, T, hd] and block_idx [B, H_kv, T, n]. index: (the indexer's input [B, T, dim], its block keys
-        [B, N_b, e]) or None. Its scores pick the blocks while self.indexer_selects (computed without a graph), and a
+        [B, H, T, hd] and block_idx [B, H_kv, T, n]. index: the indexer's index queries [B, T, H_kv, h, e], head
+        weights [B, T, H_kv, h] and block keys [B, N_b, e] (or token keys [B, S, e]), or None. Its scores pick the blocks while self.indexer_selects (computed without a graph), and a
         training forward from position 0 leaves the KL to its target (nsa.indexer_target) in self.indexer_loss (the
         scores of kl_rows' queries computed again, with a graph: the backward keeps [R, N_b], not [T, N_b]).
         capped: _distance_cap's, for a forward from position 0 whose selected branch reads far keys at the cap."""
         c = self.cfg
         B, _, T, _ = q.shape
-        picks = None
-        if index is not None and self.indexer_selects:
-            with torch.no_grad():
-                picks = self.indexer.scores(*index)  # [B, H_kv, T, N_b]
+        indexer_picks = index is not None and self.indexer_selects
         if T == 1:  # one query (a decode step): every cached key is visible, no chunking or masks
             with nvtx_range("nsa.decode"):
+                with torch.no_grad():
+                    picks = self.indexer.scores(*index) if indexer_picks else None  # [B, H_kv, 1, N_b]
                 return decode_branches(q, ck, cv, sel_k, sel_v, win_k, win_v, t0, c, picks)
         # one custom op per stage (nsa/attention/ops.py): a constant number of launches per layer
         with nvtx_range("nsa.compressed"):
@@ -326,15 +327,15 @@ class NativeSparseAttention(nn.Module):
             o_cmp, cmp_lse = ops.compressed_attention(q, ck, cv, t0, c.l, c.d, c.q_chunk, c.kernel, return_lse=True)
         qg = q.view(B, self.n_kv_heads, self.n_groups, T, self.head_dim)  # [B, H_kv, G, T, hd]
         with nvtx_range("nsa.select"):
-            if picks is None:
+            if indexer_picks:  # [B, H_kv, T, n] by the indexer's scores (one op; no [T, N_b] scores on the Triton path)
+                block_idx = ops.indexer_picks(*index, t0, c.l_sel, c.n_sel, self.indexer.pool == "scores", c.kernel)
+            else:
                 block_idx = ops.select_blocks(qg, ck, t0, c.l, c.d, c.l_sel, c.n_sel, c.q_chunk, c.kernel,
                                               lse=cmp_lse.view(B, self.n_kv_heads, self.n_groups, T))
-            else:
-                block_idx = select_blocks(picks, t0, c.l_sel, c.n_sel)
             if index is not None and t0 == 0 and torch.is_grad_enabled() and c.indexer_kl > 0:
-                xd, keys = index
+                q_I, w_I, keys = index
                 rows = kl_rows(T, q.device)  # [R]: every query up to KL_ROWS, else evenly spaced ones
-                scores = self.indexer.scores(xd[:, rows], keys)  # [B, H_kv, R, N_b]
+                scores = self.indexer.scores(q_I[:, rows], w_I[:, rows], keys)  # [B, H_kv, R, N_b]
                 target = self.indexer_target(qg[:, :, :, rows], ck, sel_k, rows, scores.shape[-1], capped=capped)
                 kl = indexer_kl(scores, target, c.l_sel, rows)
                 self.indexer_loss, self.last_indexer_kl = c.indexer_kl * kl, kl.detach()

@@ -5,6 +5,7 @@ The only module that registers custom ops and chooses a kernel (`resolve_kernel`
     compress_blocks(raw_k, raw_v, phi_k, phi_v) -> ck, cv        nsa::compress_blocks (+ _backward), Triton path only
     gated_combine(g, o_cmp, o_sel, o_win)  -> y                  nsa::gated_combine (+ _backward)
     select_blocks(q, ck)                   -> block_idx          nsa::select_blocks (no autograd)
+    indexer_picks(q_I, w, keys)            -> block_idx          nsa::indexer_picks (no autograd; nsa.selector=indexer)
     compressed_attention(q, ck, cv)        -> o                  nsa::compressed_attention (+ _backward)
     selected_attention(q, k, v, block_idx) -> o                  nsa::selected_attention (+ _backward)
     window_attention(q, k, v)              -> o                  nsa::window_attention (+ _backward)
@@ -34,7 +35,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from nsa.attention.impl import block_select, combine, compression, masked, segments, selection, window
+from nsa.attention.impl import block_select, combine, compression, index_scores, masked, segments, selection, window
 from nsa.attention.impl.flex import flex_compressed_attention, flex_window_attention, use_flex
 from nsa.layers import apply_rotary
 from nsa.triton_support import triton_unavailable
@@ -324,6 +325,34 @@ def select_blocks(
     # compressed branch's softmax normaliser (Eq. 8 shared) instead of computing it again; the torch path ignores it
     lse = None if lse is None else lse.detach()
     return _select_blocks(q.detach(), ck.detach(), q_start, l, d, l_sel, n, q_chunk, kernel, frame, lse)
+
+
+@torch.library.custom_op("nsa::indexer_picks", mutates_args=())
+def _indexer_picks(q: Tensor, w: Tensor, keys: Tensor, q_start: int, l_sel: int, n: int, per_token: bool,
+                   kernel: str) -> Tensor:
+    if _triton(kernel, q):
+        from nsa.attention.kernels.indexer_topk import fused_indexer_picks
+
+        return fused_indexer_picks(q, w, keys, q_start, l_sel, n, per_token)
+    return index_scores.indexer_picks(q, w, keys, q_start, l_sel, n, per_token).contiguous()
+
+
+@_indexer_picks.register_fake
+def _(q, w, keys, q_start, l_sel, n, per_token, kernel):
+    B, Tq, H_kv = q.shape[:3]
+    return q.new_empty(B, H_kv, Tq, n, dtype=torch.long)
+
+
+def indexer_picks(
+    q: Tensor,  # [B, Tq, H_kv, h, e] index queries at positions q_start ..
+    w: Tensor,  # [B, Tq, H_kv, h] their head weights
+    keys: Tensor,  # [B, N_b, e] block keys, or per_token: [B, S, e] token keys from position 0
+    q_start: int, l_sel: int, n: int, per_token: bool, kernel: str,
+) -> Tensor:  # [B, H_kv, Tq, n] int64, ascending, -1 = none (impl.selection.select_blocks' contract)
+    """nsa.selector=indexer: the top-n blocks by the learned indexer's scores (impl/index_scores.py; the Triton
+    path kernels/indexer_topk.py: one launch, no [Tq, N_b] scores). Plain layout (packed documents: the layer
+    scores each document's blocks in torch ops)."""
+    return _indexer_picks(q.detach(), w.detach(), keys.detach(), q_start, l_sel, n, per_token, kernel)
 
 
 # ---------------------------------------------------------------- selected attention

@@ -116,7 +116,9 @@ def reference_forward(attn, x: torch.Tensor, rope=None, doc_start: torch.Tensor 
                 CV[s0].append(torch.stack([_phi(torch.stack([V["cmp"][s][g] for s in span]), params, "compress_v") for g in range(H_kv)]))
         if attn.indexer is not None:  # index key of each token, then of each document's selection block
             e, h_I = attn.cfg.indexer_dim, attn.cfg.indexer_heads  # (the elementwise max of its tokens' keys)
-            k_I = [_linear(x[b, t], params, "indexer.k_proj") for t in range(T)]
+            # one projection per token: [q (H_kv * h * e) | w (H_kv * h) | k (e)]
+            index_out = [_linear(x[b, t], params, "indexer.projection") for t in range(T)]
+            k_I = [out[H_kv * h_I * (e + 1):] for out in index_out]
             block_key = {}  # (document start, document-relative block) -> [e]
             for s0 in sorted(set(starts[b])):
                 e0 = s0 + starts[b].count(s0)
@@ -145,8 +147,8 @@ def reference_forward(attn, x: torch.Tensor, rope=None, doc_start: torch.Tensor 
                         o_cmp[h] = torch.zeros(hd, dtype=torch.float64, device=x.device)  # sees no compressed token
                 index_score = None
                 if attn.indexer is not None and attn.indexer_selects:  # I(p, j) = sum_h w_h ReLU(q_h . K_j) / sqrt(e)
-                    q_I = _linear(x[b, p], params, "indexer.q_proj").view(H_kv, h_I, e)[g]
-                    w_I = _linear(x[b, p], params, "indexer.w_proj").view(H_kv, h_I)[g]
+                    q_I = index_out[p][: H_kv * h_I * e].view(H_kv, h_I, e)[g]
+                    w_I = index_out[p][H_kv * h_I * e: H_kv * h_I * (e + 1)].view(H_kv, h_I)[g]
                     def token_score(key):
                         return sum(w_I[h].item() * max(0.0, torch.dot(q_I[h], key).item()) / math.sqrt(e)
                                    for h in range(h_I))

@@ -244,6 +244,10 @@ def test_config_refusals_and_no_cached_decoding():
         NSAConfig(sel_distance_cap=-1).validate()
     with pytest.raises(ModelConfigError, match="needs selection"):
         NSAConfig(sel_distance_cap=8, gates="window").validate()
+    with pytest.raises(ModelConfigError, match="sel_distance_cap_from_step must be >= 0"):
+        NSAConfig(sel_distance_cap=8, sel_distance_cap_from_step=-1).validate()
+    with pytest.raises(ModelConfigError, match="needs nsa.sel_distance_cap > 0"):
+        NSAConfig(sel_distance_cap_from_step=5).validate()
     for bad in (dict(pos_emb="learned"), dict(rope_scale=2.0, rope_scaling="yarn")):
         with pytest.raises(ModelConfigError, match="needs plain RoPE"):
             ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64, attention="nsa",
@@ -251,3 +255,21 @@ def test_config_refusals_and_no_cached_decoding():
     model = _capped_model(8).eval()
     with torch.no_grad(), pytest.raises(ModelConfigError, match="cached decoding is not supported"):
         model(torch.randint(1, 64, (1, 9)), caches=model.new_caches())
+
+
+def test_the_cap_switched_off_is_the_uncapped_model():
+    """nsa.sel_distance_cap_from_step's first steps: a capped model with the cap switched off (set_distance_cap_on,
+    as the trainer does before each step) computes what the uncapped model computes on the same weights, bit for
+    bit, and switched back on what it computed before."""
+    capped, plain = _capped_model(12), _capped_model(0)
+    plain.load_state_dict(capped.state_dict())
+    ids = torch.randint(1, 64, (2, 80), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        on = capped(ids)
+        capped.set_distance_cap_on(False)
+        off = capped(ids)
+        capped.set_distance_cap_on(True)
+        again = capped(ids)
+        uncapped = plain(ids)
+    assert torch.equal(off, uncapped) and torch.equal(again, on)
+    assert not torch.allclose(on, off)

@@ -230,3 +230,20 @@ def test_packed_documents_equal_each_document_alone_and_the_reference(pool):
         y_ref, idx_ref = reference_forward(layer, x, rope_for(T), doc_start=docs.start)
     torch.testing.assert_close(y.detach(), y_ref, rtol=0, atol=1e-10)
     assert torch.equal(sorted_blocks(idx), idx_ref)
+
+
+def test_checkpoints_with_three_indexer_projections_load():
+    """Before the indexer had one projection its checkpoints held q_proj, w_proj and k_proj: they load into
+    `projection` (stacked in its output order) and the layer computes what it did."""
+    layer = indexer_layer(indexer_pool="scores")
+    state = layer.state_dict()
+    H_kv, h, e = layer.n_kv_heads, layer.cfg.indexer_heads, layer.cfg.indexer_dim
+    q_w, w_w, k_w = state.pop("indexer.projection.weight").split((H_kv * h * e, H_kv * h, e), dim=0)
+    old = {**state, "indexer.q_proj.weight": q_w, "indexer.w_proj.weight": w_w, "indexer.k_proj.weight": k_w}
+    loaded = make_layer(seed=11, nsa_overrides={**INDEXER, "indexer_pool": "scores"})
+    loaded.load_state_dict(old)  # strict: no key missing or left over
+    x, rope = make_input(1, 70, seed=2), rope_for(70)
+    with torch.no_grad():
+        y, idx = layer(x, rope, return_indices=True)
+        y2, idx2 = loaded(x, rope, return_indices=True)
+    assert torch.equal(idx, idx2) and torch.equal(y, y2)

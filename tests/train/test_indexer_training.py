@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .helpers import TINY_CLI, kill9_after, read_csv, read_jsonl, run_reference_and_resume
+from .helpers import TINY_CLI, cli, kill9_after, read_csv, read_jsonl, run_reference_and_resume
 
 INDEXER = ["--model.attention=nsa", "--model.n_heads=4", "--model.n_kv_heads=2", "--model.dim=32",
            "--model.max_seq_len=64", "--train.seq_len=64", "--nsa.l=8", "--nsa.d=4", "--nsa.l_sel=8", "--nsa.n_sel=4",
@@ -32,3 +32,21 @@ def test_warm_up_then_indexer_resumes_bit_for_bit_after_kill9(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
     first = torch.load(reference / "checkpoint_step10.pt", weights_only=True)["model"]
     assert all(not torch.equal(first[k], a[k]) for k in a if ".indexer." in k)  # the indexer learns
+
+
+def test_distance_cap_from_step_trains_uncapped_until_then(tmp_path):
+    """nsa.sel_distance_cap_from_step: the steps before it are the uncapped run's (losses bit for bit), the steps
+    from it on are not; a run killed with SIGKILL after the switch resumes to the uninterrupted run's losses."""
+    base = [*TINY_CLI, *INDEXER, "--nsa.gate_init=equal", "--train.steps=30", "--train.save_every=10",
+            "--train.keep_all_checkpoints=true"]  # equal gates: the selected branch weighs in the loss
+    capped = [*base, "--nsa.sel_distance_cap=12", "--nsa.sel_distance_cap_from_step=15"]
+    plain, reference, out = tmp_path / "plain", tmp_path / "reference", tmp_path / "killed"
+    assert cli(*base, f"--train.out_dir={plain}").returncode == 0
+    assert 20 <= kill9_after(capped, out, "checkpoint_step20.pt") < 30  # killed after the switch (step 15)
+    run_reference_and_resume(capped, reference, out)
+    losses = {name: [(int(r["step"]), r["loss"]) for r in read_csv(d / "training.csv")]
+              for name, d in (("plain", plain), ("capped", reference), ("resumed", out))}
+    assert losses["resumed"] == losses["capped"]
+    before = [row for row in losses["capped"] if row[0] <= 15]
+    assert before and before == [row for row in losses["plain"] if row[0] <= 15]
+    assert [row for row in losses["capped"] if row[0] > 15] != [row for row in losses["plain"] if row[0] > 15]

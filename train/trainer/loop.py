@@ -81,6 +81,7 @@ class Loop:
         self.params = [p for p in raw_model.parameters() if p.requires_grad]
         nsa = raw_model.cfg.nsa if raw_model.cfg.attention == "nsa" else None
         self.indexer_warmup = nsa.indexer_warmup_steps if nsa is not None and nsa.selector == "indexer" else 0
+        self.cap_from = nsa.sel_distance_cap_from_step if nsa is not None and nsa.sel_distance_cap else 0
         self.n_micro, self.seq_len, self.staged = cfg.accumulate_grad_batches, cfg.seq_len, False
         self.tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.accumulate_grad_batches * info.world_size
         self.scaler = torch.amp.GradScaler("cuda") if amp_dtype == torch.float16 else None
@@ -120,6 +121,8 @@ class Loop:
         set_lr(self.opt, lr_at(self.state.step, cfg))
         if self.indexer_warmup:  # nsa.indexer_warmup_steps: pooled scores pick until then (a function of the step)
             self.raw_model.set_indexer_selects(self.state.step >= self.indexer_warmup)
+        if self.cap_from:  # nsa.sel_distance_cap_from_step: uncapped reading until then (a function of the step)
+            self.raw_model.set_distance_cap_on(self.state.step >= self.cap_from)
         loss_sum = torch.zeros((), device=self.device)
         n_micro = self.n_micro
         for micro in range(n_micro):

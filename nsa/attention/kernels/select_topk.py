@@ -72,6 +72,55 @@ BLOCKS_PER_CHUNK = 16  # BJ: selection blocks per pass-2 chunk (a power of two)
 
 
 @triton.jit
+def merge_topn(val, blk, top_v, top_i, N: tl.constexpr, NP: tl.constexpr, BJ: tl.constexpr):
+    """Merge one chunk's candidates val [BT, BJ] (blocks blk [BJ], each higher than every block merged before;
+    -inf: not a candidate) into the running top-n (top_v, top_i) [BT, NP], kept sorted best-first (slots >= n
+    stay -inf). Order: higher value first, ties -> lower block. A running entry precedes a new one iff its value
+    is >= the new one; ranks in the union come from counting ([BT, NP, BJ] and [BT, BJ, BJ] comparisons; they
+    form a permutation) and slot s takes the entry of rank s. A chunk where no candidate beats any query's n-th
+    value is not merged."""
+    slots = tl.arange(0, NP)
+    cols = tl.arange(0, BJ)
+    nth = tl.max(tl.where(slots[None, :] == N - 1, top_v, float("-inf")), axis=1)  # [BT] n-th best so far
+    if tl.max((val > nth[:, None]).to(tl.int32)) > 0:  # some candidate enters some query's top-n
+        # rank in the union: running entries ahead of it + new candidates ahead of it
+        new_ahead_of_run = (val[:, None, :] > top_v[:, :, None]).to(tl.int32)  # [BT, NP, BJ]
+        rank_run = slots[None, :] + tl.sum(new_ahead_of_run, axis=2)  # [BT, NP]
+        run_ahead_of_new = (top_v[:, :, None] >= val[:, None, :]).to(tl.int32)  # [BT, NP, BJ]
+        v_a = val[:, :, None]  # [BT, BJ (ahead), 1]
+        v_b = val[:, None, :]  # [BT, 1, BJ (behind)]
+        new_ahead = (v_a > v_b) | ((v_a == v_b) & (cols[:, None] < cols[None, :])[None, :, :])  # [BT, BJ, BJ]
+        rank_new = tl.sum(run_ahead_of_new, axis=1) + tl.sum(new_ahead.to(tl.int32), axis=1)  # [BT, BJ]
+        # slot s takes the entry of rank s
+        take_run = rank_run[:, :, None] == slots[None, None, :]  # [BT, NP, NP (slot)]
+        take_new = rank_new[:, :, None] == slots[None, None, :]  # [BT, BJ, NP (slot)]
+        v_run = tl.max(tl.where(take_run, top_v[:, :, None], float("-inf")), axis=1)  # [BT, NP]
+        v_new = tl.max(tl.where(take_new, val[:, :, None], float("-inf")), axis=1)
+        i_run = tl.max(tl.where(take_run, top_i[:, :, None], -1), axis=1)
+        i_new = tl.max(tl.where(take_new, blk[None, :, None], -1), axis=1)
+        keep = slots[None, :] < N
+        top_v = tl.where(keep, tl.maximum(v_run, v_new), float("-inf"))
+        top_i = tl.where(keep, tl.maximum(i_run, i_new), 0).to(tl.int32)
+    return top_v, top_i
+
+
+@triton.jit
+def ascending(top_v, top_i, NP: tl.constexpr):
+    """The kept blocks of a running top-n (top_v, top_i) [BT, NP] in ascending order, by counting ([BT, NP, NP]
+    comparisons), as int64 [BT, NP]; empty slots (-inf) -> -1, last."""
+    slots = tl.arange(0, NP)
+    NO_BLOCK: tl.constexpr = 2147483647  # sorts after every block index
+    key = tl.where(top_v > float("-inf"), top_i, NO_BLOCK)  # [BT, NP] int32; kept blocks are distinct
+    k_a = key[:, :, None]  # [BT, NP (a), 1]
+    k_b = key[:, None, :]  # [BT, 1, NP (b)]
+    b_first = (k_b < k_a) | ((k_b == k_a) & (slots[None, :] < slots[:, None])[None, :, :])  # [BT, NP, NP]
+    position = tl.sum(b_first.to(tl.int32), axis=2)  # [BT, NP] ascending rank (a permutation)
+    at = position[:, :, None] == slots[None, None, :]  # [BT, NP (a), NP (slot)]
+    key = tl.max(tl.where(at, key[:, :, None], -1), axis=1)  # [BT, NP] ascending
+    return tl.where(key == NO_BLOCK, -1, key).to(tl.int64)
+
+
+@triton.jit
 def _row_lse(
     q, ck_tile, skn, d_ok, row_pos, row_in, last, N_c,
     L: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BN: tl.constexpr, SCALE: tl.constexpr,
@@ -151,26 +200,7 @@ def _merge_blocks(
         forced = (blk[None, :] == 0) | (blk[None, :] == current[:, None]) | (blk[None, :] == current[:, None] - 1)
         val = tl.where(allowed, tl.where(forced, float("inf"), score), float("-inf"))  # [BT, BJ]
 
-        nth = tl.max(tl.where(slots[None, :] == N - 1, top_v, float("-inf")), axis=1)  # [BT] n-th best so far
-        if tl.max((val > nth[:, None]).to(tl.int32)) > 0:  # some candidate enters some query's top-n
-            # rank in the union: running entries ahead of it + new candidates ahead of it
-            new_ahead_of_run = (val[:, None, :] > top_v[:, :, None]).to(tl.int32)  # [BT, NP, BJ]
-            rank_run = slots[None, :] + tl.sum(new_ahead_of_run, axis=2)  # [BT, NP]
-            run_ahead_of_new = (top_v[:, :, None] >= val[:, None, :]).to(tl.int32)  # [BT, NP, BJ]
-            v_a = val[:, :, None]  # [BT, BJ (ahead), 1]
-            v_b = val[:, None, :]  # [BT, 1, BJ (behind)]
-            new_ahead = (v_a > v_b) | ((v_a == v_b) & (cols[:, None] < cols[None, :])[None, :, :])  # [BT, BJ, BJ]
-            rank_new = tl.sum(run_ahead_of_new, axis=1) + tl.sum(new_ahead.to(tl.int32), axis=1)  # [BT, BJ]
-            # slot s takes the entry of rank s
-            take_run = rank_run[:, :, None] == slots[None, None, :]  # [BT, NP, NP (slot)]
-            take_new = rank_new[:, :, None] == slots[None, None, :]  # [BT, BJ, NP (slot)]
-            v_run = tl.max(tl.where(take_run, top_v[:, :, None], float("-inf")), axis=1)  # [BT, NP]
-            v_new = tl.max(tl.where(take_new, val[:, :, None], float("-inf")), axis=1)
-            i_run = tl.max(tl.where(take_run, top_i[:, :, None], -1), axis=1)
-            i_new = tl.max(tl.where(take_new, blk[None, :, None], -1), axis=1)
-            keep = slots[None, :] < N
-            top_v = tl.where(keep, tl.maximum(v_run, v_new), float("-inf"))
-            top_i = tl.where(keep, tl.maximum(i_run, i_new), 0).to(tl.int32)
+        top_v, top_i = merge_topn(val, blk, top_v, top_i, N, NP, BJ)
     return top_v, top_i
 
 
@@ -271,16 +301,7 @@ def _select_topk_kernel(
             GP, L, D, L_SEL, N, NP, BT, BJ, SHIFT, SCALE, RUP, ACC, UPCAST, PREC,
         )
 
-    # ---- output: the kept blocks ascending, -1 for empty slots (last)
-    NO_BLOCK: tl.constexpr = 2147483647  # sorts after every block index
-    key = tl.where(top_v > float("-inf"), top_i, NO_BLOCK)  # [BT, NP] int32; kept blocks are distinct
-    k_a = key[:, :, None]  # [BT, NP (a), 1]
-    k_b = key[:, None, :]  # [BT, 1, NP (b)]
-    b_first = (k_b < k_a) | ((k_b == k_a) & (slots[None, :] < slots[:, None])[None, :, :])  # [BT, NP, NP]
-    position = tl.sum(b_first.to(tl.int32), axis=2)  # [BT, NP] ascending rank (a permutation)
-    at = position[:, :, None] == slots[None, None, :]  # [BT, NP (a), NP (slot)]
-    key = tl.max(tl.where(at, key[:, :, None], -1), axis=1)  # [BT, NP] ascending
-    out = tl.where(key == NO_BLOCK, -1, key).to(tl.int64)
+    out = ascending(top_v, top_i, NP)  # [BT, NP] int64, -1 for empty slots (last)
     tl.store(OUT + (bh * Tq + q_idx[:, None].to(tl.int64)) * N + slots[None, :], out,
              mask=q_ok[:, None] & (slots < N)[None, :])
 

@@ -1,0 +1,163 @@
+"""The learned indexer's one-launch picks kernel (nsa/attention/kernels/indexer_topk.py) against its torch oracle
+(impl/index_scores.indexer_picks: the scores in torch ops, then select_blocks).
+
+The two paths sum the same products in different orders, so their scores differ by rounding; picks are compared
+by the oracle's scores of what each kept (equal within the rounding of the scores, forced blocks at +inf), and bit
+for bit where the scores tie exactly (q = 0: every score 0) or are well separated (float64). Without CUDA the kernel
+runs in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1); sizes stay small.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nsa.attention import ops
+from nsa.attention.impl.index_scores import index_block_scores, indexer_picks
+
+try:
+    from tests.nsa.interpreter_probe import interpreter_loop_problem
+    from nsa.attention.kernels import indexer_topk
+except ImportError as exc:  # triton not installed
+    pytest.skip(f"triton is not importable ({exc})", allow_module_level=True)
+
+DEV = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+if DEV.type == "cpu" and not indexer_topk.interpreter_active():
+    pytest.skip("Triton's interpreter is off (TRITON_INTERPRET=1 must be set before triton is imported)",
+                allow_module_level=True)
+if reason := interpreter_loop_problem():
+    pytest.skip(reason, allow_module_level=True)
+
+
+def make_inputs(B, Tq, H_kv, h, e, n_keys, seed=0, dtype=torch.float64):
+    """q [B, Tq, H_kv, h, e] as a strided view of a projection's output (not contiguous in the head axes), w, keys."""
+    g = torch.Generator().manual_seed(seed)
+    proj = torch.randn(B, Tq, H_kv * h * e + 7, generator=g, dtype=torch.float64)
+    q = proj[..., 7:].view(B, Tq, H_kv, h, e)
+    w = torch.randn(B, Tq, H_kv, h, generator=g, dtype=torch.float64)
+    keys = torch.randn(B, n_keys, e, generator=g, dtype=torch.float64)
+    return q.to(DEV, dtype), w.to(DEV, dtype), keys.to(DEV, dtype)
+
+
+def kept_scores(picks: torch.Tensor, scores: torch.Tensor, q_start: int, l_sel: int) -> torch.Tensor:
+    """The oracle's scores of the kept blocks, forced blocks at +inf, sorted descending; -inf for empty slots."""
+    Tq = picks.shape[2]
+    current = (torch.arange(q_start, q_start + Tq, device=picks.device) // l_sel)[:, None]  # [Tq, 1]
+    forced = (picks == 0) | (picks == current) | (picks == current - 1)
+    s = scores.gather(-1, picks.clamp_min(0))
+    s = torch.where(forced, float("inf"), s)
+    return torch.where(picks >= 0, s, float("-inf")).sort(dim=-1, descending=True).values
+
+
+def check_valid(picks: torch.Tensor, q_start: int, l_sel: int, n: int):
+    """Ascending distinct blocks, none after the query's current one, min(n, current + 1) of them, -1 pads last."""
+    Tq = picks.shape[2]
+    current = torch.arange(q_start, q_start + Tq, device=picks.device) // l_sel  # [Tq]
+    count = (picks >= 0).sum(-1)
+    assert torch.equal(count, torch.minimum(current + 1, torch.tensor(n, device=picks.device)).expand_as(count))
+    kept = torch.where(picks >= 0, picks, torch.iinfo(torch.long).max)
+    assert bool(((kept[..., 1:] > kept[..., :-1]) | (picks[..., 1:] < 0)).all()), "not ascending or not distinct"
+    assert bool((picks <= current[:, None]).all()), "a block after the query's current one"
+
+
+# (B, Tq, H_kv, h, e, q_start, l_sel, n, per_token)
+CASES = [
+    pytest.param(1, 96, 2, 2, 32, 0, 8, 4, True, id="recall-geometry-scores"),
+    pytest.param(1, 96, 2, 2, 32, 0, 8, 4, False, id="recall-geometry-keys"),
+    pytest.param(2, 70, 1, 3, 24, 0, 16, 5, True, id="h3-e24-padded-scores"),
+    pytest.param(2, 70, 1, 3, 24, 0, 16, 5, False, id="h3-e24-padded-keys"),
+    pytest.param(1, 37, 2, 1, 16, 300, 64, 16, True, id="M7C-l'-chunk-scores"),
+    pytest.param(1, 37, 2, 4, 64, 300, 64, 6, False, id="h4-e64-chunk-keys"),
+]
+
+
+@pytest.mark.parametrize("B, Tq, H_kv, h, e, q_start, l_sel, n, per_token", CASES)
+def test_matches_oracle_float64(B, Tq, H_kv, h, e, q_start, l_sel, n, per_token):
+    S = q_start + Tq
+    q, w, keys = make_inputs(B, Tq, H_kv, h, e, S if per_token else -(-S // l_sel))
+    got = indexer_topk.fused_indexer_picks(q, w, keys, q_start, l_sel, n, per_token)
+    assert got.dtype == torch.long and got.shape == (B, H_kv, Tq, n)
+    check_valid(got, q_start, l_sel, n)
+    want = indexer_picks(q, w, keys, q_start, l_sel, n, per_token)
+    # float64 scores of random inputs: no two within the paths' rounding (the block-key case has exact zeros,
+    # where ReLU cuts every head: ties, which both break to the lower block)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("per_token", [True, False])
+def test_low_precision_keeps_blocks_as_good_as_the_oracles(dtype, per_token):
+    """In float32 / bf16 the kernel's dot rounds otherwise than torch's einsum: a block may swap with one whose
+    float64 score is within that rounding; the kept blocks' float64 scores equal the oracle's picks' scores."""
+    B, Tq, H_kv, h, e, q_start, l_sel, n = 1, 80, 2, 2, 32, 40, 8, 5
+    S = q_start + Tq
+    q, w, keys = make_inputs(B, Tq, H_kv, h, e, S if per_token else -(-S // l_sel), seed=3, dtype=dtype)
+    got = indexer_topk.fused_indexer_picks(q, w, keys, q_start, l_sel, n, per_token)
+    check_valid(got, q_start, l_sel, n)
+    exact = index_block_scores(q.double(), w.double(), keys.double(), l_sel, per_token)  # [B, H_kv, Tq, N_b]
+    want = indexer_picks(q.double(), w.double(), keys.double(), q_start, l_sel, n, per_token)
+    tol = 1e-4 if dtype == torch.float32 else 0.05 * float(exact.abs().max())  # bf16 inputs, fp32 accumulation
+    g, r = kept_scores(got, exact, q_start, l_sel), kept_scores(want, exact, q_start, l_sel)
+    finite = torch.isfinite(r)
+    assert torch.equal(torch.isfinite(g), finite)
+    torch.testing.assert_close(g[finite], r[finite], rtol=0, atol=tol)
+    assert (got != want).float().mean() < 0.2  # a swap is the exception, not the rule
+
+
+@pytest.mark.parametrize("per_token", [True, False])
+def test_exact_ties_go_to_lower_blocks(per_token):
+    """q = 0: every score is exactly 0, so every competing block ties: block 0, the previous and the current block,
+    then the lowest others, as select_blocks breaks ties."""
+    B, Tq, H_kv, h, e, q_start, l_sel, n = 1, 70, 1, 2, 16, 30, 8, 5
+    S = q_start + Tq
+    q, w, keys = make_inputs(B, Tq, H_kv, h, e, S if per_token else -(-S // l_sel), dtype=torch.float32)
+    q = torch.zeros_like(q)
+    got = indexer_topk.fused_indexer_picks(q, w, keys, q_start, l_sel, n, per_token)
+    rows = []
+    for p in range(q_start, S):
+        c = p // l_sel
+        picked = (sorted({0, max(c - 1, 0), c}) + list(range(1, c - 1)))[: min(n, c + 1)]
+        rows.append(sorted(picked) + [-1] * (n - len(picked)))
+    assert torch.equal(got[0, 0].cpu(), torch.tensor(rows))
+
+
+def test_picks_read_no_future_key():
+    """Keys after a query's position (per-token keys) change its scores only in its current block, which is forced:
+    perturbing every key from position t on leaves the picks of queries before t unchanged."""
+    B, Tq, H_kv, h, e, l_sel, n = 1, 64, 2, 2, 16, 8, 5
+    q, w, keys = make_inputs(B, Tq, H_kv, h, e, Tq, seed=5)
+    before = indexer_topk.fused_indexer_picks(q, w, keys, 0, l_sel, n, True)
+    t = 20
+    keys2 = keys.clone()
+    keys2[:, t:] = 10 * torch.randn_like(keys2[:, t:])
+    after = indexer_topk.fused_indexer_picks(q, w, keys2, 0, l_sel, n, True)
+    assert torch.equal(after[:, :, :t], before[:, :, :t])
+    assert not torch.equal(after[:, :, t:], before[:, :, t:])  # the perturbation reaches later queries' picks
+
+
+def test_op_chooses_the_kernel_and_the_torch_path_alike():
+    """ops.indexer_picks with kernel=triton and kernel=torch: the same picks (float64, the layer's entry point)."""
+    q, w, keys = make_inputs(1, 50, 2, 2, 16, 50, seed=9)
+    a = ops.indexer_picks(q, w, keys, 0, 8, 4, True, "triton")
+    b = ops.indexer_picks(q, w, keys, 0, 8, 4, True, "torch")
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("pool", ["keys", "scores"])
+def test_layer_on_the_triton_path_matches_the_float64_reference(pool):
+    """An indexer layer with nsa.kernel=triton (its picks from this kernel) equals the per-token float64 reference:
+    the same blocks and outputs."""
+    from nsa.attention.reference import reference_forward
+    from tests.nsa._nsa_helpers import make_input, make_layer, rope_for, sorted_blocks
+
+    layer = make_layer(seed=3, nsa_overrides=dict(selector="indexer", indexer_heads=2, indexer_dim=8, gate_init="equal",
+                                                  indexer_pool=pool, kernel="triton"))
+    with torch.no_grad():
+        for p in layer.indexer.parameters():
+            p.normal_(0.0, 0.5)
+    T = 80
+    x, rope = make_input(1, T, seed=4), rope_for(T)
+    with torch.no_grad():
+        y, idx = layer(x, rope, return_indices=True)
+    ref, ref_idx = reference_forward(layer, x, rope)
+    assert torch.equal(sorted_blocks(idx), ref_idx)
+    torch.testing.assert_close(y, ref, rtol=1e-9, atol=1e-9)
