@@ -129,15 +129,20 @@ class LaunchCounter(TorchDispatchMode):
         return sum(n for name, n in self.by_op.items() if name.startswith(TRITON))
 
 
-def count_forward_backward(module, x: torch.Tensor, *args, open_custom_ops: bool = False) -> LaunchCounter:
+def count_forward_backward(module, x: torch.Tensor, *args, open_custom_ops: bool = False, aux=None) -> LaunchCounter:
     """Ops of module(x, *args) forward and backward (for a given output gradient, made outside the count),
-    parameter gradients included."""
+    parameter gradients included. aux: a function returning the forward's auxiliary loss (0-dim) or None, whose
+    backward is counted with the output's (an NSA layer's indexer KL term: nsa/model.py adds it to the loss)."""
     x = x.detach().requires_grad_(True)
     with torch.no_grad():
         grad = module(x, *args)
     grad = torch.ones_like(grad)
+    one = torch.ones((), device=grad.device)
     with LaunchCounter(open_custom_ops) as counter:
-        module(x, *args).backward(grad)
+        y = module(x, *args)
+        extra = aux() if aux is not None else None
+        outputs, grads = ([y], [grad]) if extra is None else ([y, extra], [grad, one.to(extra.dtype)])
+        torch.autograd.backward(outputs, grads)
     return counter
 
 
@@ -173,7 +178,8 @@ def attention_layer_launches(cfg, T: int, batch: int = 1, documents: int = 0, de
             docs.compressed(cfg.nsa.l, cfg.nsa.d)
         positions = docs.positions if docs is not None else torch.arange(T)
         rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)(positions)
+    aux = (lambda: layer.indexer_loss) if getattr(layer, "indexer", None) is not None else None  # its KL term
     if docs is None:
-        return count_forward_backward(layer, x, rope, open_custom_ops=open_custom_ops)
+        return count_forward_backward(layer, x, rope, open_custom_ops=open_custom_ops, aux=aux)
     return count_forward_backward(lambda x_, rope_: layer(x_, rope_, documents=docs), x, rope,
-                                  open_custom_ops=open_custom_ops)
+                                  open_custom_ops=open_custom_ops, aux=aux)

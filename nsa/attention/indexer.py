@@ -34,7 +34,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nsa.attention.impl.index_scores import index_block_scores, weighted_scores
+from nsa.attention.impl.index_scores import (block_max, index_block_scores, kl_row_indices, split_projection,
+                                             weighted_scores)
 from nsa.attention.impl.selection import selection_block_scores
 
 
@@ -50,26 +51,16 @@ class BlockIndexer(nn.Module):
         self.projection = nn.Linear(dim, n_kv_heads * heads * (index_dim + 1) + index_dim, bias=False)
         self.register_load_state_dict_pre_hook(_join_projections)
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [B, T, dim] -> views of one matmul's output: index queries [B, T, H_kv, h, e], head weights
-        [B, T, H_kv, h] and index keys [B, T, e]."""
-        B, T, _ = x.shape
-        H_kv, h, e = self.n_kv_heads, self.heads, self.index_dim
-        out = self.projection(x)  # [B, T, H_kv*h*e + H_kv*h + e]
-        q, w, k = out.split((H_kv * h * e, H_kv * h, e), dim=-1)
-        return q.unflatten(-1, (H_kv, h, e)), w.unflatten(-1, (H_kv, h)), k
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, dim] -> index queries [B, T, H_kv, h, e], head weights [B, T, H_kv, h] and index keys [B, T, e]:
+        views of one matmul's output, returned last ([B, T, P]; what nsa::indexer_kl differentiates)."""
+        out = self.projection(x)
+        return (*split_projection(out, self.n_kv_heads, self.heads, self.index_dim), out)
 
     def block_keys(self, k: torch.Tensor) -> torch.Tensor:
         """The index keys k [B, T, e] of positions 0 .. T-1 -> what the scores read: pool=keys, K_I [B, ceil(T / l'), e]
         (the last block may be partial); pool=scores, the token keys themselves."""
-        if self.pool == "scores":
-            return k
-        B, T, e = k.shape
-        n_blocks = -(-T // self.l_sel)
-        pad = n_blocks * self.l_sel - T
-        if pad:
-            k = F.pad(k, (0, 0, 0, pad), value=float("-inf"))  # a partial block's max over its real keys
-        return k.reshape(B, n_blocks, self.l_sel, e).amax(dim=2)
+        return k if self.pool == "scores" else block_max(k, self.l_sel)
 
     def scores(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """q [B, Tq, H_kv, h, e], w [B, Tq, H_kv, h] (from `project`), keys from `block_keys` (or the decode cache)
@@ -87,7 +78,7 @@ class BlockIndexer(nn.Module):
         unrelated keys or tokens: selection and the KL never let it compete."""
         B, T, _ = x.shape
         q_pos, k_base = frame[0], frame[1]  # [B, T] each
-        q, w, k = self.project(x)  # [B, T, H_kv, h, e], [B, T, H_kv, h], [B, T, e]
+        q, w, k, _ = self.project(x)  # [B, T, H_kv, h, e], [B, T, H_kv, h], [B, T, e]
         kq = k_base  # the scored queries' document bases
         if rows is not None:  # the scored queries' index queries, weights and bases
             q, w, kq = q[:, rows], w[:, rows], k_base[:, rows]
@@ -112,15 +103,6 @@ def _join_projections(module, state_dict, prefix, *args) -> None:
         state_dict[f"{prefix}projection.weight"] = torch.cat([state_dict.pop(n) for n in names], dim=0)
 
 
-def candidate_mask(positions: torch.Tensor, l_sel: int, n_blocks: int) -> torch.Tensor:
-    """positions [Tq] (or [B, 1, Tq]: each query's position in its document) -> [Tq, N_b] (or [B, 1, Tq, N_b])
-    bool: the blocks that compete for a query's free places (not forced: block 0, the current and the previous one;
-    and not after the current one)."""
-    current = torch.div(positions, l_sel, rounding_mode="floor")[..., None]  # [..., Tq, 1]
-    blk = torch.arange(n_blocks, device=positions.device)
-    return (blk >= 1) & (blk <= current - 2)
-
-
 KL_ROWS = 1024  # queries per layer and step the KL is taken over (evenly spaced; all of them up to this length)
 DENSE_ROWS = 128  # nsa.indexer_target=dense: queries whose [T] attention rows are held at once
 
@@ -129,8 +111,7 @@ def kl_rows(T: int, device) -> torch.Tensor:
     """The query indices the KL is taken over: all T up to KL_ROWS, else KL_ROWS evenly spaced ones (the same at
     every step: no random state, so a resumed run draws the same rows). A fixed count keeps the target's cost and
     launches constant in T."""
-    R = min(T, KL_ROWS)
-    return torch.arange(R, device=device) * T // R  # [R]
+    return kl_row_indices(T, min(T, KL_ROWS), device)  # [R]
 
 
 @torch.no_grad()
@@ -182,17 +163,3 @@ def dense_block_mass(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, l_sel
         edge = cum.gather(-1, at)
         out.append((edge[..., 1:] - edge[..., :-1]).to(probs.dtype))
     return torch.cat(out, dim=2)  # [B, H_kv, R, n_blocks]
-
-
-def indexer_kl(scores: torch.Tensor, target: torch.Tensor, l_sel: int, positions: torch.Tensor) -> torch.Tensor:
-    """Mean over the (batch, KV group, query) rows with >= 2 candidate blocks of KL(target || softmax(scores)) over
-    those candidates; scores and target [B, H_kv, R, N_b] for queries at positions [R] (or [B, 1, R]: each query's
-    position in its document) -> a 0-dim tensor in the scores' dtype (0 when no row has two)."""
-    n_blocks = scores.shape[-1]
-    cand = candidate_mask(positions, l_sel, n_blocks).expand(scores.shape)  # [B, H_kv, R, N_b]
-    rows = (cand.sum(-1) >= 2).to(scores.dtype)  # [B, H_kv, R]: one candidate has nothing to rank
-    p = torch.where(cand, target.to(scores.dtype), 0.0)
-    p = p / p.sum(-1, keepdim=True).clamp_min(1e-30)
-    log_q = torch.log_softmax(scores.masked_fill(~cand, -1e30), dim=-1)  # finite everywhere: no inf * 0
-    kl = torch.where(p > 0, p * (torch.log(p.clamp_min(1e-30)) - log_q), 0.0).sum(-1)  # [B, H_kv, R]
-    return (kl * rows).sum() / rows.sum().clamp_min(1.0)  # a masked mean: no host sync

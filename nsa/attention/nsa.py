@@ -30,7 +30,8 @@ from nsa.attention.impl.capped import capped_queries, capped_selected_attention,
 from nsa.attention.impl.compression import num_compressed
 from nsa.attention.impl.masked import document_block_count, document_block_scores
 from nsa.attention.impl.selection import select_blocks
-from nsa.attention.indexer import BlockIndexer, dense_block_mass, indexer_kl, kl_rows, pooled_block_mass
+from nsa.attention.impl.index_scores import indexer_kl
+from nsa.attention.indexer import BlockIndexer, dense_block_mass, kl_rows, pooled_block_mass
 from nsa.attention.nsa_cache import NSACache
 from nsa.attention.selection_health import gate_means, outside_window_counts, outside_window_share, recall_sample
 from nsa.config import ModelConfig, ModelConfigError, NSAConfig
@@ -80,7 +81,7 @@ class NativeSparseAttention(nn.Module):
                                      self.cfg.l_sel, self.cfg.indexer_pool) if self.cfg.selector == "indexer" else None)
         self.indexer_selects = True  # False during nsa.indexer_warmup_steps: pooled scores pick, the indexer learns
         self.indexer_loss: torch.Tensor | None = None  # 0-dim, the last training forward's weighted KL
-        self.last_indexer_kl: torch.Tensor | None = None  # 0-dim, detached and unweighted, for the training log
+
         self.proj = nn.Linear(q_dim, cfg.dim, bias=cfg.bias)
         self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
@@ -103,6 +104,13 @@ class NativeSparseAttention(nn.Module):
         # probes: the same for a model trained without it, (cap, (cos, sin) [hd/2] of position cap)
         # (nsa.gate_health.distance_capped); None: nsa.sel_distance_cap's
         self.distance_cap: tuple[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    @property
+    def last_indexer_kl(self) -> torch.Tensor | None:
+        """The last training forward's KL of the indexer to its target (unweighted, detached; 0-dim), or None."""
+        if self.indexer_loss is None:
+            return None
+        return self.indexer_loss.detach() / self.cfg.indexer_kl  # off the hot path: read when statistics are
 
     def reset_extra_parameters(self) -> None:
         """Called by Transformer.reset_parameters after its generic init: phi position encodings, and the
@@ -233,8 +241,10 @@ class NativeSparseAttention(nn.Module):
             ck = ops.rotary(ck, rope[0][..., at, :], rope[1][..., at, :], c.kernel)
         index = None
         if self.indexer is not None:  # the language-model loss never moves the indexer: its input is detached
-            q_I, w_I, k_I = self.indexer.project(x.detach())
-            index = (q_I, w_I, self.indexer.block_keys(k_I))  # and its block keys [B, ceil(T / l'), e] (or k_I)
+            q_I, w_I, k_I, out = self.indexer.project(x.detach())
+            with torch.no_grad():  # the picks' keys [B, ceil(T / l'), e] (or k_I); the KL pools its own
+                keys = self.indexer.block_keys(k_I)
+            index = (q_I, w_I, keys, out)
         return self._branches(q, ck, cv, *br["sel"], *br["win"], 0, T, index, self._distance_cap(rope, q.device))
 
     def _distance_cap(self, rope, device: torch.device):
@@ -301,8 +311,8 @@ class NativeSparseAttention(nn.Module):
         cache.t = t_end
         index = None
         if self.indexer is not None:  # the new tokens' index keys join their blocks; the queries score every block
-            q_I, w_I, k_I = self.indexer.project(x.detach())
-            index = (q_I, w_I, cache.index_keys(k_I, per_token=self.indexer.pool == "scores"))
+            q_I, w_I, k_I, out = self.indexer.project(x.detach())
+            index = (q_I, w_I, cache.index_keys(k_I, per_token=self.indexer.pool == "scores"), out)
         return self._branches(q, ck, cv, sel_k, sel_v, win_k, win_v, t0, t_end, index)
 
     def _branches(self, q, ck, cv, sel_k, sel_v, win_k, win_v, t0: int, t_end: int, index=None, capped=None):
@@ -319,7 +329,7 @@ class NativeSparseAttention(nn.Module):
         if T == 1:  # one query (a decode step): every cached key is visible, no chunking or masks
             with nvtx_range("nsa.decode"):
                 with torch.no_grad():
-                    picks = self.indexer.scores(*index) if indexer_picks else None  # [B, H_kv, 1, N_b]
+                    picks = self.indexer.scores(*index[:3]) if indexer_picks else None  # [B, H_kv, 1, N_b]
                 return decode_branches(q, ck, cv, sel_k, sel_v, win_k, win_v, t0, c, picks)
         # one custom op per stage (nsa/attention/ops.py): a constant number of launches per layer
         with nvtx_range("nsa.compressed"):
@@ -328,17 +338,19 @@ class NativeSparseAttention(nn.Module):
         qg = q.view(B, self.n_kv_heads, self.n_groups, T, self.head_dim)  # [B, H_kv, G, T, hd]
         with nvtx_range("nsa.select"):
             if indexer_picks:  # [B, H_kv, T, n] by the indexer's scores (one op; no [T, N_b] scores on the Triton path)
-                block_idx = ops.indexer_picks(*index, t0, c.l_sel, c.n_sel, self.indexer.pool == "scores", c.kernel)
+                block_idx = ops.indexer_picks(*index[:3], t0, c.l_sel, c.n_sel, self.indexer.pool == "scores",
+                                              c.kernel)
             else:
                 block_idx = ops.select_blocks(qg, ck, t0, c.l, c.d, c.l_sel, c.n_sel, c.q_chunk, c.kernel,
                                               lse=cmp_lse.view(B, self.n_kv_heads, self.n_groups, T))
             if index is not None and t0 == 0 and torch.is_grad_enabled() and c.indexer_kl > 0:
-                q_I, w_I, keys = index
                 rows = kl_rows(T, q.device)  # [R]: every query up to KL_ROWS, else evenly spaced ones
-                scores = self.indexer.scores(q_I[:, rows], w_I[:, rows], keys)  # [B, H_kv, R, N_b]
-                target = self.indexer_target(qg[:, :, :, rows], ck, sel_k, rows, scores.shape[-1], capped=capped)
-                kl = indexer_kl(scores, target, c.l_sel, rows)
-                self.indexer_loss, self.last_indexer_kl = c.indexer_kl * kl, kl.detach()
+                n_blocks = -(-T // c.l_sel)
+                target = self.indexer_target(qg[:, :, :, rows], ck, sel_k, rows, n_blocks, capped=capped)
+                # weight * KL over the rows, scored from the projection output (one op each way)
+                self.indexer_loss = ops.indexer_kl(index[3], target, self.n_kv_heads, c.indexer_heads, c.indexer_dim,
+                                                   rows.shape[0], c.l_sel, self.indexer.pool == "scores",
+                                                   c.indexer_kl, c.kernel)
         with nvtx_range("nsa.selected"):
             if capped is not None:
                 o_sel = self._capped_selected(qg, sel_k, sel_v, block_idx, capped)
@@ -369,7 +381,7 @@ class NativeSparseAttention(nn.Module):
         if record is not None:
             selection, self.last_sample = record
             self.last_stats = {**gate_statistics(g), **selection, **gate_means(g)}
-            if self.indexer is not None and self.last_indexer_kl is not None:  # the indexer's KL to its target
+            if self.indexer is not None and self.indexer_loss is not None:  # the indexer's KL to its target
                 self.last_stats["indexer_kl"] = self.last_indexer_kl
         return (y, block_idx) if return_indices else y
 
@@ -453,8 +465,7 @@ class NativeSparseAttention(nn.Module):
             rows = kl_rows(T, x.device)  # [R]: every query up to KL_ROWS, else evenly spaced ones
             target = self.indexer_target(qg[:, :, :, rows], ck, sel_k, rows, n_blocks, frame, capped)
             scores = self.indexer.document_scores(xd, frame, target.shape[-1], rows)  # [B, H_kv, R, N_b]
-            kl = indexer_kl(scores, target, c.l_sel, positions[..., rows])
-            self.indexer_loss, self.last_indexer_kl = c.indexer_kl * kl, kl.detach()
+            self.indexer_loss = c.indexer_kl * indexer_kl(scores, target, c.l_sel, positions[..., rows])
         return block_idx
 
     def _forward_window(self, x, rope, cache: NSACache | None, documents: Documents | None, return_indices: bool):

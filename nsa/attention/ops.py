@@ -6,6 +6,7 @@ The only module that registers custom ops and chooses a kernel (`resolve_kernel`
     gated_combine(g, o_cmp, o_sel, o_win)  -> y                  nsa::gated_combine (+ _backward)
     select_blocks(q, ck)                   -> block_idx          nsa::select_blocks (no autograd)
     indexer_picks(q_I, w, keys)            -> block_idx          nsa::indexer_picks (no autograd; nsa.selector=indexer)
+    indexer_kl(out, target)                -> loss               nsa::indexer_kl (+ _backward; the indexer's KL term)
     compressed_attention(q, ck, cv)        -> o                  nsa::compressed_attention (+ _backward)
     selected_attention(q, k, v, block_idx) -> o                  nsa::selected_attention (+ _backward)
     window_attention(q, k, v)              -> o                  nsa::window_attention (+ _backward)
@@ -353,6 +354,64 @@ def indexer_picks(
     path kernels/indexer_topk.py: one launch, no [Tq, N_b] scores). Plain layout (packed documents: the layer
     scores each document's blocks in torch ops)."""
     return _indexer_picks(q.detach(), w.detach(), keys.detach(), q_start, l_sel, n, per_token, kernel)
+
+
+@torch.library.custom_op("nsa::indexer_kl", mutates_args=())
+def _indexer_kl(out: Tensor, target: Tensor, n_kv_heads: int, heads: int, index_dim: int, R: int, l_sel: int,
+                per_token: bool, weight: float, kernel: str) -> tuple[Tensor, Tensor]:
+    if _triton(kernel, out):
+        from nsa.attention.kernels.indexer_kl import indexer_kl_forward
+
+        return indexer_kl_forward(out, target, n_kv_heads, heads, index_dim, R, l_sel, per_token, weight)
+    with torch.no_grad():
+        return index_scores.kl_loss(out, target, n_kv_heads, heads, index_dim, R, l_sel, per_token, weight)
+
+
+@_indexer_kl.register_fake
+def _(out, target, n_kv_heads, heads, index_dim, R, l_sel, per_token, weight, kernel):
+    return out.new_empty((), dtype=_lse_dtype(out.dtype)), out.new_empty(out.shape[0], n_kv_heads, R, 2,
+                                                                          dtype=torch.float32)
+
+
+@torch.library.custom_op("nsa::indexer_kl_backward", mutates_args=())
+def _indexer_kl_bwd(grad: Tensor, out: Tensor, target: Tensor, stats: Tensor, n_kv_heads: int, heads: int,
+                    index_dim: int, R: int, l_sel: int, per_token: bool, weight: float, kernel: str) -> Tensor:
+    if _triton(kernel, out):
+        from nsa.attention.kernels.indexer_kl import indexer_kl_backward
+
+        return indexer_kl_backward(grad, out, target, stats, n_kv_heads, heads, index_dim, R, l_sel, per_token, weight)
+    return index_scores.kl_loss_backward(grad, out, target, n_kv_heads, heads, index_dim, R, l_sel, per_token, weight)
+
+
+@_indexer_kl_bwd.register_fake
+def _(grad, out, target, stats, n_kv_heads, heads, index_dim, R, l_sel, per_token, weight, kernel):
+    return torch.empty_like(out)
+
+
+def _indexer_kl_setup(ctx, inputs, output):
+    out, target, *rest = inputs
+    ctx.save_for_backward(out, target, output[1])
+    ctx.rest = rest
+
+
+def _indexer_kl_backward(ctx, d_loss, _d_stats):
+    out, target, stats = ctx.saved_tensors
+    return (_indexer_kl_bwd(d_loss, out, target, stats, *ctx.rest), None, None, None, None, None, None, None, None,
+            None)
+
+
+_indexer_kl.register_autograd(_indexer_kl_backward, setup_context=_indexer_kl_setup)
+
+
+def indexer_kl(
+    out: Tensor,  # [B, T, H_kv*h*e + H_kv*h + e] the indexer's projection output (its input detached), positions 0 ..
+    target: Tensor,  # [B, H_kv, R, N_b] the KL's target mass per block of the R queries at r * T // R (no gradient)
+    n_kv_heads: int, heads: int, index_dim: int, R: int, l_sel: int, per_token: bool, weight: float, kernel: str,
+) -> Tensor:  # 0-dim: weight * the mean KL(target || softmax(scores)) over the rows with >= 2 candidate blocks
+    """nsa.selector=indexer's training term (impl/index_scores.kl_loss; the Triton path kernels/indexer_kl.py: one
+    launch forward and one backward, no [R, N_b] scores kept). Its gradient reaches `out` only (the projection)."""
+    loss, _ = _indexer_kl(out, target.detach(), n_kv_heads, heads, index_dim, R, l_sel, per_token, weight, kernel)
+    return loss
 
 
 # ---------------------------------------------------------------- selected attention

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from nsa.attention import indexer as indexer_module
-from nsa.attention.indexer import candidate_mask, dense_block_mass, indexer_kl
+from nsa.attention.impl.index_scores import candidate_mask, indexer_kl
+from nsa.attention.indexer import dense_block_mass
 from nsa.attention.reference import reference_forward
 from nsa.config import ModelConfig, ModelConfigError, NSAConfig
 from nsa.model import Transformer

@@ -43,3 +43,127 @@ def indexer_picks(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, q_start:
     """Top-n blocks per query of queries at positions q_start .. by the indexer's scores (block 0, the previous and
     the current block forced; ties -> lower index) -> [B, H_kv, Tq, n] int64, ascending, -1 pads."""
     return select_blocks(index_block_scores(q, w, keys, l_sel, per_token), q_start, l_sel, n)
+
+
+def kl_row_indices(T: int, R: int, device) -> torch.Tensor:
+    """The sequence indices of the R (<= T) evenly spaced queries the indexer's KL is taken over: r * T // R."""
+    return torch.arange(R, device=device) * T // R  # [R]
+
+
+def candidate_mask(positions: torch.Tensor, l_sel: int, n_blocks: int) -> torch.Tensor:
+    """positions [Tq] (or [B, 1, Tq]: each query's position in its document) -> [Tq, N_b] (or [B, 1, Tq, N_b])
+    bool: the blocks that compete for a query's free places (not forced: block 0, the current and the previous one;
+    and not after the current one)."""
+    current = torch.div(positions, l_sel, rounding_mode="floor")[..., None]  # [..., Tq, 1]
+    blk = torch.arange(n_blocks, device=positions.device)
+    return (blk >= 1) & (blk <= current - 2)
+
+
+def indexer_kl(scores: torch.Tensor, target: torch.Tensor, l_sel: int, positions: torch.Tensor) -> torch.Tensor:
+    """Mean over the (batch, KV group, query) rows with >= 2 candidate blocks of KL(target || softmax(scores)) over
+    those candidates; scores and target [B, H_kv, R, N_b] for queries at positions [R] (or [B, 1, R]: each query's
+    position in its document) -> a 0-dim tensor in the scores' dtype (0 when no row has two)."""
+    n_blocks = scores.shape[-1]
+    cand = candidate_mask(positions, l_sel, n_blocks).expand(scores.shape)  # [B, H_kv, R, N_b]
+    rows = (cand.sum(-1) >= 2).to(scores.dtype)  # [B, H_kv, R]: one candidate has nothing to rank
+    p = torch.where(cand, target.to(scores.dtype), 0.0)
+    p = p / p.sum(-1, keepdim=True).clamp_min(1e-30)
+    log_q = torch.log_softmax(scores.masked_fill(~cand, -1e30), dim=-1)  # finite everywhere: no inf * 0
+    kl = torch.where(p > 0, p * (torch.log(p.clamp_min(1e-30)) - log_q), 0.0).sum(-1)  # [B, H_kv, R]
+    return (kl * rows).sum() / rows.sum().clamp_min(1.0)  # a masked mean: no host sync
+
+
+def split_projection(out: torch.Tensor, n_kv_heads: int, heads: int, index_dim: int):
+    """The indexer's projection output out [B, T, H_kv*h*e + H_kv*h + e] -> views: index queries [B, T, H_kv, h, e],
+    head weights [B, T, H_kv, h], index keys [B, T, e]."""
+    q, w, k = out.split((n_kv_heads * heads * index_dim, n_kv_heads * heads, index_dim), dim=-1)
+    return q.unflatten(-1, (n_kv_heads, heads, index_dim)), w.unflatten(-1, (n_kv_heads, heads)), k
+
+
+def block_max(k: torch.Tensor, l_sel: int) -> torch.Tensor:
+    """Token keys k [B, T, e] from position 0 -> block keys [B, ceil(T / l'), e], each the elementwise max of its
+    block's keys (a partial last block's over its real keys)."""
+    B, T, e = k.shape
+    n_blocks = -(-T // l_sel)
+    pad = n_blocks * l_sel - T
+    if pad:
+        k = F.pad(k, (0, 0, 0, pad), value=float("-inf"))
+    return k.reshape(B, n_blocks, l_sel, e).amax(dim=2)
+
+
+def kl_loss(out: torch.Tensor, target: torch.Tensor, n_kv_heads: int, heads: int, index_dim: int, R: int, l_sel: int,
+            per_token: bool, weight: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight * the indexer's KL to its target (`indexer_kl`) over the R queries at kl_row_indices(T, R), scored
+    from the projection output out [B, T, P] (`split_projection`; pool=keys: block keys by `block_max` of its
+    token keys) against target [B, H_kv, R, N_b] -> (0-dim loss, row statistics [B, H_kv, R, 2]: each row's
+    log-sum-exp of its candidates' scores and its target's total over them, what a backward reuses). The oracle of
+    nsa::indexer_kl's kernel; the loss is differentiable by autograd (`kl_loss_backward` is its closed form)."""
+    q, w, k = split_projection(out, n_kv_heads, heads, index_dim)
+    rows = kl_row_indices(out.shape[1], R, out.device)
+    scores = index_block_scores(q[:, rows], w[:, rows], k if per_token else block_max(k, l_sel), l_sel, per_token)
+    with torch.no_grad():
+        cand = candidate_mask(rows, l_sel, scores.shape[-1]).expand(scores.shape)
+        stats = torch.stack((torch.logsumexp(scores.masked_fill(~cand, float("-inf")), dim=-1),
+                             torch.where(cand, target.to(scores.dtype), 0.0).sum(-1)), dim=-1).float()
+    return weight * indexer_kl(scores, target, l_sel, rows), stats
+
+
+def _argmax_share(values: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
+    """values [..., n, m] against their max best [..., n, 1 or m broadcast]: 1 / (ties) where a value is the max,
+    else 0 (how autograd splits a max's gradient among tied values)."""
+    is_max = (values == best).to(values.dtype)
+    return is_max / is_max.sum(-2, keepdim=True)
+
+
+@torch.no_grad()
+def kl_loss_backward(grad: torch.Tensor, out: torch.Tensor, target: torch.Tensor, n_kv_heads: int, heads: int,
+                     index_dim: int, R: int, l_sel: int, per_token: bool, weight: float) -> torch.Tensor:
+    """d kl_loss / d out [B, T, P] for the loss's gradient grad (0-dim), in closed form:
+        dL/dI(r, j) = grad * weight * valid(r) / count * (softmax(I(r, .))(j) * [sum of target > 0] - p(r, j))
+    on the candidate blocks (p the target normalised over them), 0 elsewhere; a block's max (pool=scores: over its
+    tokens' scores; pool=keys: each dim of its key over its tokens) passes it to its argmax, split among ties; then
+    through I = sum_h w_h ReLU(q_h . k) / sqrt(e) to q, w (the R rows; 0 at other positions) and k."""
+    B, T, P = out.shape
+    e = index_dim
+    q, w, k = split_projection(out, n_kv_heads, heads, index_dim)
+    rows = kl_row_indices(T, R, out.device)
+    q_r, w_r = q[:, rows], w[:, rows]  # [B, R, H_kv, h, e], [B, R, H_kv, h]
+    acc = torch.promote_types(out.dtype, torch.float32)
+    keys = k if per_token else block_max(k, l_sel)  # [B, N, e]
+    s = torch.einsum("brkhe,bne->bkhrn", q_r, keys).to(acc) / math.sqrt(e)  # [B, H_kv, h, R, N]
+    a = F.relu(s)
+    per_key = torch.einsum("bkhrn,brkh->bkrn", a, w_r.to(acc))  # [B, H_kv, R, N]
+    scores = max_over_blocks(per_key, l_sel) if per_token else per_key  # [B, H_kv, R, N_b]
+    n_blocks = scores.shape[-1]
+    cand = candidate_mask(rows, l_sel, n_blocks).expand(scores.shape)
+    valid = (cand.sum(-1, keepdim=True) >= 2).to(acc)  # [B, H_kv, R, 1]
+    p = torch.where(cand, target.to(acc), 0.0)
+    total = p.sum(-1, keepdim=True)
+    p = p / total.clamp_min(1e-30)
+    soft = torch.softmax(scores.masked_fill(~cand, -1e30), dim=-1)
+    d_scores = torch.where(cand, soft * (total > 0) - p, 0.0) * valid * (grad.to(acc) * weight / valid.sum().clamp_min(1.0))
+    if per_token:  # each block's gradient to its best token(s)
+        N = per_key.shape[-1]
+        pad = n_blocks * l_sel - N
+        tok = F.pad(per_key, (0, pad), value=float("-inf")).unflatten(-1, (n_blocks, l_sel))  # [B, H_kv, R, N_b, l']
+        share = _argmax_share(tok.transpose(-1, -2), scores[..., None, :]).transpose(-1, -2)  # [.., N_b, l']
+        d_key = (d_scores[..., None] * share).flatten(-2)[..., :N]  # [B, H_kv, R, N]
+    else:
+        d_key = d_scores
+    d_w = torch.einsum("bkrn,bkhrn->brkh", d_key, a)  # [B, R, H_kv, h]
+    d_s = d_key[:, :, None] * w_r.to(acc).permute(0, 2, 3, 1)[..., None] * (s > 0)  # [B, H_kv, h, R, N]
+    d_q = torch.einsum("bkhrn,bne->brkhe", d_s, keys.to(acc)) / math.sqrt(e)  # [B, R, H_kv, h, e]
+    d_keys = torch.einsum("bkhrn,brkhe->bne", d_s, q_r.to(acc)) / math.sqrt(e)  # [B, N, e]
+    if per_token:
+        d_k = d_keys
+    else:  # each dim of a block key to its block's best token(s) in that dim
+        pad = n_blocks * l_sel - T
+        tok = F.pad(k, (0, 0, 0, pad), value=float("-inf")).reshape(B, n_blocks, l_sel, e)
+        share = _argmax_share(tok, keys[:, :, None, :])  # [B, N_b, l', e]
+        d_k = (d_keys[:, :, None, :] * share).reshape(B, n_blocks * l_sel, e)[:, :T]
+    d_out = torch.zeros(B, T, P, dtype=acc, device=out.device)
+    qw = n_kv_heads * heads * e
+    d_out[:, rows, :qw] = d_q.flatten(2)
+    d_out[:, rows, qw: qw + n_kv_heads * heads] = d_w.flatten(2)
+    d_out[..., qw + n_kv_heads * heads:] = d_k
+    return d_out.to(out.dtype)
