@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from nsa.attention.impl.masked import document_block_count
-from nsa.attention.indexer import indexer_kl
+from nsa.attention.impl.index_scores import indexer_kl
 from train.checkpoint.io import load_checkpoint, model_from_checkpoint, resolve_checkpoint
 from train.data.recall import RecallEncoder, probe_document
 from train.data.tokenizers import load_tokenizer
@@ -48,7 +48,7 @@ def capture(model) -> list[tuple]:
         def plain(q, ck, cv, sel_k, sel_v, win_k, win_v, t0, t_end, index=None, capped=None, layer=layer,
                   original=layer._branches, store=store):
             T = q.shape[2]
-            s = layer.indexer.scores(*index)  # [1, H_kv, T, N_b]
+            s = layer.indexer.scores(*index[:3])  # [1, H_kv, T, N_b]
             qg = q.view(1, layer.n_kv_heads, layer.n_groups, T, layer.head_dim)
             target = layer.indexer_target(qg, ck, sel_k, torch.arange(T), s.shape[-1])  # [1, H_kv, T, N_b]
             store.append((target[0], s[0], torch.arange(T)))
