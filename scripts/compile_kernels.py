@@ -240,6 +240,24 @@ def exercise_indexer_topk(shape: Shape, dtype: torch.dtype) -> None:
         fused_indexer_picks(q, w, keys, 0, shape.l_sel, shape.n, per_token)
 
 
+def exercise_indexer_kl(shape: Shape, dtype: torch.dtype) -> None:
+    """The learned indexer's KL term forward and backward (nsa.selector=indexer), as ops.indexer_kl calls them, at the
+    indexer's default sizes with one key per block and one per token, over the layer's KL rows."""
+    from nsa.attention.indexer import KL_ROWS
+    from nsa.attention.kernels.indexer_kl import indexer_kl_backward, indexer_kl_forward
+    from nsa.config import NSAConfig
+
+    T, h, e = shape.T, NSAConfig.indexer_heads, NSAConfig.indexer_dim
+    R = min(T, KL_ROWS)
+    out = _meta(1, T, shape.H_kv * h * (e + 1) + e, dtype=dtype)
+    target = _meta(1, shape.H_kv, R, -(-T // shape.l_sel), dtype=torch.float32)
+    stats = _meta(1, shape.H_kv, R, 2, dtype=torch.promote_types(dtype, torch.float32))
+    for per_token in (False, True):
+        indexer_kl_forward(out, target, shape.H_kv, h, e, R, shape.l_sel, per_token, 1.0)
+        indexer_kl_backward(torch.empty((), dtype=torch.float32, device="meta"), out, target, stats, shape.H_kv, h, e, R, shape.l_sel,
+                            per_token, 1.0)
+
+
 # Every module with Triton kernels, and a function running its wrappers once. A module not present
 # (not landed yet) is skipped with a notice; tests/tools/test_compile_kernels.py checks that every
 # module of nsa/ with @triton.jit is listed here.
@@ -249,6 +267,7 @@ KERNEL_MODULES = (
     ("nsa.attention.kernels.index_tiles", exercise_selection),  # launched by selected_attention's index
     ("nsa.attention.kernels.select_topk", exercise_select_topk),
     ("nsa.attention.kernels.indexer_topk", exercise_indexer_topk),
+    ("nsa.attention.kernels.indexer_kl", exercise_indexer_kl),
     ("nsa.attention.kernels.rotary", exercise_rotary),
     ("nsa.attention.kernels.gated_combine", exercise_gated_combine),
     ("nsa.attention.kernels.compress_blocks", exercise_compress_blocks),

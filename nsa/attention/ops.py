@@ -369,8 +369,8 @@ def _indexer_kl(out: Tensor, target: Tensor, n_kv_heads: int, heads: int, index_
 
 @_indexer_kl.register_fake
 def _(out, target, n_kv_heads, heads, index_dim, R, l_sel, per_token, weight, kernel):
-    return out.new_empty((), dtype=_lse_dtype(out.dtype)), out.new_empty(out.shape[0], n_kv_heads, R, 2,
-                                                                          dtype=torch.float32)
+    acc = _lse_dtype(out.dtype)
+    return out.new_empty((), dtype=acc), out.new_empty(out.shape[0], n_kv_heads, R, 2, dtype=acc)
 
 
 @torch.library.custom_op("nsa::indexer_kl_backward", mutates_args=())

@@ -57,3 +57,104 @@ def test_the_op_on_the_torch_path(per_token):
     want.backward()
     got.backward()
     torch.testing.assert_close(b.grad, a.grad, rtol=1e-10, atol=1e-13)
+
+
+try:
+    from nsa.attention.kernels import indexer_kl as kl_kernels
+    from tests.nsa.interpreter_probe import interpreter_loop_problem
+except ImportError:  # triton not installed
+    kl_kernels = None
+
+
+def _kernels_problem() -> str | None:
+    if kl_kernels is None:
+        return "triton is not importable"
+    if not torch.cuda.is_available() and not kl_kernels.interpreter_active():
+        return "Triton's interpreter is off (TRITON_INTERPRET=1 must be set before triton is imported)"
+    return interpreter_loop_problem()
+
+
+@pytest.mark.parametrize("per_token", [True, False])
+@pytest.mark.parametrize("T, R, l_sel, ties", [(64, 64, 8, False), (70, 23, 8, True), (100, 17, 16, False),
+                                               (300, 29, 64, False)])  # l' = 64: one block per backward chunk
+def test_kernels_match_the_oracle_float64(per_token, T, R, l_sel, ties):
+    """One launch forward (value and row statistics) and one backward (every element of d out) against the torch
+    oracle, float64: the same sums in another order (1e-10); a poisoned gradient buffer shows an element unwritten."""
+    if reason := _kernels_problem():
+        pytest.skip(reason)
+    out, target = make(T, R, l_sel, seed=5, ties=ties)
+    want, want_stats = kl_loss(out, target, H_KV, HEADS, DIM, R, l_sel, per_token, 0.7)
+    got, got_stats = kl_kernels.indexer_kl_forward(out, target, H_KV, HEADS, DIM, R, l_sel, per_token, 0.7)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    has_candidates = torch.isfinite(want_stats[..., 0])  # rows with no candidate: no log-sum-exp to compare
+    torch.testing.assert_close(got_stats[has_candidates], want_stats[has_candidates], rtol=1e-10, atol=1e-12)
+    grad = torch.tensor(1.3, dtype=torch.float64)
+    want_d = kl_loss_backward(grad, out, target, H_KV, HEADS, DIM, R, l_sel, per_token, 0.7)
+    poisoned = torch.full_like(out, float("nan"))
+    got_d = kl_kernels.indexer_kl_backward(grad, out, target, got_stats, H_KV, HEADS, DIM, R, l_sel, per_token, 0.7,
+                                           d_out=poisoned)
+    torch.testing.assert_close(got_d, want_d, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("per_token", [True, False])
+def test_kernels_in_low_precision_against_float64(dtype, tol, per_token):
+    """fp32 / bf16 projection outputs: the loss and its gradient within the inputs' rounding of the float64 oracle
+    on the same (rounded) values (relative to the gradient's largest element)."""
+    if reason := _kernels_problem():
+        pytest.skip(reason)
+    T, R, l_sel = 96, 40, 8
+    out, target = make(T, R, l_sel, seed=7)
+    low = out.to(dtype)
+    want, _ = kl_loss(low.double(), target, H_KV, HEADS, DIM, R, l_sel, per_token, 1.0)
+    got, stats = kl_kernels.indexer_kl_forward(low, target.float(), H_KV, HEADS, DIM, R, l_sel, per_token, 1.0)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+    grad = torch.tensor(1.0)
+    want_d = kl_loss_backward(grad.double(), low.double(), target, H_KV, HEADS, DIM, R, l_sel, per_token, 1.0)
+    got_d = kl_kernels.indexer_kl_backward(grad, low, target.float(), stats, H_KV, HEADS, DIM, R, l_sel, per_token, 1.0)
+    assert got_d.dtype == dtype
+    scale = want_d.abs().max()
+    torch.testing.assert_close(got_d.double() / scale, want_d / scale, rtol=0, atol=4 * tol)
+
+
+def test_the_op_chooses_the_kernels_with_kernel_triton():
+    """ops.indexer_kl with kernel=triton: the kernels' value and gradient; kernel=torch: the oracle's (float64)."""
+    if reason := _kernels_problem():
+        pytest.skip(reason)
+    T, R, l_sel = 72, 72, 8
+    out, target = make(T, R, l_sel, seed=8)
+    grads = {}
+    for kernel in ("triton", "torch"):
+        x = out.clone().requires_grad_()
+        loss = ops.indexer_kl(x, target, H_KV, HEADS, DIM, R, l_sel, True, 1.5, kernel)
+        loss.backward()
+        grads[kernel] = (loss.detach(), x.grad)
+    torch.testing.assert_close(grads["triton"][0], grads["torch"][0], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(grads["triton"][1], grads["torch"][1], rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("pool", ["keys", "scores"])
+def test_a_layer_on_the_triton_path_learns_as_on_the_torch_path(pool):
+    """An indexer layer's training forward with nsa.kernel=triton (picks, KL and every other Triton op in the
+    interpreter) against nsa.kernel=torch on the same weights, float64: the same KL term and indexer gradient."""
+    if reason := _kernels_problem():
+        pytest.skip(reason)
+    from tests.nsa._nsa_helpers import make_input, make_layer, rope_for
+
+    T = 72
+    x, rope = make_input(1, T, seed=4), rope_for(T)
+    results = {}
+    for kernel in ("triton", "torch"):
+        layer = make_layer(seed=3, nsa_overrides=dict(selector="indexer", indexer_heads=2, indexer_dim=8,
+                                                      gate_init="equal", indexer_pool=pool, kernel=kernel,
+                                                      indexer_target="dense"))
+        with torch.no_grad():
+            for p in layer.indexer.parameters():
+                p.normal_(0.0, 0.5)
+        layer(x, rope)
+        layer.indexer_loss.backward()
+        results[kernel] = (layer.indexer_loss.detach(), layer.indexer.projection.weight.grad)
+    assert results["torch"][0] > 0
+    torch.testing.assert_close(results["triton"][0], results["torch"][0], rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(results["triton"][1], results["torch"][1], rtol=1e-8, atol=1e-11)

@@ -96,7 +96,8 @@ def kl_loss(out: torch.Tensor, target: torch.Tensor, n_kv_heads: int, heads: int
     """weight * the indexer's KL to its target (`indexer_kl`) over the R queries at kl_row_indices(T, R), scored
     from the projection output out [B, T, P] (`split_projection`; pool=keys: block keys by `block_max` of its
     token keys) against target [B, H_kv, R, N_b] -> (0-dim loss, row statistics [B, H_kv, R, 2]: each row's
-    log-sum-exp of its candidates' scores and its target's total over them, what a backward reuses). The oracle of
+    log-sum-exp of its candidates' scores and its target's total over them, what a backward reuses; the scores'
+    dtype: float32, or float64 for float64 inputs). The oracle of
     nsa::indexer_kl's kernel; the loss is differentiable by autograd (`kl_loss_backward` is its closed form)."""
     q, w, k = split_projection(out, n_kv_heads, heads, index_dim)
     rows = kl_row_indices(out.shape[1], R, out.device)
@@ -104,7 +105,7 @@ def kl_loss(out: torch.Tensor, target: torch.Tensor, n_kv_heads: int, heads: int
     with torch.no_grad():
         cand = candidate_mask(rows, l_sel, scores.shape[-1]).expand(scores.shape)
         stats = torch.stack((torch.logsumexp(scores.masked_fill(~cand, float("-inf")), dim=-1),
-                             torch.where(cand, target.to(scores.dtype), 0.0).sum(-1)), dim=-1).float()
+                             torch.where(cand, target.to(scores.dtype), 0.0).sum(-1)), dim=-1)
     return weight * indexer_kl(scores, target, l_sel, rows), stats
 
 

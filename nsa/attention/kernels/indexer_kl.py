@@ -1,0 +1,406 @@
+"""The learned indexer's KL term (nsa::indexer_kl) as one Triton launch forward and one backward.
+
+Same result as the torch oracle `nsa.attention.impl.index_scores.kl_loss` and its closed-form backward
+`kl_loss_backward` (up to rounding). Nothing of size [R, N_b] is written but the target, which is an input: the
+scores live in registers one chunk of blocks at a time.
+
+Inputs: the indexer's projection output out [B, T, P], P = H_kv*h*e + H_kv*h + e, columns [q | w | k]
+(impl/index_scores.split_projection); target [B, H_kv, R, N_b]. Row r of the KL is the query at sequence index
+t_r = r * T // R (position t_r, current block c_r = t_r // l'); its candidate blocks are 1 .. c_r - 2; it counts
+(valid) when it has two or more. Scores (per KV group k): I(r, j) = sum_h w(t_r, h) * ReLU(q(t_r, h) . K(j)) / sqrt(e),
+K(j) the elementwise max of block j's token keys (PER_TOKEN off), or, PER_TOKEN on, the max over block j's tokens s of
+sum_h w(t_r, h) * ReLU(q(t_r, h) . k(s)) / sqrt(e).
+
+Forward, grid (cdiv(R, BT), B*H_kv): a program owns BT rows of one KV group, all h index heads as R' = HP*BT tile rows
+(row = hh*BT + t; padded heads have q = w = 0). Over chunks of BJ blocks up to its last row's c - 2, per row:
+    m, den   online log-sum-exp of I over the candidates          -> lse
+    total    sum of the target over the candidates
+    A, Bv    sum of target * log(target), of target * I
+    KL(r)  = A / total - log(total) - Bv / total + lse             (= sum_j p log p - sum_j p log softmax(I), p = target / total)
+and writes weight * KL(r) / count for valid rows with total > 0 (else 0), count = B * H_kv * valid rows (a function of
+T, R and l' alone: no host sync), and (lse, total) per row for the backward. The loss is the sum of those (one torch
+sum: deterministic).
+
+Backward, one launch, a 1-D grid of two kinds of program:
+  row programs (cdiv(R, BT) * B * H_kv): per chunk the scores again, then
+      g(r, j) = grad * weight / count * valid(r) * [total > 0] * (exp(I(r, j) - lse(r)) - target(r, j) / total(r))
+      on the candidates (0 elsewhere); a block's max passes g to its best token(s), split among ties as autograd
+      splits a max (PER_TOKEN: the tokens whose score is the block's; else per dim of K(j), in the key programs);
+      d w(t_r, h) = sum g * ReLU(s_h),  d s_h = g * w_h * [s_h > 0],  d q(t_r, h) = sum d s_h * key / sqrt(e)
+      written to d_out's q and w columns at t_r; the positions between two rows get zeros there (a barrier orders
+      the zero fill before the rows' values).
+  key programs (cdiv(N_b, BKB) * B): BKB blocks' tokens; over every KV group and every row tile that may read them,
+      d key += sum over rows and heads of d s_h * q_h / sqrt(e) (d K(j) routed per dim to the block's max token(s)),
+      written to d_out's k columns: every token's, exactly once.
+No atomics: every element of d_out is written by one program, so the backward is deterministic.
+
+Accumulation fp32 (fp64 for fp64 inputs); dots as select_topk.py's (IEEE in the interpreter and for fp64, 3xTF32 for
+fp32, native bf16/fp16 with UPCAST in the interpreter). T and R are runtime arguments.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from nsa.attention.kernels.interpreter import interpreter_active
+
+ROWS = 64  # (index head, KL row) tile rows per program: BT = ROWS // HP rows (at most MAX_ROWS)
+MAX_ROWS = 16
+TOKEN_LANES = 128  # PER_TOKEN: token lanes per chunk (BJ * LP) forward
+BACKWARD_TOKEN_LANES = 64  # and backward (its score, gradient and key tiles in registers)
+KEY_BLOCKS = 16  # blocks per key program with one key per block (BKB); PER_TOKEN: TOKEN_LANES // LP
+
+
+@triton.jit
+def _block_keys(OUT, ob, sot, sop, k_col, offs_e, e_ok, j0, T, BJ: tl.constexpr, L_SEL: tl.constexpr,
+                ACC: tl.constexpr):
+    """Block keys of blocks j0 .. j0+BJ-1: the elementwise max of each block's token keys, one token offset at a time
+    ([BJ, EP] live, not [BJ, l', EP]); 0 for a block with no token before T. -> keys [BJ, EP], present [BJ]."""
+    first = (j0 + tl.arange(0, BJ)) * L_SEL  # [BJ]
+    present = first < T
+    keys = tl.full([BJ, offs_e.shape[0]], float("-inf"), dtype=ACC)
+    for o in range(L_SEL):
+        tok = first + o
+        k = tl.load(OUT + ob + tok[:, None].to(tl.int64) * sot + (k_col + offs_e)[None, :] * sop,
+                    mask=(tok < T)[:, None] & e_ok[None, :], other=float("-inf"))
+        keys = tl.maximum(keys, k.to(ACC))
+    return tl.where(present[:, None] & e_ok[None, :], keys, 0.0), present
+
+
+@triton.jit
+def _chunk_scores(q, w, OUT, ob, sot, sop, k_col, offs_e, e_ok, j0, T,
+                  HP: tl.constexpr, BT: tl.constexpr, BJ: tl.constexpr, LP: tl.constexpr, BN: tl.constexpr,
+                  L_SEL: tl.constexpr, PER_TOKEN: tl.constexpr, SCALE: tl.constexpr, ACC: tl.constexpr,
+                  PREC: tl.constexpr):
+    """Blocks j0 .. j0+BJ-1 for the tile's rows (q [R', EP], w [R']): -> s [R', BN] (the heads' scaled dots; BN = BJ*LP
+    token lanes when PER_TOKEN, else the BJ block keys), keys [BN, EP] (what s dotted, in q's dtype), per_key [BT, BN]
+    (summed over heads after ReLU; -inf for lanes past T or l') and I [BT, BJ] (PER_TOKEN: per_key's max over each
+    block's lanes)."""
+    if PER_TOKEN:
+        lanes = tl.arange(0, BN)
+        tok = (j0 + lanes // LP) * L_SEL + lanes % LP  # [BN]
+        tok_ok = (lanes % LP < L_SEL) & (tok < T)
+        keys = tl.load(OUT + ob + tok[:, None].to(tl.int64) * sot + (k_col + offs_e)[None, :] * sop,
+                       mask=tok_ok[:, None] & e_ok[None, :], other=0.0)
+    else:
+        keys, tok_ok = _block_keys(OUT, ob, sot, sop, k_col, offs_e, e_ok, j0, T, BJ, L_SEL, ACC)
+    keys = keys.to(q.dtype)
+    s = tl.dot(q, tl.trans(keys), input_precision=PREC, out_dtype=ACC) * SCALE  # [R', BN]
+    per_key = tl.sum(tl.reshape(tl.maximum(s, 0.0) * w[:, None], (HP, BT, BN)), axis=0)  # [BT, BN]
+    per_key = tl.where(tok_ok[None, :], per_key, float("-inf"))
+    if PER_TOKEN:
+        I = tl.max(tl.reshape(per_key, (BT, BJ, LP)), axis=2)  # [BT, BJ]
+    else:
+        I = per_key
+    return s, keys, per_key, I
+
+
+@triton.jit
+def _load_rows(OUT, ob, sot, sop, kv, r0, T, R,
+               H_KV: tl.constexpr, HI: tl.constexpr, HP: tl.constexpr, E: tl.constexpr, EP: tl.constexpr,
+               BT: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr):
+    """The tile's rows r0 .. r0+BT-1: q [R', EP], w [R'] (R' = HP*BT, row = hh*BT + t), and per KL row [BT]: its
+    sequence index, current block's position data (t_r), whether it exists."""
+    R_: tl.constexpr = HP * BT
+    offs = tl.arange(0, R_)
+    hh = offs // BT
+    r_t = r0 + tl.arange(0, BT)  # [BT]
+    r_ok = r_t < R
+    t_seq = (r_t.to(tl.int64) * T) // R  # [BT] sequence index of each KL row
+    r = r0 + offs % BT
+    ok = (hh < HI) & (r < R)
+    t_row = (r.to(tl.int64) * T) // R  # [R']
+    offs_e = tl.arange(0, EP)
+    e_ok = offs_e < E
+    q = tl.load(OUT + ob + t_row[:, None] * sot + ((kv * HI + hh) * E)[:, None] * sop + offs_e[None, :] * sop,
+                mask=ok[:, None] & e_ok[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    w = tl.load(OUT + ob + t_row * sot + (H_KV * HI * E + kv * HI + hh) * sop, mask=ok, other=0.0).to(ACC)
+    return q, w, t_seq, r_t, r_ok, offs_e, e_ok
+
+
+@triton.jit(do_not_specialize=["T", "R"])
+def _kl_fwd_kernel(
+    OUT, TGT, KLROW, STATS,
+    sob, sot, sop, stb, stk, str_, stj,
+    T, R, n_blocks, scale,
+    H_KV: tl.constexpr, HI: tl.constexpr, HP: tl.constexpr, E: tl.constexpr, EP: tl.constexpr,
+    L_SEL: tl.constexpr, LP: tl.constexpr, BT: tl.constexpr, BJ: tl.constexpr, BN_ROW: tl.constexpr,
+    PER_TOKEN: tl.constexpr, SCALE: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+):
+    r0 = tl.program_id(0) * BT
+    bk = tl.program_id(1).to(tl.int64)
+    b = bk // H_KV
+    kv = bk % H_KV
+    ob = b * sob
+    q, w, t_seq, r_t, r_ok, offs_e, e_ok = _load_rows(OUT, ob, sot, sop, kv, r0, T, R, H_KV, HI, HP, E, EP, BT,
+                                                       UPCAST, ACC)
+    current = (t_seq // L_SEL).to(tl.int32)  # [BT]
+    last = tl.max(tl.where(r_ok, current, 0), axis=0)
+    k_col = H_KV * HI * (E + 1)
+    cols = tl.arange(0, BJ)
+    m = tl.full([BT], -1.0e30, dtype=ACC)
+    den = tl.zeros([BT], dtype=ACC)
+    total = tl.zeros([BT], dtype=ACC)
+    a_sum = tl.zeros([BT], dtype=ACC)
+    b_sum = tl.zeros([BT], dtype=ACC)
+    tgt = TGT + b * stb + kv * stk + r_t.to(tl.int64)[:, None] * str_  # [BT, 1]
+    for j0 in range(0, last - 1, BJ):  # candidates are blocks 1 .. c - 2
+        _, _, _, I = _chunk_scores(q, w, OUT, ob, sot, sop, k_col, offs_e, e_ok, j0, T, HP, BT, BJ, LP, BN_ROW,
+                                   L_SEL, PER_TOKEN, SCALE, ACC, PREC)
+        blk = j0 + cols
+        cand = r_ok[:, None] & (blk[None, :] >= 1) & (blk[None, :] <= current[:, None] - 2) & (blk[None, :] < n_blocks)
+        t = tl.load(tgt + blk[None, :].to(tl.int64) * stj, mask=cand, other=0.0).to(ACC)  # [BT, BJ]
+        I = tl.where(cand, I, float("-inf"))  # only the candidates compete (no inf or NaN from the others below)
+        m_new = tl.maximum(m, tl.max(I, axis=1))
+        den = den * tl.exp(m - m_new) + tl.sum(tl.exp(I - m_new[:, None]), axis=1)
+        m = m_new
+        total += tl.sum(t, axis=1)
+        a_sum += tl.sum(tl.where(t > 0, t * tl.log(tl.where(t > 0, t, 1.0)), 0.0), axis=1)
+        b_sum += tl.sum(tl.where(cand, t * tl.where(cand, I, 0.0), 0.0), axis=1)
+    lse = m + tl.log(tl.where(den > 0, den, 1.0))
+    safe = tl.where(total > 0, total, 1.0)
+    kl = a_sum / safe - tl.log(safe) - b_sum / safe + lse
+    counts = r_ok & (current - 2 >= 2) & (total > 0)
+    tl.store(KLROW + bk * R + r_t, tl.where(counts, kl * scale, 0.0), mask=r_ok)
+    tl.store(STATS + (bk * R + r_t) * 2, lse, mask=r_ok)
+    tl.store(STATS + (bk * R + r_t) * 2 + 1, total, mask=r_ok)
+
+
+@triton.jit
+def _block_grads(I, per_key, lse, total, rowscale, tgt, blk, current, r_ok, n_blocks, stj,
+                 HP: tl.constexpr, BT: tl.constexpr, BJ: tl.constexpr, LP: tl.constexpr, BN: tl.constexpr,
+                 PER_TOKEN: tl.constexpr, ACC: tl.constexpr):
+    """dL/dI on the candidate blocks [BT, BJ], passed to the token lanes (PER_TOKEN: to each block's best token(s),
+    split among ties) and repeated for the heads: -> [R', BN]."""
+    cand = r_ok[:, None] & (blk[None, :] >= 1) & (blk[None, :] <= current[:, None] - 2) & (blk[None, :] < n_blocks)
+    t = tl.load(tgt + blk[None, :].to(tl.int64) * stj, mask=cand, other=0.0).to(ACC)
+    safe = tl.where(total > 0, total, 1.0)
+    soft = tl.exp(tl.where(cand, I - lse[:, None], float("-inf")))  # 0 off the candidates
+    g = tl.where(cand, soft - t / safe[:, None], 0.0) * rowscale[:, None]  # [BT, BJ]
+    if PER_TOKEN:
+        tok = tl.reshape(per_key, (BT, BJ, LP))
+        is_max = (tok == I[:, :, None]).to(ACC)
+        ties = tl.sum(is_max, axis=2)
+        g_tok = tl.reshape(g[:, :, None] * is_max / tl.where(ties > 0, ties, 1.0)[:, :, None], (BT, BN))
+    else:
+        g_tok = g
+    return tl.reshape(tl.broadcast_to(g_tok[None, :, :], (HP, BT, BN)), (HP * BT, BN))
+
+
+@triton.jit
+def _rows_backward(pid, OUT, TGT, STATS, DOUT, sob, sot, sop, stb, stk, str_, stj, sdb, sdt, sdp, T, R, n_blocks,
+                   grad, k_col, H_KV: tl.constexpr, HI: tl.constexpr, HP: tl.constexpr, E: tl.constexpr,
+                   EP: tl.constexpr, L_SEL: tl.constexpr, LP: tl.constexpr, BT: tl.constexpr, BJ: tl.constexpr,
+                   BN_ROW: tl.constexpr, BKB: tl.constexpr, BN_KEY: tl.constexpr, PER_TOKEN: tl.constexpr,
+                   SCALE: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+    """The backward's row program pid: d q and d w at its KL rows, zeros between them (module docstring)."""
+    n_tiles = tl.cdiv(R, BT)
+    r0 = (pid % n_tiles) * BT
+    bk = (pid // n_tiles).to(tl.int64)
+    b = bk // H_KV
+    kv = bk % H_KV
+    ob = b * sob
+    q, w, t_seq, r_t, r_ok, offs_e, e_ok = _load_rows(OUT, ob, sot, sop, kv, r0, T, R, H_KV, HI, HP, E, EP,
+                                                       BT, UPCAST, ACC)
+    current = (t_seq // L_SEL).to(tl.int32)
+    last = tl.max(tl.where(r_ok, current, 0), axis=0)
+    lse = tl.load(STATS + (bk * R + r_t) * 2, mask=r_ok, other=0.0).to(ACC)
+    total = tl.load(STATS + (bk * R + r_t) * 2 + 1, mask=r_ok, other=0.0).to(ACC)
+    rowscale = tl.where(r_ok & (current - 2 >= 2) & (total > 0), grad, 0.0)  # [BT]
+    tgt = TGT + b * stb + kv * stk + r_t.to(tl.int64)[:, None] * str_
+    cols = tl.arange(0, BJ)
+    d_q = tl.zeros([HP * BT, EP], dtype=ACC)
+    d_w = tl.zeros([HP * BT], dtype=ACC)
+    for j0 in range(0, last - 1, BJ):
+        s, keys, per_key, I = _chunk_scores(q, w, OUT, ob, sot, sop, k_col, offs_e, e_ok, j0, T, HP, BT, BJ,
+                                            LP, BN_ROW, L_SEL, PER_TOKEN, SCALE, ACC, PREC)
+        g = _block_grads(I, per_key, lse, total, rowscale, tgt, j0 + cols, current, r_ok, n_blocks, stj,
+                         HP, BT, BJ, LP, BN_ROW, PER_TOKEN, ACC)  # [R', BN]
+        d_w += tl.sum(g * tl.maximum(s, 0.0), axis=1)
+        d_s = tl.where(s > 0, g * w[:, None], 0.0)
+        d_q += tl.dot(d_s.to(keys.dtype), keys, input_precision=PREC, out_dtype=ACC) * SCALE
+    # zeros at the positions from this tile's first row to the next tile's (its rows' values follow the barrier)
+    t_lo = (r0.to(tl.int64) * T) // R
+    t_hi = (tl.minimum(r0 + BT, R).to(tl.int64) * T) // R
+    t_hi = tl.where(r0 + BT >= R, T, t_hi)
+    offs_c = tl.arange(0, EP)
+    for t0 in range(t_lo, t_hi, BT):
+        tz = t0 + tl.arange(0, BT)
+        at = DOUT + b * sdb + tz[:, None].to(tl.int64) * sdt
+        for hh in range(HI):
+            tl.store(at + ((kv * HI + hh) * E + offs_c)[None, :] * sdp, tl.zeros([BT, EP], dtype=ACC),
+                     mask=(tz < t_hi)[:, None] & (offs_c < E)[None, :])
+        tl.store(at + (H_KV * HI * E + kv * HI + tl.arange(0, HP))[None, :] * sdp, tl.zeros([BT, HP], dtype=ACC),
+                 mask=(tz < t_hi)[:, None] & (tl.arange(0, HP) < HI)[None, :])
+    tl.debug_barrier()
+    offs = tl.arange(0, HP * BT)
+    hh = offs // BT
+    r = r0 + offs % BT
+    ok = (hh < HI) & (r < R)
+    t_row = (r.to(tl.int64) * T) // R
+    tl.store(DOUT + b * sdb + t_row[:, None] * sdt + ((kv * HI + hh) * E)[:, None] * sdp + offs_e[None, :] * sdp,
+             d_q, mask=ok[:, None] & e_ok[None, :])
+    tl.store(DOUT + b * sdb + t_row * sdt + (H_KV * HI * E + kv * HI + hh) * sdp, d_w, mask=ok)
+
+
+@triton.jit
+def _keys_backward(kp, OUT, TGT, STATS, DOUT, sob, sot, sop, stb, stk, str_, stj, sdb, sdt, sdp, T, R, n_blocks,
+                   grad, k_col, H_KV: tl.constexpr, HI: tl.constexpr, HP: tl.constexpr, E: tl.constexpr,
+                   EP: tl.constexpr, L_SEL: tl.constexpr, LP: tl.constexpr, BT: tl.constexpr, BJ: tl.constexpr,
+                   BN_ROW: tl.constexpr, BKB: tl.constexpr, BN_KEY: tl.constexpr, PER_TOKEN: tl.constexpr,
+                   SCALE: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+    """The backward's key program kp: d k of BKB blocks' tokens, over every KV group and row that may read them."""
+    n_chunks = tl.cdiv(n_blocks, BKB)
+    j0 = (kp % n_chunks) * BKB
+    b = (kp // n_chunks).to(tl.int64)
+    ob = b * sob
+    offs_e = tl.arange(0, EP)
+    e_ok = offs_e < E
+    cols = tl.arange(0, BKB)
+    d_key = tl.zeros([BN_KEY, EP], dtype=ACC)
+    # rows whose candidates reach block j0: t_r >= (j0 + 2) * l'  <=>  r >= ceil((j0 + 2) * l' * R / T)
+    r_first = ((j0 + 2).to(tl.int64) * L_SEL * R + T - 1) // T
+    r_start = (r_first // BT) * BT
+    for kv in range(H_KV):
+        bk = b * H_KV + kv
+        tgt_base = TGT + b * stb + kv * stk
+        for r0 in range(r_start.to(tl.int32), R, BT):
+            q, w, t_seq, r_t, r_ok, _, _ = _load_rows(OUT, ob, sot, sop, kv, r0, T, R, H_KV, HI, HP, E, EP, BT,
+                                                      UPCAST, ACC)
+            current = (t_seq // L_SEL).to(tl.int32)
+            lse = tl.load(STATS + (bk * R + r_t) * 2, mask=r_ok, other=0.0).to(ACC)
+            total = tl.load(STATS + (bk * R + r_t) * 2 + 1, mask=r_ok, other=0.0).to(ACC)
+            rowscale = tl.where(r_ok & (current - 2 >= 2) & (total > 0), grad, 0.0)
+            s, keys, per_key, I = _chunk_scores(q, w, OUT, ob, sot, sop, k_col, offs_e, e_ok, j0, T, HP, BT, BKB,
+                                                LP, BN_KEY, L_SEL, PER_TOKEN, SCALE, ACC, PREC)
+            g = _block_grads(I, per_key, lse, total, rowscale, tgt_base + r_t.to(tl.int64)[:, None] * str_,
+                             j0 + cols, current, r_ok, n_blocks, stj, HP, BT, BKB, LP, BN_KEY, PER_TOKEN, ACC)
+            d_s = tl.where(s > 0, g * w[:, None], 0.0)  # [R', BN]
+            d_key += tl.dot(tl.trans(d_s).to(q.dtype), q, input_precision=PREC, out_dtype=ACC) * SCALE
+    if PER_TOKEN:
+        lanes = tl.arange(0, BN_KEY)
+        tok = (j0 + lanes // LP) * L_SEL + lanes % LP
+        tok_ok = (lanes % LP < L_SEL) & (tok < T)
+        tl.store(DOUT + b * sdb + tok[:, None].to(tl.int64) * sdt + (k_col + offs_e)[None, :] * sdp, d_key,
+                 mask=tok_ok[:, None] & e_ok[None, :])
+    else:  # each dim of a block key to the block's token(s) holding its max, split among ties
+        best, _ = _block_keys(OUT, ob, sot, sop, k_col, offs_e, e_ok, j0, T, BKB, L_SEL, ACC)  # [BKB, EP]
+        first = (j0 + cols) * L_SEL
+        ties = tl.zeros([BKB, EP], dtype=ACC)
+        for o in range(L_SEL):
+            tok = first + o
+            k = tl.load(OUT + ob + tok[:, None].to(tl.int64) * sot + (k_col + offs_e)[None, :] * sop,
+                        mask=(tok < T)[:, None] & e_ok[None, :], other=float("-inf"))
+            ties += (k.to(ACC) == best).to(ACC)
+        share = d_key / tl.where(ties > 0, ties, 1.0)
+        for o in range(L_SEL):
+            tok = first + o
+            at = tok[:, None].to(tl.int64)
+            k = tl.load(OUT + ob + at * sot + (k_col + offs_e)[None, :] * sop,
+                        mask=(tok < T)[:, None] & e_ok[None, :], other=float("-inf"))
+            tl.store(DOUT + b * sdb + at * sdt + (k_col + offs_e)[None, :] * sdp,
+                     tl.where(k.to(ACC) == best, share, 0.0), mask=(tok < T)[:, None] & e_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["T", "R"])
+def _kl_bwd_kernel(
+    OUT, TGT, STATS, GRAD, DOUT,
+    sob, sot, sop, stb, stk, str_, stj, sdb, sdt, sdp,
+    T, R, n_blocks, scale, n_row_programs,
+    B: tl.constexpr, H_KV: tl.constexpr, HI: tl.constexpr, HP: tl.constexpr, E: tl.constexpr, EP: tl.constexpr,
+    L_SEL: tl.constexpr, LP: tl.constexpr, BT: tl.constexpr, BJ: tl.constexpr, BN_ROW: tl.constexpr,
+    BKB: tl.constexpr, BN_KEY: tl.constexpr, PER_TOKEN: tl.constexpr, SCALE: tl.constexpr, ACC: tl.constexpr,
+    UPCAST: tl.constexpr, PREC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    k_col = H_KV * HI * (E + 1)
+    grad = tl.load(GRAD).to(ACC) * scale  # dL/d(loss) * weight / count
+    if pid < n_row_programs:  # ---- rows: d q and d w at the KL's rows, zeros between them
+        _rows_backward(pid, OUT, TGT, STATS, DOUT, sob, sot, sop, stb, stk, str_, stj, sdb, sdt, sdp, T, R,
+                       n_blocks, grad, k_col, H_KV, HI, HP, E, EP, L_SEL, LP, BT, BJ, BN_ROW, BKB, BN_KEY, PER_TOKEN,
+                       SCALE, ACC, UPCAST, PREC)
+    else:  # ---- keys: d k of every token
+        _keys_backward(pid - n_row_programs, OUT, TGT, STATS, DOUT, sob, sot, sop, stb, stk, str_, stj, sdb, sdt,
+                       sdp, T, R, n_blocks, grad, k_col, H_KV, HI, HP, E, EP, L_SEL, LP, BT, BJ, BN_ROW, BKB, BN_KEY, PER_TOKEN,
+                       SCALE, ACC, UPCAST, PREC)
+
+
+def kernel_constexprs(dtype: torch.dtype, heads: int, index_dim: int, l_sel: int, per_token: bool,
+                      lanes: int = TOKEN_LANES) -> dict:
+    """The kernels' compile-time constants for these shapes (also used to compile them ahead of time); lanes: token
+    lanes per chunk with PER_TOKEN."""
+    hp, lp = triton.next_power_of_2(heads), triton.next_power_of_2(l_sel)
+    f64, interpret = dtype == torch.float64, interpreter_active()
+    bt = max(16 // hp, min(MAX_ROWS, ROWS // hp))  # tile rows HP * BT >= 16 for the dots
+    bj = max(1, lanes // lp) if per_token else 16  # >= 16 dot columns (block keys, or token lanes)
+    return dict(
+        HI=heads, HP=hp, E=index_dim, EP=max(16, triton.next_power_of_2(index_dim)), L_SEL=l_sel, LP=lp, BT=bt,
+        BJ=bj, BN_ROW=bj * lp if per_token else bj, PER_TOKEN=per_token, SCALE=1.0 / math.sqrt(index_dim),
+        ACC=tl.float64 if f64 else tl.float32, UPCAST=interpret and dtype in (torch.bfloat16, torch.float16),
+        PREC="ieee" if f64 or interpret else "tf32x3",
+    )
+
+
+def key_blocks(per_token: bool, l_sel: int) -> tuple[int, int]:
+    """Blocks per key program and its gradient tile's rows: PER_TOKEN, BACKWARD_TOKEN_LANES // LP blocks, their token
+    lanes; else KEY_BLOCKS block keys (the tile's rows are a dot's: >= 16)."""
+    if per_token:
+        bkb = max(1, BACKWARD_TOKEN_LANES // triton.next_power_of_2(l_sel))
+        return bkb, bkb * triton.next_power_of_2(l_sel)
+    return KEY_BLOCKS, KEY_BLOCKS
+
+
+def valid_rows(T: int, R: int, l_sel: int) -> int:
+    """KL rows with two or more candidate blocks: t_r = r*T//R >= 4*l' <=> r >= ceil(4*l'*R / T)."""
+    return R - min(R, -(-4 * l_sel * R // T))
+
+
+def _check(out, target, n_kv_heads, heads, index_dim, R, l_sel):
+    B, T, P = out.shape
+    n_blocks = -(-T // l_sel)
+    if P != n_kv_heads * heads * (index_dim + 1) + index_dim or target.shape != (B, n_kv_heads, R, n_blocks) \
+            or not 0 < R <= T:
+        raise ValueError(f"indexer_kl: out {tuple(out.shape)} and target {tuple(target.shape)} do not match "
+                         f"(H_kv={n_kv_heads}, h={heads}, e={index_dim}, R={R}, l'={l_sel})")
+    if out.device.type == "cpu" and not interpreter_active():
+        raise RuntimeError("indexer_kl's kernels need a CUDA tensor, or TRITON_INTERPRET=1 set before triton is "
+                           "imported")
+    return B, T, n_blocks
+
+
+def indexer_kl_forward(out, target, n_kv_heads: int, heads: int, index_dim: int, R: int, l_sel: int, per_token: bool,
+                       weight: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (0-dim loss, row statistics [B, H_kv, R, 2]) as impl/index_scores.kl_loss: one kernel and one sum."""
+    B, T, n_blocks = _check(out, target, n_kv_heads, heads, index_dim, R, l_sel)
+    acc = torch.promote_types(out.dtype, torch.float32)
+    meta = kernel_constexprs(out.dtype, heads, index_dim, l_sel, per_token)
+    count = B * n_kv_heads * valid_rows(T, R, l_sel)
+    kl_rows = torch.empty(B, n_kv_heads, R, dtype=acc, device=out.device)
+    stats = torch.empty(B, n_kv_heads, R, 2, dtype=acc, device=out.device)
+    grid = (triton.cdiv(R, meta["BT"]), B * n_kv_heads)
+    _kl_fwd_kernel[grid](out, target, kl_rows, stats, *out.stride(), *target.stride(), T, R, n_blocks,
+                         weight / count if count else 0.0, H_KV=n_kv_heads, **meta)
+    return kl_rows.sum(), stats
+
+
+def indexer_kl_backward(grad, out, target, stats, n_kv_heads: int, heads: int, index_dim: int, R: int, l_sel: int,
+                        per_token: bool, weight: float, d_out: torch.Tensor | None = None) -> torch.Tensor:
+    """-> d out [B, T, P] as impl/index_scores.kl_loss_backward: one kernel, every element written once (into d_out
+    when given, out's shape and dtype: the tests pass one filled with NaN)."""
+    B, T, n_blocks = _check(out, target, n_kv_heads, heads, index_dim, R, l_sel)
+    meta = kernel_constexprs(out.dtype, heads, index_dim, l_sel, per_token, BACKWARD_TOKEN_LANES)
+    count = B * n_kv_heads * valid_rows(T, R, l_sel)
+    d_out = torch.empty_like(out) if d_out is None else d_out
+    bkb, bn_key = key_blocks(per_token, l_sel)
+    n_rows = triton.cdiv(R, meta["BT"]) * B * n_kv_heads
+    grid = (n_rows + triton.cdiv(n_blocks, bkb) * B,)
+    _kl_bwd_kernel[grid](out, target, stats, grad, d_out, *out.stride(), *target.stride(), *d_out.stride(), T, R,
+                         n_blocks, weight / count if count else 0.0, n_rows, B=B, H_KV=n_kv_heads, BKB=bkb,
+                         BN_KEY=bn_key, **meta, num_stages=1,
+                         num_warps=8 if per_token else 4, maxnreg=255)  # its tiles in registers (as select_topk's)
+    return d_out
