@@ -50,14 +50,14 @@ def capture(model) -> list[tuple]:
             T = q.shape[2]
             s = layer.indexer.scores(*index[:3])  # [1, H_kv, T, N_b]
             qg = q.view(1, layer.n_kv_heads, layer.n_groups, T, layer.head_dim)
-            target = layer.indexer_target(qg, ck, sel_k, torch.arange(T), s.shape[-1])  # [1, H_kv, T, N_b]
+            target = layer.indexer_target(qg, ck, sel_k, s.shape[-1], all_rows=True)  # [1, H_kv, T, N_b]
             store.append((target[0], s[0], torch.arange(T)))
             return original(q, ck, cv, sel_k, sel_v, win_k, win_v, t0, t_end, index, capped)
 
         def documents(x, qg, ck, sel_k, frame, *rest, layer=layer, original=layer._index_documents, store=store, c=c):
             T = x.shape[1]
             n_blocks = document_block_count(ck.shape[2], T, c.l, c.d, c.l_sel)
-            target = layer.indexer_target(qg, ck, sel_k, torch.arange(T), n_blocks, frame)  # [1, H_kv, T, N_b]
+            target = layer.indexer_target(qg, ck, sel_k, n_blocks, frame, all_rows=True)  # [1, H_kv, T, N_b]
             s = layer.indexer.document_scores(x, frame, target.shape[-1])
             store.append((target[0], s[0], frame[0][:, None, :][0]))
             return original(x, qg, ck, sel_k, frame, *rest)

@@ -42,7 +42,7 @@ def _converted(func, args, out) -> bool:
 # the custom ops whose CUDA implementation is the one a CPU runs in Triton's interpreter (nsa.kernel=triton); the
 # compressed and window branches' ops are the torch path, which CUDA replaces by FlexAttention: they stay closed
 OPENED = ("nsa::rotary", "nsa::compress_blocks", "nsa::compress_blocks_backward", "nsa::gated_combine",
-          "nsa::gated_combine_backward", "nsa::select_blocks", "nsa::indexer_picks", "nsa::indexer_kl",
+          "nsa::gated_combine_backward", "nsa::select_blocks", "nsa::indexer_picks", "nsa::pooled_mass_rows", "nsa::indexer_kl",
           "nsa::indexer_kl_backward", "nsa::selected_attention", "nsa::selected_attention_backward")
 
 

@@ -212,15 +212,17 @@ def exercise_row_dot(shape: Shape, dtype: torch.dtype) -> None:
 
 def exercise_select_topk(shape: Shape, dtype: torch.dtype) -> None:
     """Fused block selection, called as nsa/attention/ops.py calls it (with the compressed branch's log-sum-exps) and
-    on its own, without and with a document frame."""
+    on its own, without and with a document frame; and the indexer's compressed target for its KL rows."""
     from nsa.attention.impl.compression import num_compressed
-    from nsa.attention.kernels.select_topk import fused_select_blocks
+    from nsa.attention.indexer import KL_ROWS
+    from nsa.attention.kernels.select_topk import fused_select_blocks, pooled_block_mass_rows
 
     T = shape.T
     q = _meta(1, shape.H_kv, shape.G, T, shape.hd, dtype=dtype)  # [B, H_kv, G, Tq, hd]
     ck = _meta(1, shape.H_kv, num_compressed(T, shape.l, shape.d), shape.hd, dtype=dtype)  # [B, H_kv, N_c, hd]
     lse = _meta(1, shape.H_kv, shape.G, T, dtype=torch.promote_types(dtype, torch.float32))  # [B, H_kv, G, Tq]
     for given in (None, lse):
+        pooled_block_mass_rows(q, ck, min(T, KL_ROWS), shape.l, shape.d, shape.l_sel, -(-T // shape.l_sel), lse=given)
         fused_select_blocks(q, ck, 0, shape.l, shape.d, shape.l_sel, shape.n, lse=given)
         fused_select_blocks(q, ck, 0, shape.l, shape.d, shape.l_sel, shape.n, frame=_meta(3, 1, T, dtype=torch.long),
                             lse=given)

@@ -28,15 +28,11 @@ not forced), the target detached. nsa.indexer_target chooses it:
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from nsa.attention.impl.index_scores import (block_max, index_block_scores, kl_row_indices, split_projection,
                                              weighted_scores)
-from nsa.attention.impl.selection import selection_block_scores
 
 
 class BlockIndexer(nn.Module):
@@ -104,62 +100,15 @@ def _join_projections(module, state_dict, prefix, *args) -> None:
 
 
 KL_ROWS = 1024  # queries per layer and step the KL is taken over (evenly spaced; all of them up to this length)
-DENSE_ROWS = 128  # nsa.indexer_target=dense: queries whose [T] attention rows are held at once
+
+
+def kl_row_count(T: int) -> int:
+    """How many queries the KL is taken over at sequence length T: all of them up to KL_ROWS."""
+    return min(T, KL_ROWS)
 
 
 def kl_rows(T: int, device) -> torch.Tensor:
     """The query indices the KL is taken over: all T up to KL_ROWS, else KL_ROWS evenly spaced ones (the same at
     every step: no random state, so a resumed run draws the same rows). A fixed count keeps the target's cost and
     launches constant in T."""
-    return kl_row_indices(T, min(T, KL_ROWS), device)  # [R]
-
-
-@torch.no_grad()
-def pooled_block_mass(q: torch.Tensor, ck: torch.Tensor, positions: torch.Tensor, l: int, d: int, l_sel: int,
-                      n_blocks: int) -> torch.Tensor:
-    """The compressed branch's probability mass per selection block, summed over each GQA group's heads (Eq. 9-10):
-    q [B, H_kv, G, R, hd] at `positions` [R] (of a sequence from 0), ck [B, H_kv, N_c, hd] -> [B, H_kv, R, N_b]."""
-    n_c = ck.shape[2]
-    if n_c == 0:
-        return q.new_zeros(q.shape[0], q.shape[1], q.shape[3], n_blocks)
-    scores = torch.einsum("bkgtd,bknd->bkgtn", q, ck) / math.sqrt(q.shape[-1])  # [B, H_kv, G, R, N_c]
-    scores = scores.float() if scores.dtype in (torch.float16, torch.bfloat16) else scores
-    visible = torch.arange(n_c, device=q.device) * d + (l - 1) <= positions[:, None]  # [R, N_c]
-    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
-    probs = torch.where(visible.any(-1, keepdim=True), probs, 0.0)  # a query that sees no token: no mass (not NaN)
-    return selection_block_scores(probs.sum(dim=2), l, d, l_sel, n_blocks)  # [B, H_kv, R, N_b]
-
-
-@torch.no_grad()
-def dense_block_mass(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, l_sel: int, n_blocks: int,
-                     base: torch.Tensor | None = None, far: tuple | None = None) -> torch.Tensor:
-    """Dense attention's probability mass per selection block, summed over each GQA group's heads: q [B, H_kv, G, R, hd]
-    of the queries at sequence indices `rows` [R], k [B, H_kv, T, hd] the selected branch's keys from index 0; base
-    [B, R] (packed documents) the index of each query's document's first token: keys before it are another
-    document's, and its blocks count from it (document-relative, as the picks are). -> [B, H_kv, R, n_blocks]
-    (float32 for half-precision inputs). A query sees the keys base .. its own index (causal). far (nsa.sel_distance_cap:
-    keys more than cap back scored at distance cap, as the selected branch reads them): (the queries rotated at the
-    cap [B, H_kv, G, R, hd], the keys un-rotated [B, H_kv, T, hd], cap) (nsa/attention/impl/capped.py)."""
-    B, H_kv, G, R, hd = q.shape
-    T = k.shape[2]
-    key = torch.arange(T, device=q.device)
-    start = torch.zeros(1, R, dtype=torch.long, device=q.device) if base is None else base  # [B or 1, R]
-    visible = (key >= start[..., None]) & (key <= rows[:, None])  # [B or 1, R, T]: never empty (a query sees itself)
-    out = []
-    for r in range(0, R, DENSE_ROWS):  # at most KL_ROWS / DENSE_ROWS slices: [DENSE_ROWS, T] scores at a time
-        part = slice(r, r + DENSE_ROWS)
-        scores = torch.einsum("bkgrd,bktd->bkgrt", q[:, :, :, part], k) / math.sqrt(hd)  # [B, H_kv, G, r, T]
-        if far is not None:
-            q_cap, k_raw, cap = far
-            capped = torch.einsum("bkgrd,bktd->bkgrt", q_cap[:, :, :, part], k_raw) / math.sqrt(hd)
-            scores = torch.where((rows[part, None] - key) > cap, capped.to(scores.dtype), scores)
-        scores = scores.float() if scores.dtype in (torch.float16, torch.bfloat16) else scores
-        probs = torch.softmax(scores.masked_fill(~visible[:, None, None, part], float("-inf")), dim=-1).sum(2)
-        # a block's mass as a difference of the running sum (in float64: exact enough for blocks of tiny mass) at
-        # its first and one-past-last key, both counted from the query's document start
-        cum = F.pad(probs.double().cumsum(-1), (1, 0))  # [B, H_kv, r, T + 1]
-        first = (start[:, part, None] + l_sel * torch.arange(n_blocks + 1, device=q.device)).clamp_max(T)
-        at = first.expand(B, -1, -1)[:, None].expand(-1, H_kv, -1, -1)  # [B, H_kv, r, n_blocks + 1]
-        edge = cum.gather(-1, at)
-        out.append((edge[..., 1:] - edge[..., :-1]).to(probs.dtype))
-    return torch.cat(out, dim=2)  # [B, H_kv, R, n_blocks]
+    return kl_row_indices(T, kl_row_count(T), device)  # [R]

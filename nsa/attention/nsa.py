@@ -30,8 +30,8 @@ from nsa.attention.impl.capped import capped_queries, capped_selected_attention,
 from nsa.attention.impl.compression import num_compressed
 from nsa.attention.impl.masked import document_block_count, document_block_scores
 from nsa.attention.impl.selection import select_blocks
-from nsa.attention.impl.index_scores import indexer_kl
-from nsa.attention.indexer import BlockIndexer, dense_block_mass, kl_rows, pooled_block_mass
+from nsa.attention.impl.index_scores import dense_block_mass, indexer_kl, kl_row_indices
+from nsa.attention.indexer import BlockIndexer, kl_row_count, kl_rows
 from nsa.attention.nsa_cache import NSACache
 from nsa.attention.selection_health import gate_means, outside_window_counts, outside_window_share, recall_sample
 from nsa.config import ModelConfig, ModelConfigError, NSAConfig
@@ -344,12 +344,12 @@ class NativeSparseAttention(nn.Module):
                 block_idx = ops.select_blocks(qg, ck, t0, c.l, c.d, c.l_sel, c.n_sel, c.q_chunk, c.kernel,
                                               lse=cmp_lse.view(B, self.n_kv_heads, self.n_groups, T))
             if index is not None and t0 == 0 and torch.is_grad_enabled() and c.indexer_kl > 0:
-                rows = kl_rows(T, q.device)  # [R]: every query up to KL_ROWS, else evenly spaced ones
-                n_blocks = -(-T // c.l_sel)
-                target = self.indexer_target(qg[:, :, :, rows], ck, sel_k, rows, n_blocks, capped=capped)
-                # weight * KL over the rows, scored from the projection output (one op each way)
+                target = self.indexer_target(qg, ck, sel_k, -(-T // c.l_sel), capped=capped,
+                                             lse=cmp_lse.view(B, self.n_kv_heads, self.n_groups, T))
+                # weight * KL over the rows (every query up to KL_ROWS, else evenly spaced ones), scored from the
+                # projection output (one op each way)
                 self.indexer_loss = ops.indexer_kl(index[3], target, self.n_kv_heads, c.indexer_heads, c.indexer_dim,
-                                                   rows.shape[0], c.l_sel, self.indexer.pool == "scores",
+                                                   kl_row_count(T), c.l_sel, self.indexer.pool == "scores",
                                                    c.indexer_kl, c.kernel)
         with nvtx_range("nsa.selected"):
             if capped is not None:
@@ -424,14 +424,22 @@ class NativeSparseAttention(nn.Module):
         return self._combine(x, o_cmp, o_sel, o_win, block_idx, record, return_indices)
 
     @torch.no_grad()
-    def indexer_target(self, q_rows, ck, sel_k, rows, n_blocks: int, frame=None, capped=None) -> torch.Tensor:
-        """The indexer's KL target (nsa.indexer_target; nsa/attention/indexer.py) for the queries at sequence indices
-        rows [R] of a forward from position 0: q_rows [B, H_kv, G, R, hd] their queries, ck [B, H_kv, N_c, hd] the
-        compressed keys, sel_k [B, H_kv, T, hd] the selected branch's keys; frame [3, B, T] with packed documents
+    def indexer_target(self, qg, ck, sel_k, n_blocks: int, frame=None, capped=None, lse=None,
+                       all_rows: bool = False) -> torch.Tensor:
+        """The indexer's KL target (nsa.indexer_target; nsa/attention/indexer.py) for the KL's rows (kl_rows: the
+        queries at r * T // R) of a forward from position 0: qg [B, H_kv, G, T, hd] the queries, ck [B, H_kv, N_c, hd]
+        the compressed keys, sel_k [B, H_kv, T, hd] the selected branch's keys; frame [3, B, T] with packed documents
         (blocks document-relative); capped: _distance_cap's, when the selected branch reads far keys at the cap (the
-        dense target reads them so too). -> [B, H_kv, R, N_b] (N_b = n_blocks, or the compressed target's own count
-        with documents)."""
+        dense target reads them so too); lse [B, H_kv, G, T] the compressed branch's log-sum-exps (shared by the
+        compressed target's kernel); all_rows: every query's target (R = T; probes), not the KL's rows.
+        -> [B, H_kv, R, N_b] (N_b = n_blocks, or the compressed target's own count with documents)."""
         c = self.cfg
+        T = qg.shape[3]
+        R = T if all_rows else kl_row_count(T)
+        if c.indexer_target == "compressed" and frame is None:  # one op (the rows read in place on the Triton path)
+            return ops.pooled_mass_rows(qg, ck, R, c.l, c.d, c.l_sel, n_blocks, c.kernel, lse=lse)
+        rows = kl_row_indices(T, R, qg.device)  # [R]
+        q_rows = qg[:, :, :, rows]
         if c.indexer_target == "dense":
             far = None
             if capped is not None:
@@ -439,8 +447,6 @@ class NativeSparseAttention(nn.Module):
                 far = (capped_queries(q_rows, rope, at_cap, rows), unrotated(sel_k, rope), cap)
             return dense_block_mass(q_rows, sel_k, rows, c.l_sel, n_blocks,
                                     base=None if frame is None else frame[1][:, rows], far=far)
-        if frame is None:
-            return pooled_block_mass(q_rows, ck, rows, c.l, c.d, c.l_sel, n_blocks)
         return document_block_scores(q_rows, ck, c.l, c.d, c.l_sel, frame[:, :, rows])
 
     def _index_documents(self, x, qg, ck, sel_k, frame, cmp_lse, capped=None):
@@ -463,7 +469,7 @@ class NativeSparseAttention(nn.Module):
                                           lse=cmp_lse)
         if torch.is_grad_enabled() and c.indexer_kl > 0:
             rows = kl_rows(T, x.device)  # [R]: every query up to KL_ROWS, else evenly spaced ones
-            target = self.indexer_target(qg[:, :, :, rows], ck, sel_k, rows, n_blocks, frame, capped)
+            target = self.indexer_target(qg, ck, sel_k, n_blocks, frame, capped)
             scores = self.indexer.document_scores(xd, frame, target.shape[-1], rows)  # [B, H_kv, R, N_b]
             self.indexer_loss = c.indexer_kl * indexer_kl(scores, target, c.l_sel, positions[..., rows])
         return block_idx

@@ -7,6 +7,7 @@ The only module that registers custom ops and chooses a kernel (`resolve_kernel`
     select_blocks(q, ck)                   -> block_idx          nsa::select_blocks (no autograd)
     indexer_picks(q_I, w, keys)            -> block_idx          nsa::indexer_picks (no autograd; nsa.selector=indexer)
     indexer_kl(out, target)                -> loss               nsa::indexer_kl (+ _backward; the indexer's KL term)
+    pooled_mass_rows(q, ck)                -> target             nsa::pooled_mass_rows (no autograd; the KL's target)
     compressed_attention(q, ck, cv)        -> o                  nsa::compressed_attention (+ _backward)
     selected_attention(q, k, v, block_idx) -> o                  nsa::selected_attention (+ _backward)
     window_attention(q, k, v)              -> o                  nsa::window_attention (+ _backward)
@@ -356,6 +357,36 @@ def indexer_picks(
     return _indexer_picks(q.detach(), w.detach(), keys.detach(), q_start, l_sel, n, per_token, kernel)
 
 
+@torch.library.custom_op("nsa::pooled_mass_rows", mutates_args=())
+def _pooled_mass_rows(q: Tensor, ck: Tensor, lse: Tensor | None, R: int, l: int, d: int, l_sel: int, n_blocks: int,
+                      kernel: str) -> Tensor:
+    if _triton(kernel, q):
+        from nsa.attention.kernels.select_topk import pooled_block_mass_rows
+
+        return pooled_block_mass_rows(q, ck, R, l, d, l_sel, n_blocks, lse=lse)
+    rows = index_scores.kl_row_indices(q.shape[3], R, q.device)
+    return index_scores.pooled_block_mass(q[:, :, :, rows], ck, rows, l, d, l_sel, n_blocks).contiguous()
+
+
+@_pooled_mass_rows.register_fake
+def _(q, ck, lse, R, l, d, l_sel, n_blocks, kernel):
+    B, H_kv = q.shape[:2]
+    return q.new_empty(B, H_kv, R, n_blocks, dtype=_lse_dtype(q.dtype))
+
+
+def pooled_mass_rows(
+    q: Tensor,  # [B, H_kv, G, T, hd] queries (RoPE applied) at positions 0 ..
+    ck: Tensor,  # [B, H_kv, N_c, hd] compressed keys (RoPE applied)
+    R: int, l: int, d: int, l_sel: int, n_blocks: int, kernel: str,
+    lse: Tensor | None = None,  # [B, H_kv, G, T] the compressed branch's log-sum-exps (the Triton path reuses them)
+) -> Tensor:  # [B, H_kv, R, n_blocks]
+    """nsa.indexer_target=compressed: the compressed branch's mass per selection block summed over each group's heads
+    (Eq. 9-10) for the KL's R rows, the queries at r * T // R (impl/index_scores.pooled_block_mass; the Triton path
+    kernels/select_topk.pooled_block_mass_rows: one launch, the rows read in place)."""
+    lse = None if lse is None else lse.detach()
+    return _pooled_mass_rows(q.detach(), ck.detach(), lse, R, l, d, l_sel, n_blocks, kernel)
+
+
 @torch.library.custom_op("nsa::indexer_kl", mutates_args=())
 def _indexer_kl(out: Tensor, target: Tensor, n_kv_heads: int, heads: int, index_dim: int, R: int, l_sel: int,
                 per_token: bool, weight: float, kernel: str) -> tuple[Tensor, Tensor]:
@@ -390,6 +421,7 @@ def _(grad, out, target, stats, n_kv_heads, heads, index_dim, R, l_sel, per_toke
 
 def _indexer_kl_setup(ctx, inputs, output):
     out, target, *rest = inputs
+    ctx.set_materialize_grads(False)  # the row statistics' gradient stays None (no zero-filled tensor)
     ctx.save_for_backward(out, target, output[1])
     ctx.rest = rest
 

@@ -209,7 +209,7 @@ def test_dense_target_reads_far_keys_at_the_cap():
     softmax over its visible keys with far keys scored at the cap, summed per block and over the group's heads;
     against per-query loops in float64."""
     from nsa.attention.impl.capped import capped_queries, unrotated
-    from nsa.attention.indexer import dense_block_mass
+    from nsa.attention.impl.index_scores import dense_block_mass
 
     T, cap = 30, 7
     q_raw, k_raw, _, _ = _inputs(T, seed=6)

@@ -173,3 +173,26 @@ def test_the_compressed_branch_log_sum_exps_give_the_same_picks(frame):
     assert torch.equal(alone, shared)
     shifted = lse + 3.0 * torch.randn(lse.shape, generator=torch.Generator().manual_seed(5), dtype=lse.dtype).to(DEV)
     assert not torch.equal(alone, fused_select_blocks(q, ck, 0, l, d, l_sel, n, frame=f, lse=shifted))
+
+
+@pytest.mark.parametrize("with_lse", [False, True])
+@pytest.mark.parametrize("G, T, R, hd, l, d, l_sel", [(6, 150, 37, 24, 8, 4, 16), (2, 96, 96, 16, 16, 16, 32),
+                                                       (3, 200, 50, 16, 24, 8, 48)])
+def test_pooled_mass_rows_matches_the_torch_target(with_lse, G, T, R, hd, l, d, l_sel):
+    """The indexer's compressed target for the KL's rows (select_topk.pooled_block_mass_rows, the rows r * T // R read
+    in place, every block written: 0 past what a row sees) against impl/index_scores.pooled_block_mass on the
+    gathered rows, float64, with the compressed branch's log-sum-exps given or computed."""
+    from nsa.attention.impl.index_scores import kl_row_indices, pooled_block_mass
+
+    q, ck = make_inputs(1, 2, G, T, hd, 0, l, d, seed=4)
+    rows = kl_row_indices(T, R, DEV)
+    n_blocks = -(-T // l_sel)
+    want = pooled_block_mass(q[:, :, :, rows], ck, rows, l, d, l_sel, n_blocks)
+    lse = None
+    if with_lse:  # as the compressed branch returns them: -inf where a query sees no compressed token
+        scores = torch.einsum("bkgtd,bknd->bkgtn", q, ck) / hd ** 0.5
+        visible = torch.arange(ck.shape[2], device=DEV) * d + (l - 1) <= torch.arange(T, device=DEV)[:, None]
+        lse = torch.logsumexp(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    got = select_topk.pooled_block_mass_rows(q, ck, R, l, d, l_sel, n_blocks, lse=lse)
+    assert got.shape == (1, 2, R, n_blocks) and got.dtype == torch.float64
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)

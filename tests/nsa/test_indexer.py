@@ -6,9 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nsa.attention import indexer as indexer_module
-from nsa.attention.impl.index_scores import candidate_mask, indexer_kl
-from nsa.attention.indexer import dense_block_mass
+from nsa.attention.impl import index_scores as index_scores_module
+from nsa.attention.impl.index_scores import candidate_mask, dense_block_mass, indexer_kl
 from nsa.attention.reference import reference_forward
 from nsa.config import ModelConfig, ModelConfigError, NSAConfig
 from nsa.model import Transformer
@@ -125,7 +124,7 @@ def test_dense_target_is_each_querys_attention_summed_per_block(documents, monke
     """nsa.indexer_target=dense: against the per-query loops (with packed documents: keys from the query's document
     start, blocks counted from it), across row slices (DENSE_ROWS made small); keys after a query, or before its
     document, change nothing of its row; a visible key does."""
-    monkeypatch.setattr(indexer_module, "DENSE_ROWS", 4)  # 11 rows: slices of 4, 4 and 3
+    monkeypatch.setattr(index_scores_module, "DENSE_ROWS", 4)  # 11 rows: slices of 4, 4 and 3
     g = torch.Generator().manual_seed(4)
     B, H_kv, G, T, hd, l_sel = 2, 2, 3, 45, 8, 8
     q = torch.randn(B, H_kv, G, 11, hd, generator=g, dtype=torch.float64) * 2

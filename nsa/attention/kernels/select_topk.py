@@ -150,6 +150,46 @@ def _row_lse(
 
 
 @triton.jit
+def _chunk_block_scores(
+    q, ck_tile, skn, d_ok, row_pos, row_in, lse, first, n_vis,
+    GP: tl.constexpr, L: tl.constexpr, D: tl.constexpr, L_SEL: tl.constexpr, BT: tl.constexpr, BJ: tl.constexpr,
+    SHIFT: tl.constexpr, SCALE: tl.constexpr, RUP: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """Eq. 9-10 for block columns first .. first+BJ-1 of the tile's BT queries (rows row_pos [R], row_in; lse [R];
+    n_vis compressed tokens readable): -> score [BT, BJ], each query's group-summed compressed probability mass per
+    block; columns < SHIFT are incomplete (junk: the caller excludes them)."""
+    M: tl.constexpr = L // D  # units per compressed token
+    RU: tl.constexpr = L_SEL // D  # units (= compressed tokens) per selection block
+    BN: tl.constexpr = BJ * RUP  # token lanes per chunk (RUP = RU padded to a power of two)
+    offs_n = tl.arange(0, BN)
+    cols = tl.arange(0, BJ)  # [BJ] block column within a chunk
+    lane_col = offs_n // RUP  # [BN] token lane -> block column
+    lane_off = offs_n % RUP  # [BN] token lane -> token offset in its block (units)
+    offs_o = tl.arange(0, RUP)
+    # Eq. 9: the token at offset o of block column c covers units [o, o+M) from that block's start, so it
+    # adds |[o, o+M) & [k*RU, (k+1)*RU)| of its probability to block column c + k (k = 0 .. SHIFT)
+    w_own = (tl.minimum(offs_o + M, RU) - offs_o).to(ACC)  # [RUP] (k = 0; o < RU)
+    tok = (first + lane_col) * RU + lane_off  # [BN] tokens of columns 0 .. BJ-1
+    tok_ok = (lane_off < RU) & (tok >= 0) & (tok < n_vis)
+    kt = tl.load(ck_tile + tok[:, None].to(tl.int64) * skn, mask=tok_ok[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST:
+        kt = kt.to(tl.float32)
+    s = tl.dot(q, tl.trans(kt), input_precision=PREC, out_dtype=ACC) * SCALE  # [R, BN]
+    vis = row_in[:, None] & tok_ok[None, :] & (tok[None, :] * D + (L - 1) <= row_pos[:, None])
+    p = tl.exp(tl.where(vis, s - lse[:, None], float("-inf")))  # [R, BN], 0 where not visible
+    p_grp = tl.sum(tl.reshape(p, (GP, BT, BN)), axis=0)  # [BT, BN] Eq. 10
+    p_blk = tl.reshape(p_grp, (BT, BJ, RUP))  # [BT, BJ, RUP] tokens by block column
+    score = tl.sum(p_blk * w_own[None, None, :], axis=2)  # [BT, BJ] Eq. 9, tokens of the block itself
+    for k in tl.static_range(1, SHIFT + 1):  # tails of the k-th previous column (m > 1)
+        w_k = tl.maximum(tl.minimum(offs_o + M, (k + 1) * RU) - tl.maximum(offs_o, k * RU), 0).to(ACC)
+        carry = tl.sum(p_blk * w_k[None, None, :], axis=2)  # [BT, BJ] into column c + k
+        src = tl.maximum(cols - k, 0)[None, :] + tl.zeros([BT, BJ], dtype=tl.int32)
+        score += tl.gather(carry, src, axis=1)  # columns < SHIFT get junk and are excluded by the caller
+    return score
+
+
+@triton.jit
 def _merge_blocks(
     q, ck_tile, skn, d_ok, row_pos, row_in, lse, pos_t, last, N_c, top_v, top_i,
     GP: tl.constexpr, L: tl.constexpr, D: tl.constexpr, L_SEL: tl.constexpr, N: tl.constexpr,
@@ -159,42 +199,16 @@ def _merge_blocks(
     """Pass 2 for one document (as _row_lse; lse [R] from it): the blocks of the tile's queries at
     positions pos_t [BT] merged into their running top-n (top_v, top_i) [BT, NP]. A query at position
     -l' may pick no block (its top-n stays)."""
-    M: tl.constexpr = L // D  # units per compressed token
-    RU: tl.constexpr = L_SEL // D  # units (= compressed tokens) per selection block
-    BN: tl.constexpr = BJ * RUP  # token lanes per chunk (RUP = RU padded to a power of two)
     n_vis = tl.where(last + 1 >= L, (last + 1 - L) // D + 1, 0)  # tokens the last query sees
     n_vis = tl.minimum(n_vis, N_c)
-    offs_n = tl.arange(0, BN)
-
     # ---- pass 2: block scores per chunk of blocks, merged into a running top-n
     current = pos_t // L_SEL  # [BT] each query's current block
     cols = tl.arange(0, BJ)  # [BJ] block column within a chunk
-    lane_col = offs_n // RUP  # [BN] token lane -> block column
-    lane_off = offs_n % RUP  # [BN] token lane -> token offset in its block (units)
-    offs_o = tl.arange(0, RUP)
-    # Eq. 9: the token at offset o of block column c covers units [o, o+M) from that block's start, so it
-    # adds |[o, o+M) & [k*RU, (k+1)*RU)| of its probability to block column c + k (k = 0 .. SHIFT)
-    w_own = (tl.minimum(offs_o + M, RU) - offs_o).to(ACC)  # [RUP] (k = 0; o < RU)
-    slots = tl.arange(0, NP)
     c_last = last // L_SEL
     for j0 in range(0, c_last + 1, BJ - SHIFT):  # blocks j0 .. j0 + BJ - SHIFT - 1 are complete here
         first = j0 - SHIFT  # block of column 0
-        tok = (first + lane_col) * RU + lane_off  # [BN] tokens of columns 0 .. BJ-1
-        tok_ok = (lane_off < RU) & (tok >= 0) & (tok < n_vis)
-        kt = tl.load(ck_tile + tok[:, None].to(tl.int64) * skn, mask=tok_ok[:, None] & d_ok[None, :], other=0.0)
-        if UPCAST:
-            kt = kt.to(tl.float32)
-        s = tl.dot(q, tl.trans(kt), input_precision=PREC, out_dtype=ACC) * SCALE  # [R, BN]
-        vis = row_in[:, None] & tok_ok[None, :] & (tok[None, :] * D + (L - 1) <= row_pos[:, None])
-        p = tl.exp(tl.where(vis, s - lse[:, None], float("-inf")))  # [R, BN], 0 where not visible
-        p_grp = tl.sum(tl.reshape(p, (GP, BT, BN)), axis=0)  # [BT, BN] Eq. 10
-        p_blk = tl.reshape(p_grp, (BT, BJ, RUP))  # [BT, BJ, RUP] tokens by block column
-        score = tl.sum(p_blk * w_own[None, None, :], axis=2)  # [BT, BJ] Eq. 9, tokens of the block itself
-        for k in tl.static_range(1, SHIFT + 1):  # tails of the k-th previous column (m > 1)
-            w_k = tl.maximum(tl.minimum(offs_o + M, (k + 1) * RU) - tl.maximum(offs_o, k * RU), 0).to(ACC)
-            carry = tl.sum(p_blk * w_k[None, None, :], axis=2)  # [BT, BJ] into column c + k
-            src = tl.maximum(cols - k, 0)[None, :] + tl.zeros([BT, BJ], dtype=tl.int32)
-            score += tl.gather(carry, src, axis=1)  # columns < SHIFT get junk and are excluded below
+        score = _chunk_block_scores(q, ck_tile, skn, d_ok, row_pos, row_in, lse, first, n_vis, GP, L, D, L_SEL, BT, BJ,
+                                    SHIFT, SCALE, RUP, ACC, UPCAST, PREC)
         blk = first + cols  # [BJ]
         allowed = (cols[None, :] >= SHIFT) & (blk[None, :] <= current[:, None])  # [BT, BJ]
         forced = (blk[None, :] == 0) | (blk[None, :] == current[:, None]) | (blk[None, :] == current[:, None] - 1)
@@ -304,6 +318,99 @@ def _select_topk_kernel(
     out = ascending(top_v, top_i, NP)  # [BT, NP] int64, -1 for empty slots (last)
     tl.store(OUT + (bh * Tq + q_idx[:, None].to(tl.int64)) * N + slots[None, :], out,
              mask=q_ok[:, None] & (slots < N)[None, :])
+
+
+@triton.jit(do_not_specialize=["T", "R", "N_c", "n_blocks"])
+def _pooled_mass_kernel(
+    Q, CK, LSE, OUT,
+    sqb, sqh, sqg, sqt, sqd,
+    skb, skh, skn, skd,
+    slb, slh, slg, slt,
+    sob, soh, sor, soj,
+    T, R, N_c, n_blocks,
+    H_KV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, DP: tl.constexpr,
+    L: tl.constexpr, D: tl.constexpr, L_SEL: tl.constexpr, BT: tl.constexpr, BJ: tl.constexpr,
+    SHIFT: tl.constexpr, SCALE: tl.constexpr, RUP: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr,
+    PREC: tl.constexpr, HAS_LSE: tl.constexpr,
+):
+    """pooled_block_mass_rows: the tile's BT KL rows (row r = the query at sequence index r * T // R) of one KV
+    group, every block 0 .. n_blocks-1 written (0 past what a row sees)."""
+    RR: tl.constexpr = GP * BT  # (head, KL row) rows, row = g * BT + t
+    r0 = tl.program_id(0) * BT
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // H_KV
+    h = bh % H_KV
+    offs_r = tl.arange(0, RR)
+    row_g = offs_r // BT
+    row_r = r0 + offs_r % BT
+    row_ok = (row_g < G) & (row_r < R)
+    row_pos = ((row_r.to(tl.int64) * T) // R).to(tl.int32)  # [RR] sequence index = position (from 0)
+    offs_d = tl.arange(0, DP)
+    d_ok = offs_d < HD
+    q = tl.load(Q + b * sqb + h * sqh + row_g[:, None] * sqg + row_pos[:, None].to(tl.int64) * sqt
+                + offs_d[None, :] * sqd, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    ck_tile = CK + b * skb + h * skh + offs_d[None, :] * skd
+    r_t = r0 + tl.arange(0, BT)
+    r_ok = r_t < R
+    last = ((tl.minimum(r0 + BT, R) - 1).to(tl.int64) * T // R).to(tl.int32)  # the tile's last row's position
+    if HAS_LSE:
+        lse = tl.load(LSE + b * slb + h * slh + row_g.to(tl.int64) * slg + row_pos.to(tl.int64) * slt,
+                      mask=row_ok, other=0.0).to(ACC)
+        lse = tl.where(lse > float("-inf"), lse, 0.0)  # a row that sees no token: p = 0
+    else:
+        lse = _row_lse(q, ck_tile, skn, d_ok, row_pos, row_ok, last, N_c, L, D, RR, BJ * RUP, SCALE, ACC, UPCAST,
+                       PREC)
+    n_vis = tl.minimum(tl.where(last + 1 >= L, (last + 1 - L) // D + 1, 0), N_c)
+    cols = tl.arange(0, BJ)
+    out = OUT + b * sob + h * soh + r_t.to(tl.int64)[:, None] * sor  # [BT, 1]
+    c_last = last // L_SEL
+    for j0 in range(0, n_blocks, BJ - SHIFT):  # blocks j0 .. j0 + BJ - SHIFT - 1 are complete here
+        first = j0 - SHIFT
+        blk = first + cols
+        if j0 <= c_last:
+            score = _chunk_block_scores(q, ck_tile, skn, d_ok, row_pos, row_ok, lse, first, n_vis, GP, L, D, L_SEL,
+                                        BT, BJ, SHIFT, SCALE, RUP, ACC, UPCAST, PREC)
+        else:  # past every row's last visible token
+            score = tl.zeros([BT, BJ], dtype=ACC)
+        tl.store(out + blk[None, :].to(tl.int64) * soj, score,
+                 mask=r_ok[:, None] & ((cols >= SHIFT) & (blk < n_blocks))[None, :])
+
+
+@torch.no_grad()
+def pooled_block_mass_rows(
+    q: torch.Tensor,  # [B, H_kv, G, T, hd] queries (RoPE applied) at positions 0 .., any strides
+    ck: torch.Tensor,  # [B, H_kv, N_c, hd] compressed keys (RoPE applied)
+    R: int,  # KL rows: the queries at r * T // R
+    l: int, d: int, l_sel: int, n_blocks: int,
+    lse: torch.Tensor | None = None,  # [B, H_kv, G, T] the compressed branch's log-sum-exps (Eq. 8 shared)
+) -> torch.Tensor:  # [B, H_kv, R, n_blocks] float32 (float64 for float64 inputs)
+    """The learned indexer's compressed target (nsa.indexer_target=compressed): for each of the R KL rows the
+    compressed branch's probability mass per selection block, summed over the group's heads (Eq. 9-10: what pooled
+    selection ranks by), equal to nsa.attention.indexer.pooled_block_mass(q[:, :, :, rows], ck, rows, ...) up to
+    rounding. One launch; the rows are read in place (no gather)."""
+    B, H_kv, G, T, hd = q.shape
+    if ck.shape[:2] != (B, H_kv) or ck.shape[3] != hd or not 0 < R <= T:
+        raise ValueError(f"pooled_block_mass_rows: q {tuple(q.shape)}, ck {tuple(ck.shape)}, R={R} do not match")
+    if q.device.type == "cpu" and not interpreter_active():
+        raise RuntimeError("pooled_block_mass_rows needs a CUDA tensor, or TRITON_INTERPRET=1 set before triton is "
+                           "imported")
+    if ck.dtype != q.dtype:
+        dtype = torch.promote_types(q.dtype, ck.dtype)
+        q, ck = q.to(dtype), ck.to(dtype)
+    meta = kernel_constexprs(q.dtype, G, hd, l, d, l_sel, 1)
+    meta.pop("N"), meta.pop("NP")
+    acc = torch.promote_types(q.dtype, torch.float32)
+    out = torch.empty(B, H_kv, R, n_blocks, dtype=acc, device=q.device)
+    if out.numel() == 0:
+        return out
+    lse_arg, l_strides = (ck, (0, 0, 0, 0)) if lse is None else (lse, lse.stride())  # unread without lse
+    grid = (triton.cdiv(R, meta["BT"]), B * H_kv)
+    _pooled_mass_kernel[grid](q, ck, lse_arg, out, *q.stride(), *ck.stride(), *l_strides, *out.stride(), T, R,
+                              ck.shape[2], n_blocks, H_KV=H_kv, **meta, HAS_LSE=lse is not None,
+                              num_stages=num_stages(q.dtype, hd), maxnreg=255)  # as the selection kernel's
+    return out
 
 
 def kernel_constexprs(dtype: torch.dtype, G: int, hd: int, l: int, d: int, l_sel: int, n: int) -> dict:
