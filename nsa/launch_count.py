@@ -131,17 +131,20 @@ class LaunchCounter(TorchDispatchMode):
 
 def count_forward_backward(module, x: torch.Tensor, *args, open_custom_ops: bool = False, aux=None) -> LaunchCounter:
     """Ops of module(x, *args) forward and backward (for a given output gradient, made outside the count),
-    parameter gradients included. aux: a function returning the forward's auxiliary loss (0-dim) or None, whose
-    backward is counted with the output's (an NSA layer's indexer KL term: nsa/model.py adds it to the loss)."""
+    parameter gradients included. aux: a function returning the forward's auxiliary loss terms or None, whose backward
+    is counted with the output's (an NSA layer's indexer KL terms: nsa/model.py sums every layer's into the loss)."""
     x = x.detach().requires_grad_(True)
     with torch.no_grad():
         grad = module(x, *args)
     grad = torch.ones_like(grad)
     one = torch.ones((), device=grad.device)
+    if aux is not None:  # its dtype is known once the forward ran
+        one = one.to(torch.promote_types(grad.dtype, torch.float32))
     with LaunchCounter(open_custom_ops) as counter:
         y = module(x, *args)
         extra = aux() if aux is not None else None
-        outputs, grads = ([y], [grad]) if extra is None else ([y, extra], [grad, one.to(extra.dtype)])
+        # the terms' gradient as the model's sum of them passes it: one value, expanded (a view, no launch)
+        outputs, grads = ([y], [grad]) if extra is None else ([y, extra], [grad, one.expand_as(extra)])
         torch.autograd.backward(outputs, grads)
     return counter
 

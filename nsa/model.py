@@ -172,8 +172,8 @@ class Transformer(nn.Module):
             loss = linear_cross_entropy(x.reshape(B * T, -1), self.lm_head.weight, targets.reshape(-1),
                                         self.cfg.loss_chunk)
         aux = [attn.indexer_loss for attn in indexed if attn.indexer_loss is not None]
-        if aux:  # the indexers' KL terms: their gradient joins the loss's, their value does not (kl - kl is 0)
-            kl = torch.stack(aux).sum()
+        if aux:  # the indexers' KL terms: their gradient joins the loss's, their value does not (kl - kl is 0);
+            kl = torch.cat([a.reshape(-1) for a in aux]).sum()  # every layer's per-row terms summed at once
             loss = loss + (kl - kl.detach())
         return loss
 

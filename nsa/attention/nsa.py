@@ -80,7 +80,8 @@ class NativeSparseAttention(nn.Module):
         self.indexer = (BlockIndexer(cfg.dim, cfg.n_kv_heads, self.cfg.indexer_heads, self.cfg.indexer_dim,
                                      self.cfg.l_sel, self.cfg.indexer_pool) if self.cfg.selector == "indexer" else None)
         self.indexer_selects = True  # False during nsa.indexer_warmup_steps: pooled scores pick, the indexer learns
-        self.indexer_loss: torch.Tensor | None = None  # 0-dim, the last training forward's weighted KL
+        # the last training forward's weighted KL as terms whose sum it is ([B, H_kv, R] per row, or 0-dim)
+        self.indexer_loss: torch.Tensor | None = None
 
         self.proj = nn.Linear(q_dim, cfg.dim, bias=cfg.bias)
         self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
@@ -110,7 +111,7 @@ class NativeSparseAttention(nn.Module):
         """The last training forward's KL of the indexer to its target (unweighted, detached; 0-dim), or None."""
         if self.indexer_loss is None:
             return None
-        return self.indexer_loss.detach() / self.cfg.indexer_kl  # off the hot path: read when statistics are
+        return self.indexer_loss.detach().sum() / self.cfg.indexer_kl  # off the hot path: read with statistics
 
     def reset_extra_parameters(self) -> None:
         """Called by Transformer.reset_parameters after its generic init: phi position encodings, and the

@@ -401,7 +401,8 @@ def _indexer_kl(out: Tensor, target: Tensor, n_kv_heads: int, heads: int, index_
 @_indexer_kl.register_fake
 def _(out, target, n_kv_heads, heads, index_dim, R, l_sel, per_token, weight, kernel):
     acc = _lse_dtype(out.dtype)
-    return out.new_empty((), dtype=acc), out.new_empty(out.shape[0], n_kv_heads, R, 2, dtype=acc)
+    return out.new_empty(out.shape[0], n_kv_heads, R, dtype=acc), out.new_empty(out.shape[0], n_kv_heads, R, 2,
+                                                                               dtype=acc)
 
 
 @torch.library.custom_op("nsa::indexer_kl_backward", mutates_args=())
@@ -439,7 +440,8 @@ def indexer_kl(
     out: Tensor,  # [B, T, H_kv*h*e + H_kv*h + e] the indexer's projection output (its input detached), positions 0 ..
     target: Tensor,  # [B, H_kv, R, N_b] the KL's target mass per block of the R queries at r * T // R (no gradient)
     n_kv_heads: int, heads: int, index_dim: int, R: int, l_sel: int, per_token: bool, weight: float, kernel: str,
-) -> Tensor:  # 0-dim: weight * the mean KL(target || softmax(scores)) over the rows with >= 2 candidate blocks
+) -> Tensor:  # [B, H_kv, R]: terms whose sum is weight * the mean KL(target || softmax(scores)) over the rows
+    # with >= 2 candidate blocks (the model sums every layer's terms at once: no reduction launch per layer)
     """nsa.selector=indexer's training term (impl/index_scores.kl_loss; the Triton path kernels/indexer_kl.py: one
     launch forward and one backward, no [R, N_b] scores kept). Its gradient reaches `out` only (the projection)."""
     loss, _ = _indexer_kl(out, target.detach(), n_kv_heads, heads, index_dim, R, l_sel, per_token, weight, kernel)

@@ -32,12 +32,17 @@ def test_closed_form_backward_is_autograds(per_token, T, R, l_sel, ties):
     out, target = make(T, R, l_sel, ties=ties)
     weight = 0.7
     x = out.clone().requires_grad_()
-    loss, stats = kl_loss(x, target, H_KV, HEADS, DIM, R, l_sel, per_token, weight)
-    assert loss.item() > 0 and stats.shape == (1, H_KV, R, 2)
+    terms, stats = kl_loss(x, target, H_KV, HEADS, DIM, R, l_sel, per_token, weight)
+    loss = terms.sum()
+    assert terms.shape == (1, H_KV, R) and loss.item() > 0 and stats.shape == (1, H_KV, R, 2)
     grad = torch.tensor(1.3, dtype=torch.float64)
-    (want,) = torch.autograd.grad(loss, x, grad)
-    got = kl_loss_backward(grad, out, target, H_KV, HEADS, DIM, R, l_sel, per_token, weight)
+    (want,) = torch.autograd.grad(loss, x, grad, retain_graph=True)
+    got = kl_loss_backward(grad.expand(1, H_KV, R), out, target, H_KV, HEADS, DIM, R, l_sel, per_token, weight)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-13)
+    per_row = torch.rand(1, H_KV, R, generator=torch.Generator().manual_seed(1), dtype=torch.float64)  # any weights
+    (want_rows,) = torch.autograd.grad(terms, x, per_row)
+    got_rows = kl_loss_backward(per_row, out, target, H_KV, HEADS, DIM, R, l_sel, per_token, weight)
+    torch.testing.assert_close(got_rows, want_rows, rtol=1e-10, atol=1e-13)
     rows = torch.arange(R) * T // R
     others = torch.ones(T, dtype=torch.bool)
     others[rows] = False
@@ -54,8 +59,8 @@ def test_the_op_on_the_torch_path(per_token):
     want, _ = kl_loss(a, target, H_KV, HEADS, DIM, R, l_sel, per_token, 2.0)
     got = ops.indexer_kl(b, target, H_KV, HEADS, DIM, R, l_sel, per_token, 2.0, "torch")
     torch.testing.assert_close(got, want, rtol=0, atol=0)
-    want.backward()
-    got.backward()
+    want.sum().backward()
+    got.sum().backward()
     torch.testing.assert_close(b.grad, a.grad, rtol=1e-10, atol=1e-13)
 
 
@@ -88,7 +93,7 @@ def test_kernels_match_the_oracle_float64(per_token, T, R, l_sel, ties):
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
     has_candidates = torch.isfinite(want_stats[..., 0])  # rows with no candidate: no log-sum-exp to compare
     torch.testing.assert_close(got_stats[has_candidates], want_stats[has_candidates], rtol=1e-10, atol=1e-12)
-    grad = torch.tensor(1.3, dtype=torch.float64)
+    grad = torch.rand(1, H_KV, R, generator=torch.Generator().manual_seed(2), dtype=torch.float64)  # per-row
     want_d = kl_loss_backward(grad, out, target, H_KV, HEADS, DIM, R, l_sel, per_token, 0.7)
     poisoned = torch.full_like(out, float("nan"))
     got_d = kl_kernels.indexer_kl_backward(grad, out, target, got_stats, H_KV, HEADS, DIM, R, l_sel, per_token, 0.7,
@@ -109,8 +114,8 @@ def test_kernels_in_low_precision_against_float64(dtype, tol, per_token):
     want, _ = kl_loss(low.double(), target, H_KV, HEADS, DIM, R, l_sel, per_token, 1.0)
     got, stats = kl_kernels.indexer_kl_forward(low, target.float(), H_KV, HEADS, DIM, R, l_sel, per_token, 1.0)
     assert got.dtype == torch.float32
-    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
-    grad = torch.tensor(1.0)
+    torch.testing.assert_close(got.sum().double(), want.sum(), rtol=tol, atol=tol)
+    grad = torch.ones(1, H_KV, R)
     want_d = kl_loss_backward(grad.double(), low.double(), target, H_KV, HEADS, DIM, R, l_sel, per_token, 1.0)
     got_d = kl_kernels.indexer_kl_backward(grad, low, target.float(), stats, H_KV, HEADS, DIM, R, l_sel, per_token, 1.0)
     assert got_d.dtype == dtype
@@ -127,7 +132,7 @@ def test_the_op_chooses_the_kernels_with_kernel_triton():
     grads = {}
     for kernel in ("triton", "torch"):
         x = out.clone().requires_grad_()
-        loss = ops.indexer_kl(x, target, H_KV, HEADS, DIM, R, l_sel, True, 1.5, kernel)
+        loss = ops.indexer_kl(x, target, H_KV, HEADS, DIM, R, l_sel, True, 1.5, kernel).sum()
         loss.backward()
         grads[kernel] = (loss.detach(), x.grad)
     torch.testing.assert_close(grads["triton"][0], grads["torch"][0], rtol=1e-10, atol=1e-12)
@@ -153,8 +158,8 @@ def test_a_layer_on_the_triton_path_learns_as_on_the_torch_path(pool):
             for p in layer.indexer.parameters():
                 p.normal_(0.0, 0.5)
         layer(x, rope)
-        layer.indexer_loss.backward()
-        results[kernel] = (layer.indexer_loss.detach(), layer.indexer.projection.weight.grad)
+        layer.indexer_loss.sum().backward()
+        results[kernel] = (layer.indexer_loss.detach().sum(), layer.indexer.projection.weight.grad)
     assert results["torch"][0] > 0
     torch.testing.assert_close(results["triton"][0], results["torch"][0], rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(results["triton"][1], results["torch"][1], rtol=1e-8, atol=1e-11)

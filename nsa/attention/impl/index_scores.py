@@ -63,6 +63,12 @@ def indexer_kl(scores: torch.Tensor, target: torch.Tensor, l_sel: int, positions
     """Mean over the (batch, KV group, query) rows with >= 2 candidate blocks of KL(target || softmax(scores)) over
     those candidates; scores and target [B, H_kv, R, N_b] for queries at positions [R] (or [B, 1, R]: each query's
     position in its document) -> a 0-dim tensor in the scores' dtype (0 when no row has two)."""
+    return indexer_kl_terms(scores, target, l_sel, positions).sum()
+
+
+def indexer_kl_terms(scores: torch.Tensor, target: torch.Tensor, l_sel: int, positions: torch.Tensor) -> torch.Tensor:
+    """`indexer_kl` before its sum: each row's share of the mean [B, H_kv, R] (its KL / the counted rows; 0 for a row
+    with fewer than 2 candidate blocks)."""
     n_blocks = scores.shape[-1]
     cand = candidate_mask(positions, l_sel, n_blocks).expand(scores.shape)  # [B, H_kv, R, N_b]
     rows = (cand.sum(-1) >= 2).to(scores.dtype)  # [B, H_kv, R]: one candidate has nothing to rank
@@ -70,7 +76,7 @@ def indexer_kl(scores: torch.Tensor, target: torch.Tensor, l_sel: int, positions
     p = p / p.sum(-1, keepdim=True).clamp_min(1e-30)
     log_q = torch.log_softmax(scores.masked_fill(~cand, -1e30), dim=-1)  # finite everywhere: no inf * 0
     kl = torch.where(p > 0, p * (torch.log(p.clamp_min(1e-30)) - log_q), 0.0).sum(-1)  # [B, H_kv, R]
-    return (kl * rows).sum() / rows.sum().clamp_min(1.0)  # a masked mean: no host sync
+    return kl * rows / rows.sum().clamp_min(1.0)  # a masked mean's terms: no host sync
 
 
 def split_projection(out: torch.Tensor, n_kv_heads: int, heads: int, index_dim: int):
@@ -95,7 +101,8 @@ def kl_loss(out: torch.Tensor, target: torch.Tensor, n_kv_heads: int, heads: int
             per_token: bool, weight: float) -> tuple[torch.Tensor, torch.Tensor]:
     """weight * the indexer's KL to its target (`indexer_kl`) over the R queries at kl_row_indices(T, R), scored
     from the projection output out [B, T, P] (`split_projection`; pool=keys: block keys by `block_max` of its
-    token keys) against target [B, H_kv, R, N_b] -> (0-dim loss, row statistics [B, H_kv, R, 2]: each row's
+    token keys) against target [B, H_kv, R, N_b] -> (the loss's terms [B, H_kv, R], one per row: their sum is the
+    loss, taken once for every layer by the model; row statistics [B, H_kv, R, 2]: each row's
     log-sum-exp of its candidates' scores and its target's total over them, what a backward reuses; the scores'
     dtype: float32, or float64 for float64 inputs). The oracle of
     nsa::indexer_kl's kernel; the loss is differentiable by autograd (`kl_loss_backward` is its closed form)."""
@@ -106,7 +113,7 @@ def kl_loss(out: torch.Tensor, target: torch.Tensor, n_kv_heads: int, heads: int
         cand = candidate_mask(rows, l_sel, scores.shape[-1]).expand(scores.shape)
         stats = torch.stack((torch.logsumexp(scores.masked_fill(~cand, float("-inf")), dim=-1),
                              torch.where(cand, target.to(scores.dtype), 0.0).sum(-1)), dim=-1)
-    return weight * indexer_kl(scores, target, l_sel, rows), stats
+    return weight * indexer_kl_terms(scores, target, l_sel, rows), stats
 
 
 def _argmax_share(values: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
@@ -119,8 +126,9 @@ def _argmax_share(values: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def kl_loss_backward(grad: torch.Tensor, out: torch.Tensor, target: torch.Tensor, n_kv_heads: int, heads: int,
                      index_dim: int, R: int, l_sel: int, per_token: bool, weight: float) -> torch.Tensor:
-    """d kl_loss / d out [B, T, P] for the loss's gradient grad (0-dim), in closed form:
-        dL/dI(r, j) = grad * weight * valid(r) / count * (softmax(I(r, .))(j) * [sum of target > 0] - p(r, j))
+    """d kl_loss / d out [B, T, P] for the terms' gradient grad [B, H_kv, R] (any strides: an expanded scalar), in
+    closed form:
+        dL/dI(r, j) = grad(r) * weight * valid(r) / count * (softmax(I(r, .))(j) * [sum of target > 0] - p(r, j))
     on the candidate blocks (p the target normalised over them), 0 elsewhere; a block's max (pool=scores: over its
     tokens' scores; pool=keys: each dim of its key over its tokens) passes it to its argmax, split among ties; then
     through I = sum_h w_h ReLU(q_h . k) / sqrt(e) to q, w (the R rows; 0 at other positions) and k."""
@@ -142,7 +150,8 @@ def kl_loss_backward(grad: torch.Tensor, out: torch.Tensor, target: torch.Tensor
     total = p.sum(-1, keepdim=True)
     p = p / total.clamp_min(1e-30)
     soft = torch.softmax(scores.masked_fill(~cand, -1e30), dim=-1)
-    d_scores = torch.where(cand, soft * (total > 0) - p, 0.0) * valid * (grad.to(acc) * weight / valid.sum().clamp_min(1.0))
+    row_grad = grad.to(acc)[..., None] * weight / valid.sum().clamp_min(1.0)  # [B, H_kv, R, 1]
+    d_scores = torch.where(cand, soft * (total > 0) - p, 0.0) * valid * row_grad
     if per_token:  # each block's gradient to its best token(s)
         N = per_key.shape[-1]
         pad = n_blocks * l_sel - N

@@ -194,7 +194,7 @@ def _block_grads(I, per_key, lse, total, rowscale, tgt, blk, current, r_ok, n_bl
 
 @triton.jit
 def _rows_backward(pid, OUT, TGT, STATS, DOUT, sob, sot, sop, stb, stk, str_, stj, sdb, sdt, sdp, T, R, n_blocks,
-                   grad, k_col, H_KV: tl.constexpr, HI: tl.constexpr, HP: tl.constexpr, E: tl.constexpr,
+                   grad, sgb, sgk, sgr, scale, k_col, H_KV: tl.constexpr, HI: tl.constexpr, HP: tl.constexpr, E: tl.constexpr,
                    EP: tl.constexpr, L_SEL: tl.constexpr, LP: tl.constexpr, BT: tl.constexpr, BJ: tl.constexpr,
                    BN_ROW: tl.constexpr, BKB: tl.constexpr, BN_KEY: tl.constexpr, PER_TOKEN: tl.constexpr,
                    SCALE: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
@@ -211,7 +211,8 @@ def _rows_backward(pid, OUT, TGT, STATS, DOUT, sob, sot, sop, stb, stk, str_, st
     last = tl.max(tl.where(r_ok, current, 0), axis=0)
     lse = tl.load(STATS + (bk * R + r_t) * 2, mask=r_ok, other=0.0).to(ACC)
     total = tl.load(STATS + (bk * R + r_t) * 2 + 1, mask=r_ok, other=0.0).to(ACC)
-    rowscale = tl.where(r_ok & (current - 2 >= 2) & (total > 0), grad, 0.0)  # [BT]
+    g_row = tl.load(grad + b * sgb + kv * sgk + r_t * sgr, mask=r_ok, other=0.0).to(ACC) * scale
+    rowscale = tl.where(r_ok & (current - 2 >= 2) & (total > 0), g_row, 0.0)  # [BT]: dL/dterm * weight / count
     tgt = TGT + b * stb + kv * stk + r_t.to(tl.int64)[:, None] * str_
     cols = tl.arange(0, BJ)
     d_q = tl.zeros([HP * BT, EP], dtype=ACC)
@@ -250,7 +251,7 @@ def _rows_backward(pid, OUT, TGT, STATS, DOUT, sob, sot, sop, stb, stk, str_, st
 
 @triton.jit
 def _keys_backward(kp, OUT, TGT, STATS, DOUT, sob, sot, sop, stb, stk, str_, stj, sdb, sdt, sdp, T, R, n_blocks,
-                   grad, k_col, H_KV: tl.constexpr, HI: tl.constexpr, HP: tl.constexpr, E: tl.constexpr,
+                   grad, sgb, sgk, sgr, scale, k_col, H_KV: tl.constexpr, HI: tl.constexpr, HP: tl.constexpr, E: tl.constexpr,
                    EP: tl.constexpr, L_SEL: tl.constexpr, LP: tl.constexpr, BT: tl.constexpr, BJ: tl.constexpr,
                    BN_ROW: tl.constexpr, BKB: tl.constexpr, BN_KEY: tl.constexpr, PER_TOKEN: tl.constexpr,
                    SCALE: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
@@ -275,7 +276,8 @@ def _keys_backward(kp, OUT, TGT, STATS, DOUT, sob, sot, sop, stb, stk, str_, stj
             current = (t_seq // L_SEL).to(tl.int32)
             lse = tl.load(STATS + (bk * R + r_t) * 2, mask=r_ok, other=0.0).to(ACC)
             total = tl.load(STATS + (bk * R + r_t) * 2 + 1, mask=r_ok, other=0.0).to(ACC)
-            rowscale = tl.where(r_ok & (current - 2 >= 2) & (total > 0), grad, 0.0)
+            g_row = tl.load(grad + b * sgb + kv * sgk + r_t * sgr, mask=r_ok, other=0.0).to(ACC) * scale
+            rowscale = tl.where(r_ok & (current - 2 >= 2) & (total > 0), g_row, 0.0)
             s, keys, per_key, I = _chunk_scores(q, w, OUT, ob, sot, sop, k_col, offs_e, e_ok, j0, T, HP, BT, BKB,
                                                 LP, BN_KEY, L_SEL, PER_TOKEN, SCALE, ACC, PREC)
             g = _block_grads(I, per_key, lse, total, rowscale, tgt_base + r_t.to(tl.int64)[:, None] * str_,
@@ -310,7 +312,7 @@ def _keys_backward(kp, OUT, TGT, STATS, DOUT, sob, sot, sop, stb, stk, str_, stj
 @triton.jit(do_not_specialize=["T", "R"])
 def _kl_bwd_kernel(
     OUT, TGT, STATS, GRAD, DOUT,
-    sob, sot, sop, stb, stk, str_, stj, sdb, sdt, sdp,
+    sob, sot, sop, stb, stk, str_, stj, sdb, sdt, sdp, sgb, sgk, sgr,
     T, R, n_blocks, scale, n_row_programs,
     B: tl.constexpr, H_KV: tl.constexpr, HI: tl.constexpr, HP: tl.constexpr, E: tl.constexpr, EP: tl.constexpr,
     L_SEL: tl.constexpr, LP: tl.constexpr, BT: tl.constexpr, BJ: tl.constexpr, BN_ROW: tl.constexpr,
@@ -319,15 +321,15 @@ def _kl_bwd_kernel(
 ):
     pid = tl.program_id(0)
     k_col = H_KV * HI * (E + 1)
-    grad = tl.load(GRAD).to(ACC) * scale  # dL/d(loss) * weight / count
+    # GRAD: the terms' gradient [B, H_kv, R] (strides sgb, sgk, sgr; a sum's, expanded: 0, 0, 0)
     if pid < n_row_programs:  # ---- rows: d q and d w at the KL's rows, zeros between them
         _rows_backward(pid, OUT, TGT, STATS, DOUT, sob, sot, sop, stb, stk, str_, stj, sdb, sdt, sdp, T, R,
-                       n_blocks, grad, k_col, H_KV, HI, HP, E, EP, L_SEL, LP, BT, BJ, BN_ROW, BKB, BN_KEY, PER_TOKEN,
-                       SCALE, ACC, UPCAST, PREC)
+                       n_blocks, GRAD, sgb, sgk, sgr, scale, k_col, H_KV, HI, HP, E, EP, L_SEL, LP, BT, BJ, BN_ROW,
+                       BKB, BN_KEY, PER_TOKEN, SCALE, ACC, UPCAST, PREC)
     else:  # ---- keys: d k of every token
         _keys_backward(pid - n_row_programs, OUT, TGT, STATS, DOUT, sob, sot, sop, stb, stk, str_, stj, sdb, sdt,
-                       sdp, T, R, n_blocks, grad, k_col, H_KV, HI, HP, E, EP, L_SEL, LP, BT, BJ, BN_ROW, BKB, BN_KEY, PER_TOKEN,
-                       SCALE, ACC, UPCAST, PREC)
+                       sdp, T, R, n_blocks, GRAD, sgb, sgk, sgr, scale, k_col, H_KV, HI, HP, E, EP, L_SEL, LP, BT,
+                       BJ, BN_ROW, BKB, BN_KEY, PER_TOKEN, SCALE, ACC, UPCAST, PREC)
 
 
 def kernel_constexprs(dtype: torch.dtype, heads: int, index_dim: int, l_sel: int, per_token: bool,
@@ -375,7 +377,7 @@ def _check(out, target, n_kv_heads, heads, index_dim, R, l_sel):
 
 def indexer_kl_forward(out, target, n_kv_heads: int, heads: int, index_dim: int, R: int, l_sel: int, per_token: bool,
                        weight: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (0-dim loss, row statistics [B, H_kv, R, 2]) as impl/index_scores.kl_loss: one kernel and one sum."""
+    """-> (the loss's terms [B, H_kv, R], row statistics [B, H_kv, R, 2]) as impl/index_scores.kl_loss: one kernel."""
     B, T, n_blocks = _check(out, target, n_kv_heads, heads, index_dim, R, l_sel)
     acc = torch.promote_types(out.dtype, torch.float32)
     meta = kernel_constexprs(out.dtype, heads, index_dim, l_sel, per_token)
@@ -385,7 +387,7 @@ def indexer_kl_forward(out, target, n_kv_heads: int, heads: int, index_dim: int,
     grid = (triton.cdiv(R, meta["BT"]), B * n_kv_heads)
     _kl_fwd_kernel[grid](out, target, kl_rows, stats, *out.stride(), *target.stride(), T, R, n_blocks,
                          weight / count if count else 0.0, H_KV=n_kv_heads, **meta)
-    return kl_rows.sum(), stats
+    return kl_rows, stats
 
 
 def indexer_kl_backward(grad, out, target, stats, n_kv_heads: int, heads: int, index_dim: int, R: int, l_sel: int,
@@ -399,7 +401,9 @@ def indexer_kl_backward(grad, out, target, stats, n_kv_heads: int, heads: int, i
     bkb, bn_key = key_blocks(per_token, l_sel)
     n_rows = triton.cdiv(R, meta["BT"]) * B * n_kv_heads
     grid = (n_rows + triton.cdiv(n_blocks, bkb) * B,)
-    _kl_bwd_kernel[grid](out, target, stats, grad, d_out, *out.stride(), *target.stride(), *d_out.stride(), T, R,
+    grad = grad.expand(B, n_kv_heads, R)  # the terms' gradient (a sum's: one value, stride 0)
+    _kl_bwd_kernel[grid](out, target, stats, grad, d_out, *out.stride(), *target.stride(), *d_out.stride(),
+                         *grad.stride(), T, R,
                          n_blocks, weight / count if count else 0.0, n_rows, B=B, H_KV=n_kv_heads, BKB=bkb,
                          BN_KEY=bn_key, **meta, num_stages=1,
                          num_warps=8 if per_token else 4, maxnreg=255)  # its tiles in registers (as select_topk's)
