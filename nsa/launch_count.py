@@ -42,8 +42,9 @@ def _converted(func, args, out) -> bool:
 # the custom ops whose CUDA implementation is the one a CPU runs in Triton's interpreter (nsa.kernel=triton); the
 # compressed and window branches' ops are the torch path, which CUDA replaces by FlexAttention: they stay closed
 OPENED = ("nsa::rotary", "nsa::compress_blocks", "nsa::compress_blocks_backward", "nsa::gated_combine",
-          "nsa::gated_combine_backward", "nsa::select_blocks", "nsa::indexer_picks", "nsa::pooled_mass_rows", "nsa::indexer_kl",
-          "nsa::indexer_kl_backward", "nsa::selected_attention", "nsa::selected_attention_backward")
+          "nsa::gated_combine_backward", "nsa::select_blocks", "nsa::indexer_picks", "nsa::pooled_mass_rows",
+          "nsa::dense_mass_rows", "nsa::indexer_kl", "nsa::indexer_kl_backward", "nsa::selected_attention",
+          "nsa::selected_attention_backward")
 
 
 def _custom_op_body(func):

@@ -260,6 +260,18 @@ def exercise_indexer_kl(shape: Shape, dtype: torch.dtype) -> None:
                             per_token, 1.0)
 
 
+def exercise_dense_mass(shape: Shape, dtype: torch.dtype) -> None:
+    """The learned indexer's dense target for the KL's rows (nsa.indexer_target=dense), as ops.dense_mass_rows calls
+    it."""
+    from nsa.attention.indexer import KL_ROWS
+    from nsa.attention.kernels.dense_mass import dense_block_mass_rows
+
+    T = shape.T
+    q = _meta(1, shape.H_kv, shape.G, T, shape.hd, dtype=dtype)
+    k = _meta(1, shape.H_kv, T, shape.hd, dtype=dtype)
+    dense_block_mass_rows(q, k, min(T, KL_ROWS), shape.l_sel, -(-T // shape.l_sel))
+
+
 # Every module with Triton kernels, and a function running its wrappers once. A module not present
 # (not landed yet) is skipped with a notice; tests/tools/test_compile_kernels.py checks that every
 # module of nsa/ with @triton.jit is listed here.
@@ -270,6 +282,7 @@ KERNEL_MODULES = (
     ("nsa.attention.kernels.select_topk", exercise_select_topk),
     ("nsa.attention.kernels.indexer_topk", exercise_indexer_topk),
     ("nsa.attention.kernels.indexer_kl", exercise_indexer_kl),
+    ("nsa.attention.kernels.dense_mass", exercise_dense_mass),
     ("nsa.attention.kernels.rotary", exercise_rotary),
     ("nsa.attention.kernels.gated_combine", exercise_gated_combine),
     ("nsa.attention.kernels.compress_blocks", exercise_compress_blocks),

@@ -439,6 +439,8 @@ class NativeSparseAttention(nn.Module):
         R = T if all_rows else kl_row_count(T)
         if c.indexer_target == "compressed" and frame is None:  # one op (the rows read in place on the Triton path)
             return ops.pooled_mass_rows(qg, ck, R, c.l, c.d, c.l_sel, n_blocks, c.kernel, lse=lse)
+        if c.indexer_target == "dense" and frame is None and capped is None:  # one op (no [R, T] scores on Triton)
+            return ops.dense_mass_rows(qg, sel_k, R, c.l_sel, n_blocks, c.kernel)
         rows = kl_row_indices(T, R, qg.device)  # [R]
         q_rows = qg[:, :, :, rows]
         if c.indexer_target == "dense":

@@ -8,6 +8,7 @@ The only module that registers custom ops and chooses a kernel (`resolve_kernel`
     indexer_picks(q_I, w, keys)            -> block_idx          nsa::indexer_picks (no autograd; nsa.selector=indexer)
     indexer_kl(out, target)                -> loss               nsa::indexer_kl (+ _backward; the indexer's KL term)
     pooled_mass_rows(q, ck)                -> target             nsa::pooled_mass_rows (no autograd; the KL's target)
+    dense_mass_rows(q, k)                  -> target             nsa::dense_mass_rows (no autograd; the KL's target)
     compressed_attention(q, ck, cv)        -> o                  nsa::compressed_attention (+ _backward)
     selected_attention(q, k, v, block_idx) -> o                  nsa::selected_attention (+ _backward)
     window_attention(q, k, v)              -> o                  nsa::window_attention (+ _backward)
@@ -385,6 +386,33 @@ def pooled_mass_rows(
     kernels/select_topk.pooled_block_mass_rows: one launch, the rows read in place)."""
     lse = None if lse is None else lse.detach()
     return _pooled_mass_rows(q.detach(), ck.detach(), lse, R, l, d, l_sel, n_blocks, kernel)
+
+
+@torch.library.custom_op("nsa::dense_mass_rows", mutates_args=())
+def _dense_mass_rows(q: Tensor, k: Tensor, R: int, l_sel: int, n_blocks: int, kernel: str) -> Tensor:
+    if _triton(kernel, q):
+        from nsa.attention.kernels.dense_mass import dense_block_mass_rows
+
+        return dense_block_mass_rows(q, k, R, l_sel, n_blocks)
+    rows = index_scores.kl_row_indices(q.shape[3], R, q.device)
+    return index_scores.dense_block_mass(q[:, :, :, rows], k, rows, l_sel, n_blocks).contiguous()
+
+
+@_dense_mass_rows.register_fake
+def _(q, k, R, l_sel, n_blocks, kernel):
+    B, H_kv = q.shape[:2]
+    return q.new_empty(B, H_kv, R, n_blocks, dtype=_lse_dtype(q.dtype))
+
+
+def dense_mass_rows(
+    q: Tensor,  # [B, H_kv, G, T, hd] queries (RoPE applied) at positions 0 ..
+    k: Tensor,  # [B, H_kv, T, hd] the selected branch's keys (RoPE applied)
+    R: int, l_sel: int, n_blocks: int, kernel: str,
+) -> Tensor:  # [B, H_kv, R, n_blocks]
+    """nsa.indexer_target=dense: dense causal attention's mass per selection block summed over each group's heads, for
+    the KL's R rows, the queries at r * T // R (impl/index_scores.dense_block_mass; the Triton path
+    kernels/dense_mass.py: one launch, no [R, T] scores)."""
+    return _dense_mass_rows(q.detach(), k.detach(), R, l_sel, n_blocks, kernel)
 
 
 @torch.library.custom_op("nsa::indexer_kl", mutates_args=())

@@ -163,3 +163,26 @@ def test_a_layer_on_the_triton_path_learns_as_on_the_torch_path(pool):
     assert results["torch"][0] > 0
     torch.testing.assert_close(results["triton"][0], results["torch"][0], rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(results["triton"][1], results["torch"][1], rtol=1e-8, atol=1e-11)
+
+
+@pytest.mark.parametrize("G, T, R, hd, l_sel", [(6, 150, 37, 24, 16), (2, 96, 96, 16, 8), (3, 200, 50, 32, 64)])
+def test_dense_mass_rows_matches_the_torch_target(G, T, R, hd, l_sel):
+    """The indexer's dense target for the KL's rows (kernels/dense_mass.py: the rows r * T // R read in place, every
+    block written) against impl/index_scores.dense_block_mass on the gathered rows, float64; and through the op."""
+    if reason := _kernels_problem():
+        pytest.skip(reason)
+    from nsa.attention.impl.index_scores import dense_block_mass, kl_row_indices
+    from nsa.attention.kernels.dense_mass import dense_block_mass_rows
+
+    g = torch.Generator().manual_seed(6)
+    q = (2 * torch.randn(1, T, 2, G, hd, generator=g, dtype=torch.float64)).permute(0, 2, 3, 1, 4)  # strided
+    k = torch.randn(1, 2, T, hd, generator=g, dtype=torch.float64)
+    rows = kl_row_indices(T, R, q.device)
+    n_blocks = -(-T // l_sel)
+    want = dense_block_mass(q[:, :, :, rows], k, rows, l_sel, n_blocks)
+    got = dense_block_mass_rows(q, k, R, l_sel, n_blocks)
+    assert got.shape == (1, 2, R, n_blocks)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(got.sum(-1), torch.full_like(got.sum(-1), float(G)))  # each head's mass is 1
+    torch.testing.assert_close(ops.dense_mass_rows(q, k, R, l_sel, n_blocks, "triton"),
+                               ops.dense_mass_rows(q, k, R, l_sel, n_blocks, "torch"), rtol=1e-10, atol=1e-12)
