@@ -48,7 +48,8 @@ def capture(model) -> list[tuple]:
         def plain(q, ck, cv, sel_k, sel_v, win_k, win_v, t0, t_end, index=None, capped=None, layer=layer,
                   original=layer._branches, store=store):
             T = q.shape[2]
-            s = layer.indexer.scores(*index[:3])  # [1, H_kv, T, N_b]
+            q_I, w_I, keys, _, token_keys = index
+            s = layer.indexer.scores(q_I, w_I, layer.indexer.block_keys(keys) if token_keys else keys)  # [1, H_kv, T, N_b]
             qg = q.view(1, layer.n_kv_heads, layer.n_groups, T, layer.head_dim)
             target = layer.indexer_target(qg, ck, sel_k, s.shape[-1], all_rows=True)  # [1, H_kv, T, N_b]
             store.append((target[0], s[0], torch.arange(T)))

@@ -240,6 +240,7 @@ def exercise_indexer_topk(shape: Shape, dtype: torch.dtype) -> None:
     for per_token in (False, True):
         keys = _meta(1, T if per_token else -(-T // shape.l_sel), e, dtype=dtype)
         fused_indexer_picks(q, w, keys, 0, shape.l_sel, shape.n, per_token)
+    fused_indexer_picks(q, w, _meta(1, T, e, dtype=dtype), 0, shape.l_sel, shape.n, False, token_keys=True)
 
 
 def exercise_indexer_kl(shape: Shape, dtype: torch.dtype) -> None:

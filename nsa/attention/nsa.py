@@ -243,9 +243,7 @@ class NativeSparseAttention(nn.Module):
         index = None
         if self.indexer is not None:  # the language-model loss never moves the indexer: its input is detached
             q_I, w_I, k_I, out = self.indexer.project(x.detach())
-            with torch.no_grad():  # the picks' keys [B, ceil(T / l'), e] (or k_I); the KL pools its own
-                keys = self.indexer.block_keys(k_I)
-            index = (q_I, w_I, keys, out)
+            index = (q_I, w_I, k_I, out, True)  # token keys: the ops pool them to block keys themselves
         return self._branches(q, ck, cv, *br["sel"], *br["win"], 0, T, index, self._distance_cap(rope, q.device))
 
     def _distance_cap(self, rope, device: torch.device):
@@ -313,14 +311,15 @@ class NativeSparseAttention(nn.Module):
         index = None
         if self.indexer is not None:  # the new tokens' index keys join their blocks; the queries score every block
             q_I, w_I, k_I, out = self.indexer.project(x.detach())
-            index = (q_I, w_I, cache.index_keys(k_I, per_token=self.indexer.pool == "scores"), out)
+            index = (q_I, w_I, cache.index_keys(k_I, per_token=self.indexer.pool == "scores"), out, False)
         return self._branches(q, ck, cv, sel_k, sel_v, win_k, win_v, t0, t_end, index)
 
     def _branches(self, q, ck, cv, sel_k, sel_v, win_k, win_v, t0: int, t_end: int, index=None, capped=None):
         """q [B, H, T, hd] at positions t0 .. t_end-1 over compressed ck, cv [B, H_kv, C, hd], selection keys and
         values from position 0 and the window's keys and values ending at t_end - 1 -> the three branch outputs
         [B, H, T, hd] and block_idx [B, H_kv, T, n]. index: the indexer's index queries [B, T, H_kv, h, e], head
-        weights [B, T, H_kv, h] and block keys [B, N_b, e] (or token keys [B, S, e]), or None. Its scores pick the blocks while self.indexer_selects (computed without a graph), and a
+        weights [B, T, H_kv, h], keys (block keys [B, N_b, e], or token keys [B, S, e]), its projection output
+        [B, T, P] and whether the keys are token keys (pooled to blocks by the ops), or None. Its scores pick the blocks while self.indexer_selects (computed without a graph), and a
         training forward from position 0 leaves the KL to its target (nsa.indexer_target) in self.indexer_loss (the
         scores of kl_rows' queries computed again, with a graph: the backward keeps [R, N_b], not [T, N_b]).
         capped: _distance_cap's, for a forward from position 0 whose selected branch reads far keys at the cap."""
@@ -329,8 +328,12 @@ class NativeSparseAttention(nn.Module):
         indexer_picks = index is not None and self.indexer_selects
         if T == 1:  # one query (a decode step): every cached key is visible, no chunking or masks
             with nvtx_range("nsa.decode"):
-                with torch.no_grad():
-                    picks = self.indexer.scores(*index[:3]) if indexer_picks else None  # [B, H_kv, 1, N_b]
+                picks = None
+                if indexer_picks:
+                    with torch.no_grad():
+                        q_I, w_I, keys, _, token_keys = index
+                        keys = self.indexer.block_keys(keys) if token_keys else keys
+                        picks = self.indexer.scores(q_I, w_I, keys)  # [B, H_kv, 1, N_b]
                 return decode_branches(q, ck, cv, sel_k, sel_v, win_k, win_v, t0, c, picks)
         # one custom op per stage (nsa/attention/ops.py): a constant number of launches per layer
         with nvtx_range("nsa.compressed"):
@@ -340,7 +343,7 @@ class NativeSparseAttention(nn.Module):
         with nvtx_range("nsa.select"):
             if indexer_picks:  # [B, H_kv, T, n] by the indexer's scores (one op; no [T, N_b] scores on the Triton path)
                 block_idx = ops.indexer_picks(*index[:3], t0, c.l_sel, c.n_sel, self.indexer.pool == "scores",
-                                              c.kernel)
+                                              c.kernel, token_keys=index[4])
             else:
                 block_idx = ops.select_blocks(qg, ck, t0, c.l, c.d, c.l_sel, c.n_sel, c.q_chunk, c.kernel,
                                               lse=cmp_lse.view(B, self.n_kv_heads, self.n_groups, T))

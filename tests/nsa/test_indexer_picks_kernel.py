@@ -134,6 +134,20 @@ def test_picks_read_no_future_key():
     assert not torch.equal(after[:, :, t:], before[:, :, t:])  # the perturbation reaches later queries' picks
 
 
+@pytest.mark.parametrize("Tq, q_start", [(70, 0), (40, 33)])
+def test_token_keys_pooled_in_the_kernel(Tq, q_start):
+    """token_keys (one key per block, pooled from the token keys in the launch): the picks equal the oracle's on the
+    block keys pooled in torch (impl/index_scores.block_max), float64; the last block partial."""
+    from nsa.attention.impl.index_scores import block_max
+
+    S, l_sel = q_start + Tq, 8
+    q, w, tokens = make_inputs(1, Tq, 2, 2, 16, S, seed=11)
+    got = indexer_topk.fused_indexer_picks(q, w, tokens, q_start, l_sel, 5, False, token_keys=True)
+    want = indexer_picks(q, w, block_max(tokens, l_sel), q_start, l_sel, 5, False)
+    assert torch.equal(got, want)
+    assert torch.equal(ops.indexer_picks(q, w, tokens, q_start, l_sel, 5, False, "torch", token_keys=True), want)
+
+
 def test_op_chooses_the_kernel_and_the_torch_path_alike():
     """ops.indexer_picks with kernel=triton and kernel=torch: the same picks (float64, the layer's entry point)."""
     q, w, keys = make_inputs(1, 50, 2, 2, 16, 50, seed=9)

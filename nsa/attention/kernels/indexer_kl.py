@@ -55,7 +55,7 @@ KEY_BLOCKS = 16  # blocks per key program with one key per block (BKB); PER_TOKE
 
 
 @triton.jit
-def _block_keys(OUT, ob, sot, sop, k_col, offs_e, e_ok, j0, T, BJ: tl.constexpr, L_SEL: tl.constexpr,
+def block_keys(OUT, ob, sot, sop, k_col, offs_e, e_ok, j0, T, BJ: tl.constexpr, L_SEL: tl.constexpr,
                 ACC: tl.constexpr):
     """Block keys of blocks j0 .. j0+BJ-1: the elementwise max of each block's token keys, one token offset at a time
     ([BJ, EP] live, not [BJ, l', EP]); 0 for a block with no token before T. -> keys [BJ, EP], present [BJ]."""
@@ -86,7 +86,7 @@ def _chunk_scores(q, w, OUT, ob, sot, sop, k_col, offs_e, e_ok, j0, T,
         keys = tl.load(OUT + ob + tok[:, None].to(tl.int64) * sot + (k_col + offs_e)[None, :] * sop,
                        mask=tok_ok[:, None] & e_ok[None, :], other=0.0)
     else:
-        keys, tok_ok = _block_keys(OUT, ob, sot, sop, k_col, offs_e, e_ok, j0, T, BJ, L_SEL, ACC)
+        keys, tok_ok = block_keys(OUT, ob, sot, sop, k_col, offs_e, e_ok, j0, T, BJ, L_SEL, ACC)
     keys = keys.to(q.dtype)
     s = tl.dot(q, tl.trans(keys), input_precision=PREC, out_dtype=ACC) * SCALE  # [R', BN]
     per_key = tl.sum(tl.reshape(tl.maximum(s, 0.0) * w[:, None], (HP, BT, BN)), axis=0)  # [BT, BN]
@@ -291,7 +291,7 @@ def _keys_backward(kp, OUT, TGT, STATS, DOUT, sob, sot, sop, stb, stk, str_, stj
         tl.store(DOUT + b * sdb + tok[:, None].to(tl.int64) * sdt + (k_col + offs_e)[None, :] * sdp, d_key,
                  mask=tok_ok[:, None] & e_ok[None, :])
     else:  # each dim of a block key to the block's token(s) holding its max, split among ties
-        best, _ = _block_keys(OUT, ob, sot, sop, k_col, offs_e, e_ok, j0, T, BKB, L_SEL, ACC)  # [BKB, EP]
+        best, _ = block_keys(OUT, ob, sot, sop, k_col, offs_e, e_ok, j0, T, BKB, L_SEL, ACC)  # [BKB, EP]
         first = (j0 + cols) * L_SEL
         ties = tl.zeros([BKB, EP], dtype=ACC)
         for o in range(L_SEL):

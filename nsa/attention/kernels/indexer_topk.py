@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from nsa.attention.kernels.interpreter import interpreter_active
+from nsa.attention.kernels.indexer_kl import block_keys
 from nsa.attention.kernels.select_topk import ascending, merge_topn
 
 ROWS = 64  # (index head, query) rows per program: BT = ROWS // HP queries (1 .. MAX_BLOCK_QUERIES)
@@ -50,8 +51,8 @@ def _indexer_topk_kernel(
     q_start, Tq, N,
     H_KV: tl.constexpr, HI: tl.constexpr, HP: tl.constexpr, E: tl.constexpr, EP: tl.constexpr,
     L_SEL: tl.constexpr, N_SEL: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BJ: tl.constexpr,
-    LP: tl.constexpr, PER_TOKEN: tl.constexpr, SCALE: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr,
-    PREC: tl.constexpr,
+    LP: tl.constexpr, PER_TOKEN: tl.constexpr, POOL_TOKENS: tl.constexpr, SCALE: tl.constexpr, ACC: tl.constexpr,
+    UPCAST: tl.constexpr, PREC: tl.constexpr,
 ):
     R: tl.constexpr = HP * BT  # rows: (index head, query) pairs
     q0 = tl.program_id(0) * BT
@@ -78,9 +79,9 @@ def _indexer_topk_kernel(
     current = (q_start + q_idx) // L_SEL  # [BT] each query's current block
     last = q_start + tl.minimum(q0 + BT, Tq) - 1  # the tile's last query position
     BN: tl.constexpr = BJ * LP  # key lanes per chunk (LP = 1 with one key per block)
-    if PER_TOKEN:
+    if PER_TOKEN or POOL_TOKENS:  # N token keys
         n_blocks = (N + L_SEL - 1) // L_SEL
-    else:
+    else:  # N block keys
         n_blocks = N
     cols = tl.arange(0, BJ)
     lanes = tl.arange(0, BN)
@@ -91,11 +92,15 @@ def _indexer_topk_kernel(
             tok = (j0 + lanes // LP) * L_SEL + lanes % LP  # [BN] the chunk's tokens, LP lanes per block
             tok_ok = (lanes % LP < L_SEL) & (tok < N)
         else:
-            tok = j0 + lanes  # [BN] the chunk's block keys
-            tok_ok = tok < N
-        kt = tl.load(keys + tok[:, None].to(tl.int64) * skn, mask=tok_ok[:, None] & e_ok[None, :], other=0.0)
+            tok = j0 + lanes  # [BN] the chunk's blocks
+            tok_ok = tok < n_blocks
+        if POOL_TOKENS:  # each block's key: the elementwise max of its token keys
+            kt, _ = block_keys(K, b * skb, skn, ske, 0, offs_e, e_ok, j0, N, BJ, L_SEL, ACC)
+        else:
+            kt = tl.load(keys + tok[:, None].to(tl.int64) * skn, mask=tok_ok[:, None] & e_ok[None, :], other=0.0)
         if UPCAST:
             kt = kt.to(tl.float32)
+        kt = kt.to(q.dtype)
         s = tl.dot(q, tl.trans(kt), input_precision=PREC, out_dtype=ACC) * SCALE  # [R, BN]
         s = tl.maximum(s, 0.0) * w[:, None]
         score = tl.sum(tl.reshape(s, (HP, BT, BN)), axis=0)  # [BT, BN] summed over the index heads
@@ -114,7 +119,8 @@ def _indexer_topk_kernel(
              mask=q_ok[:, None] & (slots < N_SEL)[None, :])
 
 
-def kernel_constexprs(dtype: torch.dtype, heads: int, index_dim: int, l_sel: int, n: int, per_token: bool) -> dict:
+def kernel_constexprs(dtype: torch.dtype, heads: int, index_dim: int, l_sel: int, n: int, per_token: bool,
+                      pool_tokens: bool = False) -> dict:
     """The kernel's compile-time constants for these shapes (also used to compile it ahead of time)."""
     hp, lp = triton.next_power_of_2(heads), triton.next_power_of_2(l_sel)
     bj = max(2, TOKEN_LANES // lp) if per_token else 16  # tl.dot needs >= 16 columns: BJ * LP >= 16
@@ -122,6 +128,7 @@ def kernel_constexprs(dtype: torch.dtype, heads: int, index_dim: int, l_sel: int
     return dict(
         HI=heads, HP=hp, E=index_dim, EP=max(16, triton.next_power_of_2(index_dim)), L_SEL=l_sel, N_SEL=n,
         NP=triton.next_power_of_2(n), BT=max(1, min(MAX_BLOCK_QUERIES, ROWS // hp)), BJ=bj, LP=lp if per_token else 1, PER_TOKEN=per_token,
+        POOL_TOKENS=pool_tokens and not per_token,
         SCALE=1.0 / math.sqrt(index_dim), ACC=tl.float64 if f64 else tl.float32,
         UPCAST=interpret and dtype in (torch.bfloat16, torch.float16), PREC="ieee" if f64 or interpret else "tf32x3",
     )
@@ -131,11 +138,12 @@ def kernel_constexprs(dtype: torch.dtype, heads: int, index_dim: int, l_sel: int
 def fused_indexer_picks(
     q: torch.Tensor,  # [B, Tq, H_kv, h, e] index queries of the queries at positions q_start .., any strides
     w: torch.Tensor,  # [B, Tq, H_kv, h] head weights
-    keys: torch.Tensor,  # [B, N_b, e] block keys, or per_token: [B, S, e] token keys from position 0
+    keys: torch.Tensor,  # [B, N_b, e] block keys, or (per_token or token_keys) [B, S, e] token keys from position 0
     q_start: int,
     l_sel: int,
     n: int,
     per_token: bool,
+    token_keys: bool = False,  # with one key per block: keys are token keys, each block's the max of its tokens'
 ) -> torch.Tensor:  # [B, H_kv, Tq, n] int64 block indices, ascending; -1 pads |I_p| = min(n, p // l' + 1)
     """Top-n blocks per query by the indexer's scores (block 0, the previous and the current block forced; ties ->
     lower index): impl/index_scores.indexer_picks in one launch, no host sync."""
@@ -154,7 +162,7 @@ def fused_indexer_picks(
     out = torch.empty(B, H_kv, Tq, n, dtype=torch.long, device=q.device)
     if out.numel() == 0:
         return out
-    meta = kernel_constexprs(q.dtype, h, e, l_sel, n, per_token)
+    meta = kernel_constexprs(q.dtype, h, e, l_sel, n, per_token, token_keys)
     grid = (triton.cdiv(Tq, meta["BT"]), B * H_kv)
     _indexer_topk_kernel[grid](q, w, keys, out, *q.stride(), *w.stride(), *keys.stride(), q_start, Tq, keys.shape[1],
                                H_KV=H_kv, **meta, maxnreg=255)  # as select_topk's: its merge state in registers
