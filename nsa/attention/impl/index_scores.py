@@ -11,13 +11,24 @@ import torch.nn.functional as F
 from nsa.attention.impl.selection import select_blocks, selection_block_scores
 
 
+def head_scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """q [B, Tq, H_kv, h, e], keys [B, N, e] -> every head's q . k / sqrt(e) [B, H_kv, h, Tq, N] (float32, or float64
+    for float64 inputs): one batched matmul into that layout, no permuted copy of the [.., Tq, N] result."""
+    B, Tq, H_kv, h, e = q.shape
+    rows = q.permute(0, 2, 3, 1, 4).reshape(B, H_kv * h * Tq, e) / math.sqrt(e)  # [B, H_kv*h*Tq, e] (small)
+    s = torch.bmm(rows, keys.transpose(1, 2))  # [B, H_kv*h*Tq, N]
+    return s.to(torch.promote_types(s.dtype, torch.float32)).view(B, H_kv, h, Tq, -1)
+
+
 def weighted_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """q [B, Tq, H_kv, h, e], w [B, Tq, H_kv, h], keys [B, N, e] (shared by the queries) or [B, Tq, N, e] (each
     query's own) -> sum_h w_h ReLU(q_h . k_n) / sqrt(e): [B, H_kv, Tq, N] (float32, or float64 for float64 inputs)."""
-    logits = torch.einsum("btkhe,bne->bkhtn" if keys.dim() == 3 else "btkhe,btne->bkhtn", q, keys)
-    acc = torch.promote_types(logits.dtype, torch.float32)
-    logits = F.relu(logits.to(acc)) / math.sqrt(q.shape[-1])
-    return torch.einsum("bkhtn,btkh->bktn", logits, w.to(acc))
+    if keys.dim() == 3:
+        s = head_scores(q, keys)  # [B, H_kv, h, Tq, N]
+    else:
+        s = torch.einsum("btkhe,btne->bkhtn", q, keys)
+        s = s.to(torch.promote_types(s.dtype, torch.float32)) / math.sqrt(q.shape[-1])
+    return (F.relu(s) * w.to(s.dtype).permute(0, 2, 3, 1)[..., None]).sum(2)
 
 
 def max_over_blocks(per_token: torch.Tensor, l_sel: int) -> torch.Tensor:
@@ -139,9 +150,10 @@ def kl_loss_backward(grad: torch.Tensor, out: torch.Tensor, target: torch.Tensor
     q_r, w_r = q[:, rows], w[:, rows]  # [B, R, H_kv, h, e], [B, R, H_kv, h]
     acc = torch.promote_types(out.dtype, torch.float32)
     keys = k if per_token else block_max(k, l_sel)  # [B, N, e]
-    s = torch.einsum("brkhe,bne->bkhrn", q_r, keys).to(acc) / math.sqrt(e)  # [B, H_kv, h, R, N]
+    s = head_scores(q_r, keys)  # [B, H_kv, h, R, N]
     a = F.relu(s)
-    per_key = torch.einsum("bkhrn,brkh->bkrn", a, w_r.to(acc))  # [B, H_kv, R, N]
+    w_h = w_r.to(acc).permute(0, 2, 3, 1)[..., None]  # [B, H_kv, h, R, 1]
+    per_key = (a * w_h).sum(2)  # [B, H_kv, R, N]
     scores = max_over_blocks(per_key, l_sel) if per_token else per_key  # [B, H_kv, R, N_b]
     n_blocks = scores.shape[-1]
     cand = candidate_mask(rows, l_sel, n_blocks).expand(scores.shape)
@@ -156,14 +168,16 @@ def kl_loss_backward(grad: torch.Tensor, out: torch.Tensor, target: torch.Tensor
         N = per_key.shape[-1]
         pad = n_blocks * l_sel - N
         tok = F.pad(per_key, (0, pad), value=float("-inf")).unflatten(-1, (n_blocks, l_sel))  # [B, H_kv, R, N_b, l']
-        share = _argmax_share(tok.transpose(-1, -2), scores[..., None, :]).transpose(-1, -2)  # [.., N_b, l']
-        d_key = (d_scores[..., None] * share).flatten(-2)[..., :N]  # [B, H_kv, R, N]
+        is_max = (tok == scores[..., None]).to(acc)
+        d_key = (d_scores[..., None] * is_max / is_max.sum(-1, keepdim=True)).flatten(-2)[..., :N]  # [B, H_kv, R, N]
     else:
         d_key = d_scores
-    d_w = torch.einsum("bkrn,bkhrn->brkh", d_key, a)  # [B, R, H_kv, h]
-    d_s = d_key[:, :, None] * w_r.to(acc).permute(0, 2, 3, 1)[..., None] * (s > 0)  # [B, H_kv, h, R, N]
-    d_q = torch.einsum("bkhrn,bne->brkhe", d_s, keys.to(acc)) / math.sqrt(e)  # [B, R, H_kv, h, e]
-    d_keys = torch.einsum("bkhrn,brkhe->bne", d_s, q_r.to(acc)) / math.sqrt(e)  # [B, N, e]
+    d_w = (d_key[:, :, None] * a).sum(-1).permute(0, 3, 1, 2)  # [B, R, H_kv, h]
+    d_s = (d_key[:, :, None] * w_h * (s > 0)).flatten(1, 3)  # [B, H_kv*h*R, N], head_scores' row layout
+    H_kv = n_kv_heads
+    d_q = torch.bmm(d_s, keys.to(acc) / math.sqrt(e)).view(B, H_kv, heads, R, e).permute(0, 3, 1, 2, 4)
+    q_rows = q_r.to(acc).permute(0, 2, 3, 1, 4).reshape(B, H_kv * heads * R, e) / math.sqrt(e)
+    d_keys = torch.bmm(d_s.transpose(1, 2), q_rows)  # [B, N, e]
     if per_token:
         d_k = d_keys
     else:  # each dim of a block key to its block's best token(s) in that dim
