@@ -91,12 +91,17 @@ class BlockIndexer(nn.Module):
         return weighted_scores(q, w, block_keys)  # [B, H_kv, R, n_blocks]
 
 
+# Before 2026-11-29 the indexer had three projections, in `projection`'s output order: checkpoints holding them load
+# (their weights by _join_projections, their optimizer state by train/checkpoint/state_dicts.py), stacked along dim 0
+LEGACY_PROJECTIONS = ("q_proj.weight", "w_proj.weight", "k_proj.weight")
+PROJECTION = "projection.weight"
+
+
 def _join_projections(module, state_dict, prefix, *args) -> None:
-    """Checkpoints written before the indexer had one projection (q_proj, w_proj, k_proj): their weights stacked
-    into `projection` in its output order, so they load unchanged."""
-    names = [f"{prefix}{n}_proj.weight" for n in ("q", "w", "k")]
+    """A checkpoint written before the indexer had one projection: its three weights stacked into `projection`."""
+    names = [prefix + n for n in LEGACY_PROJECTIONS]
     if all(n in state_dict for n in names):
-        state_dict[f"{prefix}projection.weight"] = torch.cat([state_dict.pop(n) for n in names], dim=0)
+        state_dict[prefix + PROJECTION] = torch.cat([state_dict.pop(n) for n in names], dim=0)
 
 
 KL_ROWS = 1024  # queries per layer and step the KL is taken over (evenly spaced; all of them up to this length)

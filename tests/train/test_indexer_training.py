@@ -50,3 +50,43 @@ def test_distance_cap_from_step_trains_uncapped_until_then(tmp_path):
     before = [row for row in losses["capped"] if row[0] <= 15]
     assert before and before == [row for row in losses["plain"] if row[0] <= 15]
     assert [row for row in losses["capped"] if row[0] > 15] != [row for row in losses["plain"] if row[0] > 15]
+
+
+def _to_three_projections(path):
+    """Rewrite a checkpoint as one written before the indexer had one projection: each layer's `projection` weight
+    and optimizer state split back into q_proj, w_proj and k_proj (in the optimizer's group order)."""
+    ckpt = torch.load(path, weights_only=False)
+    keys = [k for k in ckpt["model"] if k.endswith("indexer.projection.weight")]
+    assert keys
+    for key in keys:
+        prefix = key[: -len("projection.weight")]
+        weight = ckpt["model"].pop(key)
+        sizes = (32, 4, 8)  # INDEXER: H_kv = 2, h = 2, e = 8: q 32 rows, w 4, k 8
+        assert sum(sizes) == weight.shape[0], weight.shape
+        names = [prefix + n for n in ("q_proj.weight", "w_proj.weight", "k_proj.weight")]
+        ckpt["model"].update(zip(names, weight.split(sizes)))
+        state = ckpt["optimizer"]["state"].pop(key)
+        for i, name in enumerate(names):
+            ckpt["optimizer"]["state"][name] = {k: v.split(sizes)[i] if torch.is_tensor(v) and v.dim() else v
+                                                for k, v in state.items()}
+        for group in ckpt["optimizer"]["param_groups"]:
+            if key in group["params"]:
+                at = group["params"].index(key)
+                group["params"][at:at + 1] = names
+    torch.save(ckpt, path)
+
+
+def test_a_checkpoint_from_before_the_one_projection_resumes(tmp_path):
+    """A run whose checkpoint holds the indexer's three former projections (weights and optimizer moments) resumes
+    into the one projection: the same losses as the uninterrupted run."""
+    args = [*TINY_CLI, *INDEXER, "--train.steps=20", "--train.save_every=10"]
+    reference, out = tmp_path / "reference", tmp_path / "old"
+    assert cli(*args, f"--train.out_dir={reference}").returncode == 0
+    assert cli(*args, "--train.stop_after=10", f"--train.out_dir={out}").returncode == 0
+    for path in {p.resolve() for p in out.glob("*.pt")}:  # latest.pt may link to the step's file
+        _to_three_projections(path)
+    done = cli(*args, f"--train.out_dir={out}")
+    assert done.returncode == 0, done.stderr[-2000:]
+    keys = ("step", "loss", "grad_norm")
+    assert [tuple(r[k] for k in keys) for r in read_csv(out / "training.csv")] == \
+        [tuple(r[k] for k in keys) for r in read_csv(reference / "training.csv")]

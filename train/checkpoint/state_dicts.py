@@ -44,6 +44,30 @@ def _fqn_to_index(state: dict, optimizer: torch.optim.Optimizer, group_names: li
     return {"state": {index[n]: s for n, s in state["state"].items()}, "param_groups": groups}
 
 
+def _join_indexer_projections(state: dict) -> dict:
+    """An optimizer state (FQN-keyed) written before the NSA indexer had one projection: each layer's three
+    projections' per-parameter states (moments: stacked along dim 0 as the weights are; the step: the first's) become
+    the one projection's, in its place in its group (nsa/attention/indexer.py LEGACY_PROJECTIONS)."""
+    from nsa.attention.indexer import LEGACY_PROJECTIONS, PROJECTION
+
+    first = LEGACY_PROJECTIONS[0]
+    prefixes = [n[: -len(first)] for n in state["state"] if n.endswith(first)]
+    if not prefixes:
+        return state
+    per_param, groups = dict(state["state"]), [dict(g) for g in state["param_groups"]]
+    for prefix in prefixes:
+        old = [prefix + n for n in LEGACY_PROJECTIONS]
+        if not all(n in per_param for n in old):
+            continue
+        parts = [per_param.pop(n) for n in old]
+        per_param[prefix + PROJECTION] = {k: torch.cat([p[k] for p in parts], dim=0)
+                                          if torch.is_tensor(v) and v.dim() > 0 else v for k, v in parts[0].items()}
+        for g in groups:
+            if old[0] in g["params"]:
+                g["params"] = [prefix + PROJECTION if n == old[0] else n for n in g["params"] if n not in old[1:]]
+    return {**state, "state": per_param, "param_groups": groups}
+
+
 def is_fsdp(model: nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
@@ -78,6 +102,7 @@ def load_states(model: nn.Module, optimizer: torch.optim.Optimizer | None, model
         else:
             model.load_state_dict(model_sd)
         return
+    optim_sd = _join_indexer_projections(optim_sd)
     if is_fsdp(model):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
