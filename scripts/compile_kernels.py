@@ -246,6 +246,7 @@ def exercise_indexer_topk(shape: Shape, dtype: torch.dtype) -> None:
 def exercise_indexer_kl(shape: Shape, dtype: torch.dtype) -> None:
     """The learned indexer's KL term forward and backward (nsa.selector=indexer), as ops.indexer_kl calls them, at the
     indexer's default sizes with one key per block and one per token, over the layer's KL rows."""
+    from nsa.attention.impl.compression import num_compressed
     from nsa.attention.indexer import KL_ROWS
     from nsa.attention.kernels.indexer_kl import indexer_kl_backward, indexer_kl_forward
     from nsa.config import NSAConfig
@@ -257,6 +258,12 @@ def exercise_indexer_kl(shape: Shape, dtype: torch.dtype) -> None:
     stats = _meta(1, shape.H_kv, R, 2, dtype=torch.promote_types(dtype, torch.float32))
     for per_token in (False, True):
         indexer_kl_forward(out, target, shape.H_kv, h, e, R, shape.l_sel, per_token, 1.0)
+        q = _meta(1, shape.H_kv, shape.G, T, shape.hd, dtype=dtype)  # the target in the same launch
+        ck = _meta(1, shape.H_kv, num_compressed(T, shape.l, shape.d), shape.hd, dtype=dtype)
+        lse = _meta(1, shape.H_kv, shape.G, T, dtype=torch.promote_types(dtype, torch.float32))
+        for source in (("compressed", q, ck, lse, shape.l, shape.d), ("dense", q, _meta(1, shape.H_kv, T, shape.hd,
+                                                                                         dtype=dtype), None, 0, 0)):
+            indexer_kl_forward(out, None, shape.H_kv, h, e, R, shape.l_sel, per_token, 1.0, source)
         indexer_kl_backward(torch.empty((), dtype=torch.float32, device="meta"), out, target, stats, shape.H_kv, h, e, R, shape.l_sel,
                             per_token, 1.0)
 

@@ -348,13 +348,19 @@ class NativeSparseAttention(nn.Module):
                 block_idx = ops.select_blocks(qg, ck, t0, c.l, c.d, c.l_sel, c.n_sel, c.q_chunk, c.kernel,
                                               lse=cmp_lse.view(B, self.n_kv_heads, self.n_groups, T))
             if index is not None and t0 == 0 and torch.is_grad_enabled() and c.indexer_kl > 0:
-                target = self.indexer_target(qg, ck, sel_k, -(-T // c.l_sel), capped=capped,
-                                             lse=cmp_lse.view(B, self.n_kv_heads, self.n_groups, T))
-                # weight * KL over the rows (every query up to KL_ROWS, else evenly spaced ones), scored from the
-                # projection output (one op each way)
+                lse = cmp_lse.view(B, self.n_kv_heads, self.n_groups, T)
+                target, source = None, None
+                if capped is not None:  # the dense target reading far keys at the cap: torch ops
+                    target = self.indexer_target(qg, ck, sel_k, -(-T // c.l_sel), capped=capped, lse=lse)
+                elif c.indexer_target == "compressed":  # computed in the KL's own launch on the Triton path
+                    source = ("compressed", qg, ck, lse, c.l, c.d)
+                else:
+                    source = ("dense", qg, sel_k)
+                # weight * KL over the rows (every query up to KL_ROWS, else evenly spaced ones) as per-row terms,
+                # scored from the projection output (one op each way)
                 self.indexer_loss = ops.indexer_kl(index[3], target, self.n_kv_heads, c.indexer_heads, c.indexer_dim,
                                                    kl_row_count(T), c.l_sel, self.indexer.pool == "scores",
-                                                   c.indexer_kl, c.kernel)
+                                                   c.indexer_kl, c.kernel, source=source)
         with nvtx_range("nsa.selected"):
             if capped is not None:
                 o_sel = self._capped_selected(qg, sel_k, sel_v, block_idx, capped)

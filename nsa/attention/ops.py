@@ -419,21 +419,33 @@ def dense_mass_rows(
 
 
 @torch.library.custom_op("nsa::indexer_kl", mutates_args=())
-def _indexer_kl(out: Tensor, target: Tensor, n_kv_heads: int, heads: int, index_dim: int, R: int, l_sel: int,
-                per_token: bool, weight: float, kernel: str) -> tuple[Tensor, Tensor]:
+def _indexer_kl(out: Tensor, target: Tensor | None, source: str, source_q: Tensor | None, source_k: Tensor | None,
+                source_lse: Tensor | None, l: int, d: int, n_kv_heads: int, heads: int, index_dim: int, R: int,
+                l_sel: int, per_token: bool, weight: float, kernel: str) -> tuple[Tensor, Tensor, Tensor]:
     if _triton(kernel, out):
         from nsa.attention.kernels.indexer_kl import indexer_kl_forward
 
-        return indexer_kl_forward(out, target, n_kv_heads, heads, index_dim, R, l_sel, per_token, weight)
+        spec = None if target is not None else (source, source_q, source_k, source_lse, l, d)
+        terms, stats, used = indexer_kl_forward(out, target, n_kv_heads, heads, index_dim, R, l_sel, per_token,
+                                                weight, spec)
+        return terms, stats, used if target is None else used.clone()  # outputs may not alias inputs
+    if target is None:  # the target for the KL's rows from its source, as the target ops' torch path
+        rows = index_scores.kl_row_indices(out.shape[1], R, out.device)
+        n_blocks = -(-out.shape[1] // l_sel)
+        q_rows = source_q[:, :, :, rows]
+        target = (index_scores.pooled_block_mass(q_rows, source_k, rows, l, d, l_sel, n_blocks) if source == "compressed"
+                  else index_scores.dense_block_mass(q_rows, source_k, rows, l_sel, n_blocks))
     with torch.no_grad():
-        return index_scores.kl_loss(out, target, n_kv_heads, heads, index_dim, R, l_sel, per_token, weight)
+        terms, stats = index_scores.kl_loss(out, target, n_kv_heads, heads, index_dim, R, l_sel, per_token, weight)
+    return terms, stats, target.clone()  # a custom op's outputs may not alias its inputs
 
 
 @_indexer_kl.register_fake
-def _(out, target, n_kv_heads, heads, index_dim, R, l_sel, per_token, weight, kernel):
-    acc = _lse_dtype(out.dtype)
-    return out.new_empty(out.shape[0], n_kv_heads, R, dtype=acc), out.new_empty(out.shape[0], n_kv_heads, R, 2,
-                                                                               dtype=acc)
+def _(out, target, source, source_q, source_k, source_lse, l, d, n_kv_heads, heads, index_dim, R, l_sel, per_token,
+      weight, kernel):
+    acc, B = _lse_dtype(out.dtype), out.shape[0]
+    return (out.new_empty(B, n_kv_heads, R, dtype=acc), out.new_empty(B, n_kv_heads, R, 2, dtype=acc),
+            out.new_empty(B, n_kv_heads, R, -(-out.shape[1] // l_sel), dtype=acc))
 
 
 @torch.library.custom_op("nsa::indexer_kl_backward", mutates_args=())
@@ -452,16 +464,15 @@ def _(grad, out, target, stats, n_kv_heads, heads, index_dim, R, l_sel, per_toke
 
 
 def _indexer_kl_setup(ctx, inputs, output):
-    out, target, *rest = inputs
-    ctx.set_materialize_grads(False)  # the row statistics' gradient stays None (no zero-filled tensor)
-    ctx.save_for_backward(out, target, output[1])
-    ctx.rest = rest
+    out = inputs[0]
+    ctx.set_materialize_grads(False)  # the statistics' and target's gradients stay None (no zero-filled tensors)
+    ctx.save_for_backward(out, output[2], output[1])  # the target as the forward used it
+    ctx.rest = inputs[8:]  # n_kv_heads .. kernel
 
 
-def _indexer_kl_backward(ctx, d_loss, _d_stats):
+def _indexer_kl_backward(ctx, d_terms, _d_stats, _d_target):
     out, target, stats = ctx.saved_tensors
-    return (_indexer_kl_bwd(d_loss, out, target, stats, *ctx.rest), None, None, None, None, None, None, None, None,
-            None)
+    return (_indexer_kl_bwd(d_terms, out, target, stats, *ctx.rest),) + (None,) * 15
 
 
 _indexer_kl.register_autograd(_indexer_kl_backward, setup_context=_indexer_kl_setup)
@@ -469,14 +480,25 @@ _indexer_kl.register_autograd(_indexer_kl_backward, setup_context=_indexer_kl_se
 
 def indexer_kl(
     out: Tensor,  # [B, T, H_kv*h*e + H_kv*h + e] the indexer's projection output (its input detached), positions 0 ..
-    target: Tensor,  # [B, H_kv, R, N_b] the KL's target mass per block of the R queries at r * T // R (no gradient)
+    target: Tensor | None,  # [B, H_kv, R, N_b] the KL's target mass per block of the R queries at r * T // R
     n_kv_heads: int, heads: int, index_dim: int, R: int, l_sel: int, per_token: bool, weight: float, kernel: str,
+    source: tuple | None = None,  # target None: ("compressed", q, ck, lse or None, l, d) or ("dense", q, sel_k)
 ) -> Tensor:  # [B, H_kv, R]: terms whose sum is weight * the mean KL(target || softmax(scores)) over the rows
     # with >= 2 candidate blocks (the model sums every layer's terms at once: no reduction launch per layer)
     """nsa.selector=indexer's training term (impl/index_scores.kl_loss; the Triton path kernels/indexer_kl.py: one
-    launch forward and one backward, no [R, N_b] scores kept). Its gradient reaches `out` only (the projection)."""
-    loss, _ = _indexer_kl(out, target.detach(), n_kv_heads, heads, index_dim, R, l_sel, per_token, weight, kernel)
-    return loss
+    launch forward and one backward, no [R, N_b] scores kept). Its gradient reaches `out` only (the projection).
+    With a source instead of a target, the target (ops.pooled_mass_rows' or ops.dense_mass_rows') is computed in the
+    same launch: q [B, H_kv, G, T, hd] the layer's queries, ck / sel_k its compressed / selected keys, lse the
+    compressed branch's log-sum-exps [B, H_kv, G, T]."""
+    if target is not None:
+        terms, _, _ = _indexer_kl(out, target.detach(), "given", None, None, None, 0, 0, n_kv_heads, heads, index_dim,
+                                  R, l_sel, per_token, weight, kernel)
+        return terms
+    kind, q, keys, *rest = source
+    lse, l, d = rest if rest else (None, 0, 0)
+    terms, _, _ = _indexer_kl(out, None, kind, q.detach(), keys.detach(), None if lse is None else lse.detach(), l, d,
+                              n_kv_heads, heads, index_dim, R, l_sel, per_token, weight, kernel)
+    return terms
 
 
 # ---------------------------------------------------------------- selected attention

@@ -89,7 +89,7 @@ def test_kernels_match_the_oracle_float64(per_token, T, R, l_sel, ties):
         pytest.skip(reason)
     out, target = make(T, R, l_sel, seed=5, ties=ties)
     want, want_stats = kl_loss(out, target, H_KV, HEADS, DIM, R, l_sel, per_token, 0.7)
-    got, got_stats = kl_kernels.indexer_kl_forward(out, target, H_KV, HEADS, DIM, R, l_sel, per_token, 0.7)
+    got, got_stats, _ = kl_kernels.indexer_kl_forward(out, target, H_KV, HEADS, DIM, R, l_sel, per_token, 0.7)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
     has_candidates = torch.isfinite(want_stats[..., 0])  # rows with no candidate: no log-sum-exp to compare
     torch.testing.assert_close(got_stats[has_candidates], want_stats[has_candidates], rtol=1e-10, atol=1e-12)
@@ -112,7 +112,7 @@ def test_kernels_in_low_precision_against_float64(dtype, tol, per_token):
     out, target = make(T, R, l_sel, seed=7)
     low = out.to(dtype)
     want, _ = kl_loss(low.double(), target, H_KV, HEADS, DIM, R, l_sel, per_token, 1.0)
-    got, stats = kl_kernels.indexer_kl_forward(low, target.float(), H_KV, HEADS, DIM, R, l_sel, per_token, 1.0)
+    got, stats, _ = kl_kernels.indexer_kl_forward(low, target.float(), H_KV, HEADS, DIM, R, l_sel, per_token, 1.0)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got.sum().double(), want.sum(), rtol=tol, atol=tol)
     grad = torch.ones(1, H_KV, R)
@@ -139,10 +139,11 @@ def test_the_op_chooses_the_kernels_with_kernel_triton():
     torch.testing.assert_close(grads["triton"][1], grads["torch"][1], rtol=1e-9, atol=1e-12)
 
 
-@pytest.mark.parametrize("pool", ["keys", "scores"])
-def test_a_layer_on_the_triton_path_learns_as_on_the_torch_path(pool):
-    """An indexer layer's training forward with nsa.kernel=triton (picks, KL and every other Triton op in the
-    interpreter) against nsa.kernel=torch on the same weights, float64: the same KL term and indexer gradient."""
+@pytest.mark.parametrize("pool, target", [("keys", "dense"), ("scores", "dense"), ("keys", "compressed")])
+def test_a_layer_on_the_triton_path_learns_as_on_the_torch_path(pool, target):
+    """An indexer layer's training forward with nsa.kernel=triton (picks, the KL with its target in the same launch,
+    every other Triton op, in the interpreter) against nsa.kernel=torch on the same weights, float64: the same KL
+    term and indexer gradient."""
     if reason := _kernels_problem():
         pytest.skip(reason)
     from tests.nsa._nsa_helpers import make_input, make_layer, rope_for
@@ -153,7 +154,7 @@ def test_a_layer_on_the_triton_path_learns_as_on_the_torch_path(pool):
     for kernel in ("triton", "torch"):
         layer = make_layer(seed=3, nsa_overrides=dict(selector="indexer", indexer_heads=2, indexer_dim=8,
                                                       gate_init="equal", indexer_pool=pool, kernel=kernel,
-                                                      indexer_target="dense"))
+                                                      indexer_target=target))
         with torch.no_grad():
             for p in layer.indexer.parameters():
                 p.normal_(0.0, 0.5)

@@ -28,27 +28,25 @@ ROWS = 64  # (head, KL row) tile rows per program: BT = ROWS // GP rows (at most
 KEY_LANES = 64  # keys per chunk (BJ * LP)
 
 
-@triton.jit(do_not_specialize=["T", "R", "n_blocks"])
-def _dense_mass_kernel(
+@triton.jit
+def dense_mass_tile(
     Q, K, OUT,
     sqb, sqh, sqg, sqt, sqd,
     skb, skh, skt, skd,
     sob, soh, sor, soj,
-    T, R, n_blocks,
-    H_KV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, DP: tl.constexpr,
+    b, h, r0, r_hi, T, R, n_blocks,
+    G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, DP: tl.constexpr,
     L_SEL: tl.constexpr, LP: tl.constexpr, BT: tl.constexpr, BJ: tl.constexpr, SCALE: tl.constexpr,
     ACC: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
 ):
+    """KL rows r0 .. min(r0 + BT, r_hi) - 1 of batch row b, KV group h (module docstring). Also run inside the
+    KL's forward (kernels/indexer_kl.py), which computes its rows' target first."""
     RR: tl.constexpr = GP * BT
     BN: tl.constexpr = BJ * LP
-    r0 = tl.program_id(0) * BT
-    bh = tl.program_id(1).to(tl.int64)
-    b = bh // H_KV
-    h = bh % H_KV
     offs = tl.arange(0, RR)
     row_g = offs // BT
     row_r = r0 + offs % BT
-    row_ok = (row_g < G) & (row_r < R)
+    row_ok = (row_g < G) & (row_r < r_hi)
     row_pos = (row_r.to(tl.int64) * T) // R  # [RR] each row's position (its sequence index)
     offs_d = tl.arange(0, DP)
     d_ok = offs_d < HD
@@ -57,7 +55,7 @@ def _dense_mass_kernel(
     if UPCAST:
         q = q.to(tl.float32)
     keys = K + b * skb + h * skh + offs_d[None, :] * skd  # [1, DP]
-    last = (tl.minimum(r0 + BT, R) - 1).to(tl.int64) * T // R  # the tile's last row's position
+    last = (tl.minimum(r0 + BT, r_hi) - 1).to(tl.int64) * T // R  # the tile's last row's position
     lanes = tl.arange(0, BN)
 
     # ---- pass 1: each row's log-sum-exp over the keys it sees
@@ -77,7 +75,7 @@ def _dense_mass_kernel(
 
     # ---- pass 2: probability mass per block, summed over the group's heads
     r_t = r0 + tl.arange(0, BT)
-    r_ok = r_t < R
+    r_ok = r_t < r_hi
     cols = tl.arange(0, BJ)
     out = OUT + b * sob + h * soh + r_t.to(tl.int64)[:, None] * sor  # [BT, 1]
     c_last = last // L_SEL
@@ -97,6 +95,23 @@ def _dense_mass_kernel(
         else:  # past every row's position
             mass = tl.zeros([BT, BJ], dtype=ACC)
         tl.store(out + blk[None, :].to(tl.int64) * soj, mass, mask=r_ok[:, None] & (blk < n_blocks)[None, :])
+
+
+@triton.jit(do_not_specialize=["T", "R", "n_blocks"])
+def _dense_mass_kernel(
+    Q, K, OUT,
+    sqb, sqh, sqg, sqt, sqd,
+    skb, skh, skt, skd,
+    sob, soh, sor, soj,
+    T, R, n_blocks,
+    H_KV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, DP: tl.constexpr,
+    L_SEL: tl.constexpr, LP: tl.constexpr, BT: tl.constexpr, BJ: tl.constexpr, SCALE: tl.constexpr,
+    ACC: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+):
+    bh = tl.program_id(1).to(tl.int64)
+    dense_mass_tile(Q, K, OUT, sqb, sqh, sqg, sqt, sqd, skb, skh, skt, skd, sob, soh, sor, soj, bh // H_KV,
+                    bh % H_KV, tl.program_id(0) * BT, R, T, R, n_blocks, G, GP, HD, DP, L_SEL, LP, BT, BJ, SCALE, ACC,
+                    UPCAST, PREC)
 
 
 def kernel_constexprs(dtype: torch.dtype, G: int, hd: int, l_sel: int) -> dict:

@@ -45,7 +45,9 @@ import torch
 import triton
 import triton.language as tl
 
+from nsa.attention.kernels.dense_mass import dense_mass_tile
 from nsa.attention.kernels.interpreter import interpreter_active
+from nsa.attention.kernels.select_topk import pooled_mass_tile
 
 ROWS = 64  # (index head, KL row) tile rows per program: BT = ROWS // HP rows (at most MAX_ROWS)
 MAX_ROWS = 16
@@ -125,18 +127,35 @@ def _load_rows(OUT, ob, sot, sop, kv, r0, T, R,
 
 @triton.jit(do_not_specialize=["T", "R"])
 def _kl_fwd_kernel(
-    OUT, TGT, KLROW, STATS,
+    OUT, TGT, KLROW, STATS, TQ, TS, TL,
     sob, sot, sop, stb, stk, str_, stj,
-    T, R, n_blocks, scale,
+    sqb, sqh, sqg, sqt, sqd, ssb, ssh, ssn, ssd, slb, slh, slg, slt,
+    T, R, n_blocks, scale, N_src,
     H_KV: tl.constexpr, HI: tl.constexpr, HP: tl.constexpr, E: tl.constexpr, EP: tl.constexpr,
     L_SEL: tl.constexpr, LP: tl.constexpr, BT: tl.constexpr, BJ: tl.constexpr, BN_ROW: tl.constexpr,
     PER_TOKEN: tl.constexpr, SCALE: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    TARGET: tl.constexpr, T_G: tl.constexpr, T_GP: tl.constexpr, T_HD: tl.constexpr, T_DP: tl.constexpr,
+    T_L: tl.constexpr, T_D: tl.constexpr, T_BT: tl.constexpr, T_BJ: tl.constexpr, T_SHIFT: tl.constexpr,
+    T_SCALE: tl.constexpr, T_RUP: tl.constexpr, T_LP: tl.constexpr, T_UPCAST: tl.constexpr,
+    T_HAS_LSE: tl.constexpr,
 ):
     r0 = tl.program_id(0) * BT
     bk = tl.program_id(1).to(tl.int64)
     b = bk // H_KV
     kv = bk % H_KV
     ob = b * sob
+    if TARGET != 0:  # this program's rows' target first (TARGET 1: compressed, 2: dense), read back after a barrier
+        r_end = tl.minimum(r0 + BT, R)
+        for rs in range(r0, r_end, T_BT):
+            if TARGET == 1:
+                pooled_mass_tile(TQ, TS, TL, TGT, sqb, sqh, sqg, sqt, sqd, ssb, ssh, ssn, ssd, slb, slh, slg, slt,
+                                 stb, stk, str_, stj, b, kv, rs, r_end, T, R, N_src, n_blocks, T_G, T_GP, T_HD, T_DP,
+                                 T_L, T_D, L_SEL, T_BT, T_BJ, T_SHIFT, T_SCALE, T_RUP, ACC, T_UPCAST, PREC, T_HAS_LSE)
+            else:
+                dense_mass_tile(TQ, TS, TGT, sqb, sqh, sqg, sqt, sqd, ssb, ssh, ssn, ssd, stb, stk, str_, stj, b, kv,
+                                rs, r_end, T, R, n_blocks, T_G, T_GP, T_HD, T_DP, L_SEL, T_LP, T_BT, T_BJ, T_SCALE,
+                                ACC, T_UPCAST, PREC)
+        tl.debug_barrier()
     q, w, t_seq, r_t, r_ok, offs_e, e_ok = _load_rows(OUT, ob, sot, sop, kv, r0, T, R, H_KV, HI, HP, E, EP, BT,
                                                        UPCAST, ACC)
     current = (t_seq // L_SEL).to(tl.int32)  # [BT]
@@ -375,19 +394,58 @@ def _check(out, target, n_kv_heads, heads, index_dim, R, l_sel):
     return B, T, n_blocks
 
 
+def _target_constexprs(source, dtype: torch.dtype, l_sel: int) -> dict:
+    """The fused target's constants (TARGET 0: given; 1: compressed, select_topk's; 2: dense, dense_mass's)."""
+    from nsa.attention.kernels import dense_mass, select_topk
+
+    none = dict(TARGET=0, T_G=1, T_GP=1, T_HD=16, T_DP=16, T_L=1, T_D=1, T_BT=1, T_BJ=1, T_SHIFT=0, T_SCALE=1.0,
+                T_RUP=1, T_LP=1, T_UPCAST=False, T_HAS_LSE=False)
+    if source is None:
+        return none
+    kind, q, _, lse, l, d = source
+    G, hd = q.shape[2], q.shape[4]
+    if kind == "compressed":
+        m = select_topk.kernel_constexprs(q.dtype, G, hd, l, d, l_sel, 1)
+        return {**none, "TARGET": 1, "T_G": G, "T_GP": m["GP"], "T_HD": hd, "T_DP": m["DP"], "T_L": l, "T_D": d,
+                "T_BT": m["BT"], "T_BJ": m["BJ"], "T_SHIFT": m["SHIFT"], "T_SCALE": m["SCALE"], "T_RUP": m["RUP"],
+                "T_UPCAST": m["UPCAST"], "T_HAS_LSE": lse is not None}
+    m = dense_mass.kernel_constexprs(q.dtype, G, hd, l_sel)
+    return {**none, "TARGET": 2, "T_G": G, "T_GP": m["GP"], "T_HD": hd, "T_DP": m["DP"], "T_BT": m["BT"],
+            "T_BJ": m["BJ"], "T_SCALE": m["SCALE"], "T_LP": m["LP"], "T_UPCAST": m["UPCAST"]}
+
+
 def indexer_kl_forward(out, target, n_kv_heads: int, heads: int, index_dim: int, R: int, l_sel: int, per_token: bool,
-                       weight: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (the loss's terms [B, H_kv, R], row statistics [B, H_kv, R, 2]) as impl/index_scores.kl_loss: one kernel."""
-    B, T, n_blocks = _check(out, target, n_kv_heads, heads, index_dim, R, l_sel)
+                       weight: float, source: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (the loss's terms [B, H_kv, R], row statistics [B, H_kv, R, 2], the target) as impl/index_scores.kl_loss:
+    one kernel. target [B, H_kv, R, N_b], or None with source: (kind, q [B, H_kv, G, T, hd], keys, lse, l, d), the
+    target computed in the same launch, each program its rows' first (kind "compressed": keys the compressed keys
+    [B, H_kv, N_c, hd], lse the compressed branch's [B, H_kv, G, T] or None, as select_topk.pooled_block_mass_rows;
+    "dense": keys the selected branch's [B, H_kv, T, hd], as dense_mass.dense_block_mass_rows)."""
+    B, T, P = out.shape
+    n_blocks = -(-T // l_sel)
     acc = torch.promote_types(out.dtype, torch.float32)
+    if target is None:
+        target = torch.empty(B, n_kv_heads, R, n_blocks, dtype=acc, device=out.device)
+    _check(out, target, n_kv_heads, heads, index_dim, R, l_sel)
     meta = kernel_constexprs(out.dtype, heads, index_dim, l_sel, per_token)
     count = B * n_kv_heads * valid_rows(T, R, l_sel)
     kl_rows = torch.empty(B, n_kv_heads, R, dtype=acc, device=out.device)
     stats = torch.empty(B, n_kv_heads, R, 2, dtype=acc, device=out.device)
+    tq, ts, tl_, n_src = out, out, out, 0  # unread without a source
+    q_strides, s_strides, l_strides = (0,) * 5, (0,) * 4, (0,) * 4
+    if source is not None:
+        _, tq, ts, lse, _, _ = source
+        if ts.dtype != tq.dtype:
+            ts = ts.to(tq.dtype)
+        q_strides, s_strides, n_src = tq.stride(), ts.stride(), ts.shape[2]
+        if lse is not None:
+            tl_, l_strides = lse, lse.stride()
     grid = (triton.cdiv(R, meta["BT"]), B * n_kv_heads)
-    _kl_fwd_kernel[grid](out, target, kl_rows, stats, *out.stride(), *target.stride(), T, R, n_blocks,
-                         weight / count if count else 0.0, H_KV=n_kv_heads, **meta)
-    return kl_rows, stats
+    _kl_fwd_kernel[grid](out, target, kl_rows, stats, tq, ts, tl_, *out.stride(), *target.stride(), *q_strides,
+                         *s_strides, *l_strides, T, R, n_blocks, weight / count if count else 0.0, n_src,
+                         H_KV=n_kv_heads, **meta, **_target_constexprs(source, out.dtype, l_sel),
+                         maxnreg=255)  # the fused target's tiles in registers (as select_topk's)
+    return kl_rows, stats, target
 
 
 def indexer_kl_backward(grad, out, target, stats, n_kv_heads: int, heads: int, index_dim: int, R: int, l_sel: int,

@@ -320,30 +320,27 @@ def _select_topk_kernel(
              mask=q_ok[:, None] & (slots < N)[None, :])
 
 
-@triton.jit(do_not_specialize=["T", "R", "N_c", "n_blocks"])
-def _pooled_mass_kernel(
+@triton.jit
+def pooled_mass_tile(
     Q, CK, LSE, OUT,
     sqb, sqh, sqg, sqt, sqd,
     skb, skh, skn, skd,
     slb, slh, slg, slt,
     sob, soh, sor, soj,
-    T, R, N_c, n_blocks,
-    H_KV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, DP: tl.constexpr,
+    b, h, r0, r_hi, T, R, N_c, n_blocks,
+    G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, DP: tl.constexpr,
     L: tl.constexpr, D: tl.constexpr, L_SEL: tl.constexpr, BT: tl.constexpr, BJ: tl.constexpr,
     SHIFT: tl.constexpr, SCALE: tl.constexpr, RUP: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr,
     PREC: tl.constexpr, HAS_LSE: tl.constexpr,
 ):
-    """pooled_block_mass_rows: the tile's BT KL rows (row r = the query at sequence index r * T // R) of one KV
-    group, every block 0 .. n_blocks-1 written (0 past what a row sees)."""
+    """pooled_block_mass_rows for KL rows r0 .. min(r0 + BT, r_hi) - 1 (row r = the query at sequence index
+    r * T // R) of batch row b, KV group h: every block 0 .. n_blocks-1 written (0 past what a row sees). Also run
+    inside the KL's forward (kernels/indexer_kl.py), which computes its rows' target first."""
     RR: tl.constexpr = GP * BT  # (head, KL row) rows, row = g * BT + t
-    r0 = tl.program_id(0) * BT
-    bh = tl.program_id(1).to(tl.int64)
-    b = bh // H_KV
-    h = bh % H_KV
     offs_r = tl.arange(0, RR)
     row_g = offs_r // BT
     row_r = r0 + offs_r % BT
-    row_ok = (row_g < G) & (row_r < R)
+    row_ok = (row_g < G) & (row_r < r_hi)
     row_pos = ((row_r.to(tl.int64) * T) // R).to(tl.int32)  # [RR] sequence index = position (from 0)
     offs_d = tl.arange(0, DP)
     d_ok = offs_d < HD
@@ -353,8 +350,8 @@ def _pooled_mass_kernel(
         q = q.to(tl.float32)
     ck_tile = CK + b * skb + h * skh + offs_d[None, :] * skd
     r_t = r0 + tl.arange(0, BT)
-    r_ok = r_t < R
-    last = ((tl.minimum(r0 + BT, R) - 1).to(tl.int64) * T // R).to(tl.int32)  # the tile's last row's position
+    r_ok = r_t < r_hi
+    last = ((tl.minimum(r0 + BT, r_hi) - 1).to(tl.int64) * T // R).to(tl.int32)  # the tile's last row's position
     if HAS_LSE:
         lse = tl.load(LSE + b * slb + h * slh + row_g.to(tl.int64) * slg + row_pos.to(tl.int64) * slt,
                       mask=row_ok, other=0.0).to(ACC)
@@ -376,6 +373,26 @@ def _pooled_mass_kernel(
             score = tl.zeros([BT, BJ], dtype=ACC)
         tl.store(out + blk[None, :].to(tl.int64) * soj, score,
                  mask=r_ok[:, None] & ((cols >= SHIFT) & (blk < n_blocks))[None, :])
+
+
+@triton.jit(do_not_specialize=["T", "R", "N_c", "n_blocks"])
+def _pooled_mass_kernel(
+    Q, CK, LSE, OUT,
+    sqb, sqh, sqg, sqt, sqd,
+    skb, skh, skn, skd,
+    slb, slh, slg, slt,
+    sob, soh, sor, soj,
+    T, R, N_c, n_blocks,
+    H_KV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, DP: tl.constexpr,
+    L: tl.constexpr, D: tl.constexpr, L_SEL: tl.constexpr, BT: tl.constexpr, BJ: tl.constexpr,
+    SHIFT: tl.constexpr, SCALE: tl.constexpr, RUP: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr,
+    PREC: tl.constexpr, HAS_LSE: tl.constexpr,
+):
+    """pooled_block_mass_rows: program (row tile, b * H_kv + h) -> pooled_mass_tile."""
+    bh = tl.program_id(1).to(tl.int64)
+    pooled_mass_tile(Q, CK, LSE, OUT, sqb, sqh, sqg, sqt, sqd, skb, skh, skn, skd, slb, slh, slg, slt,
+                     sob, soh, sor, soj, bh // H_KV, bh % H_KV, tl.program_id(0) * BT, R, T, R, N_c, n_blocks,
+                     G, GP, HD, DP, L, D, L_SEL, BT, BJ, SHIFT, SCALE, RUP, ACC, UPCAST, PREC, HAS_LSE)
 
 
 @torch.no_grad()
