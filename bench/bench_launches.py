@@ -13,6 +13,7 @@ Two counts per NSA layer:
             when the kernels are defined); without it the count is reported as skipped. Also taken with 4 packed
             documents, and under bf16 autocast (how the trainer runs a GPU: the weights' casts are launches too),
             beside the dense layer's count under autocast.
+Also the layer with nsa.selector=indexer (issue 51; its KL term's backward counted: nsa/launch_count.py).
 Prints a markdown table (docs/BENCHMARKS.md) and one JSON line.
 """
 from __future__ import annotations
@@ -55,11 +56,13 @@ def main() -> None:
     args = ap.parse_args()
     nsa = ModelConfig(**M7C, attention="nsa", nsa=NSAConfig(l=32, d=16, l_sel=64, n_sel=16, w=512))
     dense = ModelConfig(**M7C)
-    rows = [{"T": T, "nsa": attention_layer_launches(nsa, T).total, "dense": attention_layer_launches(dense, T).total}
-            for T in args.T]
-    print("| T | NSA layer ops (fwd+bwd) | dense layer ops | NSA / dense |\n|---|---|---|---|")
+    indexer = dataclasses.replace(nsa, nsa=dataclasses.replace(nsa.nsa, selector="indexer"))  # issue 51
+    rows = [{"T": T, "nsa": attention_layer_launches(nsa, T).total, "dense": attention_layer_launches(dense, T).total,
+             "nsa_indexer": attention_layer_launches(indexer, T).total} for T in args.T]
+    print("| T | NSA layer ops (fwd+bwd) | dense layer ops | NSA / dense | NSA with the learned indexer |\n"
+          "|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['T']:,} | {r['nsa']} | {r['dense']} | {r['nsa'] / r['dense']:.2f} |")
+        print(f"| {r['T']:,} | {r['nsa']} | {r['dense']} | {r['nsa'] / r['dense']:.2f} | {r['nsa_indexer']} |")
     result = {"bench": "launches", "rows": rows}
     if args.triton_T:
         result["triton_path"] = path = triton_path(nsa, args.triton_T)
@@ -68,6 +71,8 @@ def main() -> None:
         else:
             print(f"Triton path (T = {path['T']}): {path['total']} launches per layer fwd+bwd = {path['aten']} ATen ops"
                   f" + {path['triton_kernels']} Triton kernels ({', '.join(path['kernels'])})")
+            result["triton_path_indexer"] = idx = triton_path(indexer, args.triton_T)
+            print(f"  with nsa.selector=indexer (its KL term's backward counted): {idx['total']}")
             result["triton_path_documents"] = packed = triton_path(nsa, args.triton_T, documents=4)
             result["triton_path_autocast"] = amp = triton_path(nsa, args.triton_T, autocast=True)
             result["dense_cpu"] = attention_layer_launches(dense, args.triton_T, device="cpu").total
