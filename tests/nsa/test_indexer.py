@@ -29,8 +29,8 @@ POOLS = ["keys", "scores"]
 
 @pytest.mark.parametrize("pool", POOLS)
 @pytest.mark.parametrize("T", [17, 64, 100])
-def test_layer_matches_the_float64_reference(T, pool):
-    layer = indexer_layer(indexer_pool=pool)
+def test_layer_matches_the_float64_reference(T, pool, kernel="auto"):
+    layer = indexer_layer(indexer_pool=pool, kernel=kernel)
     x, rope = make_input(2, T, seed=4), rope_for(T)
     with torch.no_grad():
         y, idx = layer(x, rope, return_indices=True)

@@ -159,19 +159,7 @@ def test_op_chooses_the_kernel_and_the_torch_path_alike():
 @pytest.mark.parametrize("pool", ["keys", "scores"])
 def test_layer_on_the_triton_path_matches_the_float64_reference(pool):
     """An indexer layer with nsa.kernel=triton (its picks from this kernel) equals the per-token float64 reference:
-    the same blocks and outputs."""
-    from nsa.attention.reference import reference_forward
-    from tests.nsa._nsa_helpers import make_input, make_layer, rope_for, sorted_blocks
+    the same blocks and outputs (tests/nsa/test_indexer.py's check, on the Triton path)."""
+    from tests.nsa.test_indexer import test_layer_matches_the_float64_reference
 
-    layer = make_layer(seed=3, nsa_overrides=dict(selector="indexer", indexer_heads=2, indexer_dim=8, gate_init="equal",
-                                                  indexer_pool=pool, kernel="triton"))
-    with torch.no_grad():
-        for p in layer.indexer.parameters():
-            p.normal_(0.0, 0.5)
-    T = 80
-    x, rope = make_input(1, T, seed=4), rope_for(T)
-    with torch.no_grad():
-        y, idx = layer(x, rope, return_indices=True)
-    ref, ref_idx = reference_forward(layer, x, rope)
-    assert torch.equal(sorted_blocks(idx), ref_idx)
-    torch.testing.assert_close(y, ref, rtol=1e-9, atol=1e-9)
+    test_layer_matches_the_float64_reference(80, pool, kernel="triton")

@@ -16,7 +16,8 @@ Forward, grid (cdiv(R, BT), B*H_kv): a program owns BT rows of one KV group, all
     m, den   online log-sum-exp of I over the candidates          -> lse
     total    sum of the target over the candidates
     A, Bv    sum of target * log(target), of target * I
-    KL(r)  = A / total - log(total) - Bv / total + lse             (= sum_j p log p - sum_j p log softmax(I), p = target / total)
+    KL(r)  = A / total - log(total) - Bv / total + lse
+             (= sum_j p log p - sum_j p log softmax(I), p = target / total)
 and writes weight * KL(r) / count for valid rows with total > 0 (else 0), count = B * H_kv * valid rows (a function of
 T, R and l' alone: no host sync), and (lse, total) per row for the backward. The loss is the sum of those (one torch
 sum: deterministic).
@@ -213,10 +214,11 @@ def _block_grads(I, per_key, lse, total, rowscale, tgt, blk, current, r_ok, n_bl
 
 @triton.jit
 def _rows_backward(pid, OUT, TGT, STATS, DOUT, sob, sot, sop, stb, stk, str_, stj, sdb, sdt, sdp, T, R, n_blocks,
-                   grad, sgb, sgk, sgr, scale, k_col, H_KV: tl.constexpr, HI: tl.constexpr, HP: tl.constexpr, E: tl.constexpr,
-                   EP: tl.constexpr, L_SEL: tl.constexpr, LP: tl.constexpr, BT: tl.constexpr, BJ: tl.constexpr,
-                   BN_ROW: tl.constexpr, BKB: tl.constexpr, BN_KEY: tl.constexpr, PER_TOKEN: tl.constexpr,
-                   SCALE: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+                   grad, sgb, sgk, sgr, scale, k_col, H_KV: tl.constexpr, HI: tl.constexpr, HP: tl.constexpr,
+                   E: tl.constexpr, EP: tl.constexpr, L_SEL: tl.constexpr, LP: tl.constexpr, BT: tl.constexpr,
+                   BJ: tl.constexpr, BN_ROW: tl.constexpr, BKB: tl.constexpr, BN_KEY: tl.constexpr,
+                   PER_TOKEN: tl.constexpr, SCALE: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr,
+                   PREC: tl.constexpr):
     """The backward's row program pid: d q and d w at its KL rows, zeros between them (module docstring)."""
     n_tiles = tl.cdiv(R, BT)
     r0 = (pid % n_tiles) * BT
@@ -270,10 +272,11 @@ def _rows_backward(pid, OUT, TGT, STATS, DOUT, sob, sot, sop, stb, stk, str_, st
 
 @triton.jit
 def _keys_backward(kp, OUT, TGT, STATS, DOUT, sob, sot, sop, stb, stk, str_, stj, sdb, sdt, sdp, T, R, n_blocks,
-                   grad, sgb, sgk, sgr, scale, k_col, H_KV: tl.constexpr, HI: tl.constexpr, HP: tl.constexpr, E: tl.constexpr,
-                   EP: tl.constexpr, L_SEL: tl.constexpr, LP: tl.constexpr, BT: tl.constexpr, BJ: tl.constexpr,
-                   BN_ROW: tl.constexpr, BKB: tl.constexpr, BN_KEY: tl.constexpr, PER_TOKEN: tl.constexpr,
-                   SCALE: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+                   grad, sgb, sgk, sgr, scale, k_col, H_KV: tl.constexpr, HI: tl.constexpr, HP: tl.constexpr,
+                   E: tl.constexpr, EP: tl.constexpr, L_SEL: tl.constexpr, LP: tl.constexpr, BT: tl.constexpr,
+                   BJ: tl.constexpr, BN_ROW: tl.constexpr, BKB: tl.constexpr, BN_KEY: tl.constexpr,
+                   PER_TOKEN: tl.constexpr, SCALE: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr,
+                   PREC: tl.constexpr):
     """The backward's key program kp: d k of BKB blocks' tokens, over every KV group and row that may read them."""
     n_chunks = tl.cdiv(n_blocks, BKB)
     j0 = (kp % n_chunks) * BKB

@@ -127,8 +127,8 @@ def kernel_constexprs(dtype: torch.dtype, heads: int, index_dim: int, l_sel: int
     f64, interpret = dtype == torch.float64, interpreter_active()
     return dict(
         HI=heads, HP=hp, E=index_dim, EP=max(16, triton.next_power_of_2(index_dim)), L_SEL=l_sel, N_SEL=n,
-        NP=triton.next_power_of_2(n), BT=max(1, min(MAX_BLOCK_QUERIES, ROWS // hp)), BJ=bj, LP=lp if per_token else 1, PER_TOKEN=per_token,
-        POOL_TOKENS=pool_tokens and not per_token,
+        NP=triton.next_power_of_2(n), BT=max(1, min(MAX_BLOCK_QUERIES, ROWS // hp)), BJ=bj,
+        LP=lp if per_token else 1, PER_TOKEN=per_token, POOL_TOKENS=pool_tokens and not per_token,
         SCALE=1.0 / math.sqrt(index_dim), ACC=tl.float64 if f64 else tl.float32,
         UPCAST=interpret and dtype in (torch.bfloat16, torch.float16), PREC="ieee" if f64 or interpret else "tf32x3",
     )
