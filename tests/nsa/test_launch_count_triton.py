@@ -130,9 +130,10 @@ INDEXER_EXTRA = 4  # issue 51's budget: at most 4 extra launches per layer forwa
 def test_the_indexer_adds_its_kernels_and_nothing_else(opened, pool, target):
     """nsa.selector=indexer on the Triton path, forward + backward with its KL term: pooled NSA's launches less its
     top-k kernel, plus the projection's two matmuls, the picks (scores, block keys pooled in the launch, top-n) and
-    the KL forward (its rows' target computed in the same launch) and backward: one launch each, at every length."""
+    the KL forward (its rows' target computed in the same launch) and backward: one launch each (constant in T: the
+    meta count at 2k and 64k, test_launch_budget.py)."""
     extra = {}
-    for T in SEQ:
+    for T in SEQ[:1]:
         cfg = dataclasses.replace(SMALL_G6, nsa=dataclasses.replace(SMALL_G6.nsa, selector="indexer", indexer_pool=pool,
                                                                     indexer_target=target))
         count = attention_layer_launches(cfg, T, device="cpu", open_custom_ops=True)
