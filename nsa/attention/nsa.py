@@ -319,9 +319,10 @@ class NativeSparseAttention(nn.Module):
         values from position 0 and the window's keys and values ending at t_end - 1 -> the three branch outputs
         [B, H, T, hd] and block_idx [B, H_kv, T, n]. index: the indexer's index queries [B, T, H_kv, h, e], head
         weights [B, T, H_kv, h], keys (block keys [B, N_b, e], or token keys [B, S, e]), its projection output
-        [B, T, P] and whether the keys are token keys (pooled to blocks by the ops), or None. Its scores pick the blocks while self.indexer_selects (computed without a graph), and a
-        training forward from position 0 leaves the KL to its target (nsa.indexer_target) in self.indexer_loss (the
-        scores of kl_rows' queries computed again, with a graph: the backward keeps [R, N_b], not [T, N_b]).
+        [B, T, P] and whether the keys are token keys (pooled to blocks by the ops), or None. Its scores pick the
+        blocks while self.indexer_selects (ops.indexer_picks, no graph), and a training forward from position 0
+        leaves the KL to its target (nsa.indexer_target) in self.indexer_loss (ops.indexer_kl over kl_rows' queries,
+        per-row terms; its backward recomputes their scores: nothing of size [T, N_b] is kept).
         capped: _distance_cap's, for a forward from position 0 whose selected branch reads far keys at the cap."""
         c = self.cfg
         B, _, T, _ = q.shape
