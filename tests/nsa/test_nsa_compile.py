@@ -146,3 +146,50 @@ def test_custom_ops_pass_opcheck():
             cases.append((backward, (d_o, *tensors, o, lse, *args[3:])))
     for op, args in cases:
         torch.library.opcheck(op, args)
+
+
+@pytest.mark.parametrize("pool, target", [("keys", "compressed"), ("scores", "dense")])
+def test_an_indexer_model_compiles_fullgraph_and_matches_eager(pool, target):
+    """nsa.selector=indexer's ops (picks, the KL with its target inside, its backward) trace through their fakes: a
+    training loss (the KL term's gradient included) compiles with zero graph breaks and equals eager; the ops pass
+    torch.library.opcheck (schemas, fakes, autograd registration)."""
+    import dataclasses
+
+    torch.manual_seed(0)
+    nsa = dataclasses.replace(NSA_SMALL, selector="indexer", indexer_heads=2, indexer_dim=8, indexer_pool=pool,
+                              indexer_target=target)
+    model = Transformer(ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+                                    ffn_dim=128, max_seq_len=128, attention="nsa", nsa=nsa))
+    idx, tgt = torch.randint(0, 256, (2, 2, 80), generator=torch.Generator().manual_seed(3))
+
+    def loss_and_grads(m):
+        loss = m(idx, tgt)
+        return loss.detach(), torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
+
+    loss, grads = loss_and_grads(model)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    loss_c, grads_c = loss_and_grads(compiled)
+    assert not counters["graph_break"]
+    torch.testing.assert_close(loss_c, loss, rtol=1e-5, atol=1e-6)
+    named = [n for n, _ in model.named_parameters()]
+    assert any(g is not None and ".indexer." in n for n, g in zip(named, grads))
+    for a, b in zip(grads_c, grads):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+    # the ops on their own: a projection output [1, 40, P] (H_kv 2, h 2, e 8), the KL's rows and target
+    P = 2 * 2 * 9 + 8
+    out = torch.randn(1, 40, P, dtype=torch.float64, requires_grad=True)
+    target = torch.rand(1, 2, 40, 5, dtype=torch.float64)
+    torch.library.opcheck(ops._indexer_kl, (out, target, "given", None, None, None, 0, 0, 2, 2, 8, 40, 8,
+                                            pool == "scores", 1.0, "torch"))
+    q, w, k = out.detach()[..., :32].unflatten(-1, (2, 2, 8)), out.detach()[..., 32:36].unflatten(-1, (2, 2)), \
+        out.detach()[..., 36:]
+    torch.library.opcheck(ops._indexer_picks, (q, w, k, 0, 8, 3, pool == "scores", True, "torch"))
+    qg = torch.randn(1, 2, 3, 40, 8, dtype=torch.float64)  # [B, H_kv, G, T, hd]
+    ck = torch.randn(1, 2, 9, 8, dtype=torch.float64)  # l = 8, d = 4: 9 compressed tokens over 40
+    sel_k = torch.randn(1, 2, 40, 8, dtype=torch.float64)
+    torch.library.opcheck(ops._pooled_mass_rows, (qg, ck, None, 40, 8, 4, 8, 5, "torch"))
+    torch.library.opcheck(ops._dense_mass_rows, (qg, sel_k, 40, 8, 5, "torch"))
+    source = ("compressed", qg, ck, None, 8, 4) if target == "compressed" else ("dense", qg, sel_k, None, 0, 0)
+    torch.library.opcheck(ops._indexer_kl, (out, None, *source, 2, 2, 8, 40, 8, pool == "scores", 1.0, "torch"))
