@@ -1,11 +1,14 @@
 """The learned indexer's KL term (nsa::indexer_kl) as one Triton launch forward and one backward.
 
 Same result as the torch oracle `nsa.attention.impl.index_scores.kl_loss` and its closed-form backward
-`kl_loss_backward` (up to rounding). Nothing of size [R, N_b] is written but the target, which is an input: the
-scores live in registers one chunk of blocks at a time.
+`kl_loss_backward` (up to rounding). Nothing of size [R, N_b] is written but the target: the scores live in registers
+one chunk of blocks at a time.
 
 Inputs: the indexer's projection output out [B, T, P], P = H_kv*h*e + H_kv*h + e, columns [q | w | k]
-(impl/index_scores.split_projection); target [B, H_kv, R, N_b]. Row r of the KL is the query at sequence index
+(impl/index_scores.split_projection); target [B, H_kv, R, N_b], given, or computed in the forward launch from a
+source (TARGET 1: the compressed branch's Eq. 9-10 mass, select_topk.pooled_mass_tile; 2: dense attention's mass,
+dense_mass.dense_mass_tile): each program writes its own rows' target first, then a barrier, then reads it back, and
+the target is an output the backward reuses. Row r of the KL is the query at sequence index
 t_r = r * T // R (position t_r, current block c_r = t_r // l'); its candidate blocks are 1 .. c_r - 2; it counts
 (valid) when it has two or more. Scores (per KV group k): I(r, j) = sum_h w(t_r, h) * ReLU(q(t_r, h) . K(j)) / sqrt(e),
 K(j) the elementwise max of block j's token keys (PER_TOKEN off), or, PER_TOKEN on, the max over block j's tokens s of
@@ -19,12 +22,12 @@ Forward, grid (cdiv(R, BT), B*H_kv): a program owns BT rows of one KV group, all
     KL(r)  = A / total - log(total) - Bv / total + lse
              (= sum_j p log p - sum_j p log softmax(I), p = target / total)
 and writes weight * KL(r) / count for valid rows with total > 0 (else 0), count = B * H_kv * valid rows (a function of
-T, R and l' alone: no host sync), and (lse, total) per row for the backward. The loss is the sum of those (one torch
-sum: deterministic).
+T, R and l' alone: no host sync), and (lse, total) per row for the backward. The loss is the sum of those terms,
+taken by the model once for every layer (nsa/model.py).
 
 Backward, one launch, a 1-D grid of two kinds of program:
   row programs (cdiv(R, BT) * B * H_kv): per chunk the scores again, then
-      g(r, j) = grad * weight / count * valid(r) * [total > 0] * (exp(I(r, j) - lse(r)) - target(r, j) / total(r))
+      g(r, j) = grad(r) * weight / count * valid(r) * [total > 0] * (exp(I(r, j) - lse(r)) - target(r, j) / total(r))
       on the candidates (0 elsewhere); a block's max passes g to its best token(s), split among ties as autograd
       splits a max (PER_TOKEN: the tokens whose score is the block's; else per dim of K(j), in the key programs);
       d w(t_r, h) = sum g * ReLU(s_h),  d s_h = g * w_h * [s_h > 0],  d q(t_r, h) = sum d s_h * key / sqrt(e)
