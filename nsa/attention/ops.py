@@ -368,8 +368,16 @@ def _pooled_mass_rows(q: Tensor, ck: Tensor, lse: Tensor | None, R: int, l: int,
         from nsa.attention.kernels.select_topk import pooled_block_mass_rows
 
         return pooled_block_mass_rows(q, ck, R, l, d, l_sel, n_blocks, lse=lse)
+    return _target_rows_torch("compressed", q, ck, R, l, d, l_sel, n_blocks)
+
+
+def _target_rows_torch(kind: str, q: Tensor, keys: Tensor, R: int, l: int, d: int, l_sel: int, n_blocks: int) -> Tensor:
+    """The KL's target for its R rows (r * T // R) in torch ops: kind "compressed" (keys: the compressed keys) or
+    "dense" (keys: the selected branch's) -> [B, H_kv, R, n_blocks]."""
     rows = index_scores.kl_row_indices(q.shape[3], R, q.device)
-    return index_scores.pooled_block_mass(q[:, :, :, rows], ck, rows, l, d, l_sel, n_blocks).contiguous()
+    if kind == "compressed":
+        return index_scores.pooled_block_mass(q[:, :, :, rows], keys, rows, l, d, l_sel, n_blocks).contiguous()
+    return index_scores.dense_block_mass(q[:, :, :, rows], keys, rows, l_sel, n_blocks).contiguous()
 
 
 @_pooled_mass_rows.register_fake
@@ -397,8 +405,7 @@ def _dense_mass_rows(q: Tensor, k: Tensor, R: int, l_sel: int, n_blocks: int, ke
         from nsa.attention.kernels.dense_mass import dense_block_mass_rows
 
         return dense_block_mass_rows(q, k, R, l_sel, n_blocks)
-    rows = index_scores.kl_row_indices(q.shape[3], R, q.device)
-    return index_scores.dense_block_mass(q[:, :, :, rows], k, rows, l_sel, n_blocks).contiguous()
+    return _target_rows_torch("dense", q, k, R, 0, 0, l_sel, n_blocks)
 
 
 @_dense_mass_rows.register_fake
@@ -430,11 +437,7 @@ def _indexer_kl(out: Tensor, target: Tensor | None, source: str, source_q: Tenso
                                                 weight, spec)
         return terms, stats, used if target is None else used.clone()  # outputs may not alias inputs
     if target is None:  # the target for the KL's rows from its source, as the target ops' torch path
-        rows = index_scores.kl_row_indices(out.shape[1], R, out.device)
-        n_blocks = -(-out.shape[1] // l_sel)
-        q_rows = source_q[:, :, :, rows]
-        target = (index_scores.pooled_block_mass(q_rows, source_k, rows, l, d, l_sel, n_blocks) if source == "compressed"
-                  else index_scores.dense_block_mass(q_rows, source_k, rows, l_sel, n_blocks))
+        target = _target_rows_torch(source, source_q, source_k, R, l, d, l_sel, -(-out.shape[1] // l_sel))
     with torch.no_grad():
         terms, stats = index_scores.kl_loss(out, target, n_kv_heads, heads, index_dim, R, l_sel, per_token, weight)
     return terms, stats, target.clone()  # a custom op's outputs may not alias its inputs

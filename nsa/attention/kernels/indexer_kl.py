@@ -49,6 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nsa.attention.kernels import dense_mass, select_topk
 from nsa.attention.kernels.dense_mass import dense_mass_tile
 from nsa.attention.kernels.interpreter import interpreter_active
 from nsa.attention.kernels.select_topk import pooled_mass_tile
@@ -402,8 +403,6 @@ def _check(out, target, n_kv_heads, heads, index_dim, R, l_sel):
 
 def _target_constexprs(source, dtype: torch.dtype, l_sel: int) -> dict:
     """The fused target's constants (TARGET 0: given; 1: compressed, select_topk's; 2: dense, dense_mass's)."""
-    from nsa.attention.kernels import dense_mass, select_topk
-
     none = dict(TARGET=0, T_G=1, T_GP=1, T_HD=16, T_DP=16, T_L=1, T_D=1, T_BT=1, T_BJ=1, T_SHIFT=0, T_SCALE=1.0,
                 T_RUP=1, T_LP=1, T_UPCAST=False, T_HAS_LSE=False)
     if source is None:
