@@ -31,8 +31,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from nsa.attention.impl.index_scores import (block_max, index_block_scores, kl_row_indices, split_projection,
-                                             weighted_scores)
+from nsa.attention.impl.index_scores import (block_max, document_index_scores, index_block_scores, kl_row_indices,
+                                             split_projection)
 
 
 class BlockIndexer(nn.Module):
@@ -65,30 +65,13 @@ class BlockIndexer(nn.Module):
 
     def document_scores(self, x: torch.Tensor, frame: torch.Tensor, n_blocks: int,
                         rows: torch.Tensor | None = None) -> torch.Tensor:
-        """Packed documents (frame [3, B, T]: each token's position in its document, its document's first index;
-        nsa/attention/documents.py): x [B, T, dim] -> I [B, H_kv, R, n_blocks] of the queries `rows` [R] (default
-        all T) over each query's own document's blocks 0 .. n_blocks-1 (document-relative, as the selection counts
-        them). Block j of the document starting at index k0 holds that document's tokens k0 + j*l' .. . pool=keys:
-        its key is stored at index k0 + j (distinct for every (document, block): j <= a position in the document);
-        pool=scores: its tokens' scores are gathered from k0 + j*l' on. A block past a query's current one reads
-        unrelated keys or tokens: selection and the KL never let it compete."""
-        B, T, _ = x.shape
-        q_pos, k_base = frame[0], frame[1]  # [B, T] each
+        """Packed documents (frame [3, B, T]; nsa/attention/documents.py): x [B, T, dim] -> I [B, H_kv, R, n_blocks]
+        of the queries `rows` [R] (default all T) over each query's own document's blocks 0 .. n_blocks-1
+        (impl/index_scores.document_index_scores)."""
         q, w, k, _ = self.project(x)  # [B, T, H_kv, h, e], [B, T, H_kv, h], [B, T, e]
-        kq = k_base  # the scored queries' document bases
-        if rows is not None:  # the scored queries' index queries, weights and bases
-            q, w, kq = q[:, rows], w[:, rows], k_base[:, rows]
-        R = q.shape[1]
-        if self.pool == "scores":
-            per_token = weighted_scores(q, w, k)  # [B, H_kv, R, T]
-            at = kq[..., None] + torch.arange(n_blocks * self.l_sel, device=x.device)  # [B, R, n_blocks * l']
-            at = at.clamp_max(T - 1)[:, None].expand(-1, self.n_kv_heads, -1, -1)
-            return per_token.gather(-1, at).unflatten(-1, (n_blocks, self.l_sel)).amax(dim=-1)
-        slot = (k_base + torch.div(q_pos, self.l_sel, rounding_mode="floor"))[..., None].expand_as(k)
-        keys = k.new_zeros(k.shape).scatter_reduce(1, slot, k, "amax", include_self=False)  # [B, T, e]
-        at = (kq[..., None] + torch.arange(n_blocks, device=x.device)).clamp_max(T - 1)  # [B, R, n_blocks]
-        block_keys = keys.gather(1, at.reshape(B, -1, 1).expand(-1, -1, self.index_dim)).view(B, R, n_blocks, -1)
-        return weighted_scores(q, w, block_keys)  # [B, H_kv, R, n_blocks]
+        if rows is not None:  # the scored queries' index queries and weights
+            q, w = q[:, rows], w[:, rows]
+        return document_index_scores(q, w, k, frame, n_blocks, self.l_sel, self.pool == "scores", rows)
 
 
 # Before 2026-11-29 the indexer had three projections, in `projection`'s output order: checkpoints holding them load

@@ -29,8 +29,7 @@ from nsa.attention.gate_stats import BRANCHES, gate_shares, gate_statistics, sel
 from nsa.attention.impl.capped import capped_queries, capped_selected_attention, unrotated
 from nsa.attention.impl.compression import num_compressed
 from nsa.attention.impl.masked import document_block_count, document_block_scores
-from nsa.attention.impl.selection import select_blocks
-from nsa.attention.impl.index_scores import dense_block_mass, indexer_kl, kl_row_indices
+from nsa.attention.impl.index_scores import dense_block_mass, document_index_scores, indexer_kl, kl_row_indices
 from nsa.attention.indexer import BlockIndexer, kl_row_count, kl_rows
 from nsa.attention.nsa_cache import NSACache
 from nsa.attention.selection_health import gate_means, outside_window_counts, outside_window_share, recall_sample
@@ -471,19 +470,20 @@ class NativeSparseAttention(nn.Module):
         c = self.cfg
         T = x.shape[1]
         n_blocks = document_block_count(ck.shape[2], T, c.l, c.d, c.l_sel)
-        xd = x.detach()
         positions = frame[0][:, None, :]  # [B, 1, T]
-        if self.indexer_selects:
-            with torch.no_grad():
-                index = self.indexer.document_scores(xd, frame, n_blocks)  # [B, H_kv, T, n_blocks]
-            block_idx = select_blocks(index, 0, c.l_sel, c.n_sel, positions=positions).contiguous()
+        per_token = self.indexer.pool == "scores"
+        q_I, w_I, k_I, _ = self.indexer.project(x.detach())  # the language-model loss never moves the indexer
+        if self.indexer_selects:  # one op (the Triton path: one launch, every document of the window at once)
+            block_idx = ops.indexer_picks(q_I, w_I, k_I, 0, c.l_sel, c.n_sel, per_token, c.kernel, token_keys=True,
+                                          frame=frame)
         else:
             block_idx = ops.select_blocks(qg, ck, 0, c.l, c.d, c.l_sel, c.n_sel, c.q_chunk, c.kernel, frame=frame,
                                           lse=cmp_lse)
         if torch.is_grad_enabled() and c.indexer_kl > 0:
             rows = kl_rows(T, x.device)  # [R]: every query up to KL_ROWS, else evenly spaced ones
             target = self.indexer_target(qg, ck, sel_k, n_blocks, frame, capped)
-            scores = self.indexer.document_scores(xd, frame, target.shape[-1], rows)  # [B, H_kv, R, N_b]
+            scores = document_index_scores(q_I[:, rows], w_I[:, rows], k_I, frame, target.shape[-1], c.l_sel,
+                                           per_token, rows)  # [B, H_kv, R, N_b]
             self.indexer_loss = c.indexer_kl * indexer_kl(scores, target, c.l_sel, positions[..., rows])
         return block_idx
 

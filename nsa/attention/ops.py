@@ -332,18 +332,20 @@ def select_blocks(
 
 @torch.library.custom_op("nsa::indexer_picks", mutates_args=())
 def _indexer_picks(q: Tensor, w: Tensor, keys: Tensor, q_start: int, l_sel: int, n: int, per_token: bool,
-                   token_keys: bool, kernel: str) -> Tensor:
+                   token_keys: bool, kernel: str, frame: Tensor | None = None) -> Tensor:
     if _triton(kernel, q):
         from nsa.attention.kernels.indexer_topk import fused_indexer_picks
 
-        return fused_indexer_picks(q, w, keys, q_start, l_sel, n, per_token, token_keys)
+        return fused_indexer_picks(q, w, keys, q_start, l_sel, n, per_token, token_keys, frame)
+    if frame is not None:
+        return index_scores.document_picks(q, w, keys, frame, l_sel, n, per_token).contiguous()
     if token_keys and not per_token:
         keys = index_scores.block_max(keys, l_sel)
     return index_scores.indexer_picks(q, w, keys, q_start, l_sel, n, per_token).contiguous()
 
 
 @_indexer_picks.register_fake
-def _(q, w, keys, q_start, l_sel, n, per_token, token_keys, kernel):
+def _(q, w, keys, q_start, l_sel, n, per_token, token_keys, kernel, frame=None):
     B, Tq, H_kv = q.shape[:3]
     return q.new_empty(B, H_kv, Tq, n, dtype=torch.long)
 
@@ -354,11 +356,13 @@ def indexer_picks(
     keys: Tensor,  # [B, N_b, e] block keys, or (per_token or token_keys) [B, S, e] token keys from position 0
     q_start: int, l_sel: int, n: int, per_token: bool, kernel: str,
     token_keys: bool = False,  # with one key per block: pool the token keys to block keys here (no launch of its own)
+    frame: Tensor | None = None,  # [3, B, Tq] packed documents (token keys from index 0; q_start unused): each query
+    # scores its own document's blocks, counted from its first token
 ) -> Tensor:  # [B, H_kv, Tq, n] int64, ascending, -1 = none (impl.selection.select_blocks' contract)
     """nsa.selector=indexer: the top-n blocks by the learned indexer's scores (impl/index_scores.py; the Triton
-    path kernels/indexer_topk.py: one launch, no [Tq, N_b] scores). Plain layout (packed documents: the layer
-    scores each document's blocks in torch ops)."""
-    return _indexer_picks(q.detach(), w.detach(), keys.detach(), q_start, l_sel, n, per_token, token_keys, kernel)
+    path kernels/indexer_topk.py: one launch, no [Tq, N_b] scores, with or without documents)."""
+    return _indexer_picks(q.detach(), w.detach(), keys.detach(), q_start, l_sel, n, per_token, token_keys, kernel,
+                          frame)
 
 
 @torch.library.custom_op("nsa::pooled_mass_rows", mutates_args=())

@@ -208,13 +208,13 @@ def test_pooled_layers_have_no_indexer():
 
 
 @pytest.mark.parametrize("pool", POOLS)
-def test_packed_documents_equal_each_document_alone_and_the_reference(pool):
+def test_packed_documents_equal_each_document_alone_and_the_reference(pool, kernel="auto"):
     """The indexer over packed documents scores each query's own document's blocks, keyed from the document's start:
     a packed window picks and computes what each document does alone, and what the per-token reference spells out."""
     from nsa.attention.documents import Documents
     from tests.nsa.test_nsa_documents import LAYOUTS, _alone, _doc_rope, _starts
 
-    layer = indexer_layer(seed=5, indexer_pool=pool)
+    layer = indexer_layer(seed=5, indexer_pool=pool, kernel=kernel)
     T = 100
     x = make_input(2, T, seed=6).requires_grad_(True)
     docs = Documents(_starts(LAYOUTS))

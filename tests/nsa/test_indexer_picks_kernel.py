@@ -173,3 +173,84 @@ def test_layer_on_the_triton_path_matches_the_float64_reference(pool):
     from tests.nsa.test_indexer import test_layer_matches_the_float64_reference
 
     test_layer_matches_the_float64_reference(80, pool, kernel="triton")
+
+
+def document_frame(starts: list[list[int]], T: int) -> torch.Tensor:
+    """Packed windows whose documents begin at `starts` (one list per batch row, 0 first) -> frame [3, B, T]
+    (q_pos, k_base; the compressed base, unread by the picks, 0)."""
+    first = torch.zeros(len(starts), T, dtype=torch.long)
+    for b, row in enumerate(starts):
+        for s in row:
+            first[b, s:] = s
+    pos = torch.arange(T) - first
+    return torch.stack((pos, first, torch.zeros_like(first))).to(DEV)
+
+
+def assert_same_document_picks(got, want, scores, frame, tol: float):
+    """assert_same_picks for packed documents: forced blocks and counts in each query's own document."""
+    current = (frame[0] // 8)[:, None, :, None]  # [B, 1, Tq, 1] (l' = 8 in these tests)
+
+    def kept(picks):
+        forced = (picks == 0) | (picks == current) | (picks == current - 1)
+        s = torch.where(forced, float("inf"), scores.gather(-1, picks.clamp_min(0)))
+        return torch.where(picks >= 0, s, float("-inf")).sort(dim=-1, descending=True).values
+
+    g, r = kept(got), kept(want)
+    finite = torch.isfinite(r)
+    assert torch.equal(torch.isfinite(g), finite)
+    torch.testing.assert_close(g[finite], r[finite], rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("per_token", [True, False])
+def test_documents_match_the_oracle_and_each_document_alone(per_token):
+    """Packed documents (a frame): each query picks among its own document's blocks, counted from the document's first
+    token, in one launch. Against the torch oracle (impl/index_scores.document_picks, float64), and each document's
+    picks against the same kernel run on that document alone from position 0. Documents start off tile and block
+    boundaries, one is shorter than a block, and a tile of queries straddles two or three of them."""
+    from nsa.attention.impl.index_scores import block_max, document_index_scores, document_picks
+
+    T, H_kv, h, e, l_sel, n = 90, 2, 2, 16, 8, 4
+    starts = [[0, 5, 11, 50], [0, 33]]
+    frame = document_frame(starts, T)
+    q, w, tokens = make_inputs(2, T, H_kv, h, e, T, seed=21)
+    got = indexer_topk.fused_indexer_picks(q, w, tokens, 0, l_sel, n, per_token, token_keys=True, frame=frame)
+    want = document_picks(q, w, tokens, frame, l_sel, n, per_token)
+    scores = document_index_scores(q, w, tokens, frame, -(-T // l_sel), l_sel, per_token)
+    assert_same_document_picks(got, want, scores, frame, 1e-12)
+    assert (got != want).float().mean() < 0.01
+    # the op's torch path is the oracle's (the layer's entry point)
+    assert torch.equal(ops.indexer_picks(q, w, tokens, 0, l_sel, n, per_token, "torch", token_keys=True, frame=frame),
+                       want)
+    for b, row in enumerate(starts):
+        for lo, hi in zip(row, row[1:] + [T]):
+            alone = indexer_topk.fused_indexer_picks(q[b:b + 1, lo:hi], w[b:b + 1, lo:hi], tokens[b:b + 1, lo:hi], 0,
+                                                     l_sel, n, per_token, token_keys=True)
+            check_valid(alone, 0, l_sel, n)
+            packed = got[b:b + 1, :, lo:hi]
+            assert_same_picks(packed, alone, index_block_scores(
+                q[b:b + 1, lo:hi], w[b:b + 1, lo:hi],
+                tokens[b:b + 1, lo:hi] if per_token else block_max(tokens[b:b + 1, lo:hi], l_sel), l_sel, per_token),
+                0, l_sel, 1e-12)
+
+
+def test_documents_read_no_other_documents_key():
+    """Perturbing every key of one document leaves the other documents' picks unchanged (and changes its own)."""
+    T, l_sel, n = 90, 8, 4
+    frame = document_frame([[0, 13, 70]], T)
+    q, w, tokens = make_inputs(1, T, 2, 2, 16, T, seed=23)
+    before = indexer_topk.fused_indexer_picks(q, w, tokens, 0, l_sel, n, True, frame=frame)
+    tokens2 = tokens.clone()
+    tokens2[:, 13:70] = 10 * torch.randn_like(tokens2[:, 13:70])
+    after = indexer_topk.fused_indexer_picks(q, w, tokens2, 0, l_sel, n, True, frame=frame)
+    assert torch.equal(after[:, :, :13], before[:, :, :13]) and torch.equal(after[:, :, 70:], before[:, :, 70:])
+    assert not torch.equal(after[:, :, 13:70], before[:, :, 13:70])  # a 57-token document: 1 free pick of 5-6
+
+
+@pytest.mark.parametrize("pool", ["keys", "scores"])
+def test_layer_over_packed_documents_on_the_triton_path(pool):
+    """An indexer layer over packed documents with nsa.kernel=triton (its picks from this kernel, every document of
+    the window in one launch) equals each document alone and the float64 per-token reference (tests/nsa/
+    test_indexer.py's check, on the Triton path)."""
+    from tests.nsa.test_indexer import test_packed_documents_equal_each_document_alone_and_the_reference as check
+
+    check(pool, kernel="triton")

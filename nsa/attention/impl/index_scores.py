@@ -56,6 +56,41 @@ def indexer_picks(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, q_start:
     return select_blocks(index_block_scores(q, w, keys, l_sel, per_token), q_start, l_sel, n)
 
 
+def document_index_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, frame: torch.Tensor, n_blocks: int,
+                          l_sel: int, per_token: bool, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Packed documents (frame [3, B, T]: each token's position in its document, its document's first index;
+    nsa/attention/documents.py): index queries q [B, R, H_kv, h, e] and head weights w [B, R, H_kv, h] of the queries
+    `rows` [R] (default all T), token keys k [B, T, e] -> I [B, H_kv, R, n_blocks] over each query's own document's
+    blocks 0 .. n_blocks-1 (document-relative, as the selection counts them). Block j of the document starting at
+    index k0 holds that document's tokens k0 + j*l' .. . pool=keys: its key is stored at index k0 + j (distinct for
+    every (document, block): j <= a position in the document); per_token: its tokens' scores gathered from k0 + j*l'
+    on. A block past a query's current one reads unrelated keys or tokens: selection and the KL never let it
+    compete."""
+    B, T, e = k.shape
+    q_pos, k_base = frame[0], frame[1]  # [B, T] each
+    kq = k_base if rows is None else k_base[:, rows]  # [B, R] the scored queries' document bases
+    R, H_kv = q.shape[1], q.shape[2]
+    if per_token:
+        per_tok = weighted_scores(q, w, k)  # [B, H_kv, R, T]
+        at = kq[..., None] + torch.arange(n_blocks * l_sel, device=k.device)  # [B, R, n_blocks * l']
+        at = at.clamp_max(T - 1)[:, None].expand(-1, H_kv, -1, -1)
+        return per_tok.gather(-1, at).unflatten(-1, (n_blocks, l_sel)).amax(dim=-1)
+    slot = (k_base + torch.div(q_pos, l_sel, rounding_mode="floor"))[..., None].expand_as(k)
+    keys = k.new_zeros(k.shape).scatter_reduce(1, slot, k, "amax", include_self=False)  # [B, T, e]
+    at = (kq[..., None] + torch.arange(n_blocks, device=k.device)).clamp_max(T - 1)  # [B, R, n_blocks]
+    block_keys = keys.gather(1, at.reshape(B, -1, 1).expand(-1, -1, e)).view(B, R, n_blocks, -1)
+    return weighted_scores(q, w, block_keys)  # [B, H_kv, R, n_blocks]
+
+
+@torch.no_grad()
+def document_picks(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, frame: torch.Tensor, l_sel: int, n: int,
+                   per_token: bool) -> torch.Tensor:
+    """Top-n blocks per query of packed documents by the indexer's scores over its own document's blocks
+    (`document_index_scores`; forced blocks and ties as `indexer_picks`, document-relative) -> [B, H_kv, T, n]."""
+    scores = document_index_scores(q, w, k, frame, -(-k.shape[1] // l_sel), l_sel, per_token)
+    return select_blocks(scores, 0, l_sel, n, positions=frame[0][:, None, :])
+
+
 def kl_row_indices(T: int, R: int, device) -> torch.Tensor:
     """The sequence indices of the R (<= T) evenly spaced queries the indexer's KL is taken over: r * T // R."""
     return torch.arange(R, device=device) * T // R  # [R]

@@ -42,17 +42,63 @@ MAX_BLOCK_QUERIES = 16  # the top-n merge holds [BT, NP, BJ] comparisons: more s
 TOKEN_LANES = 128  # PER_TOKEN: token lanes per chunk (BJ * LP): the [R, BN] scores tile stays in registers
 
 
+@triton.jit
+def _merge_blocks(q, w, K, skb, skn, ske, b, kb, offs_e, e_ok, current, last, N, top_v, top_i,
+                  HP: tl.constexpr, BT: tl.constexpr, BJ: tl.constexpr, LP: tl.constexpr, L_SEL: tl.constexpr,
+                  N_SEL: tl.constexpr, NP: tl.constexpr, PER_TOKEN: tl.constexpr, POOL_TOKENS: tl.constexpr,
+                  SCALE: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+    """Score blocks 0 .. last // l' of the keys starting at key index kb (a document's first token; 0 without
+    documents; N keys from there) for the tile's rows (q [R, EP], w [R]) and merge them into the running top-n
+    (top_v, top_i) [BT, NP] of the queries whose current block is current [BT] (-1: a query of another document,
+    which may pick none of these blocks)."""
+    BN: tl.constexpr = BJ * LP  # key lanes per chunk (LP = 1 with one key per block)
+    if PER_TOKEN or POOL_TOKENS:  # N token keys
+        n_blocks = (N + L_SEL - 1) // L_SEL
+    else:  # N block keys
+        n_blocks = N
+    keys = K + b * skb + kb.to(tl.int64) * skn + offs_e[None, :] * ske  # [1, EP] pointers of key 0
+    cols = tl.arange(0, BJ)
+    lanes = tl.arange(0, BN)
+    for j0 in range(0, tl.minimum(last // L_SEL + 1, n_blocks), BJ):
+        if PER_TOKEN:
+            tok = (j0 + lanes // LP) * L_SEL + lanes % LP  # [BN] the chunk's tokens, LP lanes per block
+            tok_ok = (lanes % LP < L_SEL) & (tok < N)
+        else:
+            tok = j0 + lanes  # [BN] the chunk's blocks
+            tok_ok = tok < n_blocks
+        if POOL_TOKENS:  # each block's key: the elementwise max of its token keys
+            kt, _ = block_keys(K, b * skb + kb.to(tl.int64) * skn, skn, ske, 0, offs_e, e_ok, j0, N, BJ, L_SEL, ACC)
+        else:
+            kt = tl.load(keys + tok[:, None].to(tl.int64) * skn, mask=tok_ok[:, None] & e_ok[None, :], other=0.0)
+        if UPCAST:
+            kt = kt.to(tl.float32)
+        kt = kt.to(q.dtype)
+        s = tl.dot(q, tl.trans(kt), input_precision=PREC, out_dtype=ACC) * SCALE  # [R, BN]
+        s = tl.maximum(s, 0.0) * w[:, None]
+        score = tl.sum(tl.reshape(s, (HP, BT, BN)), axis=0)  # [BT, BN] summed over the index heads
+        if PER_TOKEN:
+            score = tl.where(tok_ok[None, :], score, float("-inf"))
+            score = tl.max(tl.reshape(score, (BT, BJ, LP)), axis=2)  # [BT, BJ] a block's best token
+        blk = j0 + cols  # [BJ]
+        allowed = (blk[None, :] <= current[:, None]) & (blk[None, :] < n_blocks)  # [BT, BJ]
+        forced = (blk[None, :] == 0) | (blk[None, :] == current[:, None]) | (blk[None, :] == current[:, None] - 1)
+        val = tl.where(allowed, tl.where(forced, float("inf"), score), float("-inf"))
+        top_v, top_i = merge_topn(val, blk, top_v, top_i, N_SEL, NP, BJ)
+    return top_v, top_i
+
+
 @triton.jit(do_not_specialize=["q_start", "Tq", "N"])
 def _indexer_topk_kernel(
-    Q, W, K, OUT,
+    Q, W, K, OUT, FRAME,
     sqb, sqt, sqk, sqh, sqe,
     swb, swt, swk, swh,
     skb, skn, ske,
+    sf0, sf1, sf2,
     q_start, Tq, N,
     H_KV: tl.constexpr, HI: tl.constexpr, HP: tl.constexpr, E: tl.constexpr, EP: tl.constexpr,
     L_SEL: tl.constexpr, N_SEL: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BJ: tl.constexpr,
     LP: tl.constexpr, PER_TOKEN: tl.constexpr, POOL_TOKENS: tl.constexpr, SCALE: tl.constexpr, ACC: tl.constexpr,
-    UPCAST: tl.constexpr, PREC: tl.constexpr,
+    UPCAST: tl.constexpr, PREC: tl.constexpr, HAS_FRAME: tl.constexpr,
 ):
     R: tl.constexpr = HP * BT  # rows: (index head, query) pairs
     q0 = tl.program_id(0) * BT
@@ -71,47 +117,34 @@ def _indexer_topk_kernel(
     if UPCAST:  # the interpreter has no bf16/fp16 matmul
         q = q.to(tl.float32)
     w = tl.load(W + b * swb + kv * swk + row_q.to(tl.int64) * swt + row_h * swh, mask=row_ok, other=0.0).to(ACC)  # [R]
-    keys = K + b * skb + offs_e[None, :] * ske  # [1, EP] pointers of key 0
 
     offs_t = tl.arange(0, BT)
     q_idx = q0 + offs_t  # [BT]
     q_ok = q_idx < Tq
-    current = (q_start + q_idx) // L_SEL  # [BT] each query's current block
-    last = q_start + tl.minimum(q0 + BT, Tq) - 1  # the tile's last query position
-    BN: tl.constexpr = BJ * LP  # key lanes per chunk (LP = 1 with one key per block)
-    if PER_TOKEN or POOL_TOKENS:  # N token keys
-        n_blocks = (N + L_SEL - 1) // L_SEL
-    else:  # N block keys
-        n_blocks = N
-    cols = tl.arange(0, BJ)
-    lanes = tl.arange(0, BN)
     top_v = tl.full([BT, NP], float("-inf"), dtype=ACC)  # running top-n, best first
     top_i = tl.zeros([BT, NP], dtype=tl.int32)
-    for j0 in range(0, tl.minimum(last // L_SEL + 1, n_blocks), BJ):
-        if PER_TOKEN:
-            tok = (j0 + lanes // LP) * L_SEL + lanes % LP  # [BN] the chunk's tokens, LP lanes per block
-            tok_ok = (lanes % LP < L_SEL) & (tok < N)
-        else:
-            tok = j0 + lanes  # [BN] the chunk's blocks
-            tok_ok = tok < n_blocks
-        if POOL_TOKENS:  # each block's key: the elementwise max of its token keys
-            kt, _ = block_keys(K, b * skb, skn, ske, 0, offs_e, e_ok, j0, N, BJ, L_SEL, ACC)
-        else:
-            kt = tl.load(keys + tok[:, None].to(tl.int64) * skn, mask=tok_ok[:, None] & e_ok[None, :], other=0.0)
-        if UPCAST:
-            kt = kt.to(tl.float32)
-        kt = kt.to(q.dtype)
-        s = tl.dot(q, tl.trans(kt), input_precision=PREC, out_dtype=ACC) * SCALE  # [R, BN]
-        s = tl.maximum(s, 0.0) * w[:, None]
-        score = tl.sum(tl.reshape(s, (HP, BT, BN)), axis=0)  # [BT, BN] summed over the index heads
-        if PER_TOKEN:
-            score = tl.where(tok_ok[None, :], score, float("-inf"))
-            score = tl.max(tl.reshape(score, (BT, BJ, LP)), axis=2)  # [BT, BJ] a block's best token
-        blk = j0 + cols  # [BJ]
-        allowed = q_ok[:, None] & (blk[None, :] <= current[:, None]) & (blk[None, :] < n_blocks)  # [BT, BJ]
-        forced = (blk[None, :] == 0) | (blk[None, :] == current[:, None]) | (blk[None, :] == current[:, None] - 1)
-        val = tl.where(allowed, tl.where(forced, float("inf"), score), float("-inf"))
-        top_v, top_i = merge_topn(val, blk, top_v, top_i, N_SEL, NP, BJ)
+    if HAS_FRAME:
+        # frame [3, B, Tq]: q_pos, k_base per query (token keys from index 0). The tile's queries run one document
+        # (one k_base) at a time, smallest first, over that document's keys; the others take part at block -1
+        f_t = FRAME + b * sf1 + q_idx.to(tl.int64) * sf2  # [BT]
+        pos_t = tl.load(f_t, mask=q_ok, other=0).to(tl.int32)  # [BT] positions within the documents
+        kb_t = tl.load(f_t + sf0, mask=q_ok, other=0).to(tl.int32)  # [BT] their documents' first key index
+        todo = q_ok
+        while tl.max(todo.to(tl.int32), axis=0) > 0:  # once per document in the tile (usually 1-2)
+            kb = tl.min(tl.where(todo, kb_t, 2147483647), axis=0)
+            mine = todo & (kb_t == kb)
+            last = tl.max(tl.where(mine, pos_t, 0), axis=0)
+            current = tl.where(mine, pos_t // L_SEL, -1)
+            top_v, top_i = _merge_blocks(q, w, K, skb, skn, ske, b, kb, offs_e, e_ok, current, last, N - kb, top_v,
+                                         top_i, HP, BT, BJ, LP, L_SEL, N_SEL, NP, PER_TOKEN, POOL_TOKENS, SCALE, ACC,
+                                         UPCAST, PREC)
+            todo = todo & (kb_t != kb)
+    else:
+        current = tl.where(q_ok, (q_start + q_idx) // L_SEL, -1)  # [BT] each query's current block
+        last = q_start + tl.minimum(q0 + BT, Tq) - 1  # the tile's last query position
+        top_v, top_i = _merge_blocks(q, w, K, skb, skn, ske, b, q_start * 0, offs_e, e_ok, current,
+                                     last, N, top_v, top_i, HP, BT, BJ, LP, L_SEL, N_SEL, NP, PER_TOKEN, POOL_TOKENS,
+                                     SCALE, ACC, UPCAST, PREC)
 
     out = ascending(top_v, top_i, NP)  # [BT, NP]
     slots = tl.arange(0, NP)
@@ -144,9 +177,13 @@ def fused_indexer_picks(
     n: int,
     per_token: bool,
     token_keys: bool = False,  # with one key per block: keys are token keys, each block's the max of its tokens'
+    frame: torch.Tensor | None = None,  # [3, B, Tq] int64 packed documents (q_pos, k_base, c_base); token keys
 ) -> torch.Tensor:  # [B, H_kv, Tq, n] int64 block indices, ascending; -1 pads |I_p| = min(n, p // l' + 1)
     """Top-n blocks per query by the indexer's scores (block 0, the previous and the current block forced; ties ->
-    lower index): impl/index_scores.indexer_picks in one launch, no host sync."""
+    lower index): impl/index_scores.indexer_picks in one launch, no host sync. With a frame (nsa/attention/
+    documents.py; then q_start is unused and the keys are token keys from index 0): query (b, t) at position
+    p = frame[0, b, t] of the document whose first key is keys[b, frame[1, b, t]] scores that document's blocks,
+    counted from its first token (impl/index_scores.document_picks); one launch whatever the number of documents."""
     B, Tq, H_kv, h, e = q.shape
     if w.shape != (B, Tq, H_kv, h) or keys.dim() != 3 or keys.shape[0] != B or keys.shape[2] != e:
         raise ValueError(f"fused_indexer_picks: q {tuple(q.shape)}, w {tuple(w.shape)} and keys {tuple(keys.shape)} "
@@ -154,6 +191,10 @@ def fused_indexer_picks(
     if l_sel < 1 or n < 1 or q_start < 0:
         raise ValueError(f"fused_indexer_picks: need l' >= 1, n >= 1, q_start >= 0 (l'={l_sel}, n={n}, "
                          f"q_start={q_start})")
+    if frame is not None and (frame.shape != (3, B, Tq) or frame.dtype != torch.long or frame.device != q.device
+                              or not (per_token or token_keys)):
+        raise ValueError(f"fused_indexer_picks: frame must be int64 [3, {B}, {Tq}] on {q.device} over token keys, "
+                         f"got {frame.dtype} {tuple(frame.shape)} on {frame.device}")
     if q.device.type == "cpu" and not interpreter_active():
         raise RuntimeError("fused_indexer_picks needs a CUDA tensor, or TRITON_INTERPRET=1 set before triton is "
                            "imported")
@@ -164,6 +205,9 @@ def fused_indexer_picks(
         return out
     meta = kernel_constexprs(q.dtype, h, e, l_sel, n, per_token, token_keys)
     grid = (triton.cdiv(Tq, meta["BT"]), B * H_kv)
-    _indexer_topk_kernel[grid](q, w, keys, out, *q.stride(), *w.stride(), *keys.stride(), q_start, Tq, keys.shape[1],
-                               H_KV=H_kv, **meta, maxnreg=255)  # as select_topk's: its merge state in registers
+    f = out if frame is None else frame  # unread without a frame
+    f_strides = (0, 0, 0) if frame is None else frame.stride()
+    _indexer_topk_kernel[grid](q, w, keys, out, f, *q.stride(), *w.stride(), *keys.stride(), *f_strides, q_start, Tq,
+                               keys.shape[1], H_KV=H_kv, **meta, HAS_FRAME=frame is not None,
+                               maxnreg=255)  # as select_topk's: its merge state in registers
     return out
