@@ -29,8 +29,8 @@ from nsa.attention.gate_stats import BRANCHES, gate_shares, gate_statistics, sel
 from nsa.attention.impl.capped import capped_queries, capped_selected_attention, unrotated
 from nsa.attention.impl.compression import num_compressed
 from nsa.attention.impl.masked import document_block_count, document_block_scores
-from nsa.attention.impl.index_scores import dense_block_mass, document_index_scores, indexer_kl, kl_row_indices
-from nsa.attention.indexer import BlockIndexer, kl_row_count, kl_rows
+from nsa.attention.impl.index_scores import dense_block_mass, kl_row_indices
+from nsa.attention.indexer import BlockIndexer, kl_row_count
 from nsa.attention.nsa_cache import NSACache
 from nsa.attention.selection_health import gate_means, outside_window_counts, outside_window_share, recall_sample
 from nsa.config import ModelConfig, ModelConfigError, NSAConfig
@@ -470,9 +470,8 @@ class NativeSparseAttention(nn.Module):
         c = self.cfg
         T = x.shape[1]
         n_blocks = document_block_count(ck.shape[2], T, c.l, c.d, c.l_sel)
-        positions = frame[0][:, None, :]  # [B, 1, T]
         per_token = self.indexer.pool == "scores"
-        q_I, w_I, k_I, _ = self.indexer.project(x.detach())  # the language-model loss never moves the indexer
+        q_I, w_I, k_I, out = self.indexer.project(x.detach())  # the language-model loss never moves the indexer
         if self.indexer_selects:  # one op (the Triton path: one launch, every document of the window at once)
             block_idx = ops.indexer_picks(q_I, w_I, k_I, 0, c.l_sel, c.n_sel, per_token, c.kernel, token_keys=True,
                                           frame=frame)
@@ -480,11 +479,11 @@ class NativeSparseAttention(nn.Module):
             block_idx = ops.select_blocks(qg, ck, 0, c.l, c.d, c.l_sel, c.n_sel, c.q_chunk, c.kernel, frame=frame,
                                           lse=cmp_lse)
         if torch.is_grad_enabled() and c.indexer_kl > 0:
-            rows = kl_rows(T, x.device)  # [R]: every query up to KL_ROWS, else evenly spaced ones
-            target = self.indexer_target(qg, ck, sel_k, n_blocks, frame, capped)
-            scores = document_index_scores(q_I[:, rows], w_I[:, rows], k_I, frame, target.shape[-1], c.l_sel,
-                                           per_token, rows)  # [B, H_kv, R, N_b]
-            self.indexer_loss = c.indexer_kl * indexer_kl(scores, target, c.l_sel, positions[..., rows])
+            target = self.indexer_target(qg, ck, sel_k, n_blocks, frame, capped)  # [B, H_kv, R, N_b]
+            # per-row terms over the KL's rows, each scoring its own document's blocks (one op each way)
+            self.indexer_loss = ops.indexer_kl(out, target, self.n_kv_heads, c.indexer_heads, c.indexer_dim,
+                                               kl_row_count(T), c.l_sel, per_token, c.indexer_kl, c.kernel,
+                                               frame=frame)
         return block_idx
 
     def _forward_window(self, x, rope, cache: NSACache | None, documents: Documents | None, return_indices: bool):

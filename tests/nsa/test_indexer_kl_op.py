@@ -139,17 +139,26 @@ def test_the_op_chooses_the_kernels_with_kernel_triton():
     torch.testing.assert_close(grads["triton"][1], grads["torch"][1], rtol=1e-9, atol=1e-12)
 
 
-@pytest.mark.parametrize("pool, target", [("keys", "dense"), ("scores", "dense"), ("keys", "compressed")])
-def test_a_layer_on_the_triton_path_learns_as_on_the_torch_path(pool, target):
+@pytest.mark.parametrize("pool, target, documents", [("keys", "dense", False), ("scores", "dense", False),
+                                                      ("keys", "compressed", False), ("scores", "compressed", True),
+                                                      ("keys", "dense", True)])
+def test_a_layer_on_the_triton_path_learns_as_on_the_torch_path(pool, target, documents):
     """An indexer layer's training forward with nsa.kernel=triton (picks, the KL with its target in the same launch,
     every other Triton op, in the interpreter) against nsa.kernel=torch on the same weights, float64: the same KL
-    term and indexer gradient."""
+    term and indexer gradient; also over packed documents (the picks and the KL over each row's own document)."""
     if reason := _kernels_problem():
         pytest.skip(reason)
+    from nsa.attention.documents import Documents
     from tests.nsa._nsa_helpers import make_input, make_layer, rope_for
 
-    T = 72
+    T = 150 if documents else 72  # l' = 16: a row needs position >= 64 for two candidate blocks
     x, rope = make_input(1, T, seed=4), rope_for(T)
+    layer_kwargs = {}
+    if documents:  # three documents, per-document positions (RoPE restarts in each)
+        from tests.nsa.test_nsa_documents import _doc_rope
+
+        docs = Documents(torch.tensor([[0] * 5 + [5] * 95 + [100] * 50]))
+        rope, layer_kwargs = _doc_rope(docs), {"documents": docs}
     results = {}
     for kernel in ("triton", "torch"):
         layer = make_layer(seed=3, nsa_overrides=dict(selector="indexer", indexer_heads=2, indexer_dim=8,
@@ -158,7 +167,7 @@ def test_a_layer_on_the_triton_path_learns_as_on_the_torch_path(pool, target):
         with torch.no_grad():
             for p in layer.indexer.parameters():
                 p.normal_(0.0, 0.5)
-        layer(x, rope)
+        layer(x, rope, **layer_kwargs)
         layer.indexer_loss.sum().backward()
         results[kernel] = (layer.indexer_loss.detach().sum(), layer.indexer.projection.weight.grad)
     assert results["torch"][0] > 0
@@ -187,3 +196,86 @@ def test_dense_mass_rows_matches_the_torch_target(G, T, R, hd, l_sel):
     torch.testing.assert_close(got.sum(-1), torch.full_like(got.sum(-1), float(G)))  # each head's mass is 1
     torch.testing.assert_close(ops.dense_mass_rows(q, k, R, l_sel, n_blocks, "triton"),
                                ops.dense_mass_rows(q, k, R, l_sel, n_blocks, "torch"), rtol=1e-10, atol=1e-12)
+
+
+# ---------------------------------------------------------------- packed documents
+def make_documents(starts: list[list[int]], T: int, R: int, l_sel: int, seed: int = 0, extra_blocks: int = 2):
+    """Packed windows (documents beginning at `starts`, one list per batch row) -> out [B, T, P], a target
+    [B, H_kv, R, N_b] counting extra_blocks more blocks than ceil(T / l') (as the layer's document targets do), and the
+    frame [3, B, T] (q_pos, k_base, an unread compressed base), float64."""
+    g = torch.Generator().manual_seed(seed)
+    B, P = len(starts), H_KV * HEADS * (DIM + 1) + DIM
+    out = torch.randn(B, T, P, generator=g, dtype=torch.float64)
+    out[0, 9, -DIM:] = out[0, 10, -DIM:]  # tied index keys in a block: its max ties in every dim and every score
+    target = torch.rand(B, H_KV, R, -(-T // l_sel) + extra_blocks, generator=g, dtype=torch.float64)
+    target[..., 2] = 0.0
+    first = torch.zeros(B, T, dtype=torch.long)
+    for b, row in enumerate(starts):
+        for s in row:
+            first[b, s:] = s
+    frame = torch.stack((torch.arange(T) - first, first, torch.zeros_like(first)))
+    return out, target, frame
+
+
+STARTS = [[0, 37, 41, 100], [0, 70]]  # off block boundaries; one document shorter than a block
+
+
+@pytest.mark.parametrize("per_token", [True, False])
+def test_documents_oracle_equals_each_document_alone(per_token):
+    """The torch oracle over packed documents (impl/index_scores.kl_loss with a frame; every query a KL row, R = T)
+    against each document alone from position 0 (the plain oracle on its slice): a row's term times the counted rows
+    is its KL either way, and so is every gradient element times the count."""
+    T, l_sel = 150, 8
+    out, target, frame = make_documents(STARTS, T, T, l_sel, seed=3)
+    terms, _ = kl_loss(out, target, H_KV, HEADS, DIM, T, l_sel, per_token, 1.0, frame)
+    count = (frame[0] >= 4 * l_sel).sum() * H_KV
+    assert terms.abs().sum() > 0
+    grad = torch.rand(2, H_KV, T, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    d_packed = kl_loss_backward(grad, out, target, H_KV, HEADS, DIM, T, l_sel, per_token, 1.0, frame)
+    x = out.clone().requires_grad_()  # the closed form is autograd's through the packed formula
+    (want,) = torch.autograd.grad(kl_loss(x, target, H_KV, HEADS, DIM, T, l_sel, per_token, 1.0, frame)[0], x, grad)
+    torch.testing.assert_close(d_packed, want, rtol=1e-10, atol=1e-13)
+    for b, row in enumerate(STARTS):
+        for lo, hi in zip(row, row[1:] + [T]):
+            n = hi - lo
+            alone_target = target[b:b + 1, :, lo:hi, : -(-n // l_sel)]
+            alone, _ = kl_loss(out[b:b + 1, lo:hi], alone_target, H_KV, HEADS, DIM, n, l_sel, per_token, 1.0)
+            alone_count = max(int((torch.arange(n) >= 4 * l_sel).sum()) * H_KV, 1)
+            torch.testing.assert_close(terms[b:b + 1, :, lo:hi] * count, alone * alone_count, rtol=1e-10, atol=1e-12)
+            d_alone = kl_loss_backward(grad[b:b + 1, :, lo:hi], out[b:b + 1, lo:hi], alone_target, H_KV, HEADS, DIM,
+                                       n, l_sel, per_token, 1.0)
+            torch.testing.assert_close(d_packed[b:b + 1, lo:hi] * count, d_alone * alone_count, rtol=1e-9,
+                                       atol=1e-12)
+
+
+@pytest.mark.parametrize("per_token", [True, False])
+@pytest.mark.parametrize("T, R, l_sel", [(150, 150, 8), (150, 41, 8), (200, 37, 16)])
+def test_document_kernels_match_the_oracle_float64(per_token, T, R, l_sel):
+    """Packed documents: the one-launch forward and backward (each row over its own document's blocks, the counted
+    rows counted in the launch, each key's gradient written by the program holding its block's first token) against
+    the torch oracle, float64, into a gradient buffer poisoned with NaN."""
+    if reason := _kernels_problem():
+        pytest.skip(reason)
+    out, target, frame = make_documents(STARTS, T, R, l_sel, seed=5)
+    want, want_stats = kl_loss(out, target, H_KV, HEADS, DIM, R, l_sel, per_token, 0.7, frame)
+    got, got_stats, _ = kl_kernels.indexer_kl_forward(out, target, H_KV, HEADS, DIM, R, l_sel, per_token, 0.7,
+                                                      frame=frame)
+    assert want.abs().sum() > 0
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    has_candidates = torch.isfinite(want_stats[..., 0])
+    torch.testing.assert_close(got_stats[has_candidates], want_stats[has_candidates], rtol=1e-10, atol=1e-12)
+    grad = torch.rand(2, H_KV, R, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    want_d = kl_loss_backward(grad, out, target, H_KV, HEADS, DIM, R, l_sel, per_token, 0.7, frame)
+    poisoned = torch.full_like(out, float("nan"))
+    got_d = kl_kernels.indexer_kl_backward(grad, out, target, got_stats, H_KV, HEADS, DIM, R, l_sel, per_token, 0.7,
+                                           d_out=poisoned, frame=frame)
+    torch.testing.assert_close(got_d, want_d, rtol=1e-9, atol=1e-12)
+    # through the op, both paths: the same value and gradient
+    results = {}
+    for kernel in ("triton", "torch"):
+        x = out.clone().requires_grad_()
+        loss = ops.indexer_kl(x, target, H_KV, HEADS, DIM, R, l_sel, per_token, 0.7, kernel, frame=frame).sum()
+        loss.backward()
+        results[kernel] = (loss.detach(), x.grad)
+    torch.testing.assert_close(results["triton"][0], results["torch"][0], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(results["triton"][1], results["torch"][1], rtol=1e-9, atol=1e-12)

@@ -144,22 +144,29 @@ def block_max(k: torch.Tensor, l_sel: int) -> torch.Tensor:
 
 
 def kl_loss(out: torch.Tensor, target: torch.Tensor, n_kv_heads: int, heads: int, index_dim: int, R: int, l_sel: int,
-            per_token: bool, weight: float) -> tuple[torch.Tensor, torch.Tensor]:
+            per_token: bool, weight: float, frame: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """weight * the indexer's KL to its target (`indexer_kl`) over the R queries at kl_row_indices(T, R), scored
     from the projection output out [B, T, P] (`split_projection`; pool=keys: block keys by `block_max` of its
     token keys) against target [B, H_kv, R, N_b] -> (the loss's terms [B, H_kv, R], one per row: their sum is the
     loss, taken once for every layer by the model; row statistics [B, H_kv, R, 2]: each row's
     log-sum-exp of its candidates' scores and its target's total over them, what a backward reuses; the scores'
-    dtype: float32, or float64 for float64 inputs). The oracle of
-    nsa::indexer_kl's kernel; the loss is differentiable by autograd (`kl_loss_backward` is its closed form)."""
+    dtype: float32, or float64 for float64 inputs). frame [3, B, T] (packed documents): each row scores its own
+    document's blocks (`document_index_scores`) against a target counted so (target [B, H_kv, R, N_b >= ceil(T / l')]),
+    its candidates by its position in the document. The oracle of nsa::indexer_kl's kernel; the loss is
+    differentiable by autograd (`kl_loss_backward` is its closed form)."""
     q, w, k = split_projection(out, n_kv_heads, heads, index_dim)
     rows = kl_row_indices(out.shape[1], R, out.device)
-    scores = index_block_scores(q[:, rows], w[:, rows], k if per_token else block_max(k, l_sel), l_sel, per_token)
+    if frame is None:
+        scores = index_block_scores(q[:, rows], w[:, rows], k if per_token else block_max(k, l_sel), l_sel, per_token)
+        positions = rows  # [R]
+    else:
+        scores = document_index_scores(q[:, rows], w[:, rows], k, frame, target.shape[-1], l_sel, per_token, rows)
+        positions = frame[0][:, None, rows]  # [B, 1, R]
     with torch.no_grad():
-        cand = candidate_mask(rows, l_sel, scores.shape[-1]).expand(scores.shape)
+        cand = candidate_mask(positions, l_sel, scores.shape[-1]).expand(scores.shape)
         stats = torch.stack((torch.logsumexp(scores.masked_fill(~cand, float("-inf")), dim=-1),
                              torch.where(cand, target.to(scores.dtype), 0.0).sum(-1)), dim=-1)
-    return weight * indexer_kl_terms(scores, target, l_sel, rows), stats
+    return weight * indexer_kl_terms(scores, target, l_sel, positions), stats
 
 
 def _argmax_share(values: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
@@ -169,15 +176,91 @@ def _argmax_share(values: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
     return is_max / is_max.sum(-2, keepdim=True)
 
 
-@torch.no_grad()
 def kl_loss_backward(grad: torch.Tensor, out: torch.Tensor, target: torch.Tensor, n_kv_heads: int, heads: int,
-                     index_dim: int, R: int, l_sel: int, per_token: bool, weight: float) -> torch.Tensor:
+                     index_dim: int, R: int, l_sel: int, per_token: bool, weight: float,
+                     frame: torch.Tensor | None = None) -> torch.Tensor:
     """d kl_loss / d out [B, T, P] for the terms' gradient grad [B, H_kv, R] (any strides: an expanded scalar), in
     closed form:
         dL/dI(r, j) = grad(r) * weight * valid(r) / count * (softmax(I(r, .))(j) * [sum of target > 0] - p(r, j))
     on the candidate blocks (p the target normalised over them), 0 elsewhere; a block's max (pool=scores: over its
     tokens' scores; pool=keys: each dim of its key over its tokens) passes it to its argmax, split among ties; then
-    through I = sum_h w_h ReLU(q_h . k) / sqrt(e) to q, w (the R rows; 0 at other positions) and k."""
+    through I = sum_h w_h ReLU(q_h . k) / sqrt(e) to q, w (the R rows; 0 at other positions) and k. With packed
+    documents (frame): `_kl_loss_backward_documents`."""
+    if frame is not None:
+        return _kl_loss_backward_documents(grad, out, target, n_kv_heads, heads, index_dim, R, l_sel, per_token,
+                                           weight, frame)
+    return _kl_loss_backward(grad, out, target, n_kv_heads, heads, index_dim, R, l_sel, per_token, weight)
+
+
+@torch.no_grad()
+def _kl_loss_backward_documents(grad, out, target, n_kv_heads, heads, index_dim, R, l_sel, per_token, weight,
+                                frame) -> torch.Tensor:
+    """kl_loss_backward over packed documents (frame [3, B, T]) in closed form: as the one-document form, with each
+    row's scores gathered from its own document (`document_index_scores`), their gradient scattered back."""
+    B, T, P = out.shape
+    e, H_kv = index_dim, n_kv_heads
+    q, w, k = split_projection(out, n_kv_heads, heads, index_dim)
+    rows = kl_row_indices(T, R, out.device)
+    q_r, w_r = q[:, rows], w[:, rows]  # [B, R, H_kv, h, e], [B, R, H_kv, h]
+    acc = torch.promote_types(out.dtype, torch.float32)
+    n_blocks = target.shape[-1]
+    q_pos, k_base = frame[0], frame[1]  # [B, T]
+    kq = k_base[:, rows]  # [B, R]
+    w_h = w_r.to(acc).permute(0, 2, 3, 1)[..., None]  # [B, H_kv, h, R, 1]
+    if per_token:
+        keys = k  # [B, T, e]: every row scores every token, then gathers its document's
+        s = head_scores(q_r, keys)  # [B, H_kv, h, R, T]
+        a = F.relu(s)
+        per_tok = (a * w_h).sum(2)  # [B, H_kv, R, T]
+        at = (kq[..., None] + torch.arange(n_blocks * l_sel, device=out.device)).clamp_max(T - 1)  # [B, R, N_b*l']
+        at = at[:, None].expand(-1, H_kv, -1, -1)
+        tok = per_tok.gather(-1, at).unflatten(-1, (n_blocks, l_sel))  # [B, H_kv, R, N_b, l']
+        scores = tok.amax(-1)  # [B, H_kv, R, N_b]
+    else:  # each (document, block) key at index k_base + block (document_index_scores), gathered per row
+        slot = (k_base + torch.div(q_pos, l_sel, rounding_mode="floor"))[..., None].expand_as(k)  # [B, T, e]
+        keys_doc = k.new_zeros(k.shape).scatter_reduce(1, slot, k, "amax", include_self=False)  # [B, T, e]
+        at = (kq[..., None] + torch.arange(n_blocks, device=out.device)).clamp_max(T - 1)  # [B, R, N_b]
+        keys = keys_doc.gather(1, at.reshape(B, -1, 1).expand(-1, -1, e)).view(B, R, n_blocks, e).to(acc)
+        s = torch.einsum("brkhe,brne->bkhrn", q_r.to(acc), keys) / math.sqrt(e)  # [B, H_kv, h, R, N_b]
+        a = F.relu(s)
+        scores = (a * w_h).sum(2)  # [B, H_kv, R, N_b]
+    positions = q_pos[:, None, rows]  # [B, 1, R]
+    cand = candidate_mask(positions, l_sel, n_blocks).expand(scores.shape)
+    valid = (cand.sum(-1, keepdim=True) >= 2).to(acc)  # [B, H_kv, R, 1]
+    p = torch.where(cand, target.to(acc), 0.0)
+    total = p.sum(-1, keepdim=True)
+    p = p / total.clamp_min(1e-30)
+    soft = torch.softmax(scores.masked_fill(~cand, -1e30), dim=-1)
+    row_grad = grad.to(acc)[..., None] * weight / valid.sum().clamp_min(1.0)  # [B, H_kv, R, 1]
+    d_scores = torch.where(cand, soft * (total > 0) - p, 0.0) * valid * row_grad  # [B, H_kv, R, N_b]
+    d_out = torch.zeros(B, T, P, dtype=acc, device=out.device)
+    qw = n_kv_heads * heads * e
+    if per_token:
+        is_max = (tok == scores[..., None]).to(acc)
+        d_tok = (d_scores[..., None] * is_max / is_max.sum(-1, keepdim=True)).flatten(-2)  # [B, H_kv, R, N_b*l']
+        d_key = torch.zeros_like(per_tok).scatter_add_(-1, at, d_tok)  # [B, H_kv, R, T]
+        d_w = (d_key[:, :, None] * a).sum(-1).permute(0, 3, 1, 2)  # [B, R, H_kv, h]
+        d_s = (d_key[:, :, None] * w_h * (s > 0)).flatten(1, 3)  # [B, H_kv*h*R, T], head_scores' row layout
+        d_q = torch.bmm(d_s, keys.to(acc) / math.sqrt(e)).view(B, H_kv, heads, R, e).permute(0, 3, 1, 2, 4)
+        q_rows = q_r.to(acc).permute(0, 2, 3, 1, 4).reshape(B, H_kv * heads * R, e) / math.sqrt(e)
+        d_out[..., qw + n_kv_heads * heads:] = torch.bmm(d_s.transpose(1, 2), q_rows)  # [B, T, e]
+    else:
+        d_w = (d_scores[:, :, None] * a).sum(-1).permute(0, 3, 1, 2)  # [B, R, H_kv, h]
+        d_s = d_scores[:, :, None] * w_h * (s > 0)  # [B, H_kv, h, R, N_b]
+        d_q = torch.einsum("bkhrn,brne->brkhe", d_s, keys) / math.sqrt(e)  # [B, R, H_kv, h, e]
+        d_block = torch.einsum("bkhrn,brkhe->brne", d_s, q_r.to(acc)) / math.sqrt(e)  # [B, R, N_b, e]
+        d_keys_doc = torch.zeros(B, T, e, dtype=acc, device=out.device).scatter_add_(
+            1, at.reshape(B, -1, 1).expand(-1, -1, e), d_block.reshape(B, -1, e))  # [B, T, e] per (document, block)
+        is_max = (k.to(acc) == keys_doc.to(acc).gather(1, slot)).to(acc)  # [B, T, e]: a token holding its block's max
+        ties = torch.zeros(B, T, e, dtype=acc, device=out.device).scatter_add_(1, slot, is_max)
+        d_out[..., qw + n_kv_heads * heads:] = d_keys_doc.gather(1, slot) * is_max / ties.gather(1, slot)
+    d_out[:, rows, :qw] = d_q.flatten(2)
+    d_out[:, rows, qw: qw + n_kv_heads * heads] = d_w.flatten(2)
+    return d_out.to(out.dtype)
+
+
+@torch.no_grad()
+def _kl_loss_backward(grad, out, target, n_kv_heads, heads, index_dim, R, l_sel, per_token, weight) -> torch.Tensor:
     B, T, P = out.shape
     e = index_dim
     q, w, k = split_projection(out, n_kv_heads, heads, index_dim)

@@ -106,11 +106,12 @@ def _chunk_scores(q, w, OUT, ob, sot, sop, k_col, offs_e, e_ok, j0, T,
 
 
 @triton.jit
-def _load_rows(OUT, ob, sot, sop, kv, r0, T, R,
+def _load_rows(OUT, ob, sot, sop, kv, r0, T, R, FRAME, sf0, sfb, sf2,
                H_KV: tl.constexpr, HI: tl.constexpr, HP: tl.constexpr, E: tl.constexpr, EP: tl.constexpr,
-               BT: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr):
+               BT: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr, HAS_FRAME: tl.constexpr):
     """The tile's rows r0 .. r0+BT-1: q [R', EP], w [R'] (R' = HP*BT, row = hh*BT + t), and per KL row [BT]: its
-    sequence index, current block's position data (t_r), whether it exists."""
+    position (in its document, with a frame; sfb: the frame's offset of batch row b) and its document's first index
+    (0 without a frame), its index, whether it exists."""
     R_: tl.constexpr = HP * BT
     offs = tl.arange(0, R_)
     hh = offs // BT
@@ -127,22 +128,80 @@ def _load_rows(OUT, ob, sot, sop, kv, r0, T, R,
     if UPCAST:
         q = q.to(tl.float32)
     w = tl.load(OUT + ob + t_row * sot + (H_KV * HI * E + kv * HI + hh) * sop, mask=ok, other=0.0).to(ACC)
-    return q, w, t_seq, r_t, r_ok, offs_e, e_ok
+    if HAS_FRAME:
+        f = FRAME + sfb + t_seq * sf2
+        pos = tl.load(f, mask=r_ok, other=0).to(tl.int32)
+        kb = tl.load(f + sf0, mask=r_ok, other=0).to(tl.int32)
+    else:
+        pos = t_seq.to(tl.int32)
+        kb = tl.zeros([BT], dtype=tl.int32)
+    return q, w, pos, kb, r_t, r_ok, offs_e, e_ok
 
 
-@triton.jit(do_not_specialize=["T", "R"])
+@triton.jit
+def _next_document(todo, kb_r, current):
+    """The next document among a tile's rows still to do (todo [BT]; kb_r [BT] their documents' first indices): the
+    one of smallest first index -> (its first index, its rows' current blocks with -1 for the others (they have no
+    candidate), the largest of them, the rows still to do after it)."""
+    kb = tl.min(tl.where(todo, kb_r, 2147483647), axis=0)
+    mine = todo & (kb_r == kb)
+    return kb, tl.where(mine, current, -1), tl.max(tl.where(mine, current, 0), axis=0), todo & (kb_r != kb)
+
+
+@triton.jit
+def _valid_count(FRAME, sf0, sf1, sf2, B, T, R, L_SEL: tl.constexpr):
+    """With a frame: the KL rows with two or more candidate blocks (position in the document >= 4 l'), over the
+    batch: the loss's denominator (per KV group), counted on the device (no host sync)."""
+    CB: tl.constexpr = 256
+    n = tl.zeros([CB], dtype=tl.int32)
+    for bb in range(B):
+        for c0 in range(0, R, CB):
+            r = c0 + tl.arange(0, CB)
+            t = (r.to(tl.int64) * T) // R
+            pos = tl.load(FRAME + bb * sf1 + t * sf2, mask=r < R, other=0)
+            n += ((pos >= 4 * L_SEL) & (r < R)).to(tl.int32)
+    return tl.sum(n, axis=0)
+
+
+@triton.jit
+def _accumulate_rows(q, w, OUT, ob, sot, sop, k_col, offs_e, e_ok, T, tgt, stj, current, last, n_blocks,
+                     m, den, total, a_sum, b_sum,
+                     HP: tl.constexpr, BT: tl.constexpr, BJ: tl.constexpr, LP: tl.constexpr, BN: tl.constexpr,
+                     L_SEL: tl.constexpr, PER_TOKEN: tl.constexpr, SCALE: tl.constexpr, ACC: tl.constexpr,
+                     PREC: tl.constexpr):
+    """The forward's statistics of the rows whose current block is current [BT] (-1: none of these blocks), over
+    blocks 1 .. last - 2 of the keys from ob on (T of them): the online log-sum-exp (m, den) and the target's total,
+    sum t log t and sum t * I."""
+    cols = tl.arange(0, BJ)
+    for j0 in range(0, last - 1, BJ):  # candidates are blocks 1 .. c - 2
+        _, _, _, I = _chunk_scores(q, w, OUT, ob, sot, sop, k_col, offs_e, e_ok, j0, T, HP, BT, BJ, LP, BN,
+                                   L_SEL, PER_TOKEN, SCALE, ACC, PREC)
+        blk = j0 + cols
+        cand = (blk[None, :] >= 1) & (blk[None, :] <= current[:, None] - 2) & (blk[None, :] < n_blocks)
+        t = tl.load(tgt + blk[None, :].to(tl.int64) * stj, mask=cand, other=0.0).to(ACC)  # [BT, BJ]
+        I = tl.where(cand, I, float("-inf"))  # only the candidates compete (no inf or NaN from the others below)
+        m_new = tl.maximum(m, tl.max(I, axis=1))
+        den = den * tl.exp(m - m_new) + tl.sum(tl.exp(I - m_new[:, None]), axis=1)
+        m = m_new
+        total += tl.sum(t, axis=1)
+        a_sum += tl.sum(tl.where(t > 0, t * tl.log(tl.where(t > 0, t, 1.0)), 0.0), axis=1)
+        b_sum += tl.sum(tl.where(cand, t * tl.where(cand, I, 0.0), 0.0), axis=1)
+    return m, den, total, a_sum, b_sum
+
+
+@triton.jit(do_not_specialize=["T", "R", "B"])
 def _kl_fwd_kernel(
-    OUT, TGT, KLROW, STATS, TQ, TS, TL,
+    OUT, TGT, KLROW, STATS, TQ, TS, TL, FRAME,
     sob, sot, sop, stb, stk, str_, stj,
-    sqb, sqh, sqg, sqt, sqd, ssb, ssh, ssn, ssd, slb, slh, slg, slt,
-    T, R, n_blocks, scale, N_src,
+    sqb, sqh, sqg, sqt, sqd, ssb, ssh, ssn, ssd, slb, slh, slg, slt, sf0, sf1, sf2,
+    T, R, n_blocks, scale, N_src, B,
     H_KV: tl.constexpr, HI: tl.constexpr, HP: tl.constexpr, E: tl.constexpr, EP: tl.constexpr,
     L_SEL: tl.constexpr, LP: tl.constexpr, BT: tl.constexpr, BJ: tl.constexpr, BN_ROW: tl.constexpr,
     PER_TOKEN: tl.constexpr, SCALE: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
     TARGET: tl.constexpr, T_G: tl.constexpr, T_GP: tl.constexpr, T_HD: tl.constexpr, T_DP: tl.constexpr,
     T_L: tl.constexpr, T_D: tl.constexpr, T_BT: tl.constexpr, T_BJ: tl.constexpr, T_SHIFT: tl.constexpr,
     T_SCALE: tl.constexpr, T_RUP: tl.constexpr, T_LP: tl.constexpr, T_UPCAST: tl.constexpr,
-    T_HAS_LSE: tl.constexpr,
+    T_HAS_LSE: tl.constexpr, HAS_FRAME: tl.constexpr,
 ):
     r0 = tl.program_id(0) * BT
     bk = tl.program_id(1).to(tl.int64)
@@ -161,31 +220,30 @@ def _kl_fwd_kernel(
                                 rs, r_end, T, R, n_blocks, T_G, T_GP, T_HD, T_DP, L_SEL, T_LP, T_BT, T_BJ, T_SCALE,
                                 ACC, T_UPCAST, PREC)
         tl.debug_barrier()
-    q, w, t_seq, r_t, r_ok, offs_e, e_ok = _load_rows(OUT, ob, sot, sop, kv, r0, T, R, H_KV, HI, HP, E, EP, BT,
-                                                       UPCAST, ACC)
-    current = (t_seq // L_SEL).to(tl.int32)  # [BT]
-    last = tl.max(tl.where(r_ok, current, 0), axis=0)
+    q, w, pos, kb_r, r_t, r_ok, offs_e, e_ok = _load_rows(OUT, ob, sot, sop, kv, r0, T, R, FRAME, sf0, b * sf1, sf2,
+                                                           H_KV, HI, HP, E, EP, BT, UPCAST, ACC, HAS_FRAME)
+    current = pos // L_SEL  # [BT]
     k_col = H_KV * HI * (E + 1)
-    cols = tl.arange(0, BJ)
     m = tl.full([BT], -1.0e30, dtype=ACC)
     den = tl.zeros([BT], dtype=ACC)
     total = tl.zeros([BT], dtype=ACC)
     a_sum = tl.zeros([BT], dtype=ACC)
     b_sum = tl.zeros([BT], dtype=ACC)
     tgt = TGT + b * stb + kv * stk + r_t.to(tl.int64)[:, None] * str_  # [BT, 1]
-    for j0 in range(0, last - 1, BJ):  # candidates are blocks 1 .. c - 2
-        _, _, _, I = _chunk_scores(q, w, OUT, ob, sot, sop, k_col, offs_e, e_ok, j0, T, HP, BT, BJ, LP, BN_ROW,
-                                   L_SEL, PER_TOKEN, SCALE, ACC, PREC)
-        blk = j0 + cols
-        cand = r_ok[:, None] & (blk[None, :] >= 1) & (blk[None, :] <= current[:, None] - 2) & (blk[None, :] < n_blocks)
-        t = tl.load(tgt + blk[None, :].to(tl.int64) * stj, mask=cand, other=0.0).to(ACC)  # [BT, BJ]
-        I = tl.where(cand, I, float("-inf"))  # only the candidates compete (no inf or NaN from the others below)
-        m_new = tl.maximum(m, tl.max(I, axis=1))
-        den = den * tl.exp(m - m_new) + tl.sum(tl.exp(I - m_new[:, None]), axis=1)
-        m = m_new
-        total += tl.sum(t, axis=1)
-        a_sum += tl.sum(tl.where(t > 0, t * tl.log(tl.where(t > 0, t, 1.0)), 0.0), axis=1)
-        b_sum += tl.sum(tl.where(cand, t * tl.where(cand, I, 0.0), 0.0), axis=1)
+    if HAS_FRAME:  # the rows' documents one at a time (usually one or two per tile), each over its own keys
+        todo = r_ok
+        while tl.max(todo.to(tl.int32), axis=0) > 0:
+            kb, cur, last, todo = _next_document(todo, kb_r, current)
+            m, den, total, a_sum, b_sum = _accumulate_rows(
+                q, w, OUT, ob + kb.to(tl.int64) * sot, sot, sop, k_col, offs_e, e_ok, T - kb, tgt, stj, cur, last,
+                n_blocks, m, den, total, a_sum, b_sum, HP, BT, BJ, LP, BN_ROW, L_SEL, PER_TOKEN, SCALE, ACC, PREC)
+        count = H_KV * _valid_count(FRAME, sf0, sf1, sf2, B, T, R, L_SEL)
+        scale = tl.where(count > 0, scale / tl.maximum(count, 1).to(ACC), 0.0)  # scale: the weight, with a frame
+    else:
+        m, den, total, a_sum, b_sum = _accumulate_rows(
+            q, w, OUT, ob, sot, sop, k_col, offs_e, e_ok, T, tgt, stj, tl.where(r_ok, current, -1),
+            tl.max(tl.where(r_ok, current, 0), axis=0), n_blocks, m, den, total, a_sum, b_sum, HP, BT, BJ, LP,
+            BN_ROW, L_SEL, PER_TOKEN, SCALE, ACC, PREC)
     lse = m + tl.log(tl.where(den > 0, den, 1.0))
     safe = tl.where(total > 0, total, 1.0)
     kl = a_sum / safe - tl.log(safe) - b_sum / safe + lse
@@ -217,12 +275,32 @@ def _block_grads(I, per_key, lse, total, rowscale, tgt, blk, current, r_ok, n_bl
 
 
 @triton.jit
-def _rows_backward(pid, OUT, TGT, STATS, DOUT, sob, sot, sop, stb, stk, str_, stj, sdb, sdt, sdp, T, R, n_blocks,
-                   grad, sgb, sgk, sgr, scale, k_col, H_KV: tl.constexpr, HI: tl.constexpr, HP: tl.constexpr,
-                   E: tl.constexpr, EP: tl.constexpr, L_SEL: tl.constexpr, LP: tl.constexpr, BT: tl.constexpr,
-                   BJ: tl.constexpr, BN_ROW: tl.constexpr, BKB: tl.constexpr, BN_KEY: tl.constexpr,
-                   PER_TOKEN: tl.constexpr, SCALE: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr,
-                   PREC: tl.constexpr):
+def _accumulate_row_grads(q, w, OUT, ob, sot, sop, k_col, offs_e, e_ok, T, tgt, stj, current, r_ok, last, n_blocks,
+                          lse, total, rowscale, d_q, d_w,
+                          HP: tl.constexpr, BT: tl.constexpr, BJ: tl.constexpr, LP: tl.constexpr, BN: tl.constexpr,
+                          L_SEL: tl.constexpr, PER_TOKEN: tl.constexpr, SCALE: tl.constexpr, ACC: tl.constexpr,
+                          PREC: tl.constexpr):
+    """d q [R', EP] and d w [R'] of the rows whose current block is current [BT] (-1: none of these blocks), over
+    blocks 1 .. last - 2 of the keys from ob on (T of them)."""
+    cols = tl.arange(0, BJ)
+    for j0 in range(0, last - 1, BJ):
+        s, keys, per_key, I = _chunk_scores(q, w, OUT, ob, sot, sop, k_col, offs_e, e_ok, j0, T, HP, BT, BJ,
+                                            LP, BN, L_SEL, PER_TOKEN, SCALE, ACC, PREC)
+        g = _block_grads(I, per_key, lse, total, rowscale, tgt, j0 + cols, current, r_ok, n_blocks, stj,
+                         HP, BT, BJ, LP, BN, PER_TOKEN, ACC)  # [R', BN]
+        d_w += tl.sum(g * tl.maximum(s, 0.0), axis=1)
+        d_s = tl.where(s > 0, g * w[:, None], 0.0)
+        d_q += tl.dot(d_s.to(keys.dtype), keys, input_precision=PREC, out_dtype=ACC) * SCALE
+    return d_q, d_w
+
+
+@triton.jit
+def _rows_backward(pid, OUT, TGT, STATS, DOUT, FRAME, sob, sot, sop, stb, stk, str_, stj, sdb, sdt, sdp, sf0, sf1, sf2,
+                   T, R, n_blocks, grad, sgb, sgk, sgr, scale, k_col, H_KV: tl.constexpr, HI: tl.constexpr,
+                   HP: tl.constexpr, E: tl.constexpr, EP: tl.constexpr, L_SEL: tl.constexpr, LP: tl.constexpr,
+                   BT: tl.constexpr, BJ: tl.constexpr, BN_ROW: tl.constexpr, PER_TOKEN: tl.constexpr,
+                   SCALE: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+                   HAS_FRAME: tl.constexpr):
     """The backward's row program pid: d q and d w at its KL rows, zeros between them (module docstring)."""
     n_tiles = tl.cdiv(R, BT)
     r0 = (pid % n_tiles) * BT
@@ -230,26 +308,27 @@ def _rows_backward(pid, OUT, TGT, STATS, DOUT, sob, sot, sop, stb, stk, str_, st
     b = bk // H_KV
     kv = bk % H_KV
     ob = b * sob
-    q, w, t_seq, r_t, r_ok, offs_e, e_ok = _load_rows(OUT, ob, sot, sop, kv, r0, T, R, H_KV, HI, HP, E, EP,
-                                                       BT, UPCAST, ACC)
-    current = (t_seq // L_SEL).to(tl.int32)
-    last = tl.max(tl.where(r_ok, current, 0), axis=0)
+    q, w, pos, kb_r, r_t, r_ok, offs_e, e_ok = _load_rows(OUT, ob, sot, sop, kv, r0, T, R, FRAME, sf0, b * sf1, sf2,
+                                                           H_KV, HI, HP, E, EP, BT, UPCAST, ACC, HAS_FRAME)
+    current = pos // L_SEL
     lse = tl.load(STATS + (bk * R + r_t) * 2, mask=r_ok, other=0.0).to(ACC)
     total = tl.load(STATS + (bk * R + r_t) * 2 + 1, mask=r_ok, other=0.0).to(ACC)
     g_row = tl.load(grad + b * sgb + kv * sgk + r_t * sgr, mask=r_ok, other=0.0).to(ACC) * scale
     rowscale = tl.where(r_ok & (current - 2 >= 2) & (total > 0), g_row, 0.0)  # [BT]: dL/dterm * weight / count
     tgt = TGT + b * stb + kv * stk + r_t.to(tl.int64)[:, None] * str_
-    cols = tl.arange(0, BJ)
     d_q = tl.zeros([HP * BT, EP], dtype=ACC)
     d_w = tl.zeros([HP * BT], dtype=ACC)
-    for j0 in range(0, last - 1, BJ):
-        s, keys, per_key, I = _chunk_scores(q, w, OUT, ob, sot, sop, k_col, offs_e, e_ok, j0, T, HP, BT, BJ,
-                                            LP, BN_ROW, L_SEL, PER_TOKEN, SCALE, ACC, PREC)
-        g = _block_grads(I, per_key, lse, total, rowscale, tgt, j0 + cols, current, r_ok, n_blocks, stj,
-                         HP, BT, BJ, LP, BN_ROW, PER_TOKEN, ACC)  # [R', BN]
-        d_w += tl.sum(g * tl.maximum(s, 0.0), axis=1)
-        d_s = tl.where(s > 0, g * w[:, None], 0.0)
-        d_q += tl.dot(d_s.to(keys.dtype), keys, input_precision=PREC, out_dtype=ACC) * SCALE
+    if HAS_FRAME:
+        todo = r_ok
+        while tl.max(todo.to(tl.int32), axis=0) > 0:
+            kb, cur, last, todo = _next_document(todo, kb_r, current)
+            d_q, d_w = _accumulate_row_grads(q, w, OUT, ob + kb.to(tl.int64) * sot, sot, sop, k_col, offs_e, e_ok,
+                                             T - kb, tgt, stj, cur, r_ok, last, n_blocks, lse, total, rowscale, d_q,
+                                             d_w, HP, BT, BJ, LP, BN_ROW, L_SEL, PER_TOKEN, SCALE, ACC, PREC)
+    else:
+        d_q, d_w = _accumulate_row_grads(q, w, OUT, ob, sot, sop, k_col, offs_e, e_ok, T, tgt, stj, current, r_ok,
+                                         tl.max(tl.where(r_ok, current, 0), axis=0), n_blocks, lse, total, rowscale,
+                                         d_q, d_w, HP, BT, BJ, LP, BN_ROW, L_SEL, PER_TOKEN, SCALE, ACC, PREC)
     # zeros at the positions from this tile's first row to the next tile's (its rows' values follow the barrier)
     t_lo = (r0.to(tl.int64) * T) // R
     t_hi = (tl.minimum(r0 + BT, R).to(tl.int64) * T) // R
@@ -275,87 +354,161 @@ def _rows_backward(pid, OUT, TGT, STATS, DOUT, sob, sot, sop, stb, stk, str_, st
 
 
 @triton.jit
-def _keys_backward(kp, OUT, TGT, STATS, DOUT, sob, sot, sop, stb, stk, str_, stj, sdb, sdt, sdp, T, R, n_blocks,
-                   grad, sgb, sgk, sgr, scale, k_col, H_KV: tl.constexpr, HI: tl.constexpr, HP: tl.constexpr,
-                   E: tl.constexpr, EP: tl.constexpr, L_SEL: tl.constexpr, LP: tl.constexpr, BT: tl.constexpr,
-                   BJ: tl.constexpr, BN_ROW: tl.constexpr, BKB: tl.constexpr, BN_KEY: tl.constexpr,
-                   PER_TOKEN: tl.constexpr, SCALE: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr,
-                   PREC: tl.constexpr):
-    """The backward's key program kp: d k of BKB blocks' tokens, over every KV group and row that may read them."""
-    n_chunks = tl.cdiv(n_blocks, BKB)
-    j0 = (kp % n_chunks) * BKB
-    b = (kp // n_chunks).to(tl.int64)
-    ob = b * sob
-    offs_e = tl.arange(0, EP)
-    e_ok = offs_e < E
+def _block_key_grads(OUT, TGT, STATS, FRAME, ob, b, kb, j0, sot, sop, stb, stk, str_, stj, sf0, sf1, sf2, T, R,
+                     n_blocks, grad, sgb, sgk, sgr, scale, k_col, offs_e, e_ok, H_KV: tl.constexpr, HI: tl.constexpr,
+                     HP: tl.constexpr, E: tl.constexpr, EP: tl.constexpr, L_SEL: tl.constexpr, LP: tl.constexpr,
+                     BT: tl.constexpr, BKB: tl.constexpr, BN_KEY: tl.constexpr, PER_TOKEN: tl.constexpr,
+                     SCALE: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+                     HAS_FRAME: tl.constexpr):
+    """d key [BN_KEY, EP] of blocks j0 .. j0+BKB-1 of the document whose first key is at index kb (0 without a frame;
+    ob: b's offset in OUT), over every KV group and every KL row of that document that may read them (block keys:
+    the gradient of each block's key, routed to its tokens by the caller)."""
     cols = tl.arange(0, BKB)
     d_key = tl.zeros([BN_KEY, EP], dtype=ACC)
-    # rows whose candidates reach block j0: t_r >= (j0 + 2) * l'  <=>  r >= ceil((j0 + 2) * l' * R / T)
-    r_first = ((j0 + 2).to(tl.int64) * L_SEL * R + T - 1) // T
-    r_start = (r_first // BT) * BT
+    ob_doc = ob + kb.to(tl.int64) * sot
+    # rows whose candidates reach block j0: t_r >= kb + (j0 + 2) * l'  <=>  r >= ceil((kb + (j0 + 2) * l') * R / T)
+    r_first = ((kb + (j0 + 2) * L_SEL).to(tl.int64) * R + T - 1) // T
+    r_start = ((r_first // BT) * BT).to(tl.int32)
     for kv in range(H_KV):
         bk = b * H_KV + kv
         tgt_base = TGT + b * stb + kv * stk
-        for r0 in range(r_start.to(tl.int32), R, BT):
-            q, w, t_seq, r_t, r_ok, _, _ = _load_rows(OUT, ob, sot, sop, kv, r0, T, R, H_KV, HI, HP, E, EP, BT,
-                                                      UPCAST, ACC)
-            current = (t_seq // L_SEL).to(tl.int32)
+        r0 = r_start
+        go = r0 < R
+        if HAS_FRAME:  # and the tile's first row is not past the document (first indices grow along the rows)
+            t0 = (tl.minimum(r0, R - 1).to(tl.int64) * T) // R
+            go = go & (tl.load(FRAME + b * sf1 + sf0 + t0 * sf2) <= kb)
+        while go:
+            q, w, pos, kb_r, r_t, r_ok, _, _ = _load_rows(OUT, ob, sot, sop, kv, r0, T, R, FRAME, sf0, b * sf1, sf2,
+                                                          H_KV, HI, HP, E, EP, BT, UPCAST, ACC, HAS_FRAME)
+            current = pos // L_SEL
             lse = tl.load(STATS + (bk * R + r_t) * 2, mask=r_ok, other=0.0).to(ACC)
             total = tl.load(STATS + (bk * R + r_t) * 2 + 1, mask=r_ok, other=0.0).to(ACC)
             g_row = tl.load(grad + b * sgb + kv * sgk + r_t * sgr, mask=r_ok, other=0.0).to(ACC) * scale
             rowscale = tl.where(r_ok & (current - 2 >= 2) & (total > 0), g_row, 0.0)
-            s, keys, per_key, I = _chunk_scores(q, w, OUT, ob, sot, sop, k_col, offs_e, e_ok, j0, T, HP, BT, BKB,
-                                                LP, BN_KEY, L_SEL, PER_TOKEN, SCALE, ACC, PREC)
+            s, keys, per_key, I = _chunk_scores(q, w, OUT, ob_doc, sot, sop, k_col, offs_e, e_ok, j0, T - kb, HP, BT,
+                                                BKB, LP, BN_KEY, L_SEL, PER_TOKEN, SCALE, ACC, PREC)
             g = _block_grads(I, per_key, lse, total, rowscale, tgt_base + r_t.to(tl.int64)[:, None] * str_,
-                             j0 + cols, current, r_ok, n_blocks, stj, HP, BT, BKB, LP, BN_KEY, PER_TOKEN, ACC)
+                             j0 + cols, tl.where(kb_r == kb, current, -1), r_ok, n_blocks, stj, HP, BT, BKB, LP,
+                             BN_KEY, PER_TOKEN, ACC)
             d_s = tl.where(s > 0, g * w[:, None], 0.0)  # [R', BN]
             d_key += tl.dot(tl.trans(d_s).to(q.dtype), q, input_precision=PREC, out_dtype=ACC) * SCALE
+            r0 += BT
+            go = r0 < R
+            if HAS_FRAME:
+                t0 = (tl.minimum(r0, R - 1).to(tl.int64) * T) // R
+                go = go & (tl.load(FRAME + b * sf1 + sf0 + t0 * sf2) <= kb)
+    return d_key
+
+
+@triton.jit
+def _write_key_grads(d_key, OUT, DOUT, FRAME, ob, b, kb, j0, owned, sot, sop, sdb, sdt, sdp, sf0, sf1, sf2, T, k_col,
+                     offs_e, e_ok, L_SEL: tl.constexpr, LP: tl.constexpr, BKB: tl.constexpr, BN_KEY: tl.constexpr,
+                     PER_TOKEN: tl.constexpr, ACC: tl.constexpr, HAS_FRAME: tl.constexpr):
+    """Write d key of blocks j0 .. j0+BKB-1 of the document at kb to d_out's k columns: the tokens of the blocks this
+    program owns (owned [BKB]) that lie in the document (with a frame: their first index is kb) and before T."""
+    cols = tl.arange(0, BKB)
+    ob_doc = ob + kb.to(tl.int64) * sot
     if PER_TOKEN:
         lanes = tl.arange(0, BN_KEY)
-        tok = (j0 + lanes // LP) * L_SEL + lanes % LP
-        tok_ok = (lanes % LP < L_SEL) & (tok < T)
+        rel = (j0 + lanes // LP) * L_SEL + lanes % LP  # [BN] document-relative token index
+        tok = kb + rel
+        ok = (lanes % LP < L_SEL) & (tok < T) & tl.reshape(tl.broadcast_to(owned[:, None], (BKB, LP)), (BN_KEY,))
+        if HAS_FRAME:
+            ok = ok & (tl.load(FRAME + b * sf1 + sf0 + tok.to(tl.int64) * sf2, mask=ok, other=-1) == kb)
         tl.store(DOUT + b * sdb + tok[:, None].to(tl.int64) * sdt + (k_col + offs_e)[None, :] * sdp, d_key,
-                 mask=tok_ok[:, None] & e_ok[None, :])
+                 mask=ok[:, None] & e_ok[None, :])
     else:  # each dim of a block key to the block's token(s) holding its max, split among ties
-        best, _ = block_keys(OUT, ob, sot, sop, k_col, offs_e, e_ok, j0, T, BKB, L_SEL, ACC)  # [BKB, EP]
+        best, _ = block_keys(OUT, ob_doc, sot, sop, k_col, offs_e, e_ok, j0, T - kb, BKB, L_SEL, ACC)  # [BKB, EP]
         first = (j0 + cols) * L_SEL
-        ties = tl.zeros([BKB, EP], dtype=ACC)
+        ties = tl.zeros_like(best)
         for o in range(L_SEL):
-            tok = first + o
-            k = tl.load(OUT + ob + tok[:, None].to(tl.int64) * sot + (k_col + offs_e)[None, :] * sop,
-                        mask=(tok < T)[:, None] & e_ok[None, :], other=float("-inf"))
+            rel = first + o
+            k = tl.load(OUT + ob_doc + rel[:, None].to(tl.int64) * sot + (k_col + offs_e)[None, :] * sop,
+                        mask=(rel < T - kb)[:, None] & e_ok[None, :], other=float("-inf"))
             ties += (k.to(ACC) == best).to(ACC)
         share = d_key / tl.where(ties > 0, ties, 1.0)
         for o in range(L_SEL):
-            tok = first + o
-            at = tok[:, None].to(tl.int64)
-            k = tl.load(OUT + ob + at * sot + (k_col + offs_e)[None, :] * sop,
-                        mask=(tok < T)[:, None] & e_ok[None, :], other=float("-inf"))
-            tl.store(DOUT + b * sdb + at * sdt + (k_col + offs_e)[None, :] * sdp,
-                     tl.where(k.to(ACC) == best, share, 0.0), mask=(tok < T)[:, None] & e_ok[None, :])
+            rel = first + o
+            ok = owned & (rel < T - kb)
+            if HAS_FRAME:
+                ok = ok & (tl.load(FRAME + b * sf1 + sf0 + (kb + rel).to(tl.int64) * sf2, mask=ok, other=-1) == kb)
+            at = rel[:, None].to(tl.int64)
+            k = tl.load(OUT + ob_doc + at * sot + (k_col + offs_e)[None, :] * sop,
+                        mask=(rel < T - kb)[:, None] & e_ok[None, :], other=float("-inf"))
+            tl.store(DOUT + b * sdb + (kb + at) * sdt + (k_col + offs_e)[None, :] * sdp,
+                     tl.where(k.to(ACC) == best, share, 0.0), mask=ok[:, None] & e_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["T", "R"])
+@triton.jit
+def _keys_backward(kp, OUT, TGT, STATS, DOUT, FRAME, sob, sot, sop, stb, stk, str_, stj, sdb, sdt, sdp, sf0, sf1, sf2,
+                   T, R, n_blocks, grad, sgb, sgk, sgr, scale, k_col, H_KV: tl.constexpr, HI: tl.constexpr,
+                   HP: tl.constexpr, E: tl.constexpr, EP: tl.constexpr, L_SEL: tl.constexpr, LP: tl.constexpr,
+                   BT: tl.constexpr, BKB: tl.constexpr, BN_KEY: tl.constexpr, CP: tl.constexpr,
+                   PER_TOKEN: tl.constexpr, SCALE: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr,
+                   PREC: tl.constexpr, HAS_FRAME: tl.constexpr):
+    """The backward's key program kp: d k of the tokens of BKB blocks, over every KV group and row that may read them.
+    Without a frame: blocks kp' * BKB .. of batch row b. With one: the blocks whose first token lies in the key
+    indices [p * BKB * l', (p + 1) * BKB * l') (at most BKB per document), of every document there, one at a time:
+    every token belongs to one document's block and every block to the program holding its first token."""
+    C: tl.constexpr = BKB * L_SEL
+    n_ranges = tl.cdiv(T, C)  # = cdiv(n_blocks, BKB) without a frame
+    p = kp % n_ranges
+    b = (kp // n_ranges).to(tl.int64)
+    ob = b * sob
+    offs_e = tl.arange(0, EP)
+    e_ok = offs_e < E
+    if HAS_FRAME:
+        lo = p * C
+        offs_c = tl.arange(0, CP)
+        tok_r = lo + offs_c
+        in_r = (offs_c < C) & (tok_r < T)
+        kb_tok = tl.load(FRAME + b * sf1 + sf0 + tok_r.to(tl.int64) * sf2, mask=in_r, other=0).to(tl.int32)
+        todo = in_r
+        while tl.max(todo.to(tl.int32), axis=0) > 0:  # the documents of the range, in order
+            kb = tl.min(tl.where(todo, kb_tok, 2147483647), axis=0)
+            todo = todo & (kb_tok != kb)
+            j0 = (tl.maximum(lo - kb, 0) + L_SEL - 1) // L_SEL  # its first block starting in the range
+            owned = kb + (j0 + tl.arange(0, BKB)) * L_SEL < lo + C  # [BKB]
+            d_key = _block_key_grads(OUT, TGT, STATS, FRAME, ob, b, kb, j0, sot, sop, stb, stk, str_, stj, sf0, sf1,
+                                     sf2, T, R, n_blocks, grad, sgb, sgk, sgr, scale, k_col, offs_e, e_ok, H_KV, HI,
+                                     HP, E, EP, L_SEL, LP, BT, BKB, BN_KEY, PER_TOKEN, SCALE, ACC, UPCAST, PREC,
+                                     HAS_FRAME)
+            _write_key_grads(d_key, OUT, DOUT, FRAME, ob, b, kb, j0, owned, sot, sop, sdb, sdt, sdp, sf0, sf1, sf2, T,
+                             k_col, offs_e, e_ok, L_SEL, LP, BKB, BN_KEY, PER_TOKEN, ACC, HAS_FRAME)
+    else:
+        kb = p * 0
+        j0 = p * BKB
+        d_key = _block_key_grads(OUT, TGT, STATS, FRAME, ob, b, kb, j0, sot, sop, stb, stk, str_, stj, sf0, sf1, sf2,
+                                 T, R, n_blocks, grad, sgb, sgk, sgr, scale, k_col, offs_e, e_ok, H_KV, HI, HP, E, EP,
+                                 L_SEL, LP, BT, BKB, BN_KEY, PER_TOKEN, SCALE, ACC, UPCAST, PREC, HAS_FRAME)
+        _write_key_grads(d_key, OUT, DOUT, FRAME, ob, b, kb, j0, tl.full([BKB], True, tl.int1), sot, sop, sdb, sdt,
+                         sdp, sf0, sf1, sf2, T, k_col, offs_e, e_ok, L_SEL, LP, BKB, BN_KEY, PER_TOKEN, ACC, HAS_FRAME)
+
+
+@triton.jit(do_not_specialize=["T", "R", "B"])
 def _kl_bwd_kernel(
-    OUT, TGT, STATS, GRAD, DOUT,
-    sob, sot, sop, stb, stk, str_, stj, sdb, sdt, sdp, sgb, sgk, sgr,
-    T, R, n_blocks, scale, n_row_programs,
-    B: tl.constexpr, H_KV: tl.constexpr, HI: tl.constexpr, HP: tl.constexpr, E: tl.constexpr, EP: tl.constexpr,
+    OUT, TGT, STATS, GRAD, DOUT, FRAME,
+    sob, sot, sop, stb, stk, str_, stj, sdb, sdt, sdp, sgb, sgk, sgr, sf0, sf1, sf2,
+    T, R, n_blocks, scale, n_row_programs, B,
+    H_KV: tl.constexpr, HI: tl.constexpr, HP: tl.constexpr, E: tl.constexpr, EP: tl.constexpr,
     L_SEL: tl.constexpr, LP: tl.constexpr, BT: tl.constexpr, BJ: tl.constexpr, BN_ROW: tl.constexpr,
-    BKB: tl.constexpr, BN_KEY: tl.constexpr, PER_TOKEN: tl.constexpr, SCALE: tl.constexpr, ACC: tl.constexpr,
-    UPCAST: tl.constexpr, PREC: tl.constexpr,
+    BKB: tl.constexpr, BN_KEY: tl.constexpr, CP: tl.constexpr, PER_TOKEN: tl.constexpr, SCALE: tl.constexpr,
+    ACC: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, HAS_FRAME: tl.constexpr,
 ):
     pid = tl.program_id(0)
     k_col = H_KV * HI * (E + 1)
+    if HAS_FRAME:  # scale: the weight; the count of rows on the device, as the forward's
+        count = H_KV * _valid_count(FRAME, sf0, sf1, sf2, B, T, R, L_SEL)
+        scale = tl.where(count > 0, scale / tl.maximum(count, 1).to(ACC), 0.0)
     # GRAD: the terms' gradient [B, H_kv, R] (strides sgb, sgk, sgr; a sum's, expanded: 0, 0, 0)
     if pid < n_row_programs:  # ---- rows: d q and d w at the KL's rows, zeros between them
-        _rows_backward(pid, OUT, TGT, STATS, DOUT, sob, sot, sop, stb, stk, str_, stj, sdb, sdt, sdp, T, R,
-                       n_blocks, GRAD, sgb, sgk, sgr, scale, k_col, H_KV, HI, HP, E, EP, L_SEL, LP, BT, BJ, BN_ROW,
-                       BKB, BN_KEY, PER_TOKEN, SCALE, ACC, UPCAST, PREC)
+        _rows_backward(pid, OUT, TGT, STATS, DOUT, FRAME, sob, sot, sop, stb, stk, str_, stj, sdb, sdt, sdp, sf0, sf1,
+                       sf2, T, R, n_blocks, GRAD, sgb, sgk, sgr, scale, k_col, H_KV, HI, HP, E, EP, L_SEL, LP, BT, BJ,
+                       BN_ROW, PER_TOKEN, SCALE, ACC, UPCAST, PREC, HAS_FRAME)
     else:  # ---- keys: d k of every token
-        _keys_backward(pid - n_row_programs, OUT, TGT, STATS, DOUT, sob, sot, sop, stb, stk, str_, stj, sdb, sdt,
-                       sdp, T, R, n_blocks, GRAD, sgb, sgk, sgr, scale, k_col, H_KV, HI, HP, E, EP, L_SEL, LP, BT,
-                       BJ, BN_ROW, BKB, BN_KEY, PER_TOKEN, SCALE, ACC, UPCAST, PREC)
+        _keys_backward(pid - n_row_programs, OUT, TGT, STATS, DOUT, FRAME, sob, sot, sop, stb, stk, str_, stj, sdb,
+                       sdt, sdp, sf0, sf1, sf2, T, R, n_blocks, GRAD, sgb, sgk, sgr, scale, k_col, H_KV, HI, HP, E, EP,
+                       L_SEL, LP, BT, BKB, BN_KEY, CP, PER_TOKEN, SCALE, ACC, UPCAST, PREC, HAS_FRAME)
 
 
 def kernel_constexprs(dtype: torch.dtype, heads: int, index_dim: int, l_sel: int, per_token: bool,
@@ -388,17 +541,23 @@ def valid_rows(T: int, R: int, l_sel: int) -> int:
     return R - min(R, -(-4 * l_sel * R // T))
 
 
-def _check(out, target, n_kv_heads, heads, index_dim, R, l_sel):
+def _check(out, target, n_kv_heads, heads, index_dim, R, l_sel, frame=None):
     B, T, P = out.shape
     n_blocks = -(-T // l_sel)
-    if P != n_kv_heads * heads * (index_dim + 1) + index_dim or target.shape != (B, n_kv_heads, R, n_blocks) \
-            or not 0 < R <= T:
+    # with packed documents the target may count more blocks (the layer's document targets do): only the first
+    # ceil(T / l') can hold a candidate
+    blocks_ok = target.shape[3] == n_blocks if frame is None else target.shape[3] >= n_blocks
+    if P != n_kv_heads * heads * (index_dim + 1) + index_dim or target.shape[:3] != (B, n_kv_heads, R) \
+            or not blocks_ok or not 0 < R <= T:
         raise ValueError(f"indexer_kl: out {tuple(out.shape)} and target {tuple(target.shape)} do not match "
                          f"(H_kv={n_kv_heads}, h={heads}, e={index_dim}, R={R}, l'={l_sel})")
+    if frame is not None and (frame.shape != (3, B, T) or frame.dtype != torch.long or frame.device != out.device):
+        raise ValueError(f"indexer_kl: frame must be int64 [3, {B}, {T}] on {out.device}, got {frame.dtype} "
+                         f"{tuple(frame.shape)} on {frame.device}")
     if out.device.type == "cpu" and not interpreter_active():
         raise RuntimeError("indexer_kl's kernels need a CUDA tensor, or TRITON_INTERPRET=1 set before triton is "
                            "imported")
-    return B, T, n_blocks
+    return B, T, target.shape[3]
 
 
 def _target_constexprs(source, dtype: torch.dtype, l_sel: int) -> dict:
@@ -419,19 +578,29 @@ def _target_constexprs(source, dtype: torch.dtype, l_sel: int) -> dict:
             "T_BJ": m["BJ"], "T_SCALE": m["SCALE"], "T_LP": m["LP"], "T_UPCAST": m["UPCAST"]}
 
 
+def _frame_args(frame, out):
+    """The frame (or a stand-in never read) and its strides."""
+    return (out, (0, 0, 0)) if frame is None else (frame, frame.stride())
+
+
 def indexer_kl_forward(out, target, n_kv_heads: int, heads: int, index_dim: int, R: int, l_sel: int, per_token: bool,
-                       weight: float, source: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       weight: float, source: tuple | None = None,
+                       frame: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (the loss's terms [B, H_kv, R], row statistics [B, H_kv, R, 2], the target) as impl/index_scores.kl_loss:
     one kernel. target [B, H_kv, R, N_b], or None with source: (kind, q [B, H_kv, G, T, hd], keys, lse, l, d), the
     target computed in the same launch, each program its rows' first (kind "compressed": keys the compressed keys
     [B, H_kv, N_c, hd], lse the compressed branch's [B, H_kv, G, T] or None, as select_topk.pooled_block_mass_rows;
-    "dense": keys the selected branch's [B, H_kv, T, hd], as dense_mass.dense_block_mass_rows)."""
+    "dense": keys the selected branch's [B, H_kv, T, hd], as dense_mass.dense_block_mass_rows). frame [3, B, T]
+    (packed documents, a given target): each row scores its own document's blocks, counted from its first token, and
+    the rows counted in the mean are counted on the device."""
     B, T, P = out.shape
     n_blocks = -(-T // l_sel)
     acc = torch.promote_types(out.dtype, torch.float32)
     if target is None:
+        if frame is not None:
+            raise ValueError("indexer_kl: with packed documents the target is given, not computed in the launch")
         target = torch.empty(B, n_kv_heads, R, n_blocks, dtype=acc, device=out.device)
-    _check(out, target, n_kv_heads, heads, index_dim, R, l_sel)
+    _, _, n_blocks = _check(out, target, n_kv_heads, heads, index_dim, R, l_sel, frame)
     meta = kernel_constexprs(out.dtype, heads, index_dim, l_sel, per_token)
     count = B * n_kv_heads * valid_rows(T, R, l_sel)
     kl_rows = torch.empty(B, n_kv_heads, R, dtype=acc, device=out.device)
@@ -445,29 +614,36 @@ def indexer_kl_forward(out, target, n_kv_heads: int, heads: int, index_dim: int,
         q_strides, s_strides, n_src = tq.stride(), ts.stride(), ts.shape[2]
         if lse is not None:
             tl_, l_strides = lse, lse.stride()
+    f, f_strides = _frame_args(frame, out)
+    # scale: weight / the counted rows (a function of T, R and l'); with a frame the kernel counts them
+    scale = weight if frame is not None else weight / count if count else 0.0
     grid = (triton.cdiv(R, meta["BT"]), B * n_kv_heads)
-    _kl_fwd_kernel[grid](out, target, kl_rows, stats, tq, ts, tl_, *out.stride(), *target.stride(), *q_strides,
-                         *s_strides, *l_strides, T, R, n_blocks, weight / count if count else 0.0, n_src,
+    _kl_fwd_kernel[grid](out, target, kl_rows, stats, tq, ts, tl_, f, *out.stride(), *target.stride(), *q_strides,
+                         *s_strides, *l_strides, *f_strides, T, R, n_blocks, scale, n_src, B,
                          H_KV=n_kv_heads, **meta, **_target_constexprs(source, out.dtype, l_sel),
+                         HAS_FRAME=frame is not None,
                          maxnreg=255)  # the fused target's tiles in registers (as select_topk's)
     return kl_rows, stats, target
 
 
 def indexer_kl_backward(grad, out, target, stats, n_kv_heads: int, heads: int, index_dim: int, R: int, l_sel: int,
-                        per_token: bool, weight: float, d_out: torch.Tensor | None = None) -> torch.Tensor:
+                        per_token: bool, weight: float, d_out: torch.Tensor | None = None,
+                        frame: torch.Tensor | None = None) -> torch.Tensor:
     """-> d out [B, T, P] as impl/index_scores.kl_loss_backward: one kernel, every element written once (into d_out
-    when given, out's shape and dtype: the tests pass one filled with NaN)."""
-    B, T, n_blocks = _check(out, target, n_kv_heads, heads, index_dim, R, l_sel)
+    when given, out's shape and dtype: the tests pass one filled with NaN). frame: as the forward's."""
+    B, T, n_blocks = _check(out, target, n_kv_heads, heads, index_dim, R, l_sel, frame)
     meta = kernel_constexprs(out.dtype, heads, index_dim, l_sel, per_token, BACKWARD_TOKEN_LANES)
     count = B * n_kv_heads * valid_rows(T, R, l_sel)
     d_out = torch.empty_like(out) if d_out is None else d_out
     bkb, bn_key = key_blocks(per_token, l_sel)
     n_rows = triton.cdiv(R, meta["BT"]) * B * n_kv_heads
-    grid = (n_rows + triton.cdiv(n_blocks, bkb) * B,)
+    grid = (n_rows + triton.cdiv(T, bkb * l_sel) * B,)  # key programs: BKB blocks' worth of key indices each
     grad = grad.expand(B, n_kv_heads, R)  # the terms' gradient (a sum's: one value, stride 0)
-    _kl_bwd_kernel[grid](out, target, stats, grad, d_out, *out.stride(), *target.stride(), *d_out.stride(),
-                         *grad.stride(), T, R,
-                         n_blocks, weight / count if count else 0.0, n_rows, B=B, H_KV=n_kv_heads, BKB=bkb,
-                         BN_KEY=bn_key, **meta, num_stages=1,
+    f, f_strides = _frame_args(frame, out)
+    scale = weight if frame is not None else weight / count if count else 0.0
+    _kl_bwd_kernel[grid](out, target, stats, grad, d_out, f, *out.stride(), *target.stride(), *d_out.stride(),
+                         *grad.stride(), *f_strides, T, R, n_blocks, scale, n_rows, B, H_KV=n_kv_heads, BKB=bkb,
+                         BN_KEY=bn_key, CP=triton.next_power_of_2(bkb * l_sel), **meta, HAS_FRAME=frame is not None,
+                         num_stages=1,
                          num_warps=8 if per_token else 4, maxnreg=255)  # its tiles in registers (as select_topk's)
     return d_out
