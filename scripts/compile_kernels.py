@@ -241,6 +241,10 @@ def exercise_indexer_topk(shape: Shape, dtype: torch.dtype) -> None:
         keys = _meta(1, T if per_token else -(-T // shape.l_sel), e, dtype=dtype)
         fused_indexer_picks(q, w, keys, 0, shape.l_sel, shape.n, per_token)
     fused_indexer_picks(q, w, _meta(1, T, e, dtype=dtype), 0, shape.l_sel, shape.n, False, token_keys=True)
+    frame = _meta(3, 1, T, dtype=torch.long)  # packed documents (token keys)
+    for per_token in (False, True):
+        fused_indexer_picks(q, w, _meta(1, T, e, dtype=dtype), 0, shape.l_sel, shape.n, per_token, token_keys=True,
+                            frame=frame)
 
 
 def exercise_indexer_kl(shape: Shape, dtype: torch.dtype) -> None:
@@ -261,11 +265,14 @@ def exercise_indexer_kl(shape: Shape, dtype: torch.dtype) -> None:
         q = _meta(1, shape.H_kv, shape.G, T, shape.hd, dtype=dtype)  # the target in the same launch
         ck = _meta(1, shape.H_kv, num_compressed(T, shape.l, shape.d), shape.hd, dtype=dtype)
         lse = _meta(1, shape.H_kv, shape.G, T, dtype=torch.promote_types(dtype, torch.float32))
+        frame = _meta(3, 1, T, dtype=torch.long)  # packed documents
         for source in (("compressed", q, ck, lse, shape.l, shape.d), ("dense", q, _meta(1, shape.H_kv, T, shape.hd,
                                                                                          dtype=dtype), None, 0, 0)):
-            indexer_kl_forward(out, None, shape.H_kv, h, e, R, shape.l_sel, per_token, 1.0, source)
-        indexer_kl_backward(torch.empty((), dtype=torch.float32, device="meta"), out, target, stats, shape.H_kv, h, e, R, shape.l_sel,
-                            per_token, 1.0)
+            for f in (None, frame):
+                indexer_kl_forward(out, None, shape.H_kv, h, e, R, shape.l_sel, per_token, 1.0, source, f)
+        for f in (None, frame):
+            indexer_kl_backward(torch.empty((), dtype=torch.float32, device="meta"), out, target, stats, shape.H_kv, h,
+                                e, R, shape.l_sel, per_token, 1.0, frame=f)
 
 
 def exercise_dense_mass(shape: Shape, dtype: torch.dtype) -> None:

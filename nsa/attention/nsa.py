@@ -348,19 +348,8 @@ class NativeSparseAttention(nn.Module):
                 block_idx = ops.select_blocks(qg, ck, t0, c.l, c.d, c.l_sel, c.n_sel, c.q_chunk, c.kernel,
                                               lse=cmp_lse.view(B, self.n_kv_heads, self.n_groups, T))
             if index is not None and t0 == 0 and torch.is_grad_enabled() and c.indexer_kl > 0:
-                lse = cmp_lse.view(B, self.n_kv_heads, self.n_groups, T)
-                target, source = None, None
-                if capped is not None:  # the dense target reading far keys at the cap: torch ops
-                    target = self.indexer_target(qg, ck, sel_k, -(-T // c.l_sel), capped=capped, lse=lse)
-                elif c.indexer_target == "compressed":  # computed in the KL's own launch on the Triton path
-                    source = ("compressed", qg, ck, lse, c.l, c.d)
-                else:
-                    source = ("dense", qg, sel_k)
-                # weight * KL over the rows (every query up to KL_ROWS, else evenly spaced ones) as per-row terms,
-                # scored from the projection output (one op each way)
-                self.indexer_loss = ops.indexer_kl(index[3], target, self.n_kv_heads, c.indexer_heads, c.indexer_dim,
-                                                   kl_row_count(T), c.l_sel, self.indexer.pool == "scores",
-                                                   c.indexer_kl, c.kernel, source=source)
+                self._indexer_term(index[3], qg, ck, sel_k, cmp_lse.view(B, self.n_kv_heads, self.n_groups, T),
+                                   -(-T // c.l_sel), capped=capped)
         with nvtx_range("nsa.selected"):
             if capped is not None:
                 o_sel = self._capped_selected(qg, sel_k, sel_v, block_idx, capped)
@@ -479,12 +468,27 @@ class NativeSparseAttention(nn.Module):
             block_idx = ops.select_blocks(qg, ck, 0, c.l, c.d, c.l_sel, c.n_sel, c.q_chunk, c.kernel, frame=frame,
                                           lse=cmp_lse)
         if torch.is_grad_enabled() and c.indexer_kl > 0:
-            target = self.indexer_target(qg, ck, sel_k, n_blocks, frame, capped)  # [B, H_kv, R, N_b]
-            # per-row terms over the KL's rows, each scoring its own document's blocks (one op each way)
-            self.indexer_loss = ops.indexer_kl(out, target, self.n_kv_heads, c.indexer_heads, c.indexer_dim,
-                                               kl_row_count(T), c.l_sel, per_token, c.indexer_kl, c.kernel,
-                                               frame=frame)
+            self._indexer_term(out, qg, ck, sel_k, cmp_lse, n_blocks, frame, capped)
         return block_idx
+
+    def _indexer_term(self, out, qg, ck, sel_k, lse, n_blocks: int, frame=None, capped=None) -> None:
+        """A training forward's KL of the indexer to its target (nsa.indexer_target) -> self.indexer_loss: weight * KL
+        over the KL's rows (every query up to KL_ROWS, else evenly spaced ones) as per-row terms [B, H_kv, R], scored
+        from the projection output out [B, T, P] (one op each way; with packed documents, frame [3, B, T], each row
+        over its own document). The target is computed in the KL's own launch on the Triton path (from qg, ck and
+        the compressed branch's log-sum-exps lse [B, H_kv, G, T], or qg and sel_k), or, with the selected branch's
+        distance capped, by torch ops (the dense target reading far keys at the cap)."""
+        c = self.cfg
+        target, source = None, None
+        if capped is not None:
+            target = self.indexer_target(qg, ck, sel_k, n_blocks, frame, capped=capped, lse=lse)
+        elif c.indexer_target == "compressed":
+            source = ("compressed", qg, ck, lse, c.l, c.d)
+        else:
+            source = ("dense", qg, sel_k)
+        self.indexer_loss = ops.indexer_kl(out, target, self.n_kv_heads, c.indexer_heads, c.indexer_dim,
+                                           kl_row_count(qg.shape[3]), c.l_sel, self.indexer.pool == "scores",
+                                           c.indexer_kl, c.kernel, source=source, frame=frame)
 
     def _forward_window(self, x, rope, cache: NSACache | None, documents: Documents | None, return_indices: bool):
         """nsa.gates=window: the sliding-window branch alone, projected (the gates pinned to WINDOW_GATES, so

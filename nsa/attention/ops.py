@@ -375,13 +375,19 @@ def _pooled_mass_rows(q: Tensor, ck: Tensor, lse: Tensor | None, R: int, l: int,
     return _target_rows_torch("compressed", q, ck, R, l, d, l_sel, n_blocks)
 
 
-def _target_rows_torch(kind: str, q: Tensor, keys: Tensor, R: int, l: int, d: int, l_sel: int, n_blocks: int) -> Tensor:
+def _target_rows_torch(kind: str, q: Tensor, keys: Tensor, R: int, l: int, d: int, l_sel: int, n_blocks: int,
+                       frame: Tensor | None = None) -> Tensor:
     """The KL's target for its R rows (r * T // R) in torch ops: kind "compressed" (keys: the compressed keys) or
-    "dense" (keys: the selected branch's) -> [B, H_kv, R, n_blocks]."""
+    "dense" (keys: the selected branch's) -> [B, H_kv, R, n_blocks]; with a frame (packed documents) each row's
+    within its document, its blocks counted from the document's first token."""
     rows = index_scores.kl_row_indices(q.shape[3], R, q.device)
+    if frame is not None and kind == "compressed":
+        return masked.document_block_scores(q[:, :, :, rows], keys, l, d, l_sel, frame[:, :, rows])[
+            ..., :n_blocks].contiguous()
     if kind == "compressed":
         return index_scores.pooled_block_mass(q[:, :, :, rows], keys, rows, l, d, l_sel, n_blocks).contiguous()
-    return index_scores.dense_block_mass(q[:, :, :, rows], keys, rows, l_sel, n_blocks).contiguous()
+    base = None if frame is None else frame[1][:, rows]
+    return index_scores.dense_block_mass(q[:, :, :, rows], keys, rows, l_sel, n_blocks, base=base).contiguous()
 
 
 @_pooled_mass_rows.register_fake
@@ -442,7 +448,7 @@ def _indexer_kl(out: Tensor, target: Tensor | None, source: str, source_q: Tenso
                                                 weight, spec, frame)
         return terms, stats, used if target is None else used.clone()  # outputs may not alias inputs
     if target is None:  # the target for the KL's rows from its source, as the target ops' torch path
-        target = _target_rows_torch(source, source_q, source_k, R, l, d, l_sel, -(-out.shape[1] // l_sel))
+        target = _target_rows_torch(source, source_q, source_k, R, l, d, l_sel, -(-out.shape[1] // l_sel), frame)
     with torch.no_grad():
         terms, stats = index_scores.kl_loss(out, target, n_kv_heads, heads, index_dim, R, l_sel, per_token, weight,
                                             frame)

@@ -279,3 +279,35 @@ def test_document_kernels_match_the_oracle_float64(per_token, T, R, l_sel):
         results[kernel] = (loss.detach(), x.grad)
     torch.testing.assert_close(results["triton"][0], results["torch"][0], rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(results["triton"][1], results["torch"][1], rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["compressed", "dense"])
+def test_document_targets_in_the_launch_match_the_torch_targets(kind):
+    """Packed documents: the KL's target computed in its forward launch (each row's compressed mass over its own
+    document's compressed tokens, or its dense attention over its own document's keys, blocks counted from the
+    document's first token) against the torch targets on the gathered rows (impl/masked.document_block_scores,
+    impl/index_scores.dense_block_mass with the documents' bases), float64; and the KL that follows against the
+    torch path's."""
+    if reason := _kernels_problem():
+        pytest.skip(reason)
+    from nsa.attention.documents import Documents
+
+    T, R, l, d, l_sel, G, hd = 150, 41, 8, 4, 8, 3, 16
+    start = torch.zeros(2, T, dtype=torch.long)
+    for b, row in enumerate(STARTS):
+        for s in row:
+            start[b, s:] = s
+    layout = Documents(start).compressed(l, d)
+    frame = layout.frame  # [3, B, T]
+    g = torch.Generator().manual_seed(9)
+    q = (2 * torch.randn(2, T, H_KV, G, hd, generator=g, dtype=torch.float64)).permute(0, 2, 3, 1, 4)  # strided
+    n_keys = layout.block_start.shape[1] if kind == "compressed" else T
+    keys = torch.randn(2, H_KV, n_keys, hd, generator=g, dtype=torch.float64)
+    out, _, _ = make_documents(STARTS, T, R, l_sel, seed=10)
+    source = (kind, q, keys, None, l, d)
+    terms, _, got = kl_kernels.indexer_kl_forward(out, None, H_KV, HEADS, DIM, R, l_sel, True, 0.5, source, frame)
+    want = ops._target_rows_torch(kind, q, keys, R, l, d, l_sel, -(-T // l_sel), frame)
+    assert got.shape == want.shape and want.sum() > 0
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    want_terms, _ = kl_loss(out, want, H_KV, HEADS, DIM, R, l_sel, True, 0.5, frame)
+    torch.testing.assert_close(terms, want_terms, rtol=1e-10, atol=1e-12)

@@ -77,7 +77,7 @@ def test_document_count_changes_no_op_count_on_real_values():
 def test_the_indexer_layer_is_four_ops_over_pooled_nsa_at_every_length(counts):
     """nsa.selector=indexer, its KL term's backward counted (M7C shapes, 2k and 64k, every pool and target): the
     projection's matmul each way, the picks and the KL each way (its target inside), less pooled selection's op
-    (issue 51's budget: at most 4). It was
+    (issue 51's budget: at most 4), with and without packed documents. It was
     +102 / +228 ops (compressed / dense target, the KL term's backward not counted) before the indexer became ops."""
     import dataclasses
 
@@ -86,5 +86,8 @@ def test_the_indexer_layer_is_four_ops_over_pooled_nsa_at_every_length(counts):
             nsa = dataclasses.replace(NSA_M7C, selector="indexer", indexer_pool=pool, indexer_target=target)
             count = attention_layer_launches(ModelConfig(**M7C, attention="nsa", nsa=nsa), T)
             assert count.total - counts[T][0].total == 4, (T, pool, target, count.by_op.most_common(10))
+            packed = attention_layer_launches(ModelConfig(**M7C, attention="nsa", nsa=nsa), T, documents=8)
+            pooled = attention_layer_launches(ModelConfig(**M7C, attention="nsa", nsa=NSA_M7C), T, documents=8)
+            assert packed.total - pooled.total == 4, (T, pool, target, "documents", packed.by_op.most_common(10))
             assert count.by_op["nsa.indexer_kl"] == count.by_op["nsa.indexer_kl_backward"] == 1
             assert "nsa.select_blocks" not in count.by_op

@@ -126,20 +126,24 @@ def test_dtype_conversions_are_counted():
 INDEXER_EXTRA = 4  # issue 51's budget: at most 4 extra launches per layer forward + backward
 
 
-@pytest.mark.parametrize("pool, target", [("keys", "compressed"), ("scores", "dense")])
-def test_the_indexer_adds_its_kernels_and_nothing_else(opened, pool, target):
+@pytest.mark.parametrize("pool, target, documents", [("keys", "compressed", 0), ("scores", "dense", 0),
+                                                      ("keys", "compressed", 4), ("scores", "dense", 4)])
+def test_the_indexer_adds_its_kernels_and_nothing_else(opened, pool, target, documents):
     """nsa.selector=indexer on the Triton path, forward + backward with its KL term: pooled NSA's launches less its
     top-k kernel, plus the projection's two matmuls, the picks (scores, block keys pooled in the launch, top-n) and
     the KL forward (its rows' target computed in the same launch) and backward: one launch each (constant in T: the
-    meta count at 2k and 64k, test_launch_budget.py)."""
+    meta count at 2k and 64k, test_launch_budget.py); the same over 4 packed documents (each query's picks, target
+    and KL within its own document, in the same launches)."""
     extra = {}
     for T in SEQ[:1]:
         cfg = dataclasses.replace(SMALL_G6, nsa=dataclasses.replace(SMALL_G6.nsa, selector="indexer", indexer_pool=pool,
                                                                     indexer_target=target))
-        count = attention_layer_launches(cfg, T, device="cpu", open_custom_ops=True)
-        diff = {name: count.by_op[name] - opened[T].by_op[name]
-                for name in set(count.by_op) | set(opened[T].by_op) if count.by_op[name] != opened[T].by_op[name]}
-        extra[T] = count.total - opened[T].total
+        count = attention_layer_launches(cfg, T, documents=documents, device="cpu", open_custom_ops=True)
+        pooled = (attention_layer_launches(SMALL_G6, T, documents=documents, device="cpu", open_custom_ops=True)
+                  if documents else opened[T])
+        diff = {name: count.by_op[name] - pooled.by_op[name]
+                for name in set(count.by_op) | set(pooled.by_op) if count.by_op[name] != pooled.by_op[name]}
+        extra[T] = count.total - pooled.total
         assert diff == {"aten.mm": 2, "triton._indexer_topk_kernel": 1, "triton._kl_fwd_kernel": 1,
                         "triton._kl_bwd_kernel": 1, "triton._select_topk_kernel": -1}, (T, diff)
     assert set(extra.values()) == {INDEXER_EXTRA}

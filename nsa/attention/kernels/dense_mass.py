@@ -29,35 +29,14 @@ KEY_LANES = 64  # keys per chunk (BJ * LP)
 
 
 @triton.jit
-def dense_mass_tile(
-    Q, K, OUT,
-    sqb, sqh, sqg, sqt, sqd,
-    skb, skh, skt, skd,
-    sob, soh, sor, soj,
-    b, h, r0, r_hi, T, R, n_blocks,
-    G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, DP: tl.constexpr,
-    L_SEL: tl.constexpr, LP: tl.constexpr, BT: tl.constexpr, BJ: tl.constexpr, SCALE: tl.constexpr,
-    ACC: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-):
-    """KL rows r0 .. min(r0 + BT, r_hi) - 1 of batch row b, KV group h (module docstring). Also run inside the
-    KL's forward (kernels/indexer_kl.py), which computes its rows' target first."""
+def _dense_rows(q, keys, skt, d_ok, row_pos, row_ok, last, T, out, soj, r_ok, n_blocks,
+                GP: tl.constexpr, L_SEL: tl.constexpr, LP: tl.constexpr, BT: tl.constexpr, BJ: tl.constexpr,
+                SCALE: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+    """Both passes for the tile rows row_ok [RR] at positions row_pos [RR] over the keys from `keys` on (T of them),
+    the largest position `last`; blocks 0 .. n_blocks-1 stored for the KL rows r_ok [BT]."""
     RR: tl.constexpr = GP * BT
     BN: tl.constexpr = BJ * LP
-    offs = tl.arange(0, RR)
-    row_g = offs // BT
-    row_r = r0 + offs % BT
-    row_ok = (row_g < G) & (row_r < r_hi)
-    row_pos = (row_r.to(tl.int64) * T) // R  # [RR] each row's position (its sequence index)
-    offs_d = tl.arange(0, DP)
-    d_ok = offs_d < HD
-    q = tl.load(Q + b * sqb + h * sqh + row_g[:, None] * sqg + row_pos[:, None] * sqt + offs_d[None, :] * sqd,
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
-    keys = K + b * skb + h * skh + offs_d[None, :] * skd  # [1, DP]
-    last = (tl.minimum(r0 + BT, r_hi) - 1).to(tl.int64) * T // R  # the tile's last row's position
     lanes = tl.arange(0, BN)
-
     # ---- pass 1: each row's log-sum-exp over the keys it sees
     m = tl.full([RR], -1.0e30, dtype=ACC)
     den = tl.zeros([RR], dtype=ACC)
@@ -74,10 +53,7 @@ def dense_mass_tile(
     lse = m + tl.log(tl.where(den > 0, den, 1.0))
 
     # ---- pass 2: probability mass per block, summed over the group's heads
-    r_t = r0 + tl.arange(0, BT)
-    r_ok = r_t < r_hi
     cols = tl.arange(0, BJ)
-    out = OUT + b * sob + h * soh + r_t.to(tl.int64)[:, None] * sor  # [BT, 1]
     c_last = last // L_SEL
     for j0 in range(0, n_blocks, BJ):
         blk = j0 + cols
@@ -97,6 +73,59 @@ def dense_mass_tile(
         tl.store(out + blk[None, :].to(tl.int64) * soj, mass, mask=r_ok[:, None] & (blk < n_blocks)[None, :])
 
 
+@triton.jit
+def dense_mass_tile(
+    Q, K, OUT, FRAME,
+    sqb, sqh, sqg, sqt, sqd,
+    skb, skh, skt, skd,
+    sob, soh, sor, soj,
+    sf0, sf1, sf2,
+    b, h, r0, r_hi, T, R, n_blocks,
+    G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, DP: tl.constexpr,
+    L_SEL: tl.constexpr, LP: tl.constexpr, BT: tl.constexpr, BJ: tl.constexpr, SCALE: tl.constexpr,
+    ACC: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, HAS_FRAME: tl.constexpr,
+):
+    """KL rows r0 .. min(r0 + BT, r_hi) - 1 of batch row b, KV group h (module docstring). With a frame (packed
+    documents: q_pos, k_base per sequence index) each row attends its own document's keys and its blocks count from
+    the document's first key; the tile's rows run one document at a time. Also run inside the KL's forward
+    (kernels/indexer_kl.py), which computes its rows' target first."""
+    RR: tl.constexpr = GP * BT
+    offs = tl.arange(0, RR)
+    row_g = offs // BT
+    row_r = r0 + offs % BT
+    row_ok = (row_g < G) & (row_r < r_hi)
+    row_t = (row_r.to(tl.int64) * T) // R  # [RR] each row's sequence index
+    offs_d = tl.arange(0, DP)
+    d_ok = offs_d < HD
+    q = tl.load(Q + b * sqb + h * sqh + row_g[:, None] * sqg + row_t[:, None] * sqt + offs_d[None, :] * sqd,
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    keys = K + b * skb + h * skh + offs_d[None, :] * skd  # [1, DP]
+    r_t = r0 + tl.arange(0, BT)
+    r_ok = r_t < r_hi
+    out = OUT + b * sob + h * soh + r_t.to(tl.int64)[:, None] * sor  # [BT, 1]
+    if HAS_FRAME:
+        f_rr = FRAME + b * sf1 + row_t * sf2  # [RR]
+        pos_rr = tl.load(f_rr, mask=row_ok, other=0)
+        kb_rr = tl.load(f_rr + sf0, mask=row_ok, other=0)
+        f_t = FRAME + b * sf1 + ((r_t.to(tl.int64) * T) // R) * sf2  # [BT]
+        pos_t = tl.load(f_t, mask=r_ok, other=0)
+        kb_t = tl.load(f_t + sf0, mask=r_ok, other=0)
+        todo = r_ok
+        while tl.max(todo.to(tl.int32), axis=0) > 0:  # the rows' documents, smallest first index first
+            kb = tl.min(tl.where(todo, kb_t, 2147483647), axis=0)
+            mine = todo & (kb_t == kb)
+            todo = todo & (kb_t != kb)
+            _dense_rows(q, keys + kb * skt, skt, d_ok, pos_rr, row_ok & (kb_rr == kb),
+                        tl.max(tl.where(mine, pos_t, 0), axis=0), T - kb, out, soj, mine, n_blocks, GP, L_SEL, LP, BT,
+                        BJ, SCALE, ACC, UPCAST, PREC)
+    else:
+        last = (tl.minimum(r0 + BT, r_hi) - 1).to(tl.int64) * T // R  # the tile's last row's position
+        _dense_rows(q, keys, skt, d_ok, row_t, row_ok, last, T, out, soj, r_ok, n_blocks, GP, L_SEL, LP, BT, BJ,
+                    SCALE, ACC, UPCAST, PREC)
+
+
 @triton.jit(do_not_specialize=["T", "R", "n_blocks"])
 def _dense_mass_kernel(
     Q, K, OUT,
@@ -109,9 +138,9 @@ def _dense_mass_kernel(
     ACC: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
 ):
     bh = tl.program_id(1).to(tl.int64)
-    dense_mass_tile(Q, K, OUT, sqb, sqh, sqg, sqt, sqd, skb, skh, skt, skd, sob, soh, sor, soj, bh // H_KV,
-                    bh % H_KV, tl.program_id(0) * BT, R, T, R, n_blocks, G, GP, HD, DP, L_SEL, LP, BT, BJ, SCALE, ACC,
-                    UPCAST, PREC)
+    dense_mass_tile(Q, K, OUT, OUT, sqb, sqh, sqg, sqt, sqd, skb, skh, skt, skd, sob, soh, sor, soj, 0, 0, 0,
+                    bh // H_KV, bh % H_KV, tl.program_id(0) * BT, R, T, R, n_blocks, G, GP, HD, DP, L_SEL, LP, BT, BJ,
+                    SCALE, ACC, UPCAST, PREC, False)
 
 
 def kernel_constexprs(dtype: torch.dtype, G: int, hd: int, l_sel: int) -> dict:

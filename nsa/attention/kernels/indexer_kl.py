@@ -212,13 +212,14 @@ def _kl_fwd_kernel(
         r_end = tl.minimum(r0 + BT, R)
         for rs in range(r0, r_end, T_BT):
             if TARGET == 1:
-                pooled_mass_tile(TQ, TS, TL, TGT, sqb, sqh, sqg, sqt, sqd, ssb, ssh, ssn, ssd, slb, slh, slg, slt,
-                                 stb, stk, str_, stj, b, kv, rs, r_end, T, R, N_src, n_blocks, T_G, T_GP, T_HD, T_DP,
-                                 T_L, T_D, L_SEL, T_BT, T_BJ, T_SHIFT, T_SCALE, T_RUP, ACC, T_UPCAST, PREC, T_HAS_LSE)
+                pooled_mass_tile(TQ, TS, TL, TGT, FRAME, sqb, sqh, sqg, sqt, sqd, ssb, ssh, ssn, ssd, slb, slh, slg,
+                                 slt, stb, stk, str_, stj, sf0, sf1, sf2, b, kv, rs, r_end, T, R, N_src, n_blocks,
+                                 T_G, T_GP, T_HD, T_DP, T_L, T_D, L_SEL, T_BT, T_BJ, T_SHIFT, T_SCALE, T_RUP, ACC,
+                                 T_UPCAST, PREC, T_HAS_LSE, HAS_FRAME)
             else:
-                dense_mass_tile(TQ, TS, TGT, sqb, sqh, sqg, sqt, sqd, ssb, ssh, ssn, ssd, stb, stk, str_, stj, b, kv,
-                                rs, r_end, T, R, n_blocks, T_G, T_GP, T_HD, T_DP, L_SEL, T_LP, T_BT, T_BJ, T_SCALE,
-                                ACC, T_UPCAST, PREC)
+                dense_mass_tile(TQ, TS, TGT, FRAME, sqb, sqh, sqg, sqt, sqd, ssb, ssh, ssn, ssd, stb, stk, str_, stj,
+                                sf0, sf1, sf2, b, kv, rs, r_end, T, R, n_blocks, T_G, T_GP, T_HD, T_DP, L_SEL, T_LP,
+                                T_BT, T_BJ, T_SCALE, ACC, T_UPCAST, PREC, HAS_FRAME)
         tl.debug_barrier()
     q, w, pos, kb_r, r_t, r_ok, offs_e, e_ok = _load_rows(OUT, ob, sot, sop, kv, r0, T, R, FRAME, sf0, b * sf1, sf2,
                                                            H_KV, HI, HP, E, EP, BT, UPCAST, ACC, HAS_FRAME)
@@ -591,14 +592,13 @@ def indexer_kl_forward(out, target, n_kv_heads: int, heads: int, index_dim: int,
     target computed in the same launch, each program its rows' first (kind "compressed": keys the compressed keys
     [B, H_kv, N_c, hd], lse the compressed branch's [B, H_kv, G, T] or None, as select_topk.pooled_block_mass_rows;
     "dense": keys the selected branch's [B, H_kv, T, hd], as dense_mass.dense_block_mass_rows). frame [3, B, T]
-    (packed documents, a given target): each row scores its own document's blocks, counted from its first token, and
-    the rows counted in the mean are counted on the device."""
+    (packed documents): each row scores its own document's blocks, counted from its first token, against a target
+    counted so (a source's read within the row's document), and the rows counted in the mean are counted on the
+    device."""
     B, T, P = out.shape
     n_blocks = -(-T // l_sel)
     acc = torch.promote_types(out.dtype, torch.float32)
-    if target is None:
-        if frame is not None:
-            raise ValueError("indexer_kl: with packed documents the target is given, not computed in the launch")
+    if target is None:  # computed in the launch: ceil(T / l') blocks per row (a document's first ones with a frame)
         target = torch.empty(B, n_kv_heads, R, n_blocks, dtype=acc, device=out.device)
     _, _, n_blocks = _check(out, target, n_kv_heads, heads, index_dim, R, l_sel, frame)
     meta = kernel_constexprs(out.dtype, heads, index_dim, l_sel, per_token)

@@ -321,47 +321,19 @@ def _select_topk_kernel(
 
 
 @triton.jit
-def pooled_mass_tile(
-    Q, CK, LSE, OUT,
-    sqb, sqh, sqg, sqt, sqd,
-    skb, skh, skn, skd,
-    slb, slh, slg, slt,
-    sob, soh, sor, soj,
-    b, h, r0, r_hi, T, R, N_c, n_blocks,
-    G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, DP: tl.constexpr,
-    L: tl.constexpr, D: tl.constexpr, L_SEL: tl.constexpr, BT: tl.constexpr, BJ: tl.constexpr,
-    SHIFT: tl.constexpr, SCALE: tl.constexpr, RUP: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr,
-    PREC: tl.constexpr, HAS_LSE: tl.constexpr,
-):
-    """pooled_block_mass_rows for KL rows r0 .. min(r0 + BT, r_hi) - 1 (row r = the query at sequence index
-    r * T // R) of batch row b, KV group h: every block 0 .. n_blocks-1 written (0 past what a row sees). Also run
-    inside the KL's forward (kernels/indexer_kl.py), which computes its rows' target first."""
-    RR: tl.constexpr = GP * BT  # (head, KL row) rows, row = g * BT + t
-    offs_r = tl.arange(0, RR)
-    row_g = offs_r // BT
-    row_r = r0 + offs_r % BT
-    row_ok = (row_g < G) & (row_r < r_hi)
-    row_pos = ((row_r.to(tl.int64) * T) // R).to(tl.int32)  # [RR] sequence index = position (from 0)
-    offs_d = tl.arange(0, DP)
-    d_ok = offs_d < HD
-    q = tl.load(Q + b * sqb + h * sqh + row_g[:, None] * sqg + row_pos[:, None].to(tl.int64) * sqt
-                + offs_d[None, :] * sqd, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
-    ck_tile = CK + b * skb + h * skh + offs_d[None, :] * skd
-    r_t = r0 + tl.arange(0, BT)
-    r_ok = r_t < r_hi
-    last = ((tl.minimum(r0 + BT, r_hi) - 1).to(tl.int64) * T // R).to(tl.int32)  # the tile's last row's position
-    if HAS_LSE:
-        lse = tl.load(LSE + b * slb + h * slh + row_g.to(tl.int64) * slg + row_pos.to(tl.int64) * slt,
-                      mask=row_ok, other=0.0).to(ACC)
-        lse = tl.where(lse > float("-inf"), lse, 0.0)  # a row that sees no token: p = 0
-    else:
+def _pooled_rows(q, ck_tile, skn, d_ok, row_pos, row_ok, lse, last, N_c, out, soj, r_ok, n_blocks,
+                 GP: tl.constexpr, L: tl.constexpr, D: tl.constexpr, L_SEL: tl.constexpr, BT: tl.constexpr,
+                 BJ: tl.constexpr, SHIFT: tl.constexpr, SCALE: tl.constexpr, RUP: tl.constexpr, ACC: tl.constexpr,
+                 UPCAST: tl.constexpr, PREC: tl.constexpr, HAS_LSE: tl.constexpr):
+    """One document's rows (row_ok [RR] at positions row_pos [RR], the largest `last`) over its N_c compressed tokens
+    from ck_tile on: their mass per block 0 .. n_blocks-1 stored for the KL rows r_ok [BT] (lse [RR] given, or
+    computed here without HAS_LSE)."""
+    RR: tl.constexpr = GP * BT
+    if not HAS_LSE:
         lse = _row_lse(q, ck_tile, skn, d_ok, row_pos, row_ok, last, N_c, L, D, RR, BJ * RUP, SCALE, ACC, UPCAST,
                        PREC)
     n_vis = tl.minimum(tl.where(last + 1 >= L, (last + 1 - L) // D + 1, 0), N_c)
     cols = tl.arange(0, BJ)
-    out = OUT + b * sob + h * soh + r_t.to(tl.int64)[:, None] * sor  # [BT, 1]
     c_last = last // L_SEL
     for j0 in range(0, n_blocks, BJ - SHIFT):  # blocks j0 .. j0 + BJ - SHIFT - 1 are complete here
         first = j0 - SHIFT
@@ -373,6 +345,68 @@ def pooled_mass_tile(
             score = tl.zeros([BT, BJ], dtype=ACC)
         tl.store(out + blk[None, :].to(tl.int64) * soj, score,
                  mask=r_ok[:, None] & ((cols >= SHIFT) & (blk < n_blocks))[None, :])
+
+
+@triton.jit
+def pooled_mass_tile(
+    Q, CK, LSE, OUT, FRAME,
+    sqb, sqh, sqg, sqt, sqd,
+    skb, skh, skn, skd,
+    slb, slh, slg, slt,
+    sob, soh, sor, soj,
+    sf0, sf1, sf2,
+    b, h, r0, r_hi, T, R, N_c, n_blocks,
+    G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, DP: tl.constexpr,
+    L: tl.constexpr, D: tl.constexpr, L_SEL: tl.constexpr, BT: tl.constexpr, BJ: tl.constexpr,
+    SHIFT: tl.constexpr, SCALE: tl.constexpr, RUP: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr,
+    PREC: tl.constexpr, HAS_LSE: tl.constexpr, HAS_FRAME: tl.constexpr,
+):
+    """pooled_block_mass_rows for KL rows r0 .. min(r0 + BT, r_hi) - 1 (row r = the query at sequence index
+    r * T // R) of batch row b, KV group h: every block 0 .. n_blocks-1 written (0 past what a row sees). With a frame
+    (packed documents: q_pos, k_base, c_base per sequence index) each row reads its own document's compressed tokens
+    (from c_base on) at its position in the document, one document of the tile at a time. Also run inside the KL's
+    forward (kernels/indexer_kl.py), which computes its rows' target first."""
+    RR: tl.constexpr = GP * BT  # (head, KL row) rows, row = g * BT + t
+    offs_r = tl.arange(0, RR)
+    row_g = offs_r // BT
+    row_r = r0 + offs_r % BT
+    row_ok = (row_g < G) & (row_r < r_hi)
+    row_t = (row_r.to(tl.int64) * T) // R  # [RR] sequence index (the position without a frame)
+    offs_d = tl.arange(0, DP)
+    d_ok = offs_d < HD
+    q = tl.load(Q + b * sqb + h * sqh + row_g[:, None] * sqg + row_t[:, None] * sqt
+                + offs_d[None, :] * sqd, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    ck_tile = CK + b * skb + h * skh + offs_d[None, :] * skd
+    r_t = r0 + tl.arange(0, BT)
+    r_ok = r_t < r_hi
+    lse = tl.zeros([RR], dtype=ACC)
+    if HAS_LSE:
+        lse = tl.load(LSE + b * slb + h * slh + row_g.to(tl.int64) * slg + row_t * slt,
+                      mask=row_ok, other=0.0).to(ACC)
+        lse = tl.where(lse > float("-inf"), lse, 0.0)  # a row that sees no token: p = 0
+    out = OUT + b * sob + h * soh + r_t.to(tl.int64)[:, None] * sor  # [BT, 1]
+    if HAS_FRAME:
+        f_rr = FRAME + b * sf1 + row_t * sf2  # [RR]
+        pos_rr = tl.load(f_rr, mask=row_ok, other=0).to(tl.int32)
+        cb_rr = tl.load(f_rr + 2 * sf0, mask=row_ok, other=0).to(tl.int32)
+        f_t = FRAME + b * sf1 + ((r_t.to(tl.int64) * T) // R) * sf2  # [BT]
+        pos_t = tl.load(f_t, mask=r_ok, other=0).to(tl.int32)
+        cb_t = tl.load(f_t + 2 * sf0, mask=r_ok, other=0).to(tl.int32)
+        todo = r_ok
+        while tl.max(todo.to(tl.int32), axis=0) > 0:  # the rows' documents, smallest compressed base first
+            cb = tl.min(tl.where(todo, cb_t, 2147483647), axis=0)
+            mine = todo & (cb_t == cb)
+            todo = todo & (cb_t != cb)
+            in_doc = row_ok & (cb_rr == cb)
+            _pooled_rows(q, ck_tile + cb.to(tl.int64) * skn, skn, d_ok, tl.where(in_doc, pos_rr, -L_SEL), in_doc,
+                         lse, tl.max(tl.where(mine, pos_t, 0), axis=0), N_c - cb, out, soj, mine, n_blocks, GP, L, D,
+                         L_SEL, BT, BJ, SHIFT, SCALE, RUP, ACC, UPCAST, PREC, HAS_LSE)
+    else:
+        last = ((tl.minimum(r0 + BT, r_hi) - 1).to(tl.int64) * T // R).to(tl.int32)  # the tile's last row's position
+        _pooled_rows(q, ck_tile, skn, d_ok, row_t.to(tl.int32), row_ok, lse, last, N_c, out, soj, r_ok, n_blocks, GP,
+                     L, D, L_SEL, BT, BJ, SHIFT, SCALE, RUP, ACC, UPCAST, PREC, HAS_LSE)
 
 
 @triton.jit(do_not_specialize=["T", "R", "N_c", "n_blocks"])
@@ -390,9 +424,10 @@ def _pooled_mass_kernel(
 ):
     """pooled_block_mass_rows: program (row tile, b * H_kv + h) -> pooled_mass_tile."""
     bh = tl.program_id(1).to(tl.int64)
-    pooled_mass_tile(Q, CK, LSE, OUT, sqb, sqh, sqg, sqt, sqd, skb, skh, skn, skd, slb, slh, slg, slt,
-                     sob, soh, sor, soj, bh // H_KV, bh % H_KV, tl.program_id(0) * BT, R, T, R, N_c, n_blocks,
-                     G, GP, HD, DP, L, D, L_SEL, BT, BJ, SHIFT, SCALE, RUP, ACC, UPCAST, PREC, HAS_LSE)
+    pooled_mass_tile(Q, CK, LSE, OUT, OUT, sqb, sqh, sqg, sqt, sqd, skb, skh, skn, skd, slb, slh, slg, slt,
+                     sob, soh, sor, soj, 0, 0, 0, bh // H_KV, bh % H_KV, tl.program_id(0) * BT, R, T, R, N_c,
+                     n_blocks, G, GP, HD, DP, L, D, L_SEL, BT, BJ, SHIFT, SCALE, RUP, ACC, UPCAST, PREC, HAS_LSE,
+                     False)
 
 
 @torch.no_grad()
