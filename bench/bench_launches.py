@@ -74,6 +74,10 @@ def main() -> None:
             result["triton_path_indexer"] = idx = triton_path(indexer, args.triton_T)
             print(f"  with nsa.selector=indexer (its KL term's backward counted): {idx['total']}")
             result["triton_path_documents"] = packed = triton_path(nsa, args.triton_T, documents=4)
+            result["triton_path_indexer_documents"] = idx_packed = triton_path(indexer, args.triton_T, documents=4)
+            result["triton_path_indexer_autocast"] = idx_amp = triton_path(indexer, args.triton_T, autocast=True)
+            print(f"  with nsa.selector=indexer over 4 packed documents: {idx_packed['total']}; under bf16 autocast: "
+                  f"{idx_amp['total']}")
             result["triton_path_autocast"] = amp = triton_path(nsa, args.triton_T, autocast=True)
             result["dense_cpu"] = attention_layer_launches(dense, args.triton_T, device="cpu").total
             with torch.autocast("cpu", dtype=torch.bfloat16):
