@@ -192,6 +192,22 @@ def kl_loss_backward(grad: torch.Tensor, out: torch.Tensor, target: torch.Tensor
     return _kl_loss_backward(grad, out, target, n_kv_heads, heads, index_dim, R, l_sel, per_token, weight)
 
 
+def _score_gradient(grad: torch.Tensor, scores: torch.Tensor, target: torch.Tensor, positions: torch.Tensor,
+                    l_sel: int, weight: float) -> torch.Tensor:
+    """dL/dI [B, H_kv, R, N_b] of kl_loss's terms (their gradient grad [B, H_kv, R]) for the rows at `positions` [R]
+    (or [B, 1, R] in their documents): grad * weight * valid / count * (softmax(I) * [target's total > 0] - p) on
+    the candidate blocks, 0 elsewhere (p the target normalised over the candidates)."""
+    acc = scores.dtype
+    cand = candidate_mask(positions, l_sel, scores.shape[-1]).expand(scores.shape)
+    valid = (cand.sum(-1, keepdim=True) >= 2).to(acc)  # [B, H_kv, R, 1]
+    p = torch.where(cand, target.to(acc), 0.0)
+    total = p.sum(-1, keepdim=True)
+    p = p / total.clamp_min(1e-30)
+    soft = torch.softmax(scores.masked_fill(~cand, -1e30), dim=-1)
+    row_grad = grad.to(acc)[..., None] * weight / valid.sum().clamp_min(1.0)  # [B, H_kv, R, 1]
+    return torch.where(cand, soft * (total > 0) - p, 0.0) * valid * row_grad
+
+
 @torch.no_grad()
 def _kl_loss_backward_documents(grad, out, target, n_kv_heads, heads, index_dim, R, l_sel, per_token, weight,
                                 frame) -> torch.Tensor:
@@ -224,15 +240,7 @@ def _kl_loss_backward_documents(grad, out, target, n_kv_heads, heads, index_dim,
         s = torch.einsum("brkhe,brne->bkhrn", q_r.to(acc), keys) / math.sqrt(e)  # [B, H_kv, h, R, N_b]
         a = F.relu(s)
         scores = (a * w_h).sum(2)  # [B, H_kv, R, N_b]
-    positions = q_pos[:, None, rows]  # [B, 1, R]
-    cand = candidate_mask(positions, l_sel, n_blocks).expand(scores.shape)
-    valid = (cand.sum(-1, keepdim=True) >= 2).to(acc)  # [B, H_kv, R, 1]
-    p = torch.where(cand, target.to(acc), 0.0)
-    total = p.sum(-1, keepdim=True)
-    p = p / total.clamp_min(1e-30)
-    soft = torch.softmax(scores.masked_fill(~cand, -1e30), dim=-1)
-    row_grad = grad.to(acc)[..., None] * weight / valid.sum().clamp_min(1.0)  # [B, H_kv, R, 1]
-    d_scores = torch.where(cand, soft * (total > 0) - p, 0.0) * valid * row_grad  # [B, H_kv, R, N_b]
+    d_scores = _score_gradient(grad, scores, target, q_pos[:, None, rows], l_sel, weight)  # [B, H_kv, R, N_b]
     d_out = torch.zeros(B, T, P, dtype=acc, device=out.device)
     qw = n_kv_heads * heads * e
     if per_token:
@@ -274,14 +282,7 @@ def _kl_loss_backward(grad, out, target, n_kv_heads, heads, index_dim, R, l_sel,
     per_key = (a * w_h).sum(2)  # [B, H_kv, R, N]
     scores = max_over_blocks(per_key, l_sel) if per_token else per_key  # [B, H_kv, R, N_b]
     n_blocks = scores.shape[-1]
-    cand = candidate_mask(rows, l_sel, n_blocks).expand(scores.shape)
-    valid = (cand.sum(-1, keepdim=True) >= 2).to(acc)  # [B, H_kv, R, 1]
-    p = torch.where(cand, target.to(acc), 0.0)
-    total = p.sum(-1, keepdim=True)
-    p = p / total.clamp_min(1e-30)
-    soft = torch.softmax(scores.masked_fill(~cand, -1e30), dim=-1)
-    row_grad = grad.to(acc)[..., None] * weight / valid.sum().clamp_min(1.0)  # [B, H_kv, R, 1]
-    d_scores = torch.where(cand, soft * (total > 0) - p, 0.0) * valid * row_grad
+    d_scores = _score_gradient(grad, scores, target, rows, l_sel, weight)  # [B, H_kv, R, N_b]
     if per_token:  # each block's gradient to its best token(s)
         N = per_key.shape[-1]
         pad = n_blocks * l_sel - N
