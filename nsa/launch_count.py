@@ -180,6 +180,10 @@ def attention_layer_launches(cfg, T: int, batch: int = 1, documents: int = 0, de
         docs = Documents(starts.to(device)) if starts is not None else None
         if docs is not None and cfg.attention == "nsa":  # built once per batch for all layers: not the layer's
             docs.compressed(cfg.nsa.l, cfg.nsa.d)
+            if cfg.nsa.selector == "indexer":  # the KL mean's counted rows, shared by the layers too
+                from nsa.attention.indexer import shared_counted_rows
+
+                shared_counted_rows(docs, docs.compressed(cfg.nsa.l, cfg.nsa.d).frame, cfg.nsa.l_sel)
         positions = docs.positions if docs is not None else torch.arange(T)
         rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)(positions)
     aux = (lambda: layer.indexer_loss) if getattr(layer, "indexer", None) is not None else None  # its KL term

@@ -265,14 +265,15 @@ def exercise_indexer_kl(shape: Shape, dtype: torch.dtype) -> None:
         q = _meta(1, shape.H_kv, shape.G, T, shape.hd, dtype=dtype)  # the target in the same launch
         ck = _meta(1, shape.H_kv, num_compressed(T, shape.l, shape.d), shape.hd, dtype=dtype)
         lse = _meta(1, shape.H_kv, shape.G, T, dtype=torch.promote_types(dtype, torch.float32))
-        frame = _meta(3, 1, T, dtype=torch.long)  # packed documents
+        frame = _meta(3, 1, T, dtype=torch.long)  # packed documents, and the KL's counted rows
+        counted = torch.empty((), dtype=torch.long, device="meta")
         for source in (("compressed", q, ck, lse, shape.l, shape.d), ("dense", q, _meta(1, shape.H_kv, T, shape.hd,
                                                                                          dtype=dtype), None, 0, 0)):
             for f in (None, frame):
-                indexer_kl_forward(out, None, shape.H_kv, h, e, R, shape.l_sel, per_token, 1.0, source, f)
+                indexer_kl_forward(out, None, shape.H_kv, h, e, R, shape.l_sel, per_token, 1.0, source, f, counted)
         for f in (None, frame):
             indexer_kl_backward(torch.empty((), dtype=torch.float32, device="meta"), out, target, stats, shape.H_kv, h,
-                                e, R, shape.l_sel, per_token, 1.0, frame=f)
+                                e, R, shape.l_sel, per_token, 1.0, frame=f, counted=counted)
 
 
 def exercise_dense_mass(shape: Shape, dtype: torch.dtype) -> None:

@@ -47,6 +47,7 @@ class Documents:
 
     start: torch.Tensor
     _layouts: dict = field(default_factory=dict, compare=False, repr=False)  # (l, d) -> CompressedLayout
+    _shared: dict = field(default_factory=dict, compare=False, repr=False)  # once_per_batch's values
 
     @staticmethod
     def from_tokens(idx: torch.Tensor, eos_id: int) -> Documents:
@@ -61,6 +62,13 @@ class Documents:
         T = self.start.shape[1]
         s = torch.arange(T, device=self.start.device)
         return ((s[None, None, :] >= self.start[:, :, None]) & (s[None, None, :] <= s[None, :, None]))[:, None]
+
+    def once_per_batch(self, key, compute):
+        """compute() the first time a layer asks for `key` in this batch, the same value after (tensors the layers
+        share, built by a fixed number of ops outside the per-layer work: e.g. the indexer's counted KL rows)."""
+        if key not in self._shared:
+            self._shared[key] = compute()
+        return self._shared[key]
 
     def compressed(self, l: int, d: int) -> CompressedLayout:
         """NSA's compressed-token layout for blocks (l, d); built once per batch, then shared by the layers."""

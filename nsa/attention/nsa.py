@@ -30,7 +30,7 @@ from nsa.attention.impl.capped import capped_queries, capped_selected_attention,
 from nsa.attention.impl.compression import num_compressed
 from nsa.attention.impl.masked import document_block_count, document_block_scores
 from nsa.attention.impl.index_scores import dense_block_mass, kl_row_indices
-from nsa.attention.indexer import BlockIndexer, kl_row_count
+from nsa.attention.indexer import BlockIndexer, kl_row_count, shared_counted_rows
 from nsa.attention.nsa_cache import NSACache
 from nsa.attention.selection_health import gate_means, outside_window_counts, outside_window_share, recall_sample
 from nsa.config import ModelConfig, ModelConfigError, NSAConfig
@@ -409,7 +409,7 @@ class NativeSparseAttention(nn.Module):
                 block_idx = ops.select_blocks(qg, ck, 0, c.l, c.d, c.l_sel, c.n_sel, c.q_chunk, c.kernel, frame=frame,
                                               lse=cmp_lse)
             else:
-                block_idx = self._index_documents(x, qg, ck, sel_k, frame, cmp_lse, capped)
+                block_idx = self._index_documents(x, qg, ck, sel_k, frame, cmp_lse, capped, documents)
         with nvtx_range("nsa.selected"):
             if capped is not None:
                 o_sel = self._capped_selected(qg, sel_k, sel_v, block_idx, capped, frame)
@@ -450,7 +450,7 @@ class NativeSparseAttention(nn.Module):
                                     base=None if frame is None else frame[1][:, rows], far=far)
         return document_block_scores(q_rows, ck, c.l, c.d, c.l_sel, frame[:, :, rows])
 
-    def _index_documents(self, x, qg, ck, sel_k, frame, cmp_lse, capped=None):
+    def _index_documents(self, x, qg, ck, sel_k, frame, cmp_lse, capped=None, documents: Documents | None = None):
         """nsa.selector=indexer over packed documents: the indexer's scores over each query's own document's blocks
         pick them (pooled scores during the warm-up, sharing the compressed branch's log-sum-exps cmp_lse
         [B, H_kv, G, T]), and a training forward leaves the KL to its target per document block (nsa.indexer_target;
@@ -468,14 +468,15 @@ class NativeSparseAttention(nn.Module):
             block_idx = ops.select_blocks(qg, ck, 0, c.l, c.d, c.l_sel, c.n_sel, c.q_chunk, c.kernel, frame=frame,
                                           lse=cmp_lse)
         if torch.is_grad_enabled() and c.indexer_kl > 0:
-            self._indexer_term(out, qg, ck, sel_k, cmp_lse, n_blocks, frame, capped)
+            counted = shared_counted_rows(documents, frame, c.l_sel) if documents is not None else None
+            self._indexer_term(out, qg, ck, sel_k, cmp_lse, n_blocks, frame, capped, counted)
         return block_idx
 
-    def _indexer_term(self, out, qg, ck, sel_k, lse, n_blocks: int, frame=None, capped=None) -> None:
+    def _indexer_term(self, out, qg, ck, sel_k, lse, n_blocks: int, frame=None, capped=None, counted=None) -> None:
         """A training forward's KL of the indexer to its target (nsa.indexer_target) -> self.indexer_loss: weight * KL
         over the KL's rows (every query up to KL_ROWS, else evenly spaced ones) as per-row terms [B, H_kv, R], scored
         from the projection output out [B, T, P] (one op each way; with packed documents, frame [3, B, T], each row
-        over its own document). The target is computed in the KL's own launch on the Triton path (from qg, ck and
+        over its own document; counted: impl/index_scores.counted_kl_rows). The target is computed in the KL's own launch on the Triton path (from qg, ck and
         the compressed branch's log-sum-exps lse [B, H_kv, G, T], or qg and sel_k), or, with the selected branch's
         distance capped, by torch ops (the dense target reading far keys at the cap)."""
         c = self.cfg
@@ -488,7 +489,7 @@ class NativeSparseAttention(nn.Module):
             source = ("dense", qg, sel_k)
         self.indexer_loss = ops.indexer_kl(out, target, self.n_kv_heads, c.indexer_heads, c.indexer_dim,
                                            kl_row_count(qg.shape[3]), c.l_sel, self.indexer.pool == "scores",
-                                           c.indexer_kl, c.kernel, source=source, frame=frame)
+                                           c.indexer_kl, c.kernel, source=source, frame=frame, counted=counted)
 
     def _forward_window(self, x, rope, cache: NSACache | None, documents: Documents | None, return_indices: bool):
         """nsa.gates=window: the sliding-window branch alone, projected (the gates pinned to WINDOW_GATES, so

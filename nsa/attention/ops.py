@@ -438,14 +438,16 @@ def dense_mass_rows(
 @torch.library.custom_op("nsa::indexer_kl", mutates_args=())
 def _indexer_kl(out: Tensor, target: Tensor | None, source: str, source_q: Tensor | None, source_k: Tensor | None,
                 source_lse: Tensor | None, l: int, d: int, n_kv_heads: int, heads: int, index_dim: int, R: int,
-                l_sel: int, per_token: bool, weight: float, kernel: str,
-                frame: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                l_sel: int, per_token: bool, weight: float, kernel: str, frame: Tensor | None = None,
+                counted: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     if _triton(kernel, out):
         from nsa.attention.kernels.indexer_kl import indexer_kl_forward
 
         spec = None if target is not None else (source, source_q, source_k, source_lse, l, d)
+        if frame is not None and counted is None:
+            counted = index_scores.counted_kl_rows(frame, R, l_sel)
         terms, stats, used = indexer_kl_forward(out, target, n_kv_heads, heads, index_dim, R, l_sel, per_token,
-                                                weight, spec, frame)
+                                                weight, spec, frame, counted)
         return terms, stats, used if target is None else used.clone()  # outputs may not alias inputs
     if target is None:  # the target for the KL's rows from its source, as the target ops' torch path
         target = _target_rows_torch(source, source_q, source_k, R, l, d, l_sel, -(-out.shape[1] // l_sel), frame)
@@ -457,7 +459,7 @@ def _indexer_kl(out: Tensor, target: Tensor | None, source: str, source_q: Tenso
 
 @_indexer_kl.register_fake
 def _(out, target, source, source_q, source_k, source_lse, l, d, n_kv_heads, heads, index_dim, R, l_sel, per_token,
-      weight, kernel, frame=None):
+      weight, kernel, frame=None, counted=None):
     acc, B = _lse_dtype(out.dtype), out.shape[0]
     n_blocks = target.shape[3] if target is not None else -(-out.shape[1] // l_sel)
     return (out.new_empty(B, n_kv_heads, R, dtype=acc), out.new_empty(B, n_kv_heads, R, 2, dtype=acc),
@@ -467,18 +469,21 @@ def _(out, target, source, source_q, source_k, source_lse, l, d, n_kv_heads, hea
 @torch.library.custom_op("nsa::indexer_kl_backward", mutates_args=())
 def _indexer_kl_bwd(grad: Tensor, out: Tensor, target: Tensor, stats: Tensor, n_kv_heads: int, heads: int,
                     index_dim: int, R: int, l_sel: int, per_token: bool, weight: float, kernel: str,
-                    frame: Tensor | None = None) -> Tensor:
+                    frame: Tensor | None = None, counted: Tensor | None = None) -> Tensor:
     if _triton(kernel, out):
         from nsa.attention.kernels.indexer_kl import indexer_kl_backward
 
+        if frame is not None and counted is None:
+            counted = index_scores.counted_kl_rows(frame, R, l_sel)
         return indexer_kl_backward(grad, out, target, stats, n_kv_heads, heads, index_dim, R, l_sel, per_token, weight,
-                                   frame=frame)
+                                   frame=frame, counted=counted)
     return index_scores.kl_loss_backward(grad, out, target, n_kv_heads, heads, index_dim, R, l_sel, per_token, weight,
                                          frame)
 
 
 @_indexer_kl_bwd.register_fake
-def _(grad, out, target, stats, n_kv_heads, heads, index_dim, R, l_sel, per_token, weight, kernel, frame=None):
+def _(grad, out, target, stats, n_kv_heads, heads, index_dim, R, l_sel, per_token, weight, kernel, frame=None,
+      counted=None):
     return torch.empty_like(out)
 
 
@@ -486,12 +491,12 @@ def _indexer_kl_setup(ctx, inputs, output):
     out = inputs[0]
     ctx.set_materialize_grads(False)  # the statistics' and target's gradients stay None (no zero-filled tensors)
     ctx.save_for_backward(out, output[2], output[1])  # the target as the forward used it
-    ctx.rest = inputs[8:]  # n_kv_heads .. kernel, frame
+    ctx.rest = inputs[8:]  # n_kv_heads .. kernel, frame, counted
 
 
 def _indexer_kl_backward(ctx, d_terms, _d_stats, _d_target):
     out, target, stats = ctx.saved_tensors
-    return (_indexer_kl_bwd(d_terms, out, target, stats, *ctx.rest),) + (None,) * 16
+    return (_indexer_kl_bwd(d_terms, out, target, stats, *ctx.rest),) + (None,) * 17
 
 
 _indexer_kl.register_autograd(_indexer_kl_backward, setup_context=_indexer_kl_setup)
@@ -502,7 +507,8 @@ def indexer_kl(
     target: Tensor | None,  # [B, H_kv, R, N_b] the KL's target mass per block of the R queries at r * T // R
     n_kv_heads: int, heads: int, index_dim: int, R: int, l_sel: int, per_token: bool, weight: float, kernel: str,
     source: tuple | None = None,  # target None: ("compressed", q, ck, lse or None, l, d) or ("dense", q, sel_k)
-    frame: Tensor | None = None,  # [3, B, T] packed documents (a given target, its blocks document-relative)
+    frame: Tensor | None = None,  # [3, B, T] packed documents: each row over its own document's blocks
+    counted: Tensor | None = None,  # with a frame: impl/index_scores.counted_kl_rows (shared by the layers)
 ) -> Tensor:  # [B, H_kv, R]: terms whose sum is weight * the mean KL(target || softmax(scores)) over the rows
     # with >= 2 candidate blocks (the model sums every layer's terms at once: no reduction launch per layer)
     """nsa.selector=indexer's training term (impl/index_scores.kl_loss; the Triton path kernels/indexer_kl.py: one
@@ -512,12 +518,12 @@ def indexer_kl(
     compressed branch's log-sum-exps [B, H_kv, G, T]. With a frame each row scores its own document's blocks."""
     if target is not None:
         terms, _, _ = _indexer_kl(out, target.detach(), "given", None, None, None, 0, 0, n_kv_heads, heads, index_dim,
-                                  R, l_sel, per_token, weight, kernel, frame)
+                                  R, l_sel, per_token, weight, kernel, frame, counted)
         return terms
     kind, q, keys, *rest = source
     lse, l, d = rest if rest else (None, 0, 0)
     terms, _, _ = _indexer_kl(out, None, kind, q.detach(), keys.detach(), None if lse is None else lse.detach(), l, d,
-                              n_kv_heads, heads, index_dim, R, l_sel, per_token, weight, kernel, frame)
+                              n_kv_heads, heads, index_dim, R, l_sel, per_token, weight, kernel, frame, counted)
     return terms
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from nsa.attention import ops
-from nsa.attention.impl.index_scores import kl_loss, kl_loss_backward
+from nsa.attention.impl.index_scores import counted_kl_rows, kl_loss, kl_loss_backward
 
 H_KV, HEADS, DIM = 2, 2, 8
 
@@ -258,8 +258,9 @@ def test_document_kernels_match_the_oracle_float64(per_token, T, R, l_sel):
         pytest.skip(reason)
     out, target, frame = make_documents(STARTS, T, R, l_sel, seed=5)
     want, want_stats = kl_loss(out, target, H_KV, HEADS, DIM, R, l_sel, per_token, 0.7, frame)
+    counted = counted_kl_rows(frame, R, l_sel)  # the layers share it (once per batch)
     got, got_stats, _ = kl_kernels.indexer_kl_forward(out, target, H_KV, HEADS, DIM, R, l_sel, per_token, 0.7,
-                                                      frame=frame)
+                                                      frame=frame, counted=counted)
     assert want.abs().sum() > 0
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
     has_candidates = torch.isfinite(want_stats[..., 0])
@@ -268,7 +269,7 @@ def test_document_kernels_match_the_oracle_float64(per_token, T, R, l_sel):
     want_d = kl_loss_backward(grad, out, target, H_KV, HEADS, DIM, R, l_sel, per_token, 0.7, frame)
     poisoned = torch.full_like(out, float("nan"))
     got_d = kl_kernels.indexer_kl_backward(grad, out, target, got_stats, H_KV, HEADS, DIM, R, l_sel, per_token, 0.7,
-                                           d_out=poisoned, frame=frame)
+                                           d_out=poisoned, frame=frame, counted=counted)
     torch.testing.assert_close(got_d, want_d, rtol=1e-9, atol=1e-12)
     # through the op, both paths: the same value and gradient
     results = {}
@@ -305,7 +306,8 @@ def test_document_targets_in_the_launch_match_the_torch_targets(kind):
     keys = torch.randn(2, H_KV, n_keys, hd, generator=g, dtype=torch.float64)
     out, _, _ = make_documents(STARTS, T, R, l_sel, seed=10)
     source = (kind, q, keys, None, l, d)
-    terms, _, got = kl_kernels.indexer_kl_forward(out, None, H_KV, HEADS, DIM, R, l_sel, True, 0.5, source, frame)
+    terms, _, got = kl_kernels.indexer_kl_forward(out, None, H_KV, HEADS, DIM, R, l_sel, True, 0.5, source, frame,
+                                                  counted_kl_rows(frame, R, l_sel))
     want = ops._target_rows_torch(kind, q, keys, R, l, d, l_sel, -(-T // l_sel), frame)
     assert got.shape == want.shape and want.sum() > 0
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)

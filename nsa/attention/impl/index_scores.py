@@ -96,6 +96,14 @@ def kl_row_indices(T: int, R: int, device) -> torch.Tensor:
     return torch.arange(R, device=device) * T // R  # [R]
 
 
+def counted_kl_rows(frame: torch.Tensor, R: int, l_sel: int) -> torch.Tensor:
+    """Packed documents (frame [3, B, T]): how many of the KL's rows (kl_row_indices(T, R) of every batch row) have
+    two or more candidate blocks (a position in the document >= 4 l'): the KL mean's count per KV group, a 0-dim
+    int64 tensor (no host sync)."""
+    rows = kl_row_indices(frame.shape[2], R, frame.device)
+    return (frame[0][:, rows] >= 4 * l_sel).sum()
+
+
 def candidate_mask(positions: torch.Tensor, l_sel: int, n_blocks: int) -> torch.Tensor:
     """positions [Tq] (or [B, 1, Tq]: each query's position in its document) -> [Tq, N_b] (or [B, 1, Tq, N_b])
     bool: the blocks that compete for a query's free places (not forced: block 0, the current and the previous one;

@@ -149,21 +149,6 @@ def _next_document(todo, kb_r, current):
 
 
 @triton.jit
-def _valid_count(FRAME, sf0, sf1, sf2, B, T, R, L_SEL: tl.constexpr):
-    """With a frame: the KL rows with two or more candidate blocks (position in the document >= 4 l'), over the
-    batch: the loss's denominator (per KV group), counted on the device (no host sync)."""
-    CB: tl.constexpr = 256
-    n = tl.zeros([CB], dtype=tl.int32)
-    for bb in range(B):
-        for c0 in range(0, R, CB):
-            r = c0 + tl.arange(0, CB)
-            t = (r.to(tl.int64) * T) // R
-            pos = tl.load(FRAME + bb * sf1 + t * sf2, mask=r < R, other=0)
-            n += ((pos >= 4 * L_SEL) & (r < R)).to(tl.int32)
-    return tl.sum(n, axis=0)
-
-
-@triton.jit
 def _accumulate_rows(q, w, OUT, ob, sot, sop, k_col, offs_e, e_ok, T, tgt, stj, current, last, n_blocks,
                      m, den, total, a_sum, b_sum,
                      HP: tl.constexpr, BT: tl.constexpr, BJ: tl.constexpr, LP: tl.constexpr, BN: tl.constexpr,
@@ -189,12 +174,12 @@ def _accumulate_rows(q, w, OUT, ob, sot, sop, k_col, offs_e, e_ok, T, tgt, stj, 
     return m, den, total, a_sum, b_sum
 
 
-@triton.jit(do_not_specialize=["T", "R", "B"])
+@triton.jit(do_not_specialize=["T", "R"])
 def _kl_fwd_kernel(
-    OUT, TGT, KLROW, STATS, TQ, TS, TL, FRAME,
+    OUT, TGT, KLROW, STATS, TQ, TS, TL, FRAME, COUNT,
     sob, sot, sop, stb, stk, str_, stj,
     sqb, sqh, sqg, sqt, sqd, ssb, ssh, ssn, ssd, slb, slh, slg, slt, sf0, sf1, sf2,
-    T, R, n_blocks, scale, N_src, B,
+    T, R, n_blocks, scale, N_src,
     H_KV: tl.constexpr, HI: tl.constexpr, HP: tl.constexpr, E: tl.constexpr, EP: tl.constexpr,
     L_SEL: tl.constexpr, LP: tl.constexpr, BT: tl.constexpr, BJ: tl.constexpr, BN_ROW: tl.constexpr,
     PER_TOKEN: tl.constexpr, SCALE: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
@@ -238,7 +223,7 @@ def _kl_fwd_kernel(
             m, den, total, a_sum, b_sum = _accumulate_rows(
                 q, w, OUT, ob + kb.to(tl.int64) * sot, sot, sop, k_col, offs_e, e_ok, T - kb, tgt, stj, cur, last,
                 n_blocks, m, den, total, a_sum, b_sum, HP, BT, BJ, LP, BN_ROW, L_SEL, PER_TOKEN, SCALE, ACC, PREC)
-        count = H_KV * _valid_count(FRAME, sf0, sf1, sf2, B, T, R, L_SEL)
+        count = H_KV * tl.load(COUNT)  # the counted rows (index_scores.counted_kl_rows, once per batch)
         scale = tl.where(count > 0, scale / tl.maximum(count, 1).to(ACC), 0.0)  # scale: the weight, with a frame
     else:
         m, den, total, a_sum, b_sum = _accumulate_rows(
@@ -486,11 +471,11 @@ def _keys_backward(kp, OUT, TGT, STATS, DOUT, FRAME, sob, sot, sop, stb, stk, st
                          sdp, sf0, sf1, sf2, T, k_col, offs_e, e_ok, L_SEL, LP, BKB, BN_KEY, PER_TOKEN, ACC, HAS_FRAME)
 
 
-@triton.jit(do_not_specialize=["T", "R", "B"])
+@triton.jit(do_not_specialize=["T", "R"])
 def _kl_bwd_kernel(
-    OUT, TGT, STATS, GRAD, DOUT, FRAME,
+    OUT, TGT, STATS, GRAD, DOUT, FRAME, COUNT,
     sob, sot, sop, stb, stk, str_, stj, sdb, sdt, sdp, sgb, sgk, sgr, sf0, sf1, sf2,
-    T, R, n_blocks, scale, n_row_programs, B,
+    T, R, n_blocks, scale, n_row_programs,
     H_KV: tl.constexpr, HI: tl.constexpr, HP: tl.constexpr, E: tl.constexpr, EP: tl.constexpr,
     L_SEL: tl.constexpr, LP: tl.constexpr, BT: tl.constexpr, BJ: tl.constexpr, BN_ROW: tl.constexpr,
     BKB: tl.constexpr, BN_KEY: tl.constexpr, CP: tl.constexpr, PER_TOKEN: tl.constexpr, SCALE: tl.constexpr,
@@ -498,8 +483,8 @@ def _kl_bwd_kernel(
 ):
     pid = tl.program_id(0)
     k_col = H_KV * HI * (E + 1)
-    if HAS_FRAME:  # scale: the weight; the count of rows on the device, as the forward's
-        count = H_KV * _valid_count(FRAME, sf0, sf1, sf2, B, T, R, L_SEL)
+    if HAS_FRAME:  # scale: the weight; the counted rows read on the device, as the forward's
+        count = H_KV * tl.load(COUNT)
         scale = tl.where(count > 0, scale / tl.maximum(count, 1).to(ACC), 0.0)
     # GRAD: the terms' gradient [B, H_kv, R] (strides sgb, sgk, sgr; a sum's, expanded: 0, 0, 0)
     if pid < n_row_programs:  # ---- rows: d q and d w at the KL's rows, zeros between them
@@ -579,22 +564,28 @@ def _target_constexprs(source, dtype: torch.dtype, l_sel: int) -> dict:
             "T_BJ": m["BJ"], "T_SCALE": m["SCALE"], "T_LP": m["LP"], "T_UPCAST": m["UPCAST"]}
 
 
-def _frame_args(frame, out):
-    """The frame (or a stand-in never read) and its strides."""
-    return (out, (0, 0, 0)) if frame is None else (frame, frame.stride())
+def _frame_args(frame, counted, out):
+    """The frame (or a stand-in never read), its strides and the counted rows (a 0-dim int64 tensor on the device,
+    impl/index_scores.counted_kl_rows: required with a frame)."""
+    if frame is None:
+        return out, (0, 0, 0), out
+    if counted is None or counted.numel() != 1 or counted.device != out.device:
+        raise ValueError("indexer_kl: packed documents need the counted KL rows as a one-element tensor on "
+                         f"{out.device} (impl/index_scores.counted_kl_rows)")
+    return frame, frame.stride(), counted
 
 
 def indexer_kl_forward(out, target, n_kv_heads: int, heads: int, index_dim: int, R: int, l_sel: int, per_token: bool,
-                       weight: float, source: tuple | None = None,
-                       frame: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       weight: float, source: tuple | None = None, frame: torch.Tensor | None = None,
+                       counted: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (the loss's terms [B, H_kv, R], row statistics [B, H_kv, R, 2], the target) as impl/index_scores.kl_loss:
     one kernel. target [B, H_kv, R, N_b], or None with source: (kind, q [B, H_kv, G, T, hd], keys, lse, l, d), the
     target computed in the same launch, each program its rows' first (kind "compressed": keys the compressed keys
     [B, H_kv, N_c, hd], lse the compressed branch's [B, H_kv, G, T] or None, as select_topk.pooled_block_mass_rows;
     "dense": keys the selected branch's [B, H_kv, T, hd], as dense_mass.dense_block_mass_rows). frame [3, B, T]
     (packed documents): each row scores its own document's blocks, counted from its first token, against a target
-    counted so (a source's read within the row's document), and the rows counted in the mean are counted on the
-    device."""
+    counted so (a source's read within the row's document), and the rows counted in the mean are read from `counted`
+    (impl/index_scores.counted_kl_rows: the layers share it, computed once per batch)."""
     B, T, P = out.shape
     n_blocks = -(-T // l_sel)
     acc = torch.promote_types(out.dtype, torch.float32)
@@ -614,12 +605,12 @@ def indexer_kl_forward(out, target, n_kv_heads: int, heads: int, index_dim: int,
         q_strides, s_strides, n_src = tq.stride(), ts.stride(), ts.shape[2]
         if lse is not None:
             tl_, l_strides = lse, lse.stride()
-    f, f_strides = _frame_args(frame, out)
-    # scale: weight / the counted rows (a function of T, R and l'); with a frame the kernel counts them
+    f, f_strides, c = _frame_args(frame, counted, out)
+    # scale: weight / the counted rows (a function of T, R and l'); with a frame the kernel reads them
     scale = weight if frame is not None else weight / count if count else 0.0
     grid = (triton.cdiv(R, meta["BT"]), B * n_kv_heads)
-    _kl_fwd_kernel[grid](out, target, kl_rows, stats, tq, ts, tl_, f, *out.stride(), *target.stride(), *q_strides,
-                         *s_strides, *l_strides, *f_strides, T, R, n_blocks, scale, n_src, B,
+    _kl_fwd_kernel[grid](out, target, kl_rows, stats, tq, ts, tl_, f, c, *out.stride(), *target.stride(), *q_strides,
+                         *s_strides, *l_strides, *f_strides, T, R, n_blocks, scale, n_src,
                          H_KV=n_kv_heads, **meta, **_target_constexprs(source, out.dtype, l_sel),
                          HAS_FRAME=frame is not None,
                          maxnreg=255)  # the fused target's tiles in registers (as select_topk's)
@@ -628,9 +619,9 @@ def indexer_kl_forward(out, target, n_kv_heads: int, heads: int, index_dim: int,
 
 def indexer_kl_backward(grad, out, target, stats, n_kv_heads: int, heads: int, index_dim: int, R: int, l_sel: int,
                         per_token: bool, weight: float, d_out: torch.Tensor | None = None,
-                        frame: torch.Tensor | None = None) -> torch.Tensor:
+                        frame: torch.Tensor | None = None, counted: torch.Tensor | None = None) -> torch.Tensor:
     """-> d out [B, T, P] as impl/index_scores.kl_loss_backward: one kernel, every element written once (into d_out
-    when given, out's shape and dtype: the tests pass one filled with NaN). frame: as the forward's."""
+    when given, out's shape and dtype: the tests pass one filled with NaN). frame, counted: as the forward's."""
     B, T, n_blocks = _check(out, target, n_kv_heads, heads, index_dim, R, l_sel, frame)
     meta = kernel_constexprs(out.dtype, heads, index_dim, l_sel, per_token, BACKWARD_TOKEN_LANES)
     count = B * n_kv_heads * valid_rows(T, R, l_sel)
@@ -639,10 +630,10 @@ def indexer_kl_backward(grad, out, target, stats, n_kv_heads: int, heads: int, i
     n_rows = triton.cdiv(R, meta["BT"]) * B * n_kv_heads
     grid = (n_rows + triton.cdiv(T, bkb * l_sel) * B,)  # key programs: BKB blocks' worth of key indices each
     grad = grad.expand(B, n_kv_heads, R)  # the terms' gradient (a sum's: one value, stride 0)
-    f, f_strides = _frame_args(frame, out)
+    f, f_strides, c = _frame_args(frame, counted, out)
     scale = weight if frame is not None else weight / count if count else 0.0
-    _kl_bwd_kernel[grid](out, target, stats, grad, d_out, f, *out.stride(), *target.stride(), *d_out.stride(),
-                         *grad.stride(), *f_strides, T, R, n_blocks, scale, n_rows, B, H_KV=n_kv_heads, BKB=bkb,
+    _kl_bwd_kernel[grid](out, target, stats, grad, d_out, f, c, *out.stride(), *target.stride(), *d_out.stride(),
+                         *grad.stride(), *f_strides, T, R, n_blocks, scale, n_rows, H_KV=n_kv_heads, BKB=bkb,
                          BN_KEY=bn_key, CP=triton.next_power_of_2(bkb * l_sel), **meta, HAS_FRAME=frame is not None,
                          num_stages=1,
                          num_warps=8 if per_token else 4, maxnreg=255)  # its tiles in registers (as select_topk's)
