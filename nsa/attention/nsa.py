@@ -476,9 +476,10 @@ class NativeSparseAttention(nn.Module):
         """A training forward's KL of the indexer to its target (nsa.indexer_target) -> self.indexer_loss: weight * KL
         over the KL's rows (every query up to KL_ROWS, else evenly spaced ones) as per-row terms [B, H_kv, R], scored
         from the projection output out [B, T, P] (one op each way; with packed documents, frame [3, B, T], each row
-        over its own document; counted: impl/index_scores.counted_kl_rows). The target is computed in the KL's own launch on the Triton path (from qg, ck and
-        the compressed branch's log-sum-exps lse [B, H_kv, G, T], or qg and sel_k), or, with the selected branch's
-        distance capped, by torch ops (the dense target reading far keys at the cap)."""
+        over its own document, counted: impl/index_scores.counted_kl_rows). The target is computed in the KL's own
+        launch on the Triton path (from qg, ck and the compressed branch's log-sum-exps lse [B, H_kv, G, T], or qg
+        and sel_k), or, with the selected branch's distance capped, by torch ops (the dense target reading far keys
+        at the cap)."""
         c = self.cfg
         target, source = None, None
         if capped is not None:
