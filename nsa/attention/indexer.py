@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 
 from nsa.attention.impl.index_scores import (block_max, counted_kl_rows, document_index_scores, index_block_scores,
-                                             kl_row_indices, split_projection)
+                                             split_projection)
 
 
 class BlockIndexer(nn.Module):
@@ -95,15 +95,8 @@ def kl_row_count(T: int) -> int:
     return min(T, KL_ROWS)
 
 
-def kl_rows(T: int, device) -> torch.Tensor:
-    """The query indices the KL is taken over: all T up to KL_ROWS, else KL_ROWS evenly spaced ones (the same at
-    every step: no random state, so a resumed run draws the same rows). A fixed count keeps the target's cost and
-    launches constant in T."""
-    return kl_row_indices(T, kl_row_count(T), device)  # [R]
-
-
 def shared_counted_rows(documents, frame: torch.Tensor, l_sel: int) -> torch.Tensor:
-    """Packed documents: the KL mean's counted rows (impl/index_scores.counted_kl_rows over kl_rows' queries), computed
+    """Packed documents: the KL mean's counted rows (impl/index_scores.counted_kl_rows over its rows), computed
     once per batch (Documents.once_per_batch) and shared by every indexer layer. frame [3, B, T]."""
     R = kl_row_count(frame.shape[2])
     return documents.once_per_batch(("indexer_kl_rows", R, l_sel), lambda: counted_kl_rows(frame, R, l_sel))

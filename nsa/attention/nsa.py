@@ -320,7 +320,7 @@ class NativeSparseAttention(nn.Module):
         weights [B, T, H_kv, h], keys (block keys [B, N_b, e], or token keys [B, S, e]), its projection output
         [B, T, P] and whether the keys are token keys (pooled to blocks by the ops), or None. Its scores pick the
         blocks while self.indexer_selects (ops.indexer_picks, no graph), and a training forward from position 0
-        leaves the KL to its target (nsa.indexer_target) in self.indexer_loss (ops.indexer_kl over kl_rows' queries,
+        leaves the KL to its target (nsa.indexer_target) in self.indexer_loss (ops.indexer_kl over the KL's rows,
         per-row terms; its backward recomputes their scores: nothing of size [T, N_b] is kept).
         capped: _distance_cap's, for a forward from position 0 whose selected branch reads far keys at the cap."""
         c = self.cfg
@@ -425,7 +425,7 @@ class NativeSparseAttention(nn.Module):
     @torch.no_grad()
     def indexer_target(self, qg, ck, sel_k, n_blocks: int, frame=None, capped=None, lse=None,
                        all_rows: bool = False) -> torch.Tensor:
-        """The indexer's KL target (nsa.indexer_target; nsa/attention/indexer.py) for the KL's rows (kl_rows: the
+        """The indexer's KL target (nsa.indexer_target; nsa/attention/indexer.py) for the KL's rows (kl_row_indices: the
         queries at r * T // R) of a forward from position 0: qg [B, H_kv, G, T, hd] the queries, ck [B, H_kv, N_c, hd]
         the compressed keys, sel_k [B, H_kv, T, hd] the selected branch's keys; frame [3, B, T] with packed documents
         (blocks document-relative); capped: _distance_cap's, when the selected branch reads far keys at the cap (the

@@ -129,7 +129,7 @@ def test_dense_target_is_each_querys_attention_summed_per_block(documents, monke
     B, H_kv, G, T, hd, l_sel = 2, 2, 3, 45, 8, 8
     q = torch.randn(B, H_kv, G, 11, hd, generator=g, dtype=torch.float64) * 2
     k = torch.randn(B, H_kv, T, hd, generator=g, dtype=torch.float64)
-    rows = torch.arange(11) * T // 11  # [11], as kl_rows spaces them
+    rows = torch.arange(11) * T // 11  # [11], as kl_row_indices spaces them
     base = (torch.div(rows, 13, rounding_mode="floor") * 13).expand(B, -1) if documents else None  # 13-token documents
     n_blocks = -(-T // l_sel)
     got = dense_block_mass(q, k, rows, l_sel, n_blocks, base=base)
