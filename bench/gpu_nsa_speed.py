@@ -16,7 +16,10 @@ Sections, in this order (`--only` picks some; each is recorded as it ends, so a 
                only; the numbers only check the plumbing): NSA's core (`NativeSparseAttention.
                sparse_attention` + the gated sum: compression, scoring, top-n, the three branches, gates given)
                against SDPA (the backend torch picked, named), FlexAttention causal (compiled) and, at the paper's
-               layout, fla's `parallel_nsa`; each NSA stage alone with its counted FLOPs and bytes and the fraction
+               layout, fla's `parallel_nsa`; at M7C's layout NSA with the learned block indexer (issue 51: its two
+               configurations, their KL term differentiated too; `m7c_indexer*_extra_fwd_bwd_<T>` in the summary is
+               their time over pooled NSA's, a fraction of it); each NSA stage alone with its counted FLOPs and bytes
+               and the fraction
                of the measured ceilings it reaches; the whole NSA layer (projections included) fwd+bwd at 8k under
                the profiler: device-busy fraction, host time and kernel launches
   train        M7C-125M compiled, NSA and its dense twin, tokens/s at each --train_S, with the ideal ratio from
@@ -55,6 +58,9 @@ FLA_GEOMETRY = dict(l=64, d=64, l_sel=64, n_sel=16, w=512)  # fla's mean pool: l
 TINY_GEOMETRY = dict(l=8, d=4, l_sel=16, n_sel=4, w=32)
 LAYOUTS = {"m7c": dict(n_heads=12, n_kv_heads=2, head_dim=64), "paper": dict(n_heads=64, n_kv_heads=4, head_dim=128)}
 TINY_LAYOUTS = {"m7c": dict(n_heads=12, n_kv_heads=2, head_dim=16), "paper": dict(n_heads=32, n_kv_heads=2, head_dim=32)}
+# issue 51: NSA with the learned block indexer (nsa.selector=indexer), timed beside pooled NSA at M7C's layout
+INDEXER_ARMS = {"indexer": dict(selector="indexer"),  # the defaults: one key per block, the compressed target
+                "indexer_scores": dict(selector="indexer", indexer_pool="scores", indexer_target="dense")}
 SECTIONS = ("environment", "correctness", "ceilings", "attention", "train", "decode")
 # relative RMS error in bf16, and the share of rows whose picks may differ (see correctness())
 TOLERANCE = {"reference_out": 1e-2, "out": 1e-2, "grad": 2e-2, "selection_disagreement": 0.02}
@@ -107,7 +113,7 @@ def nsa_layer(layout: dict, geometry: dict, kernel: str, T: int, device: str, dt
     from nsa.attention.nsa import NativeSparseAttention
 
     torch.manual_seed(seed)
-    layer = NativeSparseAttention(model_config(layout, geometry, kernel, T))
+    layer = NativeSparseAttention(model_config(layout, geometry, kernel, T))  # the seed fixes every weight
     with torch.no_grad():  # gates ~0.5 each and phi's output layer not ~0: every branch carries signal
         for p in layer.parameters():
             p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]) if p.dim() > 1 else 0.1)
@@ -366,6 +372,15 @@ def attention(args, ceil: dict | None) -> dict:
             return F.scaled_dot_product_attention(q, br["sel"][0], br["sel"][1], is_causal=True, enable_gqa=True)
 
         arms = {"nsa": nsa_fwd, "sdpa": sdpa_fwd}
+        aux = {}  # arm -> its extra loss terms (the indexer's KL), differentiated with the output
+        if name == "m7c" and "indexer" in args.arms:  # issue 51: the learned indexer's share of the layer's time
+            x = rnd(B, T, layout["n_heads"] * hd)
+            for arm, extra in INDEXER_ARMS.items():
+                indexed = nsa_layer(layout, {**geo, **extra}, "auto", T, args.device, dtype, 0)
+                indexed.train()
+                arms[arm] = (lambda m: lambda: ops.gated_combine(
+                    gates, *m.sparse_attention(q, br, rope, x)[:3], m.cfg.kernel))(indexed)
+                aux[arm] = (lambda m: lambda: m.indexer_loss)(indexed)
         if flex is not None and "flex" in args.arms:
             arms["flex"] = lambda: flex(q, br["sel"][0], br["sel"][1])
         if fla is not None and "fla" in args.arms and name.startswith("paper") and (H // H_kv) >= 16:
@@ -375,7 +390,8 @@ def attention(args, ceil: dict | None) -> dict:
                 row[f"{arm}_fwd_ms"] = time_ms(lambda: fwd(), args.device, repeats)  # noqa: B023
                 if arm == "flex" and args.device != "cuda":
                     continue  # FlexAttention has no backward on CPU
-                row[f"{arm}_fwd_bwd_ms"] = time_ms(lambda: fwd_bwd(fwd, leaves), args.device, repeats)  # noqa: B023
+                row[f"{arm}_fwd_bwd_ms"] = time_ms(lambda: fwd_bwd(fwd, leaves, aux.get(arm)), args.device,  # noqa: B023
+                                                   repeats)
             except Exception as exc:  # one arm's failure (memory at 64k, a missing kernel) must not lose the rest
                 row[f"{arm}_error"] = f"{type(exc).__name__}: {exc}"[:300]
                 torch.cuda.empty_cache() if args.device == "cuda" else None
@@ -386,6 +402,9 @@ def attention(args, ceil: dict | None) -> dict:
             for what in ("fwd", "fwd_bwd"):
                 if f"{arm}_{what}_ms" in row and f"nsa_{what}_ms" in row:
                     row[f"nsa_over_{arm}_{what}"] = round(row[f"{arm}_{what}_ms"] / row[f"nsa_{what}_ms"], 3)
+        for arm in INDEXER_ARMS:  # the indexer's time over pooled NSA's, as a share of pooled NSA's (its KL included)
+            if f"{arm}_fwd_bwd_ms" in row and "nsa_fwd_bwd_ms" in row:
+                row[f"{arm}_extra_fwd_bwd"] = round(row[f"{arm}_fwd_bwd_ms"] / row["nsa_fwd_bwd_ms"] - 1, 3)
         print(json.dumps({k: v for k, v in row.items() if k != "stages"}), flush=True)
         rows.append(row)
         del layer, q, br, gates, leaves
@@ -393,12 +412,20 @@ def attention(args, ceil: dict | None) -> dict:
     return {"ok": True, "rows": rows, "busy": busy}
 
 
-def fwd_bwd(fwd, leaves) -> None:
+def fwd_bwd(fwd, leaves, aux=None) -> None:
+    """One forward and backward of fwd's output (aux: a function returning the forward's extra loss terms, e.g. the
+    indexer's KL terms, differentiated with it as the model's sum of them would be)."""
+    import torch
+
     for t in leaves:
         t.requires_grad_(True)
         t.grad = None
     out = fwd()
-    out.backward(out.detach())  # a fixed, nonzero output gradient without another launch
+    if aux is None:
+        out.backward(out.detach())  # a fixed, nonzero output gradient without another launch
+    else:
+        terms = aux()
+        torch.autograd.backward([out, terms], [out.detach(), torch.ones_like(terms)])
     for t in leaves:
         t.requires_grad_(False)
 
@@ -578,10 +605,14 @@ def length_tag(T: int) -> str:
 
 
 def summarise(sections: dict) -> dict:
-    """The ratios docs/BENCHMARKS.md quotes (NSA's speed over the other's: > 1 is NSA faster)."""
+    """The ratios docs/BENCHMARKS.md quotes (NSA's speed over the other's: > 1 is NSA faster; the indexer arms'
+    extra time over pooled NSA's, a fraction of it: issue 51's goal is <= 0.15 at 32k)."""
     s = {}
     for row in sections.get("attention", {}).get("rows", []):
         tag = length_tag(row["T"])
+        for arm in INDEXER_ARMS:
+            if f"{arm}_extra_fwd_bwd" in row:
+                s[f"{row['layout']}_{arm}_extra_fwd_bwd_{tag}"] = row[f"{arm}_extra_fwd_bwd"]
         for arm in ("sdpa", "flex", "fla"):
             for what in ("fwd_bwd", "fwd"):
                 if f"nsa_over_{arm}_{what}" in row:
@@ -640,8 +671,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode_S", type=int, nargs="+", help="decode context lengths (default 32k 64k)")
     ap.add_argument("--train_graphs", action="store_true",
                     help="train: also run NSA and dense with CUDA graphs (runtime.cuda_graphs; CUDA only)")
-    ap.add_argument("--arms", nargs="+", default=["flex", "fla"], choices=["flex", "fla"],
-                    help="peers beside NSA and SDPA in the attention section (default both)")
+    ap.add_argument("--arms", nargs="+", default=["flex", "fla", "indexer"], choices=["flex", "fla", "indexer"],
+                    help="beside NSA and SDPA in the attention section (default all): FlexAttention, fla's NSA, and "
+                         "NSA with the learned indexer (issue 51; M7C's layout)")
     ap.add_argument("--section_limit", type=float, default=300, help="seconds for one training or decode run")
     args = ap.parse_args(argv)
     import torch

@@ -59,12 +59,21 @@ def test_tiny_run_checks_then_times_every_arm_and_stage_and_merges(tmp_path):
         assert set(r["stages"]) == {"compress", "compressed", "select", "selected", "window"}
         # the selected branch reads n*l' keys per query at most: its counted FLOPs are below dense causal's
         assert 0 < r["stages"]["selected"]["flops"] and 0 < r["stages"]["selected"]["roofline_fraction"]
+    for r in rows:  # issue 51: NSA with the learned indexer (its KL differentiated too) beside pooled NSA, at M7C's
+        if r["layout"] == "m7c":
+            for arm in ("indexer", "indexer_scores"):
+                assert r[f"{arm}_fwd_ms"] > 0 and r[f"{arm}_fwd_bwd_ms"] > 0, r
+                assert r[f"{arm}_extra_fwd_bwd"] == round(r[f"{arm}_fwd_bwd_ms"] / r["nsa_fwd_bwd_ms"] - 1, 3)
+        else:
+            assert "indexer_fwd_ms" not in r
     busy = sections["attention"]["busy"]
     assert busy["wall_ms"] >= busy["host_issue_ms"] > 0
     summary = report["summary"]
     assert summary["m7c_nsa_over_sdpa_fwd_bwd_256"] == next(
         r["nsa_over_sdpa_fwd_bwd"] for r in rows if r["layout"] == "m7c" and r["T"] == 256)
     assert "paper_nsa_over_flex_fwd_256" in summary
+    assert summary["m7c_indexer_scores_extra_fwd_bwd_256"] == next(
+        r["indexer_scores_extra_fwd_bwd"] for r in rows if r["layout"] == "m7c" and r["T"] == 256)
     runs = sections["train"]["runs"]  # a tiny M7C and its dense twin through the trainer, tokens/s from the heartbeat
     assert runs["nsa_128"]["toks_per_s"] > 0 and runs["dense_128"]["toks_per_s"] > 0
     assert runs["ideal_128"] == round(runs["dense_128"]["flops_per_token"] / runs["nsa_128"]["flops_per_token"], 3)
