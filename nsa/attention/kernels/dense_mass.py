@@ -12,6 +12,9 @@ Grid (cdiv(R, BT), B*H_kv): a program owns BT rows of one KV group and its G que
     pass 2  over chunks of BJ blocks (BN = BJ*LP key lanes, LP = l' padded to a power of two):
             p = exp(s - lse) where the key is visible (<= t_r, < T, a real lane), summed over the heads and over each
             block's lanes -> [BT, BJ], stored; blocks past the tile's last position get 0 without a dot.
+With packed documents (the KL's forward passes its frame: HAS_FRAME) a row attends only its own document's keys, at
+its position in the document, its blocks counted from the document's first key; a tile's rows run one document at a
+time.
 Accumulation fp32 (fp64 for fp64 inputs); dots as select_topk.py's. T and R are runtime arguments.
 """
 from __future__ import annotations

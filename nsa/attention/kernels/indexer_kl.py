@@ -22,7 +22,7 @@ Forward, grid (cdiv(R, BT), B*H_kv): a program owns BT rows of one KV group, all
     KL(r)  = A / total - log(total) - Bv / total + lse
              (= sum_j p log p - sum_j p log softmax(I), p = target / total)
 and writes weight * KL(r) / count for valid rows with total > 0 (else 0), count = B * H_kv * valid rows (a function of
-T, R and l' alone: no host sync), and (lse, total) per row for the backward. The loss is the sum of those terms,
+T, R and l' alone without documents: no host sync), and (lse, total) per row for the backward. The loss is the sum of those terms,
 taken by the model once for every layer (nsa/model.py).
 
 Backward, one launch, a 1-D grid of two kinds of program:
@@ -33,10 +33,22 @@ Backward, one launch, a 1-D grid of two kinds of program:
       d w(t_r, h) = sum g * ReLU(s_h),  d s_h = g * w_h * [s_h > 0],  d q(t_r, h) = sum d s_h * key / sqrt(e)
       written to d_out's q and w columns at t_r; the positions between two rows get zeros there (a barrier orders
       the zero fill before the rows' values).
-  key programs (cdiv(N_b, BKB) * B): BKB blocks' tokens; over every KV group and every row tile that may read them,
+  key programs (cdiv(T, BKB * l') * B): BKB blocks' tokens; over every KV group and every row tile that may read them,
       d key += sum over rows and heads of d s_h * q_h / sqrt(e) (d K(j) routed per dim to the block's max token(s)),
       written to d_out's k columns: every token's, exactly once.
 No atomics: every element of d_out is written by one program, so the backward is deterministic.
+
+Packed documents (HAS_FRAME; frame [3, B, T]: each token's position in its document and its document's first index,
+nsa/attention/documents.py): row r's position is its position in its document, its blocks count from the document's
+first token and its scores read that document's keys only. A row program runs its rows' documents one at a time
+(smallest first index first; usually one, two at a boundary), the others' rows taking part with no candidate. The
+count of valid rows depends on the documents: it is given (counted: impl/index_scores.counted_kl_rows, computed once
+per batch), not derived from T. Key program p owns key indices [p * BKB * l', (p + 1) * BKB * l') of its batch row:
+for every document present there, the blocks whose first token lies in the range (at most BKB), over that document's
+rows only (a while-loop from the first row tile that may read them to the first past the document); a token's
+gradient is written by the program holding its block's first token, only where the token belongs to the document (a
+document's last, partial block, never a candidate, reaches into the next document). The target computed in the
+launch reads each row's own document the same way (select_topk.pooled_mass_tile, dense_mass.dense_mass_tile).
 
 Accumulation fp32 (fp64 for fp64 inputs); dots as select_topk.py's (IEEE in the interpreter and for fp64, 3xTF32 for
 fp32, native bf16/fp16 with UPCAST in the interpreter). T and R are runtime arguments.

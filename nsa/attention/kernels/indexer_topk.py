@@ -21,6 +21,11 @@ and val merges into a running top-n per query (select_topk.merge_topn: higher fi
 ascending with -1 for empty slots (select_topk.ascending). Every allowed score is finite, so each query keeps
 exactly min(n, current + 1) blocks, as select_blocks does.
 
+Packed documents (HAS_FRAME; frame [3, B, Tq]: each query's position in its document and its document's first key
+index; token keys from index 0): a tile's queries run their documents one at a time, smallest first index first (as
+select_topk.py's frame mode), each over its own document's keys from its first index with blocks counted from there;
+the other queries take part at block -1 (no candidate, nothing merged). One launch whatever the number of documents.
+
 Accumulation is fp32 (fp64 for fp64 inputs); q @ keys^T as select_topk.py's dot (bf16/fp16 on tensor cores, fp32 as
 3xTF32, IEEE for fp64 and in the interpreter, where bf16/fp16 tiles are upcast first: UPCAST). q_start, Tq and the
 key count are runtime arguments (chunked prefill does not recompile).
