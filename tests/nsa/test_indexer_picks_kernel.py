@@ -246,11 +246,11 @@ def test_documents_read_no_other_documents_key():
     assert not torch.equal(after[:, :, 13:70], before[:, :, 13:70])  # a 57-token document: 1 free pick of 5-6
 
 
-@pytest.mark.parametrize("pool", ["keys", "scores"])
-def test_layer_over_packed_documents_on_the_triton_path(pool):
+def test_layer_over_packed_documents_on_the_triton_path():
     """An indexer layer over packed documents with nsa.kernel=triton (its picks from this kernel, every document of
     the window in one launch) equals each document alone and the float64 per-token reference (tests/nsa/
-    test_indexer.py's check, on the Triton path)."""
+    test_indexer.py's check, on the Triton path; token scores: one key per block is held on the Triton path by
+    test_indexer_kl_op.py's layer test and the kernel tests above, at a third of this test's time)."""
     from tests.nsa.test_indexer import test_packed_documents_equal_each_document_alone_and_the_reference as check
 
-    check(pool, kernel="triton")
+    check("scores", kernel="triton")
