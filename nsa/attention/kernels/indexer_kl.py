@@ -293,6 +293,27 @@ def _accumulate_row_grads(q, w, OUT, ob, sot, sop, k_col, offs_e, e_ok, T, tgt, 
 
 
 @triton.jit
+def _row_gradient_scale(STATS, grad, sgb, sgk, sgr, scale, b, kv, bk, r_t, r_ok, current, R, ACC: tl.constexpr):
+    """The backward's per-row statistics of rows r_t [BT] (KV group kv, bk = b * H_kv + kv): the forward's log-sum-exp
+    and target total, and dL/dterm * weight / count where the row counts (two or more candidates, a target), else 0."""
+    lse = tl.load(STATS + (bk * R + r_t) * 2, mask=r_ok, other=0.0).to(ACC)
+    total = tl.load(STATS + (bk * R + r_t) * 2 + 1, mask=r_ok, other=0.0).to(ACC)
+    g_row = tl.load(grad + b * sgb + kv * sgk + r_t * sgr, mask=r_ok, other=0.0).to(ACC) * scale
+    return lse, total, tl.where(r_ok & (current - 2 >= 2) & (total > 0), g_row, 0.0)
+
+
+@triton.jit
+def _rows_left(FRAME, sf0, sfb, sf2, r0, T, R, kb, HAS_FRAME: tl.constexpr):
+    """Whether the row tile starting at KL row r0 exists and, with a frame, does not start past the document whose
+    first index is kb (the rows' first indices grow along the rows; sfb: the frame's offset of the batch row)."""
+    go = r0 < R
+    if HAS_FRAME:
+        t0 = (tl.minimum(r0, R - 1).to(tl.int64) * T) // R
+        go = go & (tl.load(FRAME + sfb + sf0 + t0 * sf2) <= kb)
+    return go
+
+
+@triton.jit
 def _rows_backward(pid, OUT, TGT, STATS, DOUT, FRAME, sob, sot, sop, stb, stk, str_, stj, sdb, sdt, sdp, sf0, sf1, sf2,
                    T, R, n_blocks, grad, sgb, sgk, sgr, scale, k_col, H_KV: tl.constexpr, HI: tl.constexpr,
                    HP: tl.constexpr, E: tl.constexpr, EP: tl.constexpr, L_SEL: tl.constexpr, LP: tl.constexpr,
@@ -309,10 +330,8 @@ def _rows_backward(pid, OUT, TGT, STATS, DOUT, FRAME, sob, sot, sop, stb, stk, s
     q, w, pos, kb_r, r_t, r_ok, offs_e, e_ok = _load_rows(OUT, ob, sot, sop, kv, r0, T, R, FRAME, sf0, b * sf1, sf2,
                                                            H_KV, HI, HP, E, EP, BT, UPCAST, ACC, HAS_FRAME)
     current = pos // L_SEL
-    lse = tl.load(STATS + (bk * R + r_t) * 2, mask=r_ok, other=0.0).to(ACC)
-    total = tl.load(STATS + (bk * R + r_t) * 2 + 1, mask=r_ok, other=0.0).to(ACC)
-    g_row = tl.load(grad + b * sgb + kv * sgk + r_t * sgr, mask=r_ok, other=0.0).to(ACC) * scale
-    rowscale = tl.where(r_ok & (current - 2 >= 2) & (total > 0), g_row, 0.0)  # [BT]: dL/dterm * weight / count
+    lse, total, rowscale = _row_gradient_scale(STATS, grad, sgb, sgk, sgr, scale, b, kv, bk, r_t, r_ok, current, R,
+                                               ACC)
     tgt = TGT + b * stb + kv * stk + r_t.to(tl.int64)[:, None] * str_
     d_q = tl.zeros([HP * BT, EP], dtype=ACC)
     d_w = tl.zeros([HP * BT], dtype=ACC)
@@ -371,18 +390,13 @@ def _block_key_grads(OUT, TGT, STATS, FRAME, ob, b, kb, j0, sot, sop, stb, stk, 
         bk = b * H_KV + kv
         tgt_base = TGT + b * stb + kv * stk
         r0 = r_start
-        go = r0 < R
-        if HAS_FRAME:  # and the tile's first row is not past the document (first indices grow along the rows)
-            t0 = (tl.minimum(r0, R - 1).to(tl.int64) * T) // R
-            go = go & (tl.load(FRAME + b * sf1 + sf0 + t0 * sf2) <= kb)
+        go = _rows_left(FRAME, sf0, b * sf1, sf2, r0, T, R, kb, HAS_FRAME)
         while go:
             q, w, pos, kb_r, r_t, r_ok, _, _ = _load_rows(OUT, ob, sot, sop, kv, r0, T, R, FRAME, sf0, b * sf1, sf2,
                                                           H_KV, HI, HP, E, EP, BT, UPCAST, ACC, HAS_FRAME)
             current = pos // L_SEL
-            lse = tl.load(STATS + (bk * R + r_t) * 2, mask=r_ok, other=0.0).to(ACC)
-            total = tl.load(STATS + (bk * R + r_t) * 2 + 1, mask=r_ok, other=0.0).to(ACC)
-            g_row = tl.load(grad + b * sgb + kv * sgk + r_t * sgr, mask=r_ok, other=0.0).to(ACC) * scale
-            rowscale = tl.where(r_ok & (current - 2 >= 2) & (total > 0), g_row, 0.0)
+            lse, total, rowscale = _row_gradient_scale(STATS, grad, sgb, sgk, sgr, scale, b, kv, bk, r_t, r_ok,
+                                                       current, R, ACC)
             s, keys, per_key, I = _chunk_scores(q, w, OUT, ob_doc, sot, sop, k_col, offs_e, e_ok, j0, T - kb, HP, BT,
                                                 BKB, LP, BN_KEY, L_SEL, PER_TOKEN, SCALE, ACC, PREC)
             g = _block_grads(I, per_key, lse, total, rowscale, tgt_base + r_t.to(tl.int64)[:, None] * str_,
@@ -391,10 +405,7 @@ def _block_key_grads(OUT, TGT, STATS, FRAME, ob, b, kb, j0, sot, sop, stb, stk, 
             d_s = tl.where(s > 0, g * w[:, None], 0.0)  # [R', BN]
             d_key += tl.dot(tl.trans(d_s).to(q.dtype), q, input_precision=PREC, out_dtype=ACC) * SCALE
             r0 += BT
-            go = r0 < R
-            if HAS_FRAME:
-                t0 = (tl.minimum(r0, R - 1).to(tl.int64) * T) // R
-                go = go & (tl.load(FRAME + b * sf1 + sf0 + t0 * sf2) <= kb)
+            go = _rows_left(FRAME, sf0, b * sf1, sf2, r0, T, R, kb, HAS_FRAME)
     return d_key
 
 
