@@ -68,15 +68,8 @@ class NSAConfig:
     indexer_kl: float = 1.0  # selector=indexer: weight of the indexer's KL term (its gradient reaches the indexer only)
     indexer_warmup_steps: int = 0  # selector=indexer: steps that select by pooled scores while the indexer learns
     indexer_lr_scale: float = 1.0  # selector=indexer: learning-rate multiplier (on train.lr's schedule) for the indexer's parameters
-    sel_distance_cap: int = 0  # the selected branch reads keys more than this many positions back as if this far back (RoPE; ReRoPE / InfLLM-style); 0: off. Torch ops over a [T, T] mask (short contexts), no cached decoding; docs/NSA.md
+    sel_distance_cap: int = 0  # the selected branch reads keys more than this many positions back as if this far back (RoPE; ReRoPE / InfLLM-style); 0: off. Torch ops over a [Tq, Tk] mask (short contexts); docs/NSA.md
     sel_distance_cap_from_step: int = 0  # sel_distance_cap > 0: training steps before the cap takes effect (the selected branch reads at every distance until then; inference always capped)
-
-    def cached_decoding_problem(self) -> str | None:
-        """Why a layer of this configuration cannot decode with a cache, or None (ModelConfig's asks here)."""
-        if self.sel_distance_cap:
-            return (f"nsa.sel_distance_cap={self.sel_distance_cap}: cached decoding is not supported (the capped "
-                    f"selected branch runs full forwards only)")
-        return None
 
     @property
     def window_only(self) -> bool:
@@ -177,11 +170,6 @@ class ModelConfig:
                 raise ModelConfigError(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}")
             self.head_dim = self.dim // self.n_heads
         self.validate()
-
-    def cached_decoding_problem(self) -> str | None:
-        """Why this model cannot decode with a cache (generation, prefill in chunks), or None (NSAConfig's; the NSA
-        layer, nsa.generate, the trainer's samples and the needle probe refuse by it)."""
-        return self.nsa.cached_decoding_problem() if self.attention == "nsa" else None
 
     def distance_cap_problem(self) -> str | None:
         """Why the selected branch's distance cap (nsa.sel_distance_cap, or the probe nsa.gate_health.distance_capped)

@@ -138,8 +138,6 @@ def generate(
     tensors the model keeps across calls (FlexAttention block masks) must stay usable by autograd."""
     B = num_samples
     check_arguments(model.cfg.max_seq_len, len(prompt_ids), max_new_tokens, temperature, top_k, top_p, B, prefill_chunk)
-    if problem := model.cfg.cached_decoding_problem():
-        raise GenerationError(problem)
     if generators is not None and len(generators) != B:
         raise GenerationError(f"{len(generators)} generators for {B} samples; give one per sample")
     doc_eos = getattr(model, "document_eos_id", None)  # EOS opens a document (document masking)

@@ -245,9 +245,11 @@ class NativeSparseAttention(nn.Module):
             index = (q_I, w_I, k_I, out, True)  # token keys: the ops pool them to block keys themselves
         return self._branches(q, ck, cv, *br["sel"], *br["win"], 0, T, index, self._distance_cap(rope, q.device))
 
-    def _distance_cap(self, rope, device: torch.device):
-        """(cap, RoPE tables (cos, sin) [hd/2] of position cap, the forward's tables rope) when the selected branch
-        reads far keys at a capped distance (a probe's, else nsa.sel_distance_cap), else None."""
+    def _distance_cap(self, rope, device: torch.device, keys: int | None = None):
+        """(cap, RoPE tables (cos, sin) [hd/2] of position cap, the key positions' tables) when the selected branch
+        reads far keys at a capped distance (a probe's, else nsa.sel_distance_cap), else None. The key tables: the
+        forward's own rope (a forward from position 0), or with `keys` (a call over a cache of that many keys,
+        nsa.sel_distance_cap only) those of positions 0 .. keys - 1."""
         if rope is None:
             return None
         if self.distance_cap is not None:
@@ -256,14 +258,19 @@ class NativeSparseAttention(nn.Module):
             return None
         cap = self.cfg.sel_distance_cap
         cos, sin = self.cap_rope(torch.full((1,), cap, device=device))  # a fill on the device, no host copy
+        if keys is not None:
+            rope = self.cap_rope(torch.arange(keys, device=device))  # [keys, hd/2] each
         return cap, (cos[0], sin[0]), rope
 
-    def _capped_selected(self, qg, sel_k, sel_v, block_idx, capped, frame=None):
-        """The selected branch with far keys read at the distance cap: qg [B, H_kv, G, T, hd], sel_k, sel_v
-        [B, H_kv, T, hd], capped = _distance_cap's (cap, at_cap, rope) -> o_sel [B, H, T, hd]."""
+    def _capped_selected(self, qg, sel_k, sel_v, block_idx, capped, frame=None, q_start: int = 0):
+        """The selected branch with far keys read at the distance cap: qg [B, H_kv, G, Tq, hd] at positions
+        q_start .., sel_k, sel_v [B, H_kv, >= q_start + Tq, hd] from position 0 (a cache's may be padded after),
+        capped = _distance_cap's (cap, at_cap, key tables) -> o_sel [B, H, Tq, hd]."""
         B, H_kv, G, T, hd = qg.shape
         cap, at_cap, rope = capped
-        o = capped_selected_attention(qg, sel_k, sel_v, block_idx, rope, at_cap, self.cfg.l_sel, cap, frame)
+        keys = q_start + T
+        o = capped_selected_attention(qg, sel_k[:, :, :keys], sel_v[:, :, :keys], block_idx, rope, at_cap,
+                                      self.cfg.l_sel, cap, frame, q_start)
         return o.view(B, H_kv * G, T, hd)
 
     def _compress(self, raw_k: torch.Tensor, raw_v: torch.Tensor, lo: int, count: int, layout=None):
@@ -277,10 +284,9 @@ class NativeSparseAttention(nn.Module):
         """The three branches of x's tokens appended to `cache` (prefill chunks and decode steps): compressed tokens
         are emitted for every block that ends inside this call, the caches grow, then `_branches`."""
         c = self.cfg
-        problem = c.cached_decoding_problem() if self.distance_cap is None else \
-            "a distance-cap probe: cached decoding is not supported (the capped selected branch runs full forwards only)"
-        if problem:
-            raise ModelConfigError(problem)
+        if self.distance_cap is not None:
+            raise ModelConfigError("a distance-cap probe: cached decoding is not supported (the probe runs full "
+                                   "forwards only)")
         T = q.shape[2]
         t0 = cache.t  # absolute position of x[:, 0]
         t_end = t0 + T
@@ -311,7 +317,8 @@ class NativeSparseAttention(nn.Module):
         if self.indexer is not None:  # the new tokens' index keys join their blocks; the queries score every block
             q_I, w_I, k_I, out = self.indexer.project(x.detach())
             index = (q_I, w_I, cache.index_keys(k_I, per_token=self.indexer.pool == "scores"), out, False)
-        return self._branches(q, ck, cv, sel_k, sel_v, win_k, win_v, t0, t_end, index)
+        capped = self._distance_cap(rope, q.device, keys=t_end)  # the cache's keys are at positions 0 .. t_end - 1
+        return self._branches(q, ck, cv, sel_k, sel_v, win_k, win_v, t0, t_end, index, capped)
 
     def _branches(self, q, ck, cv, sel_k, sel_v, win_k, win_v, t0: int, t_end: int, index=None, capped=None):
         """q [B, H, T, hd] at positions t0 .. t_end-1 over compressed ck, cv [B, H_kv, C, hd], selection keys and
@@ -322,7 +329,7 @@ class NativeSparseAttention(nn.Module):
         blocks while self.indexer_selects (ops.indexer_picks, no graph), and a training forward from position 0
         leaves the KL to its target (nsa.indexer_target) in self.indexer_loss (ops.indexer_kl over the KL's rows,
         per-row terms; its backward recomputes their scores: nothing of size [T, N_b] is kept).
-        capped: _distance_cap's, for a forward from position 0 whose selected branch reads far keys at the cap."""
+        capped: _distance_cap's, when the selected branch reads far keys at the cap (its key tables from position 0)."""
         c = self.cfg
         B, _, T, _ = q.shape
         indexer_picks = index is not None and self.indexer_selects
@@ -334,7 +341,11 @@ class NativeSparseAttention(nn.Module):
                         q_I, w_I, keys, _, token_keys = index
                         keys = self.indexer.block_keys(keys) if token_keys else keys
                         picks = self.indexer.scores(q_I, w_I, keys)  # [B, H_kv, 1, N_b]
-                return decode_branches(q, ck, cv, sel_k, sel_v, win_k, win_v, t0, c, picks)
+                o_cmp, o_sel, o_win, block_idx = decode_branches(q, ck, cv, sel_k, sel_v, win_k, win_v, t0, c, picks)
+                if capped is not None:  # the selected branch again over the same blocks, far keys read at the cap
+                    o_sel = self._capped_selected(q.view(B, self.n_kv_heads, self.n_groups, T, self.head_dim), sel_k,
+                                                  sel_v, block_idx, capped, q_start=t0)
+                return o_cmp, o_sel, o_win, block_idx
         # one custom op per stage (nsa/attention/ops.py): a constant number of launches per layer
         with nvtx_range("nsa.compressed"):
             # [B, H, T, hd], and its log-sum-exps [B, H, T]: selection's scores share its softmax (Eq. 8)
@@ -352,7 +363,7 @@ class NativeSparseAttention(nn.Module):
                                    -(-T // c.l_sel), capped=capped)
         with nvtx_range("nsa.selected"):
             if capped is not None:
-                o_sel = self._capped_selected(qg, sel_k, sel_v, block_idx, capped)
+                o_sel = self._capped_selected(qg, sel_k, sel_v, block_idx, capped, q_start=t0)
             else:
                 o_sel = ops.selected_attention(qg, sel_k, sel_v, block_idx, t0, c.l_sel, c.sel_tile, kernel=c.kernel,
                                                chunk=c.sel_chunk)

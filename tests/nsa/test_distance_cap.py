@@ -71,6 +71,10 @@ def test_capped_equals_the_per_pair_oracle(cap):
     torch.testing.assert_close(got, want, rtol=0, atol=2e-6)
     uncapped = _oracle(q_raw, k_raw, v, block_idx, rope, T)
     assert (got - uncapped).abs().max() > 1e-3  # the cap changes what far keys score
+    for q_start in (T - 1, 11):  # a decode step, a prefill chunk: the queries from q_start over every key before
+        part = capped_selected_attention(q[..., q_start:, :], k, v, block_idx[:, :, q_start:], (cos, sin), at_cap,
+                                         L_SEL, cap, q_start=q_start)
+        torch.testing.assert_close(part, want[..., q_start:, :], rtol=0, atol=2e-6)
 
 
 def test_a_cap_beyond_every_distance_is_the_selected_branch():
@@ -237,7 +241,7 @@ def test_dense_target_reads_far_keys_at_the_cap():
     torch.testing.assert_close(got, want, rtol=0, atol=2e-6)  # float32 RoPE tables: see the oracle test above
 
 
-def test_config_refusals_and_no_cached_decoding():
+def test_config_refusals():
     from nsa.config import ModelConfigError
 
     with pytest.raises(ModelConfigError, match="sel_distance_cap must be >= 0"):
@@ -252,9 +256,32 @@ def test_config_refusals_and_no_cached_decoding():
         with pytest.raises(ModelConfigError, match="needs plain RoPE"):
             ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64, attention="nsa",
                         nsa=NSAConfig(sel_distance_cap=8), **bad)
-    model = _capped_model(8).eval()
-    with torch.no_grad(), pytest.raises(ModelConfigError, match="cached decoding is not supported"):
-        model(torch.randint(1, 64, (1, 9)), caches=model.new_caches())
+
+
+@pytest.mark.parametrize("selector", ["pooled", "indexer"])
+def test_cached_decoding_equals_the_full_forward(selector):
+    """A model trained with nsa.sel_distance_cap decodes with its caches: a prefill in chunks (the second from a
+    position past the cap) and one-token steps compute what one full forward computes, far keys read at the cap
+    in both; the probe (a model trained without the cap) still runs full forwards only, refused in one line."""
+    from nsa.config import ModelConfigError
+
+    extra = dict(selector="indexer", indexer_pool="scores", indexer_target="dense") if selector == "indexer" else {}
+    model, plain = _capped_model(12, **extra).eval(), _capped_model(0, **extra).eval()
+    plain.load_state_dict(model.state_dict())
+    T = 70
+    ids = torch.randint(1, 64, (2, T), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        full = model(ids)
+        caches = model.new_caches()
+        outs = [model(ids[:, :21], start_pos=0, caches=caches), model(ids[:, 21:40], start_pos=21, caches=caches)]
+        outs += [model(ids[:, t:t + 1], start_pos=t, caches=caches) for t in range(40, T)]
+        plain_caches = plain.new_caches()
+        uncapped = [plain(ids[:, :40], start_pos=0, caches=plain_caches)]
+        uncapped += [plain(ids[:, t:t + 1], start_pos=t, caches=plain_caches) for t in range(40, T)]
+    torch.testing.assert_close(torch.cat(outs, 1), full, rtol=0, atol=1e-10)
+    assert not torch.allclose(torch.cat(uncapped, 1)[:, 21:], full[:, 21:])  # the cap is read in the steps
+    with torch.no_grad(), distance_capped(plain, 12), pytest.raises(ModelConfigError, match="probe runs full"):
+        plain(ids[:, :9], start_pos=0, caches=plain.new_caches())
 
 
 def test_the_cap_switched_off_is_the_uncapped_model():

@@ -80,8 +80,6 @@ class TrainingSampler:
             if max(p.ids) >= cfg.model.vocab_size:
                 raise ConfigError(f"train.sample_prompts: prompt {n} has token id {max(p.ids)} (tokenizer "
                                   f"{tok.name}) >= model.vocab_size={cfg.model.vocab_size}")
-            if problem := cfg.model.cached_decoding_problem():
-                raise ConfigError(f"train.sample_prompts: {problem}")
             try:
                 check_arguments(cfg.model.max_seq_len, len(p.ids), cfg.train.sample_tokens)
             except GenerationError as exc:
