@@ -10,12 +10,18 @@ Same semantics as the vectorised path; tests check decode against a full prefill
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from nsa.attention.impl.capped import unrotated
 from nsa.attention.impl.selection import select_blocks, selection_block_scores
 from nsa.config import NSAConfig
+from nsa.layers import apply_rotary
+
+# a RoPE table source: positions [...] -> (cos, sin) [..., hd/2] (nsa.layers.RotaryEmbedding)
+RopeTables = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
@@ -54,9 +60,12 @@ def decode_branches(
     p: int,
     c: NSAConfig,
     index_scores: torch.Tensor | None = None,  # [B, H_kv, 1, p // l' + 1] a learned indexer's (nsa.selector=indexer)
+    capped: tuple[int, tuple[torch.Tensor, torch.Tensor], RopeTables] | None = None,
 ):
     """-> o_cmp, o_sel, o_win [B, H, 1, hd] and the selected blocks [B, H_kv, 1, n]. The blocks are picked by the
-    compressed branch's probabilities (pooled), or by index_scores when given, with the same forced blocks."""
+    compressed branch's probabilities (pooled), or by index_scores when given, with the same forced blocks.
+    capped = (cap, (cos, sin) [hd/2] of position cap, the RoPE's tables by position) for nsa.sel_distance_cap: the
+    gathered keys more than cap positions back are read at distance cap (impl/capped.py)."""
     B, H, _, hd = q.shape
     H_kv = ck.shape[1]
     qg = q.view(B, H_kv, H // H_kv, hd) * (1.0 / math.sqrt(hd))  # [B, H_kv, G, hd], scale folded in
@@ -85,11 +94,35 @@ def decode_branches(
         t[:, :, : n_cap * l_sel].reshape(-1, l_sel, hd).index_select(0, rows).view(B, H_kv, k_real * l_sel, hd)[:, :, :n_keys]
         for t in (sel_k, sel_v)
     )
-    o_sel, _ = _attend(qg, kg, vg)
+    if capped is None:
+        o_sel, _ = _attend(qg, kg, vg)
+    else:
+        positions = ((block_idx[..., :k_real, None] * l_sel + torch.arange(l_sel, device=q.device))
+                     .flatten(-2)[..., :n_keys])  # [B, H_kv, n_keys]: the gathered keys' positions
+        o_sel = _attend_capped(qg, kg, vg, positions, p, capped)
 
     o_win = decode_window(q, win_k, win_v)  # [B, H, 1, hd]
     shape = (B, H, 1, hd)
     return o_cmp.view(shape), o_sel.view(shape), o_win, block_idx.unsqueeze(2)
+
+
+def _attend_capped(qg: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, positions: torch.Tensor, p: int,
+                   capped: tuple[int, tuple[torch.Tensor, torch.Tensor], RopeTables]) -> torch.Tensor:
+    """`_attend` with the distance cap: qg [B, H_kv, G, hd] (pre-scaled) at position p, kg, vg [B, H_kv, N, hd] at
+    `positions` [B, H_kv, N]; a key more than cap back scores as the query rotated at cap against the key un-rotated
+    -> out [B, H_kv, G, hd] (computed in float32 or wider)."""
+    cap, at_cap, tables = capped
+    compute = torch.promote_types(qg.dtype, torch.float32)
+    qc, kc = qg.to(compute), kg.to(compute)
+    s = torch.matmul(qc, kc.transpose(-1, -2))  # [B, H_kv, G, N]
+    if p > cap:  # else no key is that far (block 0, always picked, is the farthest)
+        far = (p - positions) > cap  # [B, H_kv, N]
+        q_raw = unrotated(qc, tables(torch.full((1,), p, device=qg.device)))  # [B, H_kv, G, hd]: at position 0
+        q_cap = apply_rotary(q_raw, at_cap[0][None], at_cap[1][None])
+        s_far = torch.matmul(q_cap, unrotated(kc, tables(positions)).transpose(-1, -2))  # [B, H_kv, G, N]
+        s = torch.where(far[:, :, None], s_far, s)
+    probs = torch.softmax(s, dim=-1)
+    return torch.matmul(probs, vg.to(compute)).to(qg.dtype)
 
 
 def decode_window(

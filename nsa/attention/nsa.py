@@ -317,7 +317,8 @@ class NativeSparseAttention(nn.Module):
         if self.indexer is not None:  # the new tokens' index keys join their blocks; the queries score every block
             q_I, w_I, k_I, out = self.indexer.project(x.detach())
             index = (q_I, w_I, cache.index_keys(k_I, per_token=self.indexer.pool == "scores"), out, False)
-        capped = self._distance_cap(rope, q.device, keys=t_end)  # the cache's keys are at positions 0 .. t_end - 1
+        # a prefill chunk reads every cached key: the tables of positions 0 .. t_end - 1 (a decode step: its picks')
+        capped = self._distance_cap(rope, q.device, keys=t_end if T > 1 else None)
         return self._branches(q, ck, cv, sel_k, sel_v, win_k, win_v, t0, t_end, index, capped)
 
     def _branches(self, q, ck, cv, sel_k, sel_v, win_k, win_v, t0: int, t_end: int, index=None, capped=None):
@@ -341,11 +342,9 @@ class NativeSparseAttention(nn.Module):
                         q_I, w_I, keys, _, token_keys = index
                         keys = self.indexer.block_keys(keys) if token_keys else keys
                         picks = self.indexer.scores(q_I, w_I, keys)  # [B, H_kv, 1, N_b]
-                o_cmp, o_sel, o_win, block_idx = decode_branches(q, ck, cv, sel_k, sel_v, win_k, win_v, t0, c, picks)
-                if capped is not None:  # the selected branch again over the same blocks, far keys read at the cap
-                    o_sel = self._capped_selected(q.view(B, self.n_kv_heads, self.n_groups, T, self.head_dim), sel_k,
-                                                  sel_v, block_idx, capped, q_start=t0)
-                return o_cmp, o_sel, o_win, block_idx
+                # nsa.sel_distance_cap: the step's gathered keys un-rotated by their positions' tables
+                cap = None if capped is None else (*capped[:2], self.cap_rope)
+                return decode_branches(q, ck, cv, sel_k, sel_v, win_k, win_v, t0, c, picks, cap)
         # one custom op per stage (nsa/attention/ops.py): a constant number of launches per layer
         with nvtx_range("nsa.compressed"):
             # [B, H, T, hd], and its log-sum-exps [B, H, T]: selection's scores share its softmax (Eq. 8)
