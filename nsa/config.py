@@ -68,8 +68,19 @@ class NSAConfig:
     indexer_kl: float = 1.0  # selector=indexer: weight of the indexer's KL term (its gradient reaches the indexer only)
     indexer_warmup_steps: int = 0  # selector=indexer: steps that select by pooled scores while the indexer learns
     indexer_lr_scale: float = 1.0  # selector=indexer: learning-rate multiplier (on train.lr's schedule) for the indexer's parameters
+    indexer_every: int = 1  # selector=indexer: an indexer in every k-th layer (0, k, 2k, ..); the layers between reuse its picks (IndexShare); 1: every layer its own
     sel_distance_cap: int = 0  # the selected branch reads keys more than this many positions back as if this far back (RoPE; ReRoPE / InfLLM-style); 0: off. Torch ops over a [Tq, Tk] mask (short contexts); docs/NSA.md
     sel_distance_cap_from_step: int = 0  # sel_distance_cap > 0: training steps before the cap takes effect (the selected branch reads at every distance until then; inference always capped)
+
+    def owns_indexer(self, layer: int) -> bool:
+        """Whether layer `layer` (0-based) has an indexer of its own (nsa.selector=indexer, every
+        nsa.indexer_every-th layer from 0); the layers after it, up to the next, reuse its picks."""
+        return self.selector == "indexer" and layer % self.indexer_every == 0
+
+    @property
+    def shares_picks(self) -> bool:
+        """nsa.indexer_every > 1: the model passes each indexer layer's picks on to the layers that reuse them."""
+        return self.selector == "indexer" and self.indexer_every > 1
 
     @property
     def window_only(self) -> bool:
@@ -113,6 +124,11 @@ class NSAConfig:
             raise ModelConfigError(f"nsa.indexer_kl must be >= 0, got {self.indexer_kl}")
         if not self.indexer_lr_scale > 0:
             raise ModelConfigError(f"nsa.indexer_lr_scale must be positive, got {self.indexer_lr_scale}")
+        if self.indexer_every < 1:
+            raise ModelConfigError(f"nsa.indexer_every must be >= 1, got {self.indexer_every}")
+        if self.indexer_every > 1 and self.selector != "indexer":
+            raise ModelConfigError(f"nsa.indexer_every={self.indexer_every} needs nsa.selector=indexer (the picks it "
+                                   f"shares are the indexer's)")
         if self.indexer_warmup_steps < 0:
             raise ModelConfigError(f"nsa.indexer_warmup_steps must be >= 0, got {self.indexer_warmup_steps}")
         if self.sel_distance_cap < 0:

@@ -20,32 +20,40 @@ from nsa.loss import linear_cross_entropy
 from nsa.profiling import nvtx_range
 
 
-def build_attention(cfg: ModelConfig) -> nn.Module:
-    """The attention module of a Block: NativeSparseAttention (attention: nsa) or DenseAttention. Every one
+def build_attention(cfg: ModelConfig, layer: int = 0) -> nn.Module:
+    """The attention module of Block `layer`: NativeSparseAttention (attention: nsa) or DenseAttention. Every one
     takes (x [B, T, dim], rope, cache=None, documents=None) and returns [B, T, dim]."""
     if cfg.attention == "nsa":
         from nsa.attention.nsa import NativeSparseAttention
 
-        return NativeSparseAttention(cfg)
+        return NativeSparseAttention(cfg, layer)
     from nsa.attention.dense import DenseAttention
 
     return DenseAttention(cfg)
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.attn_norm = make_norm(cfg)
-        self.attn = build_attention(cfg)
+        self.attn = build_attention(cfg, layer)
         self.mlp_norm = make_norm(cfg)
         self.mlp = MLP(cfg)
+        # nsa.indexer_every > 1: the attention takes the picks of the last indexer layer and says what it passes on
+        self.shares_picks = cfg.attention == "nsa" and cfg.nsa.shares_picks
 
-    def forward(self, x: torch.Tensor, rope=None, cache=None, documents: Documents | None = None) -> torch.Tensor:
-        # [B, T, dim] -> same
+    def forward(self, x: torch.Tensor, rope=None, cache=None, documents: Documents | None = None,
+                picks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [B, T, dim] -> (same, the picks [B, H_kv, T, n] the next layers reuse, or None). picks: those of the
+        last indexer layer before this one (nsa.indexer_every > 1), else None."""
         with nvtx_range("attention"):
-            x = x + self.attn(self.attn_norm(x), rope, cache, documents=documents)
+            if self.shares_picks:
+                x = x + self.attn(self.attn_norm(x), rope, cache, documents=documents, picks=picks)
+                picks = self.attn.picks_out
+            else:
+                x = x + self.attn(self.attn_norm(x), rope, cache, documents=documents)
         with nvtx_range("mlp"):
-            return x + self.mlp(self.mlp_norm(x))
+            return x + self.mlp(self.mlp_norm(x)), picks
 
 
 class Transformer(nn.Module):
@@ -57,7 +65,7 @@ class Transformer(nn.Module):
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scale, cfg.rope_scaling, cfg.max_seq_len) \
             if cfg.pos_emb == "rope" else None
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(Block(cfg, layer) for layer in range(cfg.n_layers))
         self.norm = make_norm(cfg)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -155,13 +163,14 @@ class Transformer(nn.Module):
         indexed = [blk.attn for blk in self.blocks if getattr(blk.attn, "indexer", None) is not None]
         for attn in indexed:
             attn.indexer_loss = None  # set again by this forward's layers (a training forward from position 0)
+        picks = None  # nsa.indexer_every > 1: the last indexer layer's picks, reused by the layers up to the next
         for i, blk in enumerate(self.blocks):
             cache = caches[i] if caches is not None else None
             k = self.checkpoint_every
             if k and self.training and cache is None and i % k == 0 and torch.is_grad_enabled():
-                x = checkpoint(blk, x, rope, None, documents, use_reentrant=False)
+                x, picks = checkpoint(blk, x, rope, None, documents, picks, use_reentrant=False)
             else:
-                x = blk(x, rope, cache, documents)
+                x, picks = blk(x, rope, cache, documents, picks)
         x = self.norm(x)  # [B, T, dim]
         if targets is None:
             return self.lm_head(x).float()  # [B, T, V]

@@ -61,11 +61,13 @@ def decode_branches(
     c: NSAConfig,
     index_scores: torch.Tensor | None = None,  # [B, H_kv, 1, p // l' + 1] a learned indexer's (nsa.selector=indexer)
     capped: tuple[int, tuple[torch.Tensor, torch.Tensor], RopeTables] | None = None,
+    picks: torch.Tensor | None = None,  # [B, H_kv, 1, n] an earlier indexer layer's blocks (nsa.indexer_every > 1)
 ):
     """-> o_cmp, o_sel, o_win [B, H, 1, hd] and the selected blocks [B, H_kv, 1, n]. The blocks are picked by the
     compressed branch's probabilities (pooled), or by index_scores when given, with the same forced blocks.
     capped = (cap, (cos, sin) [hd/2] of position cap, the RoPE's tables by position) for nsa.sel_distance_cap: the
-    gathered keys more than cap positions back are read at distance cap (impl/capped.py)."""
+    gathered keys more than cap positions back are read at distance cap (impl/capped.py). picks: the blocks to
+    select, given (neither scored nor sorted again)."""
     B, H, _, hd = q.shape
     H_kv = ck.shape[1]
     qg = q.view(B, H_kv, H // H_kv, hd) * (1.0 / math.sqrt(hd))  # [B, H_kv, G, hd], scale folded in
@@ -75,7 +77,9 @@ def decode_branches(
     else:
         o_cmp, probs = _attend(qg, ck, cv)
         p_group = probs.sum(dim=2)  # Eq. 10: one importance per KV group
-    if index_scores is None:
+    if picks is not None:
+        block_idx = picks[:, :, 0]  # [B, H_kv, n] ascending, -1 padded, as a step picks them
+    elif index_scores is None:
         block_idx = _select_one(p_group, p, c)  # [B, H_kv, n] ascending, -1 padded
     else:
         block_idx = select_blocks(index_scores, p, c.l_sel, c.n_sel)[:, :, 0]  # as a prefill picks

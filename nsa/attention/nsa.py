@@ -55,7 +55,7 @@ def initial_gate_entropy(cfg: NSAConfig) -> float:
 
 
 class NativeSparseAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         cfg.nsa.validate()
         self.cfg = cfg.nsa
@@ -75,10 +75,14 @@ class NativeSparseAttention(nn.Module):
                 nn.Linear(cfg.dim, gate_hidden), nn.SiLU(), nn.Linear(gate_hidden, 3 * cfg.n_heads)
             )
         # nsa.selector=indexer: a learned block indexer picks the free blocks (nsa/attention/indexer.py); it learns by
-        # the KL term the forward leaves in self.indexer_loss (the model adds it to the loss: nsa/model.py)
+        # the KL term the forward leaves in self.indexer_loss (the model adds it to the loss: nsa/model.py). With
+        # nsa.indexer_every = k > 1 only every k-th layer has one; the layers between reuse its picks
         self.indexer = (BlockIndexer(cfg.dim, cfg.n_kv_heads, self.cfg.indexer_heads, self.cfg.indexer_dim,
-                                     self.cfg.l_sel, self.cfg.indexer_pool) if self.cfg.selector == "indexer" else None)
+                                     self.cfg.l_sel, self.cfg.indexer_pool) if self.cfg.owns_indexer(layer) else None)
         self.indexer_selects = True  # False during nsa.indexer_warmup_steps: pooled scores pick, the indexer learns
+        # nsa.indexer_every > 1: what the last forward passes on to the layers that reuse picks (the Block reads it
+        # right after the call): an indexer layer's picks while its indexer selects, a reusing layer's given ones
+        self.picks_out: torch.Tensor | None = None
         # the last training forward's weighted KL as terms whose sum it is ([B, H_kv, R] per row, or 0-dim)
         self.indexer_loss: torch.Tensor | None = None
 
@@ -206,29 +210,45 @@ class NativeSparseAttention(nn.Module):
         cache: NSACache | None = None,  # appends x's tokens when given
         return_indices: bool = False,  # also return the selected blocks [B, H_kv, T, n] (-1 = none)
         documents: Documents | None = None,  # packed documents of x (training / prefill from 0, no cache)
+        # [B, H_kv, T, n] the last indexer layer's picks (nsa.indexer_every > 1): a layer without an indexer of its
+        # own selects these blocks (document-relative with packed documents); None: it selects by its pooled scores
+        picks: torch.Tensor | None = None,
     ):
         if self.cfg.window_only:
             return self._forward_window(x, rope, cache, documents, return_indices)
+        if self.indexer is not None:
+            picks = None  # an indexer layer picks its own
         if documents is not None:
-            return self._forward_documents(x, rope, documents, return_indices)
+            return self._forward_documents(x, rope, documents, return_indices, picks)
         q, br = self.project(x, rope)
         if cache is None:
             t0 = 0
-            o_cmp, o_sel, o_win, block_idx = self.sparse_attention(q, br, rope, x)
+            o_cmp, o_sel, o_win, block_idx = self.sparse_attention(q, br, rope, x, picks)
         else:
             t0 = cache.t
-            o_cmp, o_sel, o_win, block_idx = self._cached_branches(q, br, rope, cache, x)
+            o_cmp, o_sel, o_win, block_idx = self._cached_branches(q, br, rope, cache, x, picks)
+        self._pass_on(block_idx, picks)
         record = None
         if self.stats_enabled:  # every query's position: t0 .. t_end-1 (one document); sel_k holds positions 0 ..
             record = self._selection_record(q, br["sel"][0] if cache is None else cache.sel_k.data, block_idx,
                                             torch.arange(t0, t0 + x.shape[1], device=x.device))
         return self._combine(x, o_cmp, o_sel, o_win, block_idx, record, return_indices)
 
-    def sparse_attention(self, q: torch.Tensor, br: dict, rope=None, x: torch.Tensor | None = None):
+    def _pass_on(self, block_idx: torch.Tensor, picks: torch.Tensor | None) -> None:
+        """nsa.indexer_every > 1: what this forward passes on (self.picks_out): an indexer layer's picks while its
+        indexer selects (None during the warm-up: the next layers select by their own pooled scores, as it does), a
+        reusing layer's given picks."""
+        if self.cfg.shares_picks:
+            selects = picks is not None if self.indexer is None else self.indexer_selects
+            self.picks_out = block_idx if selects else None
+
+    def sparse_attention(self, q: torch.Tensor, br: dict, rope=None, x: torch.Tensor | None = None,
+                         picks: torch.Tensor | None = None):
         """The three branches over a fresh sequence (positions 0 .. T-1, no cache, one document): everything between
         the projections and the gates, which bench/gpu_nsa_speed.py times beside SDPA. q [B, H, T, hd] and br
         {branch: (k, v)} as `project` returns them, x [B, T, dim] the layer's input (the indexer's, when there is
-        one) -> o_cmp, o_sel, o_win [B, H, T, hd], block_idx [B, H_kv, T, n]."""
+        one), picks [B, H_kv, T, n] the blocks to select (an earlier indexer layer's) or None
+        -> o_cmp, o_sel, o_win [B, H, T, hd], block_idx [B, H_kv, T, n]."""
         c = self.cfg
         T = q.shape[2]
         raw_k, raw_v = br["cmp"]
@@ -243,7 +263,8 @@ class NativeSparseAttention(nn.Module):
         if self.indexer is not None:  # the language-model loss never moves the indexer: its input is detached
             q_I, w_I, k_I, out = self.indexer.project(x.detach())
             index = (q_I, w_I, k_I, out, True)  # token keys: the ops pool them to block keys themselves
-        return self._branches(q, ck, cv, *br["sel"], *br["win"], 0, T, index, self._distance_cap(rope, q.device))
+        return self._branches(q, ck, cv, *br["sel"], *br["win"], 0, T, index, self._distance_cap(rope, q.device),
+                              picks)
 
     def _distance_cap(self, rope, device: torch.device, keys: int | None = None):
         """(cap, RoPE tables (cos, sin) [hd/2] of position cap, the key positions' tables) when the selected branch
@@ -280,7 +301,7 @@ class NativeSparseAttention(nn.Module):
         return ops.compress_blocks(raw_k, raw_v, self.compress_k.weights(), self.compress_v.weights(), lo, count,
                                    c.l, c.d, c.kernel, layout)
 
-    def _cached_branches(self, q, br, rope, cache: NSACache, x: torch.Tensor):
+    def _cached_branches(self, q, br, rope, cache: NSACache, x: torch.Tensor, picks: torch.Tensor | None = None):
         """The three branches of x's tokens appended to `cache` (prefill chunks and decode steps): compressed tokens
         are emitted for every block that ends inside this call, the caches grow, then `_branches`."""
         c = self.cfg
@@ -319,9 +340,10 @@ class NativeSparseAttention(nn.Module):
             index = (q_I, w_I, cache.index_keys(k_I, per_token=self.indexer.pool == "scores"), out, False)
         # a prefill chunk reads every cached key: the tables of positions 0 .. t_end - 1 (a decode step: its picks')
         capped = self._distance_cap(rope, q.device, keys=t_end if T > 1 else None)
-        return self._branches(q, ck, cv, sel_k, sel_v, win_k, win_v, t0, t_end, index, capped)
+        return self._branches(q, ck, cv, sel_k, sel_v, win_k, win_v, t0, t_end, index, capped, picks)
 
-    def _branches(self, q, ck, cv, sel_k, sel_v, win_k, win_v, t0: int, t_end: int, index=None, capped=None):
+    def _branches(self, q, ck, cv, sel_k, sel_v, win_k, win_v, t0: int, t_end: int, index=None, capped=None,
+                  picks=None):
         """q [B, H, T, hd] at positions t0 .. t_end-1 over compressed ck, cv [B, H_kv, C, hd], selection keys and
         values from position 0 and the window's keys and values ending at t_end - 1 -> the three branch outputs
         [B, H, T, hd] and block_idx [B, H_kv, T, n]. index: the indexer's index queries [B, T, H_kv, h, e], head
@@ -330,28 +352,31 @@ class NativeSparseAttention(nn.Module):
         blocks while self.indexer_selects (ops.indexer_picks, no graph), and a training forward from position 0
         leaves the KL to its target (nsa.indexer_target) in self.indexer_loss (ops.indexer_kl over the KL's rows,
         per-row terms; its backward recomputes their scores: nothing of size [T, N_b] is kept).
-        capped: _distance_cap's, when the selected branch reads far keys at the cap (its key tables from position 0)."""
+        capped: _distance_cap's, when the selected branch reads far keys at the cap (its key tables from position 0).
+        picks [B, H_kv, T, n]: the blocks to select (an earlier indexer layer's, nsa.indexer_every > 1), or None."""
         c = self.cfg
         B, _, T, _ = q.shape
         indexer_picks = index is not None and self.indexer_selects
         if T == 1:  # one query (a decode step): every cached key is visible, no chunking or masks
             with nvtx_range("nsa.decode"):
-                picks = None
+                scores = None
                 if indexer_picks:
                     with torch.no_grad():
                         q_I, w_I, keys, _, token_keys = index
                         keys = self.indexer.block_keys(keys) if token_keys else keys
-                        picks = self.indexer.scores(q_I, w_I, keys)  # [B, H_kv, 1, N_b]
+                        scores = self.indexer.scores(q_I, w_I, keys)  # [B, H_kv, 1, N_b]
                 # nsa.sel_distance_cap: the step's gathered keys un-rotated by their positions' tables
                 cap = None if capped is None else (*capped[:2], self.cap_rope)
-                return decode_branches(q, ck, cv, sel_k, sel_v, win_k, win_v, t0, c, picks, cap)
+                return decode_branches(q, ck, cv, sel_k, sel_v, win_k, win_v, t0, c, scores, cap, picks)
         # one custom op per stage (nsa/attention/ops.py): a constant number of launches per layer
         with nvtx_range("nsa.compressed"):
             # [B, H, T, hd], and its log-sum-exps [B, H, T]: selection's scores share its softmax (Eq. 8)
             o_cmp, cmp_lse = ops.compressed_attention(q, ck, cv, t0, c.l, c.d, c.q_chunk, c.kernel, return_lse=True)
         qg = q.view(B, self.n_kv_heads, self.n_groups, T, self.head_dim)  # [B, H_kv, G, T, hd]
         with nvtx_range("nsa.select"):
-            if indexer_picks:  # [B, H_kv, T, n] by the indexer's scores (one op; no [T, N_b] scores on the Triton path)
+            if picks is not None:  # an earlier indexer layer's
+                block_idx = picks
+            elif indexer_picks:  # [B, H_kv, T, n] by the indexer's scores (one op; no [T, N_b] scores on the Triton path)
                 block_idx = ops.indexer_picks(*index[:3], t0, c.l_sel, c.n_sel, self.indexer.pool == "scores",
                                               c.kernel, token_keys=index[4])
             else:
@@ -394,7 +419,7 @@ class NativeSparseAttention(nn.Module):
                 self.last_stats["indexer_kl"] = self.last_indexer_kl
         return (y, block_idx) if return_indices else y
 
-    def _forward_documents(self, x, rope, documents: Documents, return_indices: bool):
+    def _forward_documents(self, x, rope, documents: Documents, return_indices: bool, picks=None):
         """Training / prefill of packed documents: every branch reads only the query's own document,
         counted from its first token (nsa/attention/documents.py), so a packed window computes what each
         document computes alone. Compressed tokens are formed per document (CompressedLayout's slots)."""
@@ -415,11 +440,14 @@ class NativeSparseAttention(nn.Module):
         sel_k, sel_v = br["sel"]
         capped = self._distance_cap(rope, x.device)
         with nvtx_range("nsa.select"):
-            if self.indexer is None:
+            if picks is not None:  # an earlier indexer layer's (document-relative, as every layer's)
+                block_idx = picks
+            elif self.indexer is None:
                 block_idx = ops.select_blocks(qg, ck, 0, c.l, c.d, c.l_sel, c.n_sel, c.q_chunk, c.kernel, frame=frame,
                                               lse=cmp_lse)
             else:
                 block_idx = self._index_documents(x, qg, ck, sel_k, frame, cmp_lse, capped, documents)
+        self._pass_on(block_idx, picks)
         with nvtx_range("nsa.selected"):
             if capped is not None:
                 o_sel = self._capped_selected(qg, sel_k, sel_v, block_idx, capped, frame)

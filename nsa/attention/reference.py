@@ -60,10 +60,12 @@ def _select(p_group, p, c, index_score=None):
     return sorted(forced | set(rest[: c.n_sel - len(forced)]))
 
 
-def reference_forward(attn, x: torch.Tensor, rope=None, doc_start: torch.Tensor | None = None):
+def reference_forward(attn, x: torch.Tensor, rope=None, doc_start: torch.Tensor | None = None,
+                      picks: torch.Tensor | None = None):
     """attn: NativeSparseAttention; x [B, T, dim]; rope (cos, sin) [T, hd/2] for positions 0 .. T-1;
     doc_start [B, T] (optional): the window index where each token's document starts (token t then sits
-    at position t - doc_start[t], which is where it is rotated).
+    at position t - doc_start[t], which is where it is rotated); picks [B, H_kv, T, n] (optional, a layer without an
+    indexer of its own under nsa.indexer_every > 1): the blocks each query selects, document-relative, -1 = none.
 
     Returns (out [B, T, dim] float64, selected blocks [B, H_kv, T, n] int64 ascending, -1 padded).
     """
@@ -160,7 +162,10 @@ def reference_forward(attn, x: torch.Tensor, rope=None, doc_start: torch.Tensor 
                         index_score = {j: max(token_score(k_I[s]) for s in range(s0 + j * c.l_sel,
                                                                                  min(s0 + (j + 1) * c.l_sel, end)))
                                        for j in range(rel // c.l_sel + 1)}
-                blocks = _select(p_group, rel, c, index_score)  # document-relative block indices
+                if picks is not None:  # given (an earlier indexer layer's)
+                    blocks = sorted(j for j in picks[b, g, p].tolist() if j >= 0)
+                else:
+                    blocks = _select(p_group, rel, c, index_score)  # document-relative block indices
                 selected[b, g, p, : len(blocks)] = torch.tensor(blocks)
                 keys = [s0 + r for j in blocks for r in range(j * c.l_sel, (j + 1) * c.l_sel) if r <= rel]
                 for h in group_heads:
