@@ -58,6 +58,17 @@ def decode_last_with_stats(layer: NativeSparseAttention, x: torch.Tensor, rope) 
     return idx
 
 
+@torch.no_grad()
+def decode_in_pieces(model, ids: torch.Tensor, first: int = 21, steps_from: int = 40) -> torch.Tensor:
+    """A Transformer over ids [B, T] with its caches: prefill ids[:, :first], then ids[:, first:steps_from] (a chunk
+    from a later position), then one token a step -> logits [B, T, V], to compare with one full forward."""
+    caches = model.new_caches()
+    outs = [model(ids[:, :first], start_pos=0, caches=caches),
+            model(ids[:, first:steps_from], start_pos=first, caches=caches)]
+    outs += [model(ids[:, t:t + 1], start_pos=t, caches=caches) for t in range(steps_from, ids.shape[1])]
+    return torch.cat(outs, 1)
+
+
 def starts_of(rows: list[list[int]], eos: int = 0) -> torch.Tensor:
     """Document lengths per row -> Documents.start [B, T] through the EOS rule (EOS opens a document)."""
     from nsa.attention.documents import document_starts

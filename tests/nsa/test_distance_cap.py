@@ -16,6 +16,7 @@ from nsa.config import ModelConfig, NSAConfig
 from nsa.gate_health import distance_capped
 from nsa.layers import RotaryEmbedding
 from nsa.model import Transformer
+from tests.nsa._nsa_helpers import decode_in_pieces
 
 B, H_KV, G, HD, L_SEL, N_SEL = 2, 2, 2, 8, 4, 4
 
@@ -272,14 +273,8 @@ def test_cached_decoding_equals_the_full_forward(selector):
     ids = torch.randint(1, 64, (2, T), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         full = model(ids)
-        caches = model.new_caches()
-        outs = [model(ids[:, :21], start_pos=0, caches=caches), model(ids[:, 21:40], start_pos=21, caches=caches)]
-        outs += [model(ids[:, t:t + 1], start_pos=t, caches=caches) for t in range(40, T)]
-        plain_caches = plain.new_caches()
-        uncapped = [plain(ids[:, :40], start_pos=0, caches=plain_caches)]
-        uncapped += [plain(ids[:, t:t + 1], start_pos=t, caches=plain_caches) for t in range(40, T)]
-    torch.testing.assert_close(torch.cat(outs, 1), full, rtol=0, atol=1e-10)
-    assert not torch.allclose(torch.cat(uncapped, 1)[:, 21:], full[:, 21:])  # the cap is read in the steps
+    torch.testing.assert_close(decode_in_pieces(model, ids), full, rtol=0, atol=1e-10)
+    assert not torch.allclose(decode_in_pieces(plain, ids)[:, 21:], full[:, 21:])  # the cap is read in the steps
     with torch.no_grad(), distance_capped(plain, 12), pytest.raises(ModelConfigError, match="probe runs full"):
         plain(ids[:, :9], start_pos=0, caches=plain.new_caches())
 

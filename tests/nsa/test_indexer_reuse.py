@@ -14,8 +14,8 @@ from nsa.attention.nsa import NativeSparseAttention
 from nsa.attention.reference import reference_forward
 from nsa.config import ModelConfig, ModelConfigError, NSAConfig
 from nsa.model import Transformer
-from tests.nsa._nsa_helpers import (DEVICE, L_SEL, N_SEL, make_input, make_layer, rope_for, small_cfg, sorted_blocks,
-                                    starts_of)
+from tests.nsa._nsa_helpers import (DEVICE, L_SEL, N_SEL, decode_in_pieces, make_input, make_layer, rope_for,
+                                    small_cfg, sorted_blocks, starts_of)
 
 REUSE = dict(selector="indexer", indexer_heads=2, indexer_dim=8, gate_init="equal", indexer_pool="scores",
              indexer_target="dense", indexer_every=2)
@@ -152,7 +152,4 @@ def test_cached_decoding_equals_the_full_forward():
     ids = torch.randint(1, 64, (2, T), generator=torch.Generator().manual_seed(9))
     with torch.no_grad():
         full = model(ids)
-        caches = model.new_caches()
-        outs = [model(ids[:, :21], start_pos=0, caches=caches), model(ids[:, 21:40], start_pos=21, caches=caches)]
-        outs += [model(ids[:, t:t + 1], start_pos=t, caches=caches) for t in range(40, T)]
-    torch.testing.assert_close(torch.cat(outs, 1), full, rtol=0, atol=1e-10)
+    torch.testing.assert_close(decode_in_pieces(model, ids), full, rtol=0, atol=1e-10)
