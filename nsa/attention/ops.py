@@ -435,6 +435,14 @@ def dense_mass_rows(
     return _dense_mass_rows(q.detach(), k.detach(), R, l_sel, n_blocks, kernel)
 
 
+def _counted_rows(frame: Tensor | None, counted: Tensor | None, R: int, l_sel: int) -> Tensor | None:
+    """The KL mean's counted rows the Triton kernels read with packed documents: as given (the layers share one per
+    batch), else counted here (index_scores.counted_kl_rows); None without a frame."""
+    if frame is not None and counted is None:
+        return index_scores.counted_kl_rows(frame, R, l_sel)
+    return counted
+
+
 @torch.library.custom_op("nsa::indexer_kl", mutates_args=())
 def _indexer_kl(out: Tensor, target: Tensor | None, source: str, source_q: Tensor | None, source_k: Tensor | None,
                 source_lse: Tensor | None, l: int, d: int, n_kv_heads: int, heads: int, index_dim: int, R: int,
@@ -444,8 +452,7 @@ def _indexer_kl(out: Tensor, target: Tensor | None, source: str, source_q: Tenso
         from nsa.attention.kernels.indexer_kl import indexer_kl_forward
 
         spec = None if target is not None else (source, source_q, source_k, source_lse, l, d)
-        if frame is not None and counted is None:
-            counted = index_scores.counted_kl_rows(frame, R, l_sel)
+        counted = _counted_rows(frame, counted, R, l_sel)
         terms, stats, used = indexer_kl_forward(out, target, n_kv_heads, heads, index_dim, R, l_sel, per_token,
                                                 weight, spec, frame, counted)
         return terms, stats, used if target is None else used.clone()  # outputs may not alias inputs
@@ -473,8 +480,7 @@ def _indexer_kl_bwd(grad: Tensor, out: Tensor, target: Tensor, stats: Tensor, n_
     if _triton(kernel, out):
         from nsa.attention.kernels.indexer_kl import indexer_kl_backward
 
-        if frame is not None and counted is None:
-            counted = index_scores.counted_kl_rows(frame, R, l_sel)
+        counted = _counted_rows(frame, counted, R, l_sel)
         return indexer_kl_backward(grad, out, target, stats, n_kv_heads, heads, index_dim, R, l_sel, per_token, weight,
                                    frame=frame, counted=counted)
     return index_scores.kl_loss_backward(grad, out, target, n_kv_heads, heads, index_dim, R, l_sel, per_token, weight,
