@@ -179,6 +179,9 @@ class KVCache:
         self._v.append(v)
         return self._k.view(), self._v.view()
 
+    def view(self) -> tuple[torch.Tensor, torch.Tensor]:  # k, v [B, H_kv, t, hd]
+        return self._k.view(), self._v.view()
+
     @property
     def length(self) -> int:
         return self._k.length
@@ -214,6 +217,16 @@ class DenseAttention(nn.Module):
         if documents is not None and cache is not None:
             raise ValueError("documents are for training / prefill from position 0, not with a KV cache (decode)")
         B, T, _ = x.shape
+        q, k, v = self.project(x, rope)
+        if cache is not None:
+            k, v = cache.append(k, v)
+        doc_start = documents.start if documents is not None else None  # [B, T]
+        y = causal_attention(q, k, v, self.backend, doc_start)  # [B, H, T, hd]
+        return self.output(y)
+
+    def project(self, x: torch.Tensor, rope=None):
+        """x [B, T, dim] -> q [B, H, T, hd], k, v [B, H_kv, T, hd] (QK-norm and RoPE applied)."""
+        B, T, _ = x.shape
         q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         q, k, v = self.qkv(x).split((q_dim, kv_dim, kv_dim), dim=-1)
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, T, hd]
@@ -223,9 +236,8 @@ class DenseAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        if cache is not None:
-            k, v = cache.append(k, v)
-        doc_start = documents.start if documents is not None else None  # [B, T]
-        y = causal_attention(q, k, v, self.backend, doc_start)  # [B, H, T, hd]
-        y = y.transpose(1, 2).reshape(B, T, q_dim)
-        return self.dropout(self.proj(y))
+        return q, k, v
+
+    def output(self, y: torch.Tensor) -> torch.Tensor:  # the heads' outputs [B, H, T, hd] -> [B, T, dim]
+        B, _, T, _ = y.shape
+        return self.dropout(self.proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)))

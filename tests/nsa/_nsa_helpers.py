@@ -69,6 +69,16 @@ def decode_in_pieces(model, ids: torch.Tensor, first: int = 21, steps_from: int 
     return torch.cat(outs, 1)
 
 
+def distinct_ids(rows: int, T: int, vocab: int, seed: int, low: int = 1) -> torch.Tensor:
+    """[rows, T] token ids from low .. vocab - 1 with no repeat in a row. A learned indexer's first-layer keys carry
+    no position, so a repeated token gives two blocks the same score bit for bit: a tie that two code paths (a
+    one-token matmul in decode, a whole-sequence one in prefill) may break apart by a rounding step, differently on
+    different CPUs. Tests that compare the two use distinct tokens."""
+    assert T <= vocab - low, (T, vocab, low)
+    g = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(vocab - low, generator=g)[:T] + low for _ in range(rows)])
+
+
 def starts_of(rows: list[list[int]], eos: int = 0) -> torch.Tensor:
     """Document lengths per row -> Documents.start [B, T] through the EOS rule (EOS opens a document)."""
     from nsa.attention.documents import document_starts

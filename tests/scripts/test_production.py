@@ -10,6 +10,9 @@ import sys
 from tests.scripts.helpers import A100_80, H100_80, REPO, kv_file, only_run_dir, run_script, venv_python
 
 PROD_CONFIG = "configs/m7c_125m_2xa100_production.yaml"
+# The production config keeps 10 checkpoints (~16 GB with the temporary one): more than a CI machine's
+# disk may hold. Tests that pass the pre-flight keep one (~2.9 GB); the disk refusal has its own test.
+KEEP_ONE = "--train.keep_last=1"
 
 
 def causality_script(tmp_path, passed: bool = True):
@@ -24,7 +27,8 @@ def causality_script(tmp_path, passed: bool = True):
 def test_launch_preflight_and_launch_info(fake_smi, script_env, tmp_path):
     out_dir = tmp_path / "prod_out"
     env = script_env(fake_smi([A100_80, A100_80]), DRY_RUN="1", CAUSALITY_SCRIPT=causality_script(tmp_path),
-                     CAUSALITY_ARGS="--full", EXTRA_ARGS=f"--train.out_dir={out_dir}", NSA_PREFILL_BATCHED="1")
+                     CAUSALITY_ARGS="--full", EXTRA_ARGS=f"--train.out_dir={out_dir} {KEEP_ONE}",
+                     NSA_PREFILL_BATCHED="1")
     res = run_script("production_50k_launch.sh", env)
     assert res.returncode == 0, res.stderr
     assert (tmp_path / "causality.args").read_text().strip() == "--full"
@@ -35,13 +39,13 @@ def test_launch_preflight_and_launch_info(fake_smi, script_env, tmp_path):
     assert info["causality"] == "causality: 3/3 passed, 1 skipped"
     assert info["resume_from"].startswith("none (fresh start")
     # checkpoint estimate: params x 4 bytes x 3 (weights + AdamW moments); 121.7M params -> 1.46 GB
-    assert "params 121657776" in info["disk"] and "checkpoint ~1.46 GB" in info["disk"] and "keep 10" in info["disk"]
+    assert "params 121657776" in info["disk"] and "checkpoint ~1.46 GB" in info["disk"] and "keep 1 (+1 temporary" in info["disk"]
     launch = kv_file(run_dir / "launch_info.txt")
     sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     assert launch["git_sha"] == sha
     assert launch["config_sha256"] == hashlib.sha256((REPO / PROD_CONFIG).read_bytes()).hexdigest()
     expected = (f"{venv_python()} -m train.launch --standalone --nproc_per_node=2 -m train {PROD_CONFIG} "
-                f"--runtime.ddp_compress=bf16 --runtime.ddp_bucket_mb=25 --train.out_dir={out_dir}")
+                f"--runtime.ddp_compress=bf16 --runtime.ddp_bucket_mb=25 --train.out_dir={out_dir} {KEEP_ONE}")
     assert launch["command"] == expected
     assert f"launch: {expected}" in res.stdout
     text = (run_dir / "launch_info.txt").read_text()
@@ -57,7 +61,7 @@ def test_launch_preflight_and_launch_info(fake_smi, script_env, tmp_path):
 def test_direct_launch_runs_its_own_preflight_on_all_gpus(fake_smi, script_env, tmp_path):
     out_dir = tmp_path / "prod_out"
     env = script_env(fake_smi([H100_80] * 8), DRY_RUN="1", SKIP_CAUSALITY="1", NSA_DDP_COMPRESS="none",
-                     EXTRA_ARGS=f"--train.out_dir={out_dir}")
+                     EXTRA_ARGS=f"--train.out_dir={out_dir} {KEEP_ONE}")
     res = run_script("run_2xa100_production.sh", env)
     assert res.returncode == 0, res.stderr
     assert "pre-flight (run directly" in res.stdout

@@ -78,7 +78,14 @@ def test_tiny_run_checks_then_times_every_arm_and_stage_and_merges(tmp_path):
     assert runs["nsa_128"]["toks_per_s"] > 0 and runs["dense_128"]["toks_per_s"] > 0
     assert runs["ideal_128"] == round(runs["dense_128"]["flops_per_token"] / runs["nsa_128"]["flops_per_token"], 3)
     assert summary["train_nsa_over_dense_128"] == round(runs["nsa_128"]["toks_per_s"] / runs["dense_128"]["toks_per_s"], 3)
-    assert summary["decode_nsa_over_dense_512_b1"] == sections["decode"]["summary"]["speedup_512"]
+    decode = sections["decode"]  # the whole model over static caches, checked against a full forward first
+    assert decode["ok"] and decode["model"]["summary"]["checks_ok"]
+    assert {(r["model"], r["S"], r["B"]) for r in decode["model"]["rows"]} == {
+        (m, S, B) for m in ("nsa", "dense") for S in (96, 160) for B in (1, 2)}
+    for kind in ("nsa", "dense"):
+        assert 0 < decode["model"]["checks"][kind]["eager_vs_full"] < 1e-5  # float32 on CPU
+    assert summary["decode_nsa_over_dense_160_b2_eager"] == decode["model"]["summary"]["decode_nsa_over_dense_160_b2_eager"]
+    assert summary["decode_layer_nsa_over_dense_160_b1"] == decode["layer"]["summary"]["speedup_160"]
 
     # a later call replaces its own sections and keeps the others
     proc = run(tmp_path, "--only", "ceilings")
