@@ -130,10 +130,14 @@ def generate(
     eos_id: int | None = None,  # a row that samples it stops (the id is not returned); all stopped: done
     prefill_chunk: int = 512,  # prompt positions per prefill forward
     on_token: Callable[[list[int]], None] | None = None,  # called each step with the [B] new ids
+    decoder=None,  # a static decoder (nsa/static_decode.StaticDecoder) for these B rows: prefill and steps run on it
 ) -> Generation:
     """Continue prompt_ids by up to max_new_tokens tokens in num_samples rows (see the module doc).
 
     After a row samples eos_id it keeps emitting eos_id (on_token sees it) until every row has.
+    decoder: built for num_samples rows and >= len(prompt) + max_new_tokens positions; the prompt is prefilled into
+    its static caches and each step is its step (eager, compiled, or a CUDA graph replay), instead of the model's
+    growing caches: the same tokens up to floating-point near-ties (tests/nsa/test_static_decode.py).
     no_grad rather than inference_mode: this also runs inside training (train/generation/sampling.py), where
     tensors the model keeps across calls (FlexAttention block masks) must stay usable by autograd."""
     B = num_samples
@@ -144,6 +148,9 @@ def generate(
     crosses = doc_eos is not None and eos_id != doc_eos  # a sampled EOS continues into a new document
     if doc_eos is not None and doc_eos in prompt_ids:
         prompt_ids = list(prompt_ids)[len(prompt_ids) - 1 - list(prompt_ids)[::-1].index(doc_eos):]
+    if crosses and B > 1 and decoder is not None:
+        raise GenerationError("static decoding keeps every row at one position: several samples of a packed-documents "
+                              "model that continue past EOS need the growing caches (or stop at EOS)")
     if crosses and B > 1:  # rows restart at different steps: each decodes with its own caches
         parts = [generate(model, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                           num_samples=1, generators=None if generators is None else [generators[i]], eos_id=eos_id,
@@ -153,13 +160,19 @@ def generate(
                           decode_s=sum(p.decode_s for p in parts))
     T = len(prompt_ids)
     device = model.lm_head.weight.device
-    caches = model.new_caches()
+    if decoder is not None and (decoder.batch != B or decoder.max_len < T + max_new_tokens):
+        raise GenerationError(f"the static decoder holds {decoder.batch} rows of {decoder.max_len} positions; this "
+                              f"call needs {B} rows of {T + max_new_tokens}")
+    caches = model.new_caches() if decoder is None else None
 
     t_start = time.perf_counter()
     prompt = torch.tensor(list(prompt_ids), dtype=torch.long, device=device).repeat(B, 1)  # [B, T]
-    for start in range(0, T, prefill_chunk):
-        logits = model(prompt[:, start:start + prefill_chunk], start_pos=start, caches=caches)  # [B, C, V]
-    logits = logits[:, -1]  # [B, V] predicts position T
+    if decoder is not None:
+        logits = decoder.prefill(prompt, chunk=prefill_chunk)  # [B, V] predicts position T
+    else:
+        for start in range(0, T, prefill_chunk):
+            logits = model(prompt[:, start:start + prefill_chunk], start_pos=start, caches=caches)  # [B, C, V]
+        logits = logits[:, -1]  # [B, V] predicts position T
     _synchronize(device)
     t_prefilled = time.perf_counter()
 
@@ -168,12 +181,18 @@ def generate(
     steps = 0
     pos = T  # the document position of the next token fed
     for i in range(max_new_tokens):
-        if i:  # feed the previous token, at position pos - 1 of its document
+        if i and decoder is not None:  # the static caches' step (its position advances on the device)
+            logits = decoder.step(new[:, i - 1])  # [B, V], the decoder's buffer: sampled from before the next step
+        elif i:  # feed the previous token, at position pos - 1 of its document
             logits = model(new[:, i - 1:i], start_pos=pos - 1, caches=caches)[:, -1]  # [B, V]
         token = sample_next(logits, temperature, top_k, top_p, generators)  # [B]
         pos += 1
         if crosses and int(token[0]) == doc_eos:  # one row (see above): the EOS opens a fresh document
-            caches, pos = model.new_caches(), 1
+            if decoder is not None:
+                decoder.restart()
+            else:
+                caches = model.new_caches()
+            pos = 1
         if eos_id is not None:
             token = torch.where(finished, eos_id, token)
             finished |= token == eos_id

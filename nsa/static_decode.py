@@ -15,9 +15,11 @@ a step writes only slots that the step at the same position writes again before 
 leaves the caches as it found them. On CPU (and with graphs=False) the same step runs eagerly: the tests compare it
 with the growing caches' decode, which equals a full forward.
 
-Every row decodes at the same position (one prompt per call, as nsa/generate.py). Refused in one line
-(StaticDecodeError, `static_decode_problem`): a model in training mode (dropout), packed-document models
-(generation's EOS restarts a row's caches), a learned indexer, the distance cap, window-only NSA layers.
+Every row decodes at the same position (one prompt per call, as nsa/generate.py). `restart()` starts a new document
+at position 0 over the same buffers (a packed-documents model's sampled EOS: nothing of the old document is read,
+since a step reads only slots at or before its position, each written in the new document first). Refused in one
+line (StaticDecodeError, `static_decode_problem`): a model in training mode (dropout), a learned indexer, the
+distance cap, window-only NSA layers.
 """
 from __future__ import annotations
 
@@ -35,8 +37,6 @@ def static_decode_problem(model, max_len: int | None = None) -> str | None:
     """Why `model` cannot decode over static caches up to max_len positions, in one line, or None."""
     if model.training:
         return "the model is in training mode (dropout): call model.eval() before decoding"
-    if getattr(model, "document_eos_id", None) is not None:
-        return "a packed-documents model: a sampled EOS restarts a row's caches, which static decoding does not do"
     for i, blk in enumerate(model.blocks):
         problem = layer_problem(blk.attn)
         if problem:
@@ -97,6 +97,11 @@ class StaticDecoder:
         self.t = T
         self.graph = None  # a graph holds the position it was captured at: capture again
         return logits[:, -1]
+
+    def restart(self) -> None:
+        """The next step is position 0 of a new document (the buffers are kept: a graph stays valid)."""
+        self.pos.fill_(0)
+        self.t = 0
 
     @torch.no_grad()
     def step(self, token: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,11 @@ trained in bf16). Text streams to stdout as tokens are produced: the prompt, the
       `=== prompt P, sample S ===` goes before each.
   --temperature 0: greedy (argmax); --top_k 0 and --top_p 1 switch those filters off.
   --json: one JSON line per sample instead of streaming: prompt, text, ids and the prompt's timings.
+  --decode static | graphs | compiled: decode over caches of a fixed size (nsa/static_decode.py) instead of the
+      growing ones; graphs replays each step as one CUDA graph (the host issues one launch a token), compiled
+      compiles the step first (a one-time cost of tens of seconds). Refused in one line where they do not apply
+      (a CPU device for graphs; an NSA indexer, distance cap or window-only model; several samples of a
+      packed-documents model that continue past EOS).
 On stderr: one line naming the checkpoint loaded and its step, then after each prompt one line with
 prefill and decode tokens/s, counted over all samples' rows.
 Prompt + max_new_tokens must fit the model's max_seq_len (nsa/generate.py). Bad input: one `error:`
@@ -27,6 +32,7 @@ from pathlib import Path
 import torch
 
 from nsa.generate import Generation, GenerationError, check_arguments, generate, seeded_generators
+from nsa.static_decode import StaticDecoder, static_decode_problem
 from train.checkpoint.io import load_checkpoint, model_from_checkpoint, resolve_checkpoint
 from train.core.distributed import autocast_context, resolve_precision
 from train.core.errors import ConfigError, UserError, print_error
@@ -58,7 +64,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--stop_at_eos", action="store_true", help="end a sample at the tokenizer's EOS")
     p.add_argument("--prefill_chunk", type=int, default=512, help="prompt tokens per prefill forward")
     p.add_argument("--json", action="store_true", help="one JSON line per sample instead of streaming")
+    p.add_argument("--decode", default="caches", choices=DECODE_MODES, metavar="MODE",
+                   help="caches (default): the growing decode caches; static: caches of a fixed size "
+                        "(nsa/static_decode.py), "
+                        "eager; graphs: static, each step a CUDA graph replay (CUDA); compiled: static, the step "
+                        "compiled then replayed as a CUDA graph (CUDA)")
     return p.parse_args(argv)
+
+
+DECODE_MODES = ("caches", "static", "graphs", "compiled")
+
+
+def decode_problem(model, mode: str, device: torch.device, max_len: int, num_samples: int,
+                   eos_id: int | None) -> str | None:
+    """Why --decode MODE cannot serve this model and request, in one line, or None."""
+    if mode == "caches":
+        return None
+    if mode in ("graphs", "compiled") and device.type != "cuda":
+        return f"--decode {mode} replays CUDA graphs: it needs a CUDA device (use --decode static on {device.type})"
+    doc_eos = getattr(model, "document_eos_id", None)
+    if doc_eos is not None and eos_id != doc_eos and num_samples > 1:
+        return (f"--decode {mode} keeps every sample at one position; this packed-documents model's samples continue "
+                f"past EOS into new documents one at a time: use --stop_at_eos, --num_samples 1 or --decode caches")
+    problem = static_decode_problem(model, max_len)
+    return f"--decode {mode}: {problem} (--decode caches serves it)" if problem else None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -117,6 +146,10 @@ def main(argv: list[str] | None = None, out=None, err=None) -> int:
                                 f"vocab_size {model.cfg.vocab_size}")
             check_arguments(model.cfg.max_seq_len, len(ids), args.max_new_tokens, args.temperature, args.top_k,
                             args.top_p, args.num_samples, args.prefill_chunk)
+            problem = decode_problem(model, args.decode, device, len(ids) + args.max_new_tokens, args.num_samples,
+                                     tok.eos_id if args.stop_at_eos else None)
+            if problem:
+                raise UserError(problem)
         print(f"checkpoint: {checkpoint} (step {load_checkpoint(checkpoint)['step']})", file=err, flush=True)
         headers = len(prompts) * args.num_samples > 1
         with autocast_context(device, run_precision(cfg, device)):
@@ -149,9 +182,13 @@ def _generate_one(model, tok, args, device, n: int, text: str, ids: list[int], h
 
     if not args.json:
         _write_start(out, n, 1, text, headers)
+    decoder = None if args.decode == "caches" else StaticDecoder(
+        model, args.num_samples, len(ids) + args.max_new_tokens, graphs=args.decode in ("graphs", "compiled"),
+        compile=args.decode == "compiled")  # per prompt: its caches sized to this prompt and request
     gen = generate(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                    num_samples=args.num_samples, generators=seeded_generators(args.seed, args.num_samples, device),
-                   eos_id=eos_id, prefill_chunk=args.prefill_chunk, on_token=None if args.json else on_token)
+                   eos_id=eos_id, prefill_chunk=args.prefill_chunk, on_token=None if args.json else on_token,
+                   decoder=decoder)
     if args.json:
         for j, sample in enumerate(gen.ids, 1):
             out.write(json.dumps({

@@ -15,6 +15,7 @@ import torch
 from nsa.config import ModelConfig, NSAConfig
 from nsa.generate import GenerationError, generate, seeded_generators
 from nsa.model import Transformer
+from nsa.static_decode import StaticDecoder
 from train import generate as cli
 from train.checkpoint.io import model_from_checkpoint
 from train.data.tokenizers import load_tokenizer
@@ -112,6 +113,42 @@ def test_stops_at_eos_and_streams_each_step():
     assert [step[0] for step in streamed[:-1]] == greedy[:cut]
 
 
+def test_a_static_decoder_generates_what_the_growing_caches_generate(model):
+    """decoder=StaticDecoder (nsa/static_decode.py, eager on CPU): greedy and seeded sampling, two rows, the same
+    tokens as the growing caches (its steps' logits equal a full forward's: tests/nsa/test_static_decode.py)."""
+    prompt = prompt_ids()
+    for sample in (dict(temperature=0.0), dict(temperature=1.0, top_k=0, top_p=1.0)):
+        gens = lambda: seeded_generators(5, 2, "cpu")  # noqa: E731
+        caches = generate(model, prompt, NEW, num_samples=2, generators=gens(), prefill_chunk=CHUNK, **sample)
+        decoder = StaticDecoder(model, 2, PROMPT_LEN + NEW, graphs=False)
+        static = generate(model, prompt, NEW, num_samples=2, generators=gens(), prefill_chunk=CHUNK,
+                          decoder=decoder, **sample)
+        assert static.ids == caches.ids and len(static.ids[0]) == NEW
+    with pytest.raises(GenerationError, match="holds 2 rows of 50 positions; this call needs 1 rows of 51"):
+        generate(model, prompt, NEW + 1, decoder=decoder)
+
+
+def test_a_static_decoder_restarts_at_a_sampled_document_eos():
+    """A packed-documents model continues past a sampled EOS in a new document from position 0: the static decoder
+    restarts over the same buffers (a step reads nothing of the old document) and samples what fresh growing caches
+    sample; several such samples at once are refused in one line."""
+    m = tiny_model("nsa")
+    prompt = prompt_ids()
+    run = lambda **kw: generate(m, prompt, NEW, temperature=1.0, generators=seeded_generators(2, 1, "cpu"),  # noqa: E731
+                                **kw).ids[0]
+    first = run()
+    eos = next(t for t in first[3:] if t not in prompt)  # a token sampled after the prompt: the document's EOS
+    m.document_eos_id = eos
+    try:
+        caches = run()
+        assert eos in caches[:-1]  # it is sampled and decoding goes on past it, in a new document
+        assert run(decoder=StaticDecoder(m, 1, PROMPT_LEN + NEW, graphs=False)) == caches
+        with pytest.raises(GenerationError, match="several samples of a packed-documents model"):
+            generate(m, prompt, NEW, num_samples=2, decoder=StaticDecoder(m, 2, PROMPT_LEN + NEW, graphs=False))
+    finally:
+        m.document_eos_id = None
+
+
 def test_too_long_for_the_context_is_an_error():
     m = tiny_model("dense")
     with pytest.raises(GenerationError, match="max_seq_len=64"):
@@ -191,6 +228,20 @@ def test_cli_bad_input_is_one_error_line(run_dir, argv, message):
     assert err.startswith("error: ") and err.count("\n") == 1 and message in err
 
 
+def test_cli_decodes_over_static_caches_and_refuses_graphs_without_cuda(run_dir):
+    args = ["--prompt", "Hello", "--max_new_tokens", "12", "--temperature", "0", "--device", "cpu", "--json"]
+    code, caches, err = _main(str(run_dir), *args)
+    assert code == 0, err
+    code, static, err = _main(str(run_dir), *args, "--decode", "static")
+    assert code == 0, err
+    assert [json.loads(line)["ids"] for line in static.splitlines()] == [
+        json.loads(line)["ids"] for line in caches.splitlines()]
+    for mode in ("graphs", "compiled"):
+        code, out, err = _main(str(run_dir), *args, "--decode", mode)
+        assert code == 2 and out == "" and err.count("\n") == 1
+        assert err.startswith(f"error: --decode {mode} replays CUDA graphs: it needs a CUDA device")
+
+
 def test_cli_names_the_checkpoint_it_loaded(run_dir):
     for given in (run_dir, run_dir / "latest.pt", run_dir / "checkpoint_step2.pt"):
         code, _, err = _main(str(given), "--prompt", "Hi", "--max_new_tokens", "2", "--device", "cpu")
@@ -208,7 +259,7 @@ def test_cli_help_is_whole_sentences_and_covers_every_option():
     assert "its newest valid checkpoint), using the checkpoint's own tokenizer" in flat
     options = proc.stdout.split("\noptions:\n")[1].split("\n\n")[0]
     entries = re.split(r"\n(?=  -)", options)
-    assert len(entries) == 13  # -h and the 12 options
+    assert len(entries) == 14  # -h and the 13 options
     for entry in entries:  # invocation, then two spaces or a new line, then the help
         assert re.fullmatch(r"  -\S+(?: [A-Z_]+)?(?:, --\S+)?(?: {2,}|\n +)\S.*", entry, re.S), f"no help: {entry!r}"
 
