@@ -18,8 +18,8 @@ with the growing caches' decode, which equals a full forward.
 Every row decodes at the same position (one prompt per call, as nsa/generate.py). `restart()` starts a new document
 at position 0 over the same buffers (a packed-documents model's sampled EOS: nothing of the old document is read,
 since a step reads only slots at or before its position, each written in the new document first). Refused in one
-line (StaticDecodeError, `static_decode_problem`): a model in training mode (dropout), a learned indexer, the
-distance cap, window-only NSA layers.
+line (StaticDecodeError, `static_decode_problem`): a model in training mode (dropout), window-only NSA layers, a
+distance-cap probe (nsa.gate_health.distance_capped; a model trained with nsa.sel_distance_cap decodes).
 """
 from __future__ import annotations
 
@@ -46,10 +46,12 @@ def static_decode_problem(model, max_len: int | None = None) -> str | None:
     return None
 
 
-def block_step(blk, cache, x: torch.Tensor, rope, at) -> torch.Tensor:
-    """One Block (nsa.model.Block) over its static cache: x [B, 1, dim] at position at.pos -> [B, 1, dim]."""
-    x = x + cache.step(blk.attn, blk.attn_norm(x), rope, at)
-    return x + blk.mlp(blk.mlp_norm(x))
+def block_step(blk, cache, x: torch.Tensor, rope, at, picks: torch.Tensor | None = None):
+    """One Block (nsa.model.Block) over its static cache: x [B, 1, dim] at position at.pos, the last indexer layer's
+    picks of this step or None -> ([B, 1, dim], the picks the next blocks reuse or None)."""
+    y, picks = cache.step(blk.attn, blk.attn_norm(x), rope, at, picks)
+    x = x + y
+    return x + blk.mlp(blk.mlp_norm(x)), picks
 
 
 class StaticDecoder:
@@ -123,8 +125,9 @@ class StaticDecoder:
     def _step(self) -> torch.Tensor:
         """One token through every layer at self.pos, which it advances -> logits [B, V] (float32). No host work."""
         x, rope, at = self._enter()
+        picks = None  # nsa.indexer_every > 1: the last indexer layer's, for the blocks up to the next
         for blk, cache in zip(self.model.blocks, self.caches):
-            x = self._block_step(blk, cache, x, rope, at)
+            x, picks = self._block_step(blk, cache, x, rope, at, picks)
         return self._leave(x)
 
     def _embed(self):

@@ -15,8 +15,8 @@ trained in bf16). Text streams to stdout as tokens are produced: the prompt, the
   --decode static | graphs | compiled: decode over caches of a fixed size (nsa/static_decode.py) instead of the
       growing ones; graphs replays each step as one CUDA graph (the host issues one launch a token), compiled
       compiles the step first (a one-time cost of tens of seconds). Refused in one line where they do not apply
-      (a CPU device for graphs; an NSA indexer, distance cap or window-only model; several samples of a
-      packed-documents model that continue past EOS).
+      (a CPU device for graphs; a window-only NSA model; several samples of a packed-documents model that
+      continue past EOS).
 On stderr: one line naming the checkpoint loaded and its step, then after each prompt one line with
 prefill and decode tokens/s, counted over all samples' rows.
 Prompt + max_new_tokens must fit the model's max_seq_len (nsa/generate.py). Bad input: one `error:`

@@ -19,9 +19,14 @@ previous and the current block forced, a stable descending sort (ties to the low
 blocks after the current one score -inf and, when fewer than n blocks exist, are picked last; every key after p is
 masked (the current block's tail, and those blocks whole).
 
+nsa.selector=indexer: the index keys of every token (indexer_pool=scores: each block scores its best token; slots
+after p lie in the current block, forced whatever it scores, or in later ones, masked) or of every block (the
+current block's key the running elementwise max of its tokens' keys), the indexer's scores ranked like pooled ones;
+nsa.indexer_every > 1: the step takes and returns the picks as the layer does; nsa.sel_distance_cap: the gathered
+keys more than cap back read at the cap (decode.py's arithmetic).
+
 `load` copies a growing cache after a prefill (nsa/static_decode.py prefills with the model's own chunked path).
-Not supported (static_decode_problem says so in one line): a learned indexer, the selected branch's distance cap,
-window-only layers.
+Not supported (static_decode_problem says so in one line): window-only layers, a distance-cap probe.
 """
 from __future__ import annotations
 
@@ -32,11 +37,14 @@ import torch.nn.functional as F
 
 from nsa.attention import ops
 from nsa.attention.dense import DenseAttention, KVCache
+from nsa.attention.impl.capped import unrotated
 from nsa.attention.impl.compression import num_compressed
+from nsa.attention.impl.index_scores import weighted_scores
 from nsa.attention.impl.selection import selection_block_scores
 from nsa.attention.nsa import NativeSparseAttention
 from nsa.attention.nsa_cache import NSACache
 from nsa.config import NSAConfig
+from nsa.layers import apply_rotary
 
 
 def static_decode_problem(attn) -> str | None:
@@ -45,13 +53,10 @@ def static_decode_problem(attn) -> str | None:
         return None
     if not isinstance(attn, NativeSparseAttention):
         return f"{type(attn).__name__}: no static decode step"
-    c = attn.cfg
-    if c.window_only:
+    if attn.cfg.window_only:
         return "nsa.gates=window: static decoding covers NSA's three branches (window-only layers decode eagerly)"
-    if attn.indexer is not None or c.selector == "indexer":
-        return "nsa.selector=indexer: static decoding covers pooled selection (the indexer decodes eagerly)"
-    if c.sel_distance_cap or attn.distance_cap is not None:
-        return "the selected branch's distance cap: static decoding reads every key at its distance (decode eagerly)"
+    if attn.distance_cap is not None:
+        return "a distance-cap probe: cached decoding is not supported (the probe runs full forwards only)"
     return None
 
 
@@ -78,15 +83,16 @@ class StaticKVCache:
         self.k[:, :, : cache.length] = k
         self.v[:, :, : cache.length] = v
 
-    def step(self, attn: DenseAttention, x: torch.Tensor, rope, at: StepIndex) -> torch.Tensor:
-        """x [B, 1, dim] at position at.pos -> [B, 1, dim]."""
+    def step(self, attn: DenseAttention, x: torch.Tensor, rope, at: StepIndex,
+             picks: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
+        """x [B, 1, dim] at position at.pos -> ([B, 1, dim], None: a dense layer passes no picks on)."""
         q, k, v = attn.project(x, rope)  # q [B, H, 1, hd], k, v [B, H_kv, 1, hd]
         self.k[:, :, at.pos1] = k.to(self.k.dtype)  # an index_put_ (compiles to an in-place scatter)
         self.v[:, :, at.pos1] = v.to(self.v.dtype)
         B, H, _, hd = q.shape
         qg = q.view(B, attn.n_kv_heads, H // attn.n_kv_heads, hd) * (1.0 / math.sqrt(hd))
         y, _ = _attend_masked(qg, self.k, self.v, at.dense_visible)  # [B, H_kv, G, hd]
-        return attn.output(y.view(B, H, 1, hd))
+        return attn.output(y.view(B, H, 1, hd)), None
 
 
 class StaticNSACache:
@@ -106,6 +112,20 @@ class StaticNSACache:
         self.raw_k, self.raw_v = buf(c.l), buf(c.l)
         self.cmp_k, self.cmp_v = buf(self.n_cmp + 1), buf(self.n_cmp + 1)
         self.block_keys = torch.arange(c.l_sel, device=device)  # [l']
+        # nsa.selector=indexer: every token's index key (indexer_pool=scores), or each block's (the elementwise max
+        # of its tokens' keys so far: the current block's grows a step at a time)
+        self.index_tokens = self.index_blocks = None
+        if attn.indexer is not None:
+            e, w_dtype = attn.indexer.index_dim, attn.indexer.projection.weight.dtype
+            n = self.n_blocks * c.l_sel if attn.indexer.pool == "scores" else self.n_blocks
+            keys = torch.zeros(batch, n, e, dtype=w_dtype, device=device)
+            if attn.indexer.pool == "scores":
+                self.index_tokens = keys
+            else:
+                self.index_blocks = keys
+        # nsa.sel_distance_cap: the RoPE tables of position cap (cos, sin [1, hd/2]), once
+        self.at_cap = (attn.cap_rope(torch.full((1,), c.sel_distance_cap, device=device))
+                       if attn.cap_rope is not None else None)
 
     def load(self, cache: NSACache) -> None:
         """Take a growing cache's state after a prefill of cache.t positions."""
@@ -123,10 +143,23 @@ class StaticNSACache:
             at = torch.arange(t - r, t, device=self.raw_k.device) % c.l
             self.raw_k.index_copy_(2, at, cache.cmp_raw_k)
             self.raw_v.index_copy_(2, at, cache.cmp_raw_v)
+        if self.index_tokens is not None:
+            self.index_tokens[:, :t] = cache.index_tokens
+        if self.index_blocks is not None:
+            done = 0 if cache.index_blocks is None else cache.index_blocks.shape[1]
+            if done:
+                self.index_blocks[:, :done] = cache.index_blocks
+            if cache.index_open is not None:  # the block being filled: the max of its keys so far
+                self.index_blocks[:, done] = cache.index_open.amax(dim=1)
 
-    def step(self, attn: NativeSparseAttention, x: torch.Tensor, rope, at: StepIndex) -> torch.Tensor:
-        """x [B, 1, dim] at position at.pos -> [B, 1, dim]."""
+    def step(self, attn: NativeSparseAttention, x: torch.Tensor, rope, at: StepIndex,
+             picks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [B, 1, dim] at position at.pos -> ([B, 1, dim], the picks [B, H_kv, n] the next layers reuse or None).
+        picks: the last indexer layer's of this step (nsa.indexer_every > 1), or None."""
         c = attn.cfg
+        given = picks is not None
+        if attn.indexer is not None:
+            picks = None  # an indexer layer picks its own
         q, br = attn.project(x, rope)  # q [B, H, 1, hd]; br {branch: (k, v) [B, H_kv, 1, hd]}
         B, H, _, hd = q.shape
         H_kv = attn.n_kv_heads
@@ -151,23 +184,62 @@ class StaticNSACache:
             o_cmp = torch.where(at.any_compressed, o, 0)  # before the first block ends: zero output
             p_group = torch.where(at.any_compressed, probs, 0).sum(dim=2)  # [B, H_kv, C], Eq. 10
 
-        # selection: block scores (Eq. 9), blocks after the current one -inf, forced blocks +inf, the first n of a
-        # stable descending sort
-        scores = selection_block_scores(p_group, c.l, c.d, c.l_sel, self.n_blocks)  # [B, H_kv, N_b]
-        scores = scores.masked_fill(at.future_blocks, float("-inf")).masked_fill(at.forced_blocks, float("inf"))
-        n = min(c.n_sel, self.n_blocks)
-        picks = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :n]  # [B, H_kv, n]
+        # selection: block scores (Eq. 9 from the compressed branch, or the learned indexer's), blocks after the
+        # current one -inf, forced blocks +inf, the first n of a stable descending sort; or the given picks
+        index_scores = self._index_scores(attn, x, at)  # [B, H_kv, N_b] or None
+        if picks is None:
+            scores = index_scores if index_scores is not None and attn.indexer_selects else selection_block_scores(
+                p_group, c.l, c.d, c.l_sel, self.n_blocks)  # [B, H_kv, N_b]
+            scores = scores.masked_fill(at.future_blocks, float("-inf")).masked_fill(at.forced_blocks, float("inf"))
+            n = min(c.n_sel, self.n_blocks)
+            picks = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :n]  # [B, H_kv, n]
         key_pos = (picks[..., None] * c.l_sel + self.block_keys).flatten(-2)  # [B, H_kv, n*l'] positions
         visible = key_pos <= at.pos  # also hides the picks after the current block (fewer than n blocks exist)
         index = key_pos[..., None].expand(-1, -1, -1, hd)  # < N_b * l': every pick is a block of the buffer
         kg, vg = self.sel_k.gather(2, index), self.sel_v.gather(2, index)  # [B, H_kv, n*l', hd]
-        o_sel, _ = _attend_masked(qg, kg, vg, visible)
+        if self.at_cap is not None and attn.distance_cap_on:
+            o_sel = self._attend_capped(attn, qg, kg, vg, key_pos, visible, at)
+        else:
+            o_sel, _ = _attend_masked(qg, kg, vg, visible)
 
         # window: the ring holds the last w positions; before w are written, the slots after pos are empty
         o_win, _ = _attend_masked(qg, self.win_k, self.win_v, at.win_visible)
 
         shape = (B, H, 1, hd)
-        return attn._combine(x, o_cmp.view(shape), o_sel.view(shape), o_win.view(shape), None, None, False)
+        y = attn._combine(x, o_cmp.view(shape), o_sel.view(shape), o_win.view(shape), None, None, False)
+        # nsa.indexer_every > 1 (as NativeSparseAttention._pass_on): an indexer layer passes its picks on while its
+        # indexer selects, a reusing layer the picks it was given
+        passes = attn.cfg.shares_picks and (attn.indexer_selects if attn.indexer is not None else given)
+        return y, picks if passes else None
+
+    def _index_scores(self, attn: NativeSparseAttention, x: torch.Tensor, at: StepIndex) -> torch.Tensor | None:
+        """nsa.selector=indexer: this step's index key joins the cache; -> the indexer's block scores of the query at
+        at.pos [B, H_kv, N_b] (blocks after the current one: whatever the buffer holds; selection masks them), else
+        None."""
+        if attn.indexer is None:
+            return None
+        q_I, w_I, k_I, _ = attn.indexer.project(x.detach())  # [B, 1, H_kv, h, e], [B, 1, H_kv, h], [B, 1, e]
+        if self.index_tokens is not None:  # indexer_pool=scores: every token scored, each block its best token's
+            # (slots after pos lie in the current block, forced whatever it scores, or in later ones, masked)
+            self.index_tokens[:, at.pos1] = k_I.to(self.index_tokens.dtype)
+            per_token = weighted_scores(q_I, w_I, self.index_tokens)  # [B, H_kv, 1, N_b * l']
+            return per_token.unflatten(-1, (self.n_blocks, attn.cfg.l_sel)).amax(dim=-1)[:, :, 0]
+        key = torch.where(at.block_opens, k_I, torch.maximum(self.index_blocks[:, at.block1], k_I))  # [B, 1, e]
+        self.index_blocks[:, at.block1] = key.to(self.index_blocks.dtype)
+        return weighted_scores(q_I, w_I, self.index_blocks)[:, :, 0]  # [B, H_kv, N_b]
+
+    def _attend_capped(self, attn: NativeSparseAttention, qg, kg, vg, key_pos, visible, at: StepIndex):
+        """The selected branch with nsa.sel_distance_cap (decode.py's `_attend_capped` over static shapes): a key more
+        than cap positions back scores as the query rotated at cap against the key un-rotated; in float32 or wider.
+        qg [B, H_kv, G, hd] pre-scaled, kg, vg [B, H_kv, N, hd] at key_pos [B, H_kv, N] -> [B, H_kv, G, hd]."""
+        compute = torch.promote_types(qg.dtype, torch.float32)
+        qc, kc = qg.to(compute), kg.to(compute)
+        s = torch.matmul(qc, kc.transpose(-1, -2))  # [B, H_kv, G, N]
+        far = (at.pos - key_pos) > attn.cfg.sel_distance_cap  # [B, H_kv, N]
+        q_cap = apply_rotary(unrotated(qc, attn.cap_rope(at.pos1)), self.at_cap[0], self.at_cap[1])
+        s_far = torch.matmul(q_cap, unrotated(kc, attn.cap_rope(key_pos)).transpose(-1, -2))
+        s = torch.where(far[:, :, None], s_far, s).masked_fill(~visible[:, :, None], float("-inf"))
+        return torch.matmul(torch.softmax(s, dim=-1), vg.to(compute)).to(qg.dtype)
 
 
 class StepIndex:
@@ -198,6 +270,7 @@ class StepIndex:
         self.cmp_slot = torch.where(ends, n_done - 1, self.n_cmp).view(1)  # else the scratch slot
         self.cmp_visible, self.any_compressed = self.cmp_slots < n_done, n_done > 0  # [C], []
         current = torch.div(pos, c.l_sel, rounding_mode="floor")
+        self.block1, self.block_opens = current.view(1), pos % c.l_sel == 0  # the learned indexer's block keys
         self.future_blocks = self.blocks > current  # [N_b]
         self.forced_blocks = (self.blocks == 0) | ((self.blocks >= current - 1) & (self.blocks <= current))
         self.win_visible = self.win_slots <= pos  # [w]

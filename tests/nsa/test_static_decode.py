@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from nsa.config import ModelConfig, NSAConfig
+from nsa.gate_health import distance_capped
 from nsa.model import Transformer
 from nsa.static_decode import StaticDecodeError, StaticDecoder, static_decode_problem
+from tests.nsa._nsa_helpers import distinct_ids
 
 # l = 8, d = 4, l' = 8, n = 4, w = 8: a step every 4 positions ends a compressed block, every 8 a selection block,
 # the window ring wraps every 8, and from position 32 on more blocks exist than picks
@@ -43,6 +45,32 @@ def test_nsa_static_steps_equal_a_full_forward(prompt, variant):
         full = model(ids)  # [B, T, V]
         steps = _decode(model, ids, prompt, max_len=90)  # caches larger than the sequence: unused slots masked
     torch.testing.assert_close(steps, full[:, prompt - 1:], rtol=0, atol=1e-10)
+
+
+INDEXER = dict(selector="indexer", indexer_heads=2, indexer_dim=8)
+
+
+@pytest.mark.parametrize("nsa", [
+    dict(INDEXER), dict(INDEXER, indexer_pool="scores"), dict(INDEXER, indexer_every=2),
+    dict(sel_distance_cap=12), dict(INDEXER, indexer_pool="scores", sel_distance_cap=12)],
+    ids=["indexer-keys", "indexer-scores", "indexer-every-2", "distance-cap", "indexer-distance-cap"])
+def test_indexer_reuse_and_distance_cap_static_steps_equal_a_full_forward(nsa):
+    """The learned indexer's picks (a block key a running max, or every token's key), index reuse every 2 layers
+    (the picks threaded through the blocks) and the selected branch's distance cap, over static caches."""
+    model = _model(nsa=nsa, n_layers=3)
+    with torch.no_grad():  # indexer scores of both signs and sizes: picks that differ from pooled ones
+        for name, p in model.named_parameters():
+            if ".indexer." in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(3), dtype=p.dtype))
+    ids = distinct_ids(2, 60, 64, seed=4)  # no exact tie between indexer scores (distinct_ids)
+    with torch.no_grad():
+        full = model(ids)
+        for prompt in (9, 30):
+            torch.testing.assert_close(_decode(model, ids, prompt, max_len=64), full[:, prompt - 1:], rtol=0,
+                                       atol=1e-10)
+        if nsa.get("selector") == "indexer":  # the indexer's warm-up: pooled picks, nothing passed on
+            model.set_indexer_selects(False)
+            torch.testing.assert_close(_decode(model, ids, 21, max_len=64), model(ids)[:, 20:], rtol=0, atol=1e-10)
 
 
 @pytest.mark.parametrize("preset", [dict(), dict(pos_emb="learned", norm="layernorm", mlp="gelu", bias=True)])
@@ -91,11 +119,11 @@ def test_graphs_and_refusals_are_one_line():
     assert "max_len=200 must be in 1 .. the model's max_seq_len=96" == static_decode_problem(model, 200)
     model.train()
     assert "training mode" in static_decode_problem(model)
-    for nsa, why in ((dict(gates="window"), "nsa.gates=window"),
-                     (dict(selector="indexer", indexer_heads=1, indexer_dim=8), "nsa.selector=indexer"),
-                     (dict(sel_distance_cap=16), "distance cap")):
-        problem = static_decode_problem(_model(nsa=nsa))
-        assert problem.startswith("layer 0: ") and why in problem and "\n" not in problem
+    problem = static_decode_problem(_model(nsa=dict(gates="window")))
+    assert problem.startswith("layer 0: nsa.gates=window") and "\n" not in problem
+    with distance_capped(model.eval(), 12):
+        assert static_decode_problem(model) == ("layer 0: a distance-cap probe: cached decoding is not supported (the "
+                                                "probe runs full forwards only)")
 
 
 @pytest.mark.parametrize("backend", ["aot_eager"])
