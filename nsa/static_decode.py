@@ -56,7 +56,7 @@ def block_step(blk, cache, x: torch.Tensor, rope, at, picks: torch.Tensor | None
 
 class StaticDecoder:
     def __init__(self, model, batch: int, max_len: int, graphs: bool | None = None, compile: bool = False,
-                 backend: str = "inductor", warmup_steps: int = 2) -> None:
+                 backend: str = "inductor", warmup_steps: int = 2, fused: bool = True) -> None:
         problem = static_decode_problem(model, max_len)
         if problem:
             raise StaticDecodeError(problem)
@@ -74,7 +74,8 @@ class StaticDecoder:
                     else (lambda fn: fn))
         self._block_step = compiled(block_step)
         self._enter, self._leave = compiled(self._embed), compiled(self._head)
-        self.caches = [static_cache(blk.attn, batch, max_len, weight.dtype, self.device) for blk in model.blocks]
+        # fused: NSA layers with pooled selection run their three branches in one Triton launch (on CUDA)
+        self.caches = [static_cache(blk.attn, batch, max_len, weight.dtype, self.device, fused) for blk in model.blocks]
         self.index = StepIndex(max_len, model.cfg.nsa if model.cfg.attention == "nsa" else None, self.device)
         self.token = torch.zeros(batch, 1, dtype=torch.long, device=self.device)  # [B, 1] the step's input
         self.pos = torch.zeros((), dtype=torch.long, device=self.device)  # the step's position, on the device

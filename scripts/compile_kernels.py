@@ -210,6 +210,18 @@ def exercise_row_dot(shape: Shape, dtype: torch.dtype) -> None:
     row_dot(o, o)
 
 
+def exercise_decode_step(shape: Shape, dtype: torch.dtype) -> None:
+    """The decode step's three branches over static caches of T positions (nsa/attention/static_cache.py), batch 1."""
+    from nsa.attention.impl.compression import num_compressed
+    from nsa.attention.kernels.decode_step import decode_branches
+
+    C, n_keys = num_compressed(shape.T, shape.l, shape.d), -(-shape.T // shape.l_sel) * shape.l_sel
+    qg = _meta(1, shape.H_kv, shape.G, shape.hd, dtype=dtype)
+    cmp, sel, win = (_meta(1, shape.H_kv, n, shape.hd, dtype=dtype) for n in (C + 1, n_keys, 512))
+    pos = torch.empty((), dtype=torch.long, device="meta")
+    decode_branches(qg, cmp, cmp, sel, sel, win, win, pos, shape.l, shape.d, shape.l_sel, shape.n)
+
+
 def exercise_select_topk(shape: Shape, dtype: torch.dtype) -> None:
     """Fused block selection, called as nsa/attention/ops.py calls it (with the compressed branch's log-sum-exps) and
     on its own, without and with a document frame; and the indexer's compressed target for its KL rows."""
@@ -303,6 +315,7 @@ KERNEL_MODULES = (
     ("nsa.attention.kernels.gated_combine", exercise_gated_combine),
     ("nsa.attention.kernels.compress_blocks", exercise_compress_blocks),
     ("nsa.attention.kernels.row_dot", exercise_row_dot),
+    ("nsa.attention.kernels.decode_step", exercise_decode_step),
 )
 
 

@@ -4,6 +4,7 @@ The only module that registers custom ops and chooses a kernel (`resolve_kernel`
     rotary(x, cos, sin)                    -> x rotated          nsa::rotary (its backward: the inverse rotation)
     compress_blocks(raw_k, raw_v, phi_k, phi_v) -> ck, cv        nsa::compress_blocks (+ _backward), Triton path only
     gated_combine(g, o_cmp, o_sel, o_win)  -> y                  nsa::gated_combine (+ _backward)
+    decode_branches(qg, static caches)     -> o_cmp, o_sel, o_win  nsa::decode_branches (no autograd; Triton only)
     select_blocks(q, ck)                   -> block_idx          nsa::select_blocks (no autograd)
     indexer_picks(q_I, w, keys)            -> block_idx          nsa::indexer_picks (no autograd; nsa.selector=indexer)
     indexer_kl(out, target)                -> loss               nsa::indexer_kl (+ _backward; the indexer's KL term)
@@ -234,6 +235,36 @@ def compress_blocks(
 
 
 # ---------------------------------------------------------------- the gated combination of the branches
+@torch.library.custom_op("nsa::decode_branches", mutates_args=())
+def _decode_branches(qg: Tensor, cmp_k: Tensor, cmp_v: Tensor, sel_k: Tensor, sel_v: Tensor, win_k: Tensor,
+                     win_v: Tensor, pos: Tensor, l: int, d: int, l_sel: int, n_sel: int) -> list[Tensor]:
+    from nsa.attention.kernels.decode_step import decode_branches
+
+    return list(decode_branches(qg, cmp_k, cmp_v, sel_k, sel_v, win_k, win_v, pos, l, d, l_sel, n_sel))
+
+
+@_decode_branches.register_fake
+def _(qg, cmp_k, cmp_v, sel_k, sel_v, win_k, win_v, pos, l, d, l_sel, n_sel):
+    return [torch.empty_like(qg) for _ in range(3)]
+
+
+def decode_branches(
+    qg: Tensor,  # [B, H_kv, G, hd] one query per row at position pos, pre-scaled by 1/sqrt(hd)
+    cmp_k: Tensor, cmp_v: Tensor,  # [B, H_kv, C + 1, hd] static caches (nsa/attention/static_cache.py)
+    sel_k: Tensor, sel_v: Tensor,  # [B, H_kv, N_b * l', hd]
+    win_k: Tensor, win_v: Tensor,  # [B, H_kv, w, hd]
+    pos: Tensor,  # [] int64 on the device
+    l: int, d: int, l_sel: int, n_sel: int, kernel: str,
+) -> tuple[Tensor, Tensor, Tensor] | None:
+    """A decode step's three branches over static caches with pooled selection in one Triton launch
+    (kernels/decode_step.py: nsa::decode_branches) -> o_cmp, o_sel, o_win [B, H_kv, G, hd]; None where the kernel does
+    not run (torch path, or a head dim or l' that is not a power of two >= 16): the caller's torch ops then."""
+    hd = qg.shape[-1]
+    if not _triton(kernel, qg) or hd & (hd - 1) or hd < 16 or l_sel & (l_sel - 1) or l_sel < 16:
+        return None
+    return tuple(_decode_branches(qg, cmp_k, cmp_v, sel_k, sel_v, win_k, win_v, pos, l, d, l_sel, n_sel))
+
+
 @torch.library.custom_op("nsa::gated_combine", mutates_args=())
 def _combine(g: Tensor, o_cmp: Tensor, o_sel: Tensor, o_win: Tensor, kernel: str) -> Tensor:
     if _triton(kernel, o_cmp):

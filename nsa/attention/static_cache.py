@@ -98,8 +98,10 @@ class StaticKVCache:
 class StaticNSACache:
     """An NSA layer's branch caches at their final sizes (module docstring)."""
 
-    def __init__(self, attn: NativeSparseAttention, batch: int, max_len: int, dtype: torch.dtype, device) -> None:
+    def __init__(self, attn: NativeSparseAttention, batch: int, max_len: int, dtype: torch.dtype, device,
+                 fused: bool = True) -> None:
         c = attn.cfg
+        self.fused = fused
         H_kv, hd = attn.n_kv_heads, attn.head_dim
         self.n_blocks = -(-max_len // c.l_sel)  # selection blocks N_b
         self.n_cmp = num_compressed(max_len, c.l, c.d)  # compressed slots C (slot C: scratch)
@@ -170,8 +172,6 @@ class StaticNSACache:
             buf[:, :, slot] = new.to(buf.dtype)  # an index_put_ (compiles to an in-place scatter)
 
         # compression: the block ending at pos, compressed from the raw ring in position order and rotated at pos
-        o_cmp = torch.zeros_like(qg)
-        p_group = qg.new_zeros(B, H_kv, self.n_cmp)
         if self.n_cmp:
             ck, cv = attn._compress(self.raw_k.index_select(2, at.raw_order), self.raw_v.index_select(2, at.raw_order),
                                     0, 1)  # [B, H_kv, 1, hd]
@@ -179,6 +179,19 @@ class StaticNSACache:
                 ck = ops.rotary(ck, *rope, c.kernel)
             self.cmp_k[:, :, at.cmp_slot] = ck.to(self.cmp_k.dtype)
             self.cmp_v[:, :, at.cmp_slot] = cv.to(self.cmp_v.dtype)
+        fused = None
+        if (self.fused and picks is None and attn.indexer is None
+                and not (self.at_cap is not None and attn.distance_cap_on)):
+            # pooled selection: the three branches in one launch where the Triton kernel runs (else None)
+            fused = ops.decode_branches(qg, self.cmp_k, self.cmp_v, self.sel_k, self.sel_v, self.win_k, self.win_v,
+                                        at.pos, c.l, c.d, c.l_sel, c.n_sel, c.kernel)
+        if fused is not None:
+            shape = (B, H, 1, hd)
+            y = attn._combine(x, *(o.view(shape) for o in fused), None, None, False)
+            return y, None  # a pooled layer passes nothing on
+        o_cmp = torch.zeros_like(qg)
+        p_group = qg.new_zeros(B, H_kv, self.n_cmp)
+        if self.n_cmp:
             o, probs = _attend_masked(qg, self.cmp_k[:, :, : self.n_cmp], self.cmp_v[:, :, : self.n_cmp],
                                       at.cmp_visible)
             o_cmp = torch.where(at.any_compressed, o, 0)  # before the first block ends: zero output
@@ -277,8 +290,9 @@ class StepIndex:
         return self
 
 
-def static_cache(attn, batch: int, max_len: int, dtype: torch.dtype, device):
-    """The static cache of one attention layer (static_decode_problem(attn) must be None)."""
+def static_cache(attn, batch: int, max_len: int, dtype: torch.dtype, device, fused: bool = True):
+    """The static cache of one attention layer (static_decode_problem(attn) must be None). fused: an NSA layer with
+    pooled selection runs its three branches as one launch where the Triton kernel runs (ops.decode_branches)."""
     if isinstance(attn, NativeSparseAttention):
-        return StaticNSACache(attn, batch, max_len, dtype, device)
+        return StaticNSACache(attn, batch, max_len, dtype, device, fused)
     return StaticKVCache(attn, batch, max_len, dtype, device)
