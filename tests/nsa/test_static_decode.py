@@ -134,6 +134,7 @@ def test_the_compiled_step_equals_the_eager_step_and_compiles_once_for_every_blo
     compile is ~30 s on 2 cores) runs in bench/bench_decode_model.py's check on the GPU, before any timing."""
     from torch._dynamo.utils import counters
 
+    torch._dynamo.reset()  # no compiled code of an earlier test in this process (it would be reused: no new graphs)
     model = _model(n_layers=3)
     ids = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(9))
     graphs_before = counters["stats"]["unique_graphs"]
