@@ -13,7 +13,8 @@ Two counts per NSA layer:
             when the kernels are defined); without it the count is reported as skipped. Also taken with 4 packed
             documents, and under bf16 autocast (how the trainer runs a GPU: the weights' casts are launches too),
             beside the dense layer's count under autocast.
-Also the layer with nsa.selector=indexer (issue 51; its KL term's backward counted: nsa/launch_count.py).
+Also the layer with nsa.selector=indexer (issue 51; its KL term's backward counted: nsa/launch_count.py), and one
+whole-model decode step over static caches (nsa/static_decode.py; per layer and per step, NSA fused / unfused, dense).
 Prints a markdown table (docs/BENCHMARKS.md) and one JSON line.
 """
 from __future__ import annotations
@@ -46,6 +47,36 @@ def triton_path(nsa: ModelConfig, T: int, documents: int = 0, autocast: bool = F
             "triton_kernels": count.triton, "aten": count.total - count.triton,
             "by_op": dict(count.by_op.most_common()), "kernels": sorted(n[len(TRITON):] for n in count.by_op
                                                                         if n.startswith(TRITON))}
+
+
+def decode_step_launches(max_len: int = 1024, at: int = 1000) -> dict:
+    """Launches of one whole-model decode step over static caches (nsa/static_decode.py, eager, batch 1) on the Triton
+    path (interpreter, custom ops opened): NSA with its branches as one kernel (fused) and as torch ops, and the dense
+    twin; per layer (a 2-layer model's count minus a 1-layer model's) and per step besides (embedding, the position's
+    slots and masks, head). A CUDA graph replays exactly these kernels."""
+    from nsa.attention.kernels.selected_attention import interpreter_active
+    from nsa.launch_count import LaunchCounter
+    from nsa.model import Transformer
+    from nsa.static_decode import StaticDecoder
+
+    if not interpreter_active():
+        return {"skipped": "Triton's interpreter is off: run with TRITON_INTERPRET=1"}
+    out = {"max_len": max_len, "position": at}
+    nsa = NSAConfig(l=32, d=16, l_sel=64, n_sel=16, w=512, kernel="triton")
+    for arm, attention, fused in (("nsa_fused", "nsa", True), ("nsa_unfused", "nsa", False), ("dense", "dense", True)):
+        totals = []
+        for n_layers in (1, 2):
+            torch.manual_seed(0)
+            model = Transformer(ModelConfig(**M7C, vocab_size=512, n_layers=n_layers, max_seq_len=max_len,
+                                            attention=attention, nsa=nsa)).eval()
+            decoder = StaticDecoder(model, 1, max_len, graphs=False, fused=fused)
+            decoder.pos.fill_(at)
+            decoder.t = at
+            with torch.no_grad(), LaunchCounter(open_custom_ops=True) as count:
+                decoder.step(torch.zeros(1, dtype=torch.long))
+            totals.append(count.total)
+        out[arm] = {"per_layer": totals[1] - totals[0], "per_step_besides": 2 * totals[0] - totals[1]}
+    return out
 
 
 def main() -> None:
@@ -84,6 +115,12 @@ def main() -> None:
                 result["dense_cpu_autocast"] = attention_layer_launches(dense, args.triton_T, device="cpu").total
             print(f"  with 4 packed documents: {packed['total']}; under bf16 autocast: {amp['total']} (the dense layer "
                   f"on CPU tensors: {result['dense_cpu']}, {result['dense_cpu_autocast']} under autocast)")
+    if args.triton_T:
+        result["decode_step"] = step = decode_step_launches()
+        if "skipped" not in step:
+            print("decode step over static caches (eager; a CUDA graph replays these): "
+                  + "; ".join(f"{arm} {step[arm]['per_layer']} per layer + {step[arm]['per_step_besides']}"
+                              for arm in ("nsa_fused", "nsa_unfused", "dense")))
     print(json.dumps(result))
     if args.json:
         with open(args.json, "w") as f:
