@@ -104,7 +104,7 @@ def kernel_compile(args) -> dict:
 
 CUDA_TESTS_FIRST = ["tests/nsa/test_nsa_gpu.py", "tests/nsa/test_kernel_documents.py", "tests/nsa/test_dense_documents.py",
                     "tests/nsa/test_rotary_op.py", "tests/nsa/test_gated_combine.py", "tests/nsa/test_compress_blocks.py",
-                    "tests/nsa/test_row_dot.py"]
+                    "tests/nsa/test_row_dot.py", "tests/nsa/test_decode_step_kernel.py"]
 CUDA_TESTS_FULL = CUDA_TESTS_FIRST + ["tests/nsa/test_triton_selection.py", "tests/nsa/test_block_centric.py",
                                       "tests/nsa/test_flex_branches.py", "tests/nsa/test_flex_documents.py"]
 
