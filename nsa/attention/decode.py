@@ -103,28 +103,33 @@ def decode_branches(
     else:
         positions = ((block_idx[..., :k_real, None] * l_sel + torch.arange(l_sel, device=q.device))
                      .flatten(-2)[..., :n_keys])  # [B, H_kv, n_keys]: the gathered keys' positions
-        o_sel = _attend_capped(qg, kg, vg, positions, p, capped)
+        o_sel = attend_capped(qg, kg, vg, positions, p, capped)
 
     o_win = decode_window(q, win_k, win_v)  # [B, H, 1, hd]
     shape = (B, H, 1, hd)
     return o_cmp.view(shape), o_sel.view(shape), o_win, block_idx.unsqueeze(2)
 
 
-def _attend_capped(qg: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, positions: torch.Tensor, p: int,
-                   capped: tuple[int, tuple[torch.Tensor, torch.Tensor], RopeTables]) -> torch.Tensor:
-    """`_attend` with the distance cap: qg [B, H_kv, G, hd] (pre-scaled) at position p, kg, vg [B, H_kv, N, hd] at
-    `positions` [B, H_kv, N]; a key more than cap back scores as the query rotated at cap against the key un-rotated
-    -> out [B, H_kv, G, hd] (computed in float32 or wider)."""
+def attend_capped(qg: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, positions: torch.Tensor,
+                  p: int | torch.Tensor, capped: tuple[int, tuple[torch.Tensor, torch.Tensor], RopeTables],
+                  visible: torch.Tensor | None = None) -> torch.Tensor:
+    """`_attend` with the distance cap: qg [B, H_kv, G, hd] (pre-scaled) at position p (an int, or a 0-dim device
+    tensor: static caches), kg, vg [B, H_kv, N, hd] at `positions` [B, H_kv, N]; a key more than cap back scores as the
+    query rotated at cap against the key un-rotated; visible [B, H_kv, N] (None: every key) -> out [B, H_kv, G, hd]
+    (computed in float32 or wider)."""
     cap, at_cap, tables = capped
     compute = torch.promote_types(qg.dtype, torch.float32)
     qc, kc = qg.to(compute), kg.to(compute)
     s = torch.matmul(qc, kc.transpose(-1, -2))  # [B, H_kv, G, N]
-    if p > cap:  # else no key is that far (block 0, always picked, is the farthest)
+    if isinstance(p, torch.Tensor) or p > cap:  # an int p <= cap: no key is that far (block 0 is the farthest)
         far = (p - positions) > cap  # [B, H_kv, N]
-        q_raw = unrotated(qc, tables(torch.full((1,), p, device=qg.device)))  # [B, H_kv, G, hd]: at position 0
+        at = p.view(1) if isinstance(p, torch.Tensor) else torch.full((1,), p, device=qg.device)
+        q_raw = unrotated(qc, tables(at))  # [B, H_kv, G, hd]: at position 0
         q_cap = apply_rotary(q_raw, at_cap[0][None], at_cap[1][None])
         s_far = torch.matmul(q_cap, unrotated(kc, tables(positions)).transpose(-1, -2))  # [B, H_kv, G, N]
         s = torch.where(far[:, :, None], s_far, s)
+    if visible is not None:
+        s = s.masked_fill(~visible[:, :, None], float("-inf"))
     probs = torch.softmax(s, dim=-1)
     return torch.matmul(probs, vg.to(compute)).to(qg.dtype)
 

@@ -36,15 +36,14 @@ import torch
 import torch.nn.functional as F
 
 from nsa.attention import ops
+from nsa.attention.decode import attend_capped
 from nsa.attention.dense import DenseAttention, KVCache
-from nsa.attention.impl.capped import unrotated
 from nsa.attention.impl.compression import num_compressed
 from nsa.attention.impl.index_scores import weighted_scores
 from nsa.attention.impl.selection import selection_block_scores
 from nsa.attention.nsa import NativeSparseAttention
 from nsa.attention.nsa_cache import NSACache
 from nsa.config import NSAConfig
-from nsa.layers import apply_rotary
 
 
 def static_decode_problem(attn) -> str | None:
@@ -113,7 +112,7 @@ class StaticNSACache:
         self.win_k, self.win_v = buf(c.w), buf(c.w)
         self.raw_k, self.raw_v = buf(c.l), buf(c.l)
         self.cmp_k, self.cmp_v = buf(self.n_cmp + 1), buf(self.n_cmp + 1)
-        self.block_keys = torch.arange(c.l_sel, device=device)  # [l']
+        self.key_offsets = torch.arange(c.l_sel, device=device)  # [l'] a key's offset in its block
         # nsa.selector=indexer: every token's index key (indexer_pool=scores), or each block's (the elementwise max
         # of its tokens' keys so far: the current block's grows a step at a time)
         self.index_tokens = self.index_blocks = None
@@ -125,8 +124,8 @@ class StaticNSACache:
                 self.index_tokens = keys
             else:
                 self.index_blocks = keys
-        # nsa.sel_distance_cap: the RoPE tables of position cap (cos, sin [1, hd/2]), once
-        self.at_cap = (attn.cap_rope(torch.full((1,), c.sel_distance_cap, device=device))
+        # nsa.sel_distance_cap: the RoPE tables of position cap (cos, sin [hd/2]), once
+        self.at_cap = (tuple(t[0] for t in attn.cap_rope(torch.full((1,), c.sel_distance_cap, device=device)))
                        if attn.cap_rope is not None else None)
 
     def load(self, cache: NSACache) -> None:
@@ -206,12 +205,13 @@ class StaticNSACache:
             scores = scores.masked_fill(at.future_blocks, float("-inf")).masked_fill(at.forced_blocks, float("inf"))
             n = min(c.n_sel, self.n_blocks)
             picks = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :n]  # [B, H_kv, n]
-        key_pos = (picks[..., None] * c.l_sel + self.block_keys).flatten(-2)  # [B, H_kv, n*l'] positions
+        key_pos = (picks[..., None] * c.l_sel + self.key_offsets).flatten(-2)  # [B, H_kv, n*l'] positions
         visible = key_pos <= at.pos  # also hides the picks after the current block (fewer than n blocks exist)
         index = key_pos[..., None].expand(-1, -1, -1, hd)  # < N_b * l': every pick is a block of the buffer
         kg, vg = self.sel_k.gather(2, index), self.sel_v.gather(2, index)  # [B, H_kv, n*l', hd]
-        if self.at_cap is not None and attn.distance_cap_on:
-            o_sel = self._attend_capped(attn, qg, kg, vg, key_pos, visible, at)
+        if self.at_cap is not None and attn.distance_cap_on:  # the gathered keys more than cap back read at the cap
+            capped = (c.sel_distance_cap, self.at_cap, attn.cap_rope)
+            o_sel = attend_capped(qg, kg, vg, key_pos, at.pos, capped, visible)
         else:
             o_sel, _ = _attend_masked(qg, kg, vg, visible)
 
@@ -240,19 +240,6 @@ class StaticNSACache:
         key = torch.where(at.block_opens, k_I, torch.maximum(self.index_blocks[:, at.block1], k_I))  # [B, 1, e]
         self.index_blocks[:, at.block1] = key.to(self.index_blocks.dtype)
         return weighted_scores(q_I, w_I, self.index_blocks)[:, :, 0]  # [B, H_kv, N_b]
-
-    def _attend_capped(self, attn: NativeSparseAttention, qg, kg, vg, key_pos, visible, at: StepIndex):
-        """The selected branch with nsa.sel_distance_cap (decode.py's `_attend_capped` over static shapes): a key more
-        than cap positions back scores as the query rotated at cap against the key un-rotated; in float32 or wider.
-        qg [B, H_kv, G, hd] pre-scaled, kg, vg [B, H_kv, N, hd] at key_pos [B, H_kv, N] -> [B, H_kv, G, hd]."""
-        compute = torch.promote_types(qg.dtype, torch.float32)
-        qc, kc = qg.to(compute), kg.to(compute)
-        s = torch.matmul(qc, kc.transpose(-1, -2))  # [B, H_kv, G, N]
-        far = (at.pos - key_pos) > attn.cfg.sel_distance_cap  # [B, H_kv, N]
-        q_cap = apply_rotary(unrotated(qc, attn.cap_rope(at.pos1)), self.at_cap[0], self.at_cap[1])
-        s_far = torch.matmul(q_cap, unrotated(kc, attn.cap_rope(key_pos)).transpose(-1, -2))
-        s = torch.where(far[:, :, None], s_far, s).masked_fill(~visible[:, :, None], float("-inf"))
-        return torch.matmul(torch.softmax(s, dim=-1), vg.to(compute)).to(qg.dtype)
 
 
 class StepIndex:

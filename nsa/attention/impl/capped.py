@@ -13,7 +13,7 @@ cap" is the query rotated at position cap against the key rotated at position 0 
 Every query scores every key here, masked to its selected blocks (impl/masked.py selected_keys; memory
 O(B * H * Tq * Tk)): short contexts only (the recall task's, T <= a few thousand); autograd differentiates it. A
 prefill chunk over a cache is the same with Tq < Tk (queries from q_start); a decode step reads only its gathered
-keys (nsa/attention/decode.py, _attend_capped). The float64
+keys (nsa/attention/decode.py, attend_capped). The float64
 per-pair oracle: tests/nsa/test_distance_cap.py.
 """
 from __future__ import annotations
