@@ -12,7 +12,7 @@ Per model (configs/m7c_125m_long.yaml's M7C-125M and its dense twin: the same mo
           S tokens leaves, for timing: a step's work depends on the shapes, not the values; the picks are whatever the
           random keys score), position S; the step's median time over --steps (CUDA events), eager and graphed, and
           at the --compile_at points compiled + graphed (NSA also with its three branches as torch ops instead of
-          the one-launch kernel, kernels/decode_step.py: "unfused"); the
+          the decode kernels, kernels/decode_step.py: "unfused"); the
           bytes a step must read (the weights once, every cache slot it reads: the buffers whole) and the time that
           takes at the copy bandwidth measured here (a 1 GiB device copy).
 Prints one JSON line per row and a last line {"summary": ..., "rows": ...}; summary keys
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             arms = {"eager_ms": (False, False), **({"graphed_ms": (True, False)} if cuda else {})}
             if (S, B) in compiled_points:
                 arms["compiled_graphed_ms" if cuda else "compiled_ms"] = (cuda, True)
-                if cuda and kind == "nsa":  # the three branches as torch ops instead of the one-launch kernel
+                if cuda and kind == "nsa":  # the three branches as torch ops instead of the decode kernels
                     arms["compiled_graphed_unfused_ms"] = (True, True)
             for name, (graphs, compile_) in arms.items():
                 decoder = StaticDecoder(model, B, S + 2, graphs=graphs, compile=compile_, fused="unfused" not in name)
@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         for arm in ("eager_ms", "graphed_ms", "compiled_graphed_ms", "compiled_ms"):
             if arm in nsa and arm in dense:
                 summary[f"{tag}_{arm[:-3]}"] = round(dense[arm] / nsa[arm], 3)
-        if "compiled_graphed_unfused_ms" in nsa and "compiled_graphed_ms" in dense:  # without the one-launch kernel
+        if "compiled_graphed_unfused_ms" in nsa and "compiled_graphed_ms" in dense:  # without the decode kernels
             summary[f"{tag}_compiled_graphed_unfused"] = round(
                 dense["compiled_graphed_ms"] / nsa["compiled_graphed_unfused_ms"], 3)
         # the goal's number: CUDA graphs both, each model at its fastest graphed arm

@@ -11,6 +11,10 @@ Two counts (`LaunchCounter`):
              no CPU backward: on a CPU they run the torch path's custom op, counted as one launch per direction
              (a compiled FlexAttention forward is one Triton kernel; its backward is counted on the GPU by
              bench/gpu_nsa_speed.py).
+Host syncs (`LaunchCounter.syncs`): the ops that on a GPU make the host wait for the device (a value read back to
+Python: `.item()`, `bool()`, `int()`; an output whose size depends on the data: nonzero, a boolean-mask index,
+unique, repeat_interleave without output_size), recorded by name wherever they run, opened ops' bodies included. A
+step with one cannot be captured as a CUDA graph, and it stalls the launch queue in eager mode.
 Not counted, in both: views (`OpOverload.is_view`), `_unsafe_view` (a reshape's result that aliases nothing),
 `detach`, `alias`, `empty*` allocations and `promote_types` (a dtype computation): none launches a kernel.
 """
@@ -39,12 +43,32 @@ def _converted(func, args, out) -> bool:
             and out is not args[0])
 
 
+# ops whose result the host must wait for on a GPU (a scalar read back, or an output size that depends on the data)
+SYNCING = frozenset({"aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten._unique", "aten._unique2",
+                     "aten.unique_dim", "aten.unique_consecutive", "aten.unique_dim_consecutive", "aten.equal",
+                     "aten.is_nonzero", "aten.bincount"})
+
+
+def _syncs(func, args, kwargs) -> bool:
+    """Whether this dispatched op waits for the device on a GPU (SYNCING, a boolean-mask index or index_put, a
+    repeat_interleave by a tensor of counts without output_size)."""
+    name = str(func.overloadpacket)
+    if name in SYNCING:
+        return True
+    if name in ("aten.index", "aten.index_put", "aten.index_put_", "aten._index_put_impl_"):
+        return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else ()))
+    if name == "aten.repeat_interleave":
+        repeats = args[1] if len(args) > 1 else args[0]
+        return isinstance(repeats, torch.Tensor) and kwargs.get("output_size") is None
+    return False
+
+
 # the custom ops whose CUDA implementation is the one a CPU runs in Triton's interpreter (nsa.kernel=triton); the
 # compressed and window branches' ops are the torch path, which CUDA replaces by FlexAttention: they stay closed
 OPENED = ("nsa::rotary", "nsa::compress_blocks", "nsa::compress_blocks_backward", "nsa::gated_combine",
           "nsa::gated_combine_backward", "nsa::select_blocks", "nsa::indexer_picks", "nsa::pooled_mass_rows",
           "nsa::dense_mass_rows", "nsa::indexer_kl", "nsa::indexer_kl_backward", "nsa::selected_attention",
-          "nsa::selected_attention_backward")
+          "nsa::selected_attention_backward", "nsa::decode_branches")
 
 
 def _custom_op_body(func):
@@ -89,12 +113,14 @@ def _triton_launch_spy(counter: "LaunchCounter"):
 
 
 class LaunchCounter(TorchDispatchMode):
-    """`with LaunchCounter() as c: ...` then c.total and c.by_op (op name -> count; Triton kernels "triton.<name>").
+    """`with LaunchCounter() as c: ...` then c.total and c.by_op (op name -> count; Triton kernels "triton.<name>"),
+    and c.syncs (the host syncs among them, by name: SYNCING and `_syncs`).
     open_custom_ops: count what each nsa:: custom op dispatches and launches instead of the op (module docstring)."""
 
     def __init__(self, open_custom_ops: bool = False):
         super().__init__()
         self.by_op: Counter[str] = Counter()
+        self.syncs: Counter[str] = Counter()
         self.open_custom_ops = open_custom_ops
         self.paused = 0  # > 0 while a Triton kernel runs (in the interpreter: host copies, not launches)
         self._spy = contextlib.ExitStack()
@@ -116,6 +142,8 @@ class LaunchCounter(TorchDispatchMode):
             with self:  # the body's own ops come back through this mode
                 return body(*args, **kwargs)
         out = func(*args, **kwargs)
+        if not self.paused and _syncs(func, args, kwargs):
+            self.syncs[str(func.overloadpacket)] += 1
         if not self.paused and (launches(func) or _converted(func, args, out)):
             self.by_op[str(func.overloadpacket)] += 1
         return out

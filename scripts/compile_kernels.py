@@ -211,15 +211,17 @@ def exercise_row_dot(shape: Shape, dtype: torch.dtype) -> None:
 
 
 def exercise_decode_step(shape: Shape, dtype: torch.dtype) -> None:
-    """The decode step's three branches over static caches of T positions (nsa/attention/static_cache.py), batch 1."""
+    """The decode step's branches over static caches (nsa/attention/static_cache.py) of T positions at batch 1, and
+    of 64k positions at batch 1 and 16 (bench/bench_decode_model.py's points; the split sizes follow the caches')."""
     from nsa.attention.impl.compression import num_compressed
     from nsa.attention.kernels.decode_step import decode_branches
 
-    C, n_keys = num_compressed(shape.T, shape.l, shape.d), -(-shape.T // shape.l_sel) * shape.l_sel
-    qg = _meta(1, shape.H_kv, shape.G, shape.hd, dtype=dtype)
-    cmp, sel, win = (_meta(1, shape.H_kv, n, shape.hd, dtype=dtype) for n in (C + 1, n_keys, 512))
-    pos = torch.empty((), dtype=torch.long, device="meta")
-    decode_branches(qg, cmp, cmp, sel, sel, win, win, pos, shape.l, shape.d, shape.l_sel, shape.n)
+    for batch, T in ((1, shape.T), (1, 65536), (16, 65536)):
+        C, n_keys = num_compressed(T, shape.l, shape.d), -(-T // shape.l_sel) * shape.l_sel
+        qg = _meta(batch, shape.H_kv, shape.G, shape.hd, dtype=dtype)
+        cmp, sel, win = (_meta(batch, shape.H_kv, n, shape.hd, dtype=dtype) for n in (C + 1, n_keys, 512))
+        pos = torch.empty((), dtype=torch.long, device="meta")
+        decode_branches(qg, cmp, cmp, sel, sel, win, win, pos, shape.l, shape.d, shape.l_sel, shape.n)
 
 
 def exercise_select_topk(shape: Shape, dtype: torch.dtype) -> None:

@@ -237,15 +237,15 @@ def compress_blocks(
 # ---------------------------------------------------------------- the gated combination of the branches
 @torch.library.custom_op("nsa::decode_branches", mutates_args=())
 def _decode_branches(qg: Tensor, cmp_k: Tensor, cmp_v: Tensor, sel_k: Tensor, sel_v: Tensor, win_k: Tensor,
-                     win_v: Tensor, pos: Tensor, l: int, d: int, l_sel: int, n_sel: int) -> list[Tensor]:
+                     win_v: Tensor, pos: Tensor, l: int, d: int, l_sel: int, n_sel: int) -> Tensor:
     from nsa.attention.kernels.decode_step import decode_branches
 
-    return list(decode_branches(qg, cmp_k, cmp_v, sel_k, sel_v, win_k, win_v, pos, l, d, l_sel, n_sel))
+    return decode_branches(qg, cmp_k, cmp_v, sel_k, sel_v, win_k, win_v, pos, l, d, l_sel, n_sel)
 
 
 @_decode_branches.register_fake
 def _(qg, cmp_k, cmp_v, sel_k, sel_v, win_k, win_v, pos, l, d, l_sel, n_sel):
-    return [torch.empty_like(qg) for _ in range(3)]
+    return qg.new_empty(3, *qg.shape)  # o_cmp, o_sel, o_win stacked
 
 
 def decode_branches(
@@ -256,13 +256,13 @@ def decode_branches(
     pos: Tensor,  # [] int64 on the device
     l: int, d: int, l_sel: int, n_sel: int, kernel: str,
 ) -> tuple[Tensor, Tensor, Tensor] | None:
-    """A decode step's three branches over static caches with pooled selection in one Triton launch
-    (kernels/decode_step.py: nsa::decode_branches) -> o_cmp, o_sel, o_win [B, H_kv, G, hd]; None where the kernel does
+    """A decode step's three branches over static caches with pooled selection as Triton kernels split over programs
+    (kernels/decode_step.py, four launches: nsa::decode_branches) -> o_cmp, o_sel, o_win [B, H_kv, G, hd]; None where the kernel does
     not run (torch path, or a head dim or l' that is not a power of two >= 16): the caller's torch ops then."""
     hd = qg.shape[-1]
     if not _triton(kernel, qg) or hd & (hd - 1) or hd < 16 or l_sel & (l_sel - 1) or l_sel < 16:
         return None
-    return tuple(_decode_branches(qg, cmp_k, cmp_v, sel_k, sel_v, win_k, win_v, pos, l, d, l_sel, n_sel))
+    return tuple(_decode_branches(qg, cmp_k, cmp_v, sel_k, sel_v, win_k, win_v, pos, l, d, l_sel, n_sel).unbind(0))
 
 
 @torch.library.custom_op("nsa::gated_combine", mutates_args=())

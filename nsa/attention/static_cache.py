@@ -181,7 +181,7 @@ class StaticNSACache:
         fused = None
         if (self.fused and picks is None and attn.indexer is None
                 and not (self.at_cap is not None and attn.distance_cap_on)):
-            # pooled selection: the three branches in one launch where the Triton kernel runs (else None)
+            # pooled selection: the three branches as the decode kernels where Triton runs (else None)
             fused = ops.decode_branches(qg, self.cmp_k, self.cmp_v, self.sel_k, self.sel_v, self.win_k, self.win_v,
                                         at.pos, c.l, c.d, c.l_sel, c.n_sel, c.kernel)
         if fused is not None:
@@ -279,7 +279,7 @@ class StepIndex:
 
 def static_cache(attn, batch: int, max_len: int, dtype: torch.dtype, device, fused: bool = True):
     """The static cache of one attention layer (static_decode_problem(attn) must be None). fused: an NSA layer with
-    pooled selection runs its three branches as one launch where the Triton kernel runs (ops.decode_branches)."""
+    pooled selection runs its three branches as the decode kernels where Triton runs (ops.decode_branches)."""
     if isinstance(attn, NativeSparseAttention):
         return StaticNSACache(attn, batch, max_len, dtype, device, fused)
     return StaticKVCache(attn, batch, max_len, dtype, device)

@@ -16,6 +16,8 @@ from nsa.static_decode import StaticDecoder
 from tests.nsa._nsa_helpers import KERNEL_DEVICE, kernels_unavailable
 
 UNAVAILABLE = kernels_unavailable("decode_step")
+if UNAVAILABLE is None:
+    from nsa.attention.kernels import decode_step
 pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=str(UNAVAILABLE))
 # l = 8, d = 4, l' = 16, n = 5, w = 32: past position 80 more blocks exist than picks; hd 16 (the kernel's minimum)
 GEOMETRY = dict(l=8, d=4, l_sel=16, n_sel=5, w=32, gate_init="equal")
@@ -46,13 +48,32 @@ def _steps(model: Transformer, ids: torch.Tensor, prompt: int) -> torch.Tensor:
     return torch.stack(out, dim=1)
 
 
+class _GridSpy:
+    """Stands in for a Triton kernel: records each launch's grid, then launches it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.seen = kernel, []
+
+    def __getitem__(self, grid):
+        self.seen.append(tuple(grid))
+        return self.kernel[grid]
+
+
 # steps at positions 5-8 (the first compressed token ends at 7) and 110-115 (a compressed token at 111, a new block at
 # 112: 5 unforced blocks compete for 2 free picks; the window ring wrapped)
 WINDOWS = ((5, 9), (110, 116))
 
 
-def test_the_kernel_steps_equal_the_torch_steps(monkeypatch):
-    """float64 (the interpreter's bf16 is emulated; the GPU harness compares bf16 on the device)."""
+@pytest.mark.parametrize("chunk_tokens, window_tile", [(64, 64), (8, 16)], ids=["one_chunk", "split"])
+def test_the_kernel_steps_equal_the_torch_steps(monkeypatch, chunk_tokens, window_tile):
+    """float64 (the interpreter's bf16 is emulated; the GPU harness compares bf16 on the device). one_chunk: the
+    shipped split sizes, which at these sizes give one program per (row, KV head) for the compressed tokens and one
+    for the window; split: 4 compressed programs of 8 tokens (2 blocks each: a block's first units read the last
+    token of the program before) and 2 window tiles."""
+    monkeypatch.setattr(decode_step, "MIN_CHUNK_TOKENS", chunk_tokens)
+    monkeypatch.setattr(decode_step, "WINDOW_TILE", window_tile)
+    grids = _GridSpy(decode_step.decode_partials_kernel)
+    monkeypatch.setattr(decode_step, "decode_partials_kernel", grids)
     fused, plain = _models(torch.float64)
     launches = []
     real = ops._decode_branches
@@ -65,6 +86,8 @@ def test_the_kernel_steps_equal_the_torch_steps(monkeypatch):
         assert len(launches) == end - prompt  # every step ran the kernel
         launches.clear()
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    # step 1's programs per (row, KV head): the 29 compressed slots of a 120-position cache in chunks, then the window
+    assert set(grids.seen) == {(2 * 2, 1 + 1) if chunk_tokens == 64 else (2 * 2, 4 + 2)}
 
 
 def test_a_perturbed_kernel_output_is_caught(monkeypatch):
@@ -72,5 +95,23 @@ def test_a_perturbed_kernel_output_is_caught(monkeypatch):
     ids = torch.randint(0, 64, (1, 113), generator=torch.Generator().manual_seed(2)).to(KERNEL_DEVICE)
     want = _steps(plain, ids, 110)
     real = ops._decode_branches
-    monkeypatch.setattr(ops, "_decode_branches", lambda *a: [o * f for o, f in zip(real(*a), (1.0, 1.01, 1.0))])
+    monkeypatch.setattr(ops, "_decode_branches", lambda *a: real(*a) * torch.tensor([1.0, 1.01, 1.0], dtype=torch.float64).view(3, 1, 1, 1, 1))
     assert not torch.allclose(_steps(fused, ids, 110), want, rtol=1e-6, atol=1e-6)
+
+
+def test_a_kernel_step_launches_its_four_kernels_and_never_waits_for_the_device():
+    """Counted with the op opened (nsa.launch_count): each step launches the four kernels once per layer, and nothing
+    in the launcher reads a value back to the host (the position stays on the device: a CUDA graph replays it)."""
+    from nsa.launch_count import LaunchCounter
+
+    fused, _ = _models(torch.float64)
+    ids = torch.randint(0, 64, (1, 113), generator=torch.Generator().manual_seed(3)).to(KERNEL_DEVICE)
+    decoder = StaticDecoder(fused, 1, 120, graphs=False)
+    with torch.no_grad():
+        decoder.prefill(ids[:, :111])
+        with LaunchCounter(open_custom_ops=True) as count:
+            for t in (111, 112):
+                decoder.step(ids[:, t])
+    kernels = {name: n for name, n in count.by_op.items() if name.startswith("triton.decode_")}
+    assert kernels == {f"triton.decode_{k}_kernel": 2 for k in ("partials", "block_scores", "picks", "combine")}
+    assert not count.syncs, dict(count.syncs)

@@ -7,9 +7,10 @@ the selection ops on the Triton path (their index ops and Triton launches) is te
 from __future__ import annotations
 
 import pytest
+import torch
 
 from nsa.config import ModelConfig, NSAConfig
-from nsa.launch_count import attention_layer_launches
+from nsa.launch_count import LaunchCounter, attention_layer_launches
 
 M7C = dict(dim=768, n_heads=12, n_kv_heads=2, head_dim=64)  # configs/m7c_125m_*.yaml
 NSA_M7C = NSAConfig(l=32, d=16, l_sel=64, n_sel=16, w=512)
@@ -91,3 +92,18 @@ def test_the_indexer_layer_is_four_ops_over_pooled_nsa_at_every_length(counts):
             assert packed.total - pooled.total == 4, (T, pool, target, "documents", packed.by_op.most_common(10))
             assert count.by_op["nsa.indexer_kl"] == count.by_op["nsa.indexer_kl_backward"] == 1
             assert "nsa.select_blocks" not in count.by_op
+
+
+def test_the_counter_records_what_makes_the_host_wait_and_nothing_else():
+    """LaunchCounter.syncs (what the no-host-sync checks of the layer and the decode step read) sees a scalar read
+    back, a boolean-mask index, nonzero and repeat_interleave by counts without output_size; not an integer index,
+    repeat_interleave given its output size, or arithmetic."""
+    x = torch.randn(8)
+    with LaunchCounter() as waits:
+        _ = x[x > 0], x.nonzero(), float(x.sum()), torch.repeat_interleave(torch.tensor([1, 2]))
+    with LaunchCounter() as free:
+        _ = x[torch.tensor([1, 2])], torch.repeat_interleave(torch.tensor([1, 2]), output_size=3), x * 2
+        _ = torch.repeat_interleave(x, 2), x.sort().values
+    assert waits.syncs == {"aten.index": 1, "aten.nonzero": 1, "aten._local_scalar_dense": 1,
+                           "aten.repeat_interleave": 1}
+    assert not free.syncs

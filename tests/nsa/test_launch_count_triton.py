@@ -87,6 +87,12 @@ def test_the_triton_path_stays_within_its_budget(opened):
     assert opened[SEQ[0]].by_op["triton.rotary_kernel"] == 4  # forward and backward of both rotations
 
 
+def test_the_triton_path_never_waits_for_the_device(opened):
+    """No op of the layer's forward + backward, inside the opened ops too, reads a value back to the host or sizes an
+    output by the data (LaunchCounter.syncs): the training step can be captured as a CUDA graph."""
+    assert all(not count.syncs for count in opened.values()), {T: dict(c.syncs) for T, c in opened.items()}
+
+
 def test_the_triton_path_launches_the_same_kernels_at_every_length(opened):
     assert len({c.total for c in opened.values()}) == 1, {T: c.total for T, c in opened.items()}
     assert opened[SEQ[0]].by_op == opened[SEQ[1]].by_op
@@ -105,6 +111,7 @@ def test_packed_documents_stay_within_the_budget_whatever_their_count():
     counts = {n: attention_layer_launches(SMALL_G6, SEQ[0], documents=n, device="cpu", open_custom_ops=True)
               for n in (1, 4)}
     assert counts[1].by_op == counts[4].by_op
+    assert not counts[1].syncs and not counts[4].syncs, (counts[1].syncs, counts[4].syncs)  # no host syncs either
     assert counts[1].total <= TRITON_PATH_BUDGET, counts[1].by_op.most_common(10)
     assert counts[1].by_op["triton.frame_block_keys_kernel"] == 2 and "aten.gather" not in counts[1].by_op
 
@@ -144,6 +151,7 @@ def test_the_indexer_adds_its_kernels_and_nothing_else(opened, pool, target, doc
         diff = {name: count.by_op[name] - pooled.by_op[name]
                 for name in set(count.by_op) | set(pooled.by_op) if count.by_op[name] != pooled.by_op[name]}
         extra[T] = count.total - pooled.total
+        assert not count.syncs, dict(count.syncs)  # the indexer's picks and KL never wait for the device either
         assert diff == {"aten.mm": 2, "triton._indexer_topk_kernel": 1, "triton._kl_fwd_kernel": 1,
                         "triton._kl_bwd_kernel": 1, "triton._select_topk_kernel": -1}, (T, diff)
     assert set(extra.values()) == {INDEXER_EXTRA}

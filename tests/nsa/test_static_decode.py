@@ -103,6 +103,26 @@ def test_a_step_reads_what_the_growing_cache_reads():
         assert not torch.allclose(decoder.step(ids[:, 69]), before)
 
 
+@pytest.mark.parametrize("attention, nsa", [
+    ("nsa", {}), ("nsa", dict(INDEXER, indexer_every=2, sel_distance_cap=12)), ("dense", {})],
+    ids=["pooled", "indexer-reuse-cap", "dense"])
+def test_a_step_never_waits_for_the_device(attention, nsa):
+    """A step's ops (inside the nsa:: ops too) read no value back to the host and size no output by the data
+    (nsa.launch_count.LaunchCounter.syncs): what a CUDA graph replays has no host value in it. Positions in the
+    warm-up and past it, before and after the window wraps."""
+    from nsa.launch_count import LaunchCounter
+
+    model = _model(attention, nsa, n_layers=3)
+    decoder = StaticDecoder(model, 2, 64, graphs=False)
+    ids = torch.randint(0, 64, (2, 50), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        decoder.prefill(ids[:, :3])
+        with LaunchCounter(open_custom_ops=True) as count:
+            for t in range(3, 50):
+                decoder.step(ids[:, t])
+    assert count.total > 0 and not count.syncs, dict(count.syncs)
+
+
 def test_graphs_and_refusals_are_one_line():
     model = _model()
     with pytest.raises(StaticDecodeError, match="CUDA graphs need a CUDA model"):
