@@ -64,6 +64,7 @@ TINY_LAYOUTS = {"m7c": dict(n_heads=12, n_kv_heads=2, head_dim=16), "paper": dic
 # issue 51: NSA with the learned block indexer (nsa.selector=indexer), timed beside pooled NSA at M7C's layout
 INDEXER_ARMS = {"indexer": dict(selector="indexer"),  # the defaults: one key per block, the compressed target
                 "indexer_scores": dict(selector="indexer", indexer_pool="scores", indexer_target="dense")}
+UNFOLDED_AT = (8192, 32768)  # M7C lengths where the compressed branch is also timed without folding its queries
 SECTIONS = ("environment", "correctness", "ceilings", "attention", "train", "decode")
 # relative RMS error in bf16, and the share of rows whose picks may differ (see correctness())
 TOLERANCE = {"reference_out": 1e-2, "out": 1e-2, "grad": 2e-2, "selection_disagreement": 0.02}
@@ -187,7 +188,8 @@ def correctness(args) -> dict:
     """(a) Triton bf16 vs the float64 per-token reference, forward, small T; (b) Triton bf16 vs the torch path in
     float64, outputs and every gradient, longer T, the float64 run given the bf16 run's selected blocks (selection
     has no gradient; replaying it compares the attention, not the picks), and separately the share of (query, KV
-    head) rows whose blocks the two runs pick differently. Tolerances (relative RMS): the reference sees the same bf16
+    head) rows whose blocks the two runs pick differently; the compressed branch's queries folded into 4 batch rows
+    on CUDA (impl/flex.py fold_count: what FlexAttention runs from 4k on; `compressed_folds`). Tolerances (relative RMS): the reference sees the same bf16
     parameters and inputs, so what differs is the kernels' bf16 roundings (q·k, P, P·V, and in (b) phi's and the
     gates' bf16 matmuls and the backward's dS, dP: ~2^-8 each, averaged; seen on CPU: outputs 0.005-0.006, most
     gradients 0.005-0.013). A gradient with much cancellation has a larger relative error in any bf16 run (phi's
@@ -200,8 +202,10 @@ def correctness(args) -> dict:
     import torch
 
     from nsa.attention import ops
+    from nsa.attention.impl import flex
     from nsa.attention.reference import reference_forward
 
+    fold_queries = flex.FOLD_QUERIES
     seed = int(time.time()) % 100_000
     slack = INTERPRETER_SLACK if args.device == "cpu" else 1.0
     layouts, geometry = (TINY_LAYOUTS, TINY_GEOMETRY) if args.tiny else (LAYOUTS, NSA_GEOMETRY)
@@ -242,11 +246,13 @@ def correctness(args) -> dict:
             poison(args.device)
             xi = x.detach().to(dtype).clone().requires_grad_(True)
             ops.select_blocks = select
+            flex.FOLD_QUERIES = long_T // 4  # on CUDA the compressed branch folds its queries as from 4k on
             try:
                 out = module(xi, tuple(r.to(dtype) for r in rope))
+                out.backward(d_out.to(out))
             finally:
                 ops.select_blocks = real_select
-            out.backward(d_out.to(out))
+                flex.FOLD_QUERIES = fold_queries
             grads[kind] = {"out": out.detach(), "x": xi.grad, **{n: p.grad for n, p in module.named_parameters()}}
         # each tensor's bound: its floor, or twice the error of the torch path in bf16 (the same roundings, other
         # kernels) where that is larger (a gradient with much cancellation, e.g. phi's position encoding)
@@ -254,7 +260,7 @@ def correctness(args) -> dict:
                   for n, g in grads["fast"].items()}
         bounds = {n: slack * max(TOLERANCE["out" if n == "out" else "grad"], 2 * torch_err)
                   for n, (_, torch_err) in errors.items()}
-        case.update(T_long=long_T, out=errors["out"][0], out_torch_bf16=errors["out"][1])
+        case.update(T_long=long_T, out=errors["out"][0], out_torch_bf16=errors["out"][1], compressed_folds=4)
         case["grad"] = {n: {"triton_bf16": e, "torch_bf16": t, "bound": bounds[n]}
                         for n, (e, t) in errors.items() if n != "out"}
         case["worst"] = max(((n, e / bounds[n]) for n, (e, _) in errors.items()), key=lambda kv: kv[1])
@@ -466,6 +472,33 @@ def stages(layer, q, br, rope, layout, geo, T, device, repeats, ceil, ops) -> di
             out[name] = {"fwd_ms": ms}
             if name in costs:
                 out[name].update(**costs[name], roofline_fraction=roofline_fraction(costs[name], ms, ceil))
+    unfolded = layout == LAYOUTS["m7c"] and T in UNFOLDED_AT or layout == TINY_LAYOUTS["m7c"]
+    out.update(branch_backward(q, ck, cv, br["win"], c, T, device, repeats, ops, unfolded))
+    return out
+
+
+def branch_backward(q, ck, cv, win, c, T: int, device: str, repeats: int, ops, unfolded: bool) -> dict:
+    """The compressed and window branches forward + backward (FlexAttention's backward on CUDA, the torch path's on
+    a CPU), the compressed one also with its queries not folded into batch rows (impl/flex.py fold_count: the second
+    GPU session's profile put 6.2 ms of a 32k layer in these two backwards, 8.6x their forwards), where `unfolded`
+    (M7C's layout at UNFOLDED_AT: each a compile of its own)."""
+    from nsa.attention.impl import flex
+
+    leaves = [t.detach().clone() for t in (q, ck, cv, *win)]
+    qq, kk, vv, wk, wv = leaves
+    calls = {"compressed": lambda: ops.compressed_attention(qq, kk, vv, 0, c.l, c.d, c.q_chunk, c.kernel),
+             "window": lambda: ops.window_attention(qq, wk, wv, 0, 0, c.w, c.win_block, c.kernel)}
+    out, saved = {}, flex.FOLD_QUERIES
+    arms = (("compressed", saved), ("compressed_unfolded", 0), ("window", saved))
+    for name, fold in (arm for arm in arms if unfolded or arm[0] != "compressed_unfolded"):
+        flex.FOLD_QUERIES = fold
+        try:
+            ms = time_ms(lambda: fwd_bwd(calls[name.split("_")[0]], leaves), device, repeats)  # noqa: B023
+            out[f"{name}_fwd_bwd"] = {"fwd_bwd_ms": ms, "folds": flex.fold_count(T) if name != "window" else 1}
+        except Exception as exc:  # one arm's failure must not lose the stages timed before it
+            out[f"{name}_fwd_bwd"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+        finally:
+            flex.FOLD_QUERIES = saved
     return out
 
 

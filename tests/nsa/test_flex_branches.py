@@ -199,3 +199,59 @@ def test_flex_compressed_log_sum_exps_equal_the_torch_path(q_start):
     # flex asked for its log-sum-exps may take another internal path: the output to fp64 rounding, not bit for bit
     torch.testing.assert_close(plain, with_lse[0], rtol=0, atol=1e-12)
     assert not with_lse[1].requires_grad
+
+
+@pytest.mark.parametrize("Tq, fold, folds", [(8192, 2048, 4), (65536, 2048, 32), (6144, 2048, 3), (2048, 2048, 1),
+                                             (3000, 2048, 1), (8192, 0, 1)])
+def test_fold_count(monkeypatch, Tq, fold, folds):
+    """The compressed branch folds its queries into Tq / FOLD_QUERIES batch rows where that divides and is >= 2."""
+    monkeypatch.setattr(flex, "FOLD_QUERIES", fold)
+    assert flex.fold_count(Tq) == folds
+
+
+@pytest.mark.parametrize("Tq, q_start, G", [(256, 0, 6), (256, 130, 2), (192, 0, 1)])
+def test_folded_compressed_branch_equals_explicit_attention(monkeypatch, Tq, q_start, G):
+    """Queries folded into batch rows of 64 (4 or 3 of them, each its own chunk of positions) give the rule's
+    attention row for row: the explicit-mask reference and the unfolded call (outputs and log-sum-exps, float64);
+    the call really folds (FlexAttention receives B * NC rows of 64 queries and the keys expanded to them)."""
+    g = torch.Generator().manual_seed(Tq + q_start)
+    l, d, B, H_kv, hd = 16, 8, 2, 2, 16
+    q = torch.randn(B, H_kv * G, Tq, hd, generator=g, dtype=torch.float64)
+    n_c = num_compressed(q_start + Tq, l, d)
+    ck, cv = (torch.randn(B, H_kv, n_c, hd, generator=g, dtype=torch.float64) for _ in range(2))
+    plain = flex.flex_compressed_attention(q, ck, cv, q_start, l, d, return_lse=True)
+    calls = []
+    real = flex._run_flex
+    monkeypatch.setattr(flex, "_run_flex", lambda site, *a, **k: calls.append((site, a[0].shape, a[1].shape))
+                        or real(site, *a, **k))
+    monkeypatch.setattr(flex, "FOLD_QUERIES", 64)
+    o, lse = flex.flex_compressed_attention(q, ck, cv, q_start, l, d, return_lse=True)
+    folds = Tq // 64
+    assert [(site, tuple(qs), ks[0]) for site, qs, ks in calls] == [
+        ("nsa.compressed[folded]", (B * folds, H_kv * G, 64, hd), B * folds)]
+    sees = (torch.arange(n_c) * d + l - 1)[None, :] <= torch.arange(q_start, q_start + Tq)[:, None]
+    torch.testing.assert_close(o, explicit_attention(q, ck, cv, sees), rtol=0, atol=1e-12)
+    torch.testing.assert_close(o, plain[0], rtol=0, atol=1e-12)
+    assert torch.equal(lse == float("-inf"), plain[1] == float("-inf"))  # rows that see no token: both -inf
+    seen = lse > float("-inf")
+    torch.testing.assert_close(lse[seen], plain[1][seen], rtol=0, atol=1e-12)
+    torch.testing.assert_close(flex.flex_compressed_attention(q, ck, cv, q_start, l, d), o, rtol=0, atol=1e-12)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's backward needs CUDA")
+def test_cuda_folded_backward_equals_the_unfolded_one(monkeypatch):
+    """Gradients of q and of the compressed keys and values (the latter summed over the folded rows by autograd)
+    equal the unfolded call's, fp32 on the device."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    l, d, Tq, hd = 32, 16, 512, 64
+    q = torch.randn(2, 12, Tq, hd, device="cuda", generator=g)
+    ck, cv = (torch.randn(2, 2, num_compressed(Tq, l, d), hd, device="cuda", generator=g) for _ in range(2))
+    w = torch.randn(q.shape, device="cuda", generator=g)
+    grads = []
+    for fold in (0, 128):
+        monkeypatch.setattr(flex, "FOLD_QUERIES", fold)
+        leaves = [t.detach().requires_grad_() for t in (q, ck, cv)]
+        out = flex.flex_compressed_attention(*leaves, 0, l, d)
+        grads.append([out, *torch.autograd.grad((out * w).sum(), leaves)])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

@@ -107,6 +107,24 @@ def test_frames_equal_each_document_alone(layout, gqa):
     assert not torch.allclose(flex.flex_window_attention(q, k, v, 0, 0, W), win_ref, atol=1e-3)
 
 
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_folded_frames_equal_the_rule(monkeypatch, layout):
+    """The compressed branch with its queries folded into batch rows of 100 (3 per row, cutting documents) reads
+    each query's own document: the explicit rule, and the unfolded call's log-sum-exps (float64)."""
+    rows = LAYOUTS[layout]
+    B, T = len(rows), sum(rows[0])
+    frame = compressed_layout(starts_of(rows), L, D).frame
+    q, ck, cv, _, _ = tensors(B, T, 2, 3, T // D, seed=4)
+    plain, plain_lse = flex.flex_compressed_attention(q, ck, cv, 0, L, D, frame=frame, return_lse=True)
+    monkeypatch.setattr(flex, "FOLD_QUERIES", 100)
+    assert flex.fold_count(T) == 3
+    o, lse = flex.flex_compressed_attention(q, ck, cv, 0, L, D, frame=frame, return_lse=True)
+    torch.testing.assert_close(o, explicit_attention(q, ck, cv, visibility(rows, T, T // D)[0]), rtol=0, atol=1e-12)
+    torch.testing.assert_close(o, plain, rtol=0, atol=1e-12)
+    assert torch.equal(lse == float("-inf"), plain_lse == float("-inf"))
+    torch.testing.assert_close(lse[lse > float("-inf")], plain_lse[lse > float("-inf")], rtol=0, atol=1e-12)
+
+
 def test_window_frame_with_offsets_equals_explicit_rule():
     """The window rule with chunk offsets (q_start, k_start) and an arbitrary k_base per query."""
     B, Tq, q_start, w, H_kv, G = 2, 200, 150, 96, 2, 2
@@ -263,10 +281,12 @@ def test_new_documents_do_not_recompile(monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's backward needs CUDA")
+@pytest.mark.parametrize("fold", [0, 100], ids=["plain", "folded"])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_cuda_frames_backward_equals_torch_path(layout):
+def test_cuda_frames_backward_equals_torch_path(monkeypatch, layout, fold):
     from nsa.attention.ops import compressed_attention, window_attention
 
+    monkeypatch.setattr(flex, "FOLD_QUERIES", fold)
     rows = LAYOUTS[layout]
     B, T = len(rows), sum(rows[0])
     frame = compressed_layout(starts_of(rows).cuda(), L, D).frame

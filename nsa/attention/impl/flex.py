@@ -71,6 +71,7 @@ _MASK_CACHE_SIZE = 64  # geometries kept in eager mode (chunked prefill meets on
 COMPILE_DEVICES: frozenset[str] = frozenset({"cuda"})
 COMPILE_BACKEND = "inductor"
 _compiled_flex: dict[str, Callable] = {}  # backend -> compiled wrapper
+FOLD_QUERIES = 2048  # the compressed branch's queries per folded batch row (fold_count); 0: never fold
 
 
 def use_flex(kernel: str, q: torch.Tensor) -> bool:
@@ -208,22 +209,30 @@ def _blocks(some: torch.Tensor, every: torch.Tensor, q_whole, k_whole, mask_mod,
 def _block_mask(kind: str, Tq: int, Tk: int, q_start: int, k_start: int, a: int, b: int, device) -> BlockMask:
     """kind "cmp": a = l, b = d (token i covers [i*d, i*d + l)); kind "win": a = w (b unused). The tiles come
     from the int geometry; the mask_mod reads the offsets from 0-dim tensors (see the module docstring), so the
-    eager cache below only saves the tile arithmetic: it is not what keeps the compiled wrapper from
+    eager cache (_cached) only saves the tile arithmetic: it is not what keeps the compiled wrapper from
     recompiling."""
-    key = (kind, Tq, Tk, q_start, k_start, a, b, str(device))
-    caching = not torch.compiler.is_compiling()
-    if caching and key in _MASK_CACHE:
+
+    def build() -> BlockMask:
+        q_lo, q_hi, q_whole = _tile_bounds(Tq, device)  # [nq] query rows
+        k_lo, k_hi, k_whole = _tile_bounds(Tk, device)  # [nk] key rows
+        q_lo, q_hi = (q_lo + q_start)[:, None], (q_hi + q_start)[:, None]  # absolute positions, [nq, 1]
+        some, every, mask_mod = _geometry(kind, q_lo, q_hi, k_lo, k_hi, q_start, k_start, a, b, device)
+        return _blocks(some, every, q_whole, k_whole, mask_mod, Tq, Tk)
+
+    return _cached((kind, Tq, Tk, q_start, k_start, a, b, str(device)), build)
+
+
+def _cached(key: tuple, build: Callable[[], BlockMask]) -> BlockMask:
+    """A geometry's BlockMask from the eager cache (_MASK_CACHE, least recently used out), built on a miss; under
+    torch.compile always built (traced into the graph)."""
+    if torch.compiler.is_compiling():
+        return build()
+    if key in _MASK_CACHE:
         _MASK_CACHE.move_to_end(key)
         return _MASK_CACHE[key]
-    q_lo, q_hi, q_whole = _tile_bounds(Tq, device)  # [nq] query rows
-    k_lo, k_hi, k_whole = _tile_bounds(Tk, device)  # [nk] key rows
-    q_lo, q_hi = (q_lo + q_start)[:, None], (q_hi + q_start)[:, None]  # absolute positions, [nq, 1]
-    some, every, mask_mod = _geometry(kind, q_lo, q_hi, k_lo, k_hi, q_start, k_start, a, b, device)
-    mask = _blocks(some, every, q_whole, k_whole, mask_mod, Tq, Tk)
-    if caching:
-        _MASK_CACHE[key] = mask
-        while len(_MASK_CACHE) > _MASK_CACHE_SIZE:
-            _MASK_CACHE.popitem(last=False)
+    mask = _MASK_CACHE[key] = build()
+    while len(_MASK_CACHE) > _MASK_CACHE_SIZE:
+        _MASK_CACHE.popitem(last=False)
     return mask
 
 
@@ -313,12 +322,60 @@ def flex_compressed_attention(
     if ck.shape[2] == 0:
         empty = torch.zeros_like(q)
         return (empty, q.new_full(q.shape[:3], float("-inf"), dtype=torch.float32)) if return_lse else empty
+    folds = fold_count(q.shape[2])
+    if folds > 1:
+        return _folded_compressed(q, ck, cv, q_start, l, d, frame, return_lse, folds)
     if frame is not None:
         return _run_flex("nsa.compressed[documents]", q, ck, cv, _compressed_frame_block_mask(frame, ck.shape[2], l, d),
                          return_lse)
     ck, cv = (_pad_keys(t) for t in (ck, cv))  # padded tokens i >= N_c fail i*d + l - 1 <= p for every query
     mask = _block_mask("cmp", q.shape[2], ck.shape[2], q_start, 0, l, d, q.device)
     return _run_flex("nsa.compressed", q, ck, cv, mask, return_lse)
+
+
+def fold_count(Tq: int) -> int:
+    """How many batch rows the compressed branch's queries are folded into (1: none): Tq / FOLD_QUERIES where that
+    divides and is at least 2. FlexAttention's backward computes dK/dV with one program per (key tile, batch row,
+    KV head), each looping over every query tile of the G heads that see it; the compressed branch has T/d keys
+    (2,048 at 32k: 16 tiles x 2 KV heads = 32 programs, each over 512 query tiles x 6 heads on a 132-SM GPU).
+    Folded, each batch row holds FOLD_QUERIES queries: NC times the programs, each 1/NC of the loop."""
+    if not FOLD_QUERIES or Tq % FOLD_QUERIES or Tq < 2 * FOLD_QUERIES:
+        return 1
+    return Tq // FOLD_QUERIES
+
+
+def _folded_compressed(q, ck, cv, q_start: int, l: int, d: int, frame, return_lse: bool, folds: int):
+    """The compressed branch with its queries split into `folds` consecutive chunks, each its own batch row
+    (q [B, H, Tq, hd] -> [B*NC, H, Tq/NC, hd]; the keys shared: expanded, their gradients summed back by autograd),
+    each chunk's positions (and documents) in a frame [3, B*NC, Tq/NC]; outputs and log-sum-exps put back in order.
+    The same attention row for row: what changes is how FlexAttention's backward spreads dK/dV over programs."""
+    B, H, Tq, hd = q.shape
+    Tc = Tq // folds
+    if frame is None:  # one document from position 0: the mask depends on the geometry only (cached in eager mode)
+        ck, cv = (_pad_keys(t) for t in (ck, cv))  # as unfolded: padded tokens are past every query
+        mask = _folded_block_mask(B, Tq, q_start, folds, ck.shape[2], l, d, q.device)
+    else:  # row b*NC + c: queries [c*Tc, (c+1)*Tc) of row b, in their documents
+        mask = _compressed_frame_block_mask(frame.reshape(3, B * folds, Tc), ck.shape[2], l, d)
+    qf = q.view(B, H, folds, Tc, hd).transpose(1, 2).reshape(B * folds, H, Tc, hd)
+    ckf, cvf = (t[:, None].expand(B, folds, *t.shape[1:]).reshape(B * folds, *t.shape[1:]) for t in (ck, cv))
+    out = _run_flex("nsa.compressed[folded]", qf, ckf, cvf, mask, return_lse)
+    o, lse = out if return_lse else (out, None)
+    o = o.view(B, folds, H, Tc, hd).transpose(1, 2).reshape(B, H, Tq, hd)
+    if not return_lse:
+        return o
+    return o, lse.view(B, folds, H, Tc).transpose(1, 2).reshape(B, H, Tq)
+
+
+def _folded_block_mask(B: int, Tq: int, q_start: int, folds: int, Tk: int, l: int, d: int, device) -> BlockMask:
+    """The folded compressed branch's mask without documents: row b*NC + c holds queries at positions
+    q_start + c*Tc + t, and every row reads compressed tokens from index 0 (a frame with q_pos those positions and
+    c_base 0). Depends on the geometry only: cached like _block_mask's in eager mode."""
+    def build() -> BlockMask:
+        pos = torch.arange(q_start, q_start + Tq, device=device).expand(B, Tq)
+        frame = torch.stack([pos, torch.zeros_like(pos), torch.zeros_like(pos)]).reshape(3, B * folds, Tq // folds)
+        return _compressed_frame_block_mask(frame, Tk, l, d)
+
+    return _cached(("folded", B, Tq, q_start, folds, Tk, l, d, str(device)), build)
 
 
 def _pad_keys(x: torch.Tensor) -> torch.Tensor:
