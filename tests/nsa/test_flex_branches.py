@@ -113,11 +113,14 @@ def test_flex_only_for_cuda_low_precision_tensors():
         assert not flex.use_flex("auto", torch.zeros(1, device="cuda", dtype=torch.float64))
 
 
-def test_compiled_flex_compiles_once_across_chunk_offsets(monkeypatch):
+@pytest.mark.parametrize("fold", [0, 64], ids=["plain", "folded"])
+def test_compiled_flex_compiles_once_across_chunk_offsets(monkeypatch, fold):
     """A chunked prefill calls each branch with the same shapes at a new offset per chunk: the eager wrapper
     torch.compile(flex_attention, dynamic=False) must reuse one graph per branch (the offsets are data in
     the mask_mod, not code), and still match the SDPA path at every offset. CPU, forward, backend aot_eager:
-    Dynamo's guards (what decides a recompile) do not depend on the backend."""
+    Dynamo's guards (what decides a recompile) do not depend on the backend. folded: the compressed branch's 256
+    queries folded into 4 batch rows (the positions a captured frame: data too)."""
+    monkeypatch.setattr(flex, "FOLD_QUERIES", fold)
     monkeypatch.setattr(flex, "COMPILE_DEVICES", flex.COMPILE_DEVICES | {"cpu"})
     monkeypatch.setattr(flex, "COMPILE_BACKEND", "aot_eager")
     B, H_kv, G, T, hd, l, d, w = 1, 1, 2, 256, 16, 32, 16, 64
