@@ -473,29 +473,44 @@ def stages(layer, q, br, rope, layout, geo, T, device, repeats, ceil, ops) -> di
             if name in costs:
                 out[name].update(**costs[name], roofline_fraction=roofline_fraction(costs[name], ms, ceil))
     unfolded = layout == LAYOUTS["m7c"] and T in UNFOLDED_AT or layout == TINY_LAYOUTS["m7c"]
-    out.update(branch_backward(q, ck, cv, br["win"], c, T, device, repeats, ops, unfolded))
+    out.update(stage_backward(q, br, phis, count, idx, c, T, device, repeats, ops, unfolded))
     return out
 
 
-def branch_backward(q, ck, cv, win, c, T: int, device: str, repeats: int, ops, unfolded: bool) -> dict:
-    """The compressed and window branches forward + backward (FlexAttention's backward on CUDA, the torch path's on
-    a CPU), the compressed one also with its queries not folded into batch rows (impl/flex.py fold_count: the second
-    GPU session's profile put 6.2 ms of a 32k layer in these two backwards, 8.6x their forwards), where `unfolded`
-    (M7C's layout at UNFOLDED_AT: each a compile of its own)."""
+def stage_backward(q, br, phis, count: int, idx, c, T: int, device: str, repeats: int, ops, unfolded: bool) -> dict:
+    """Each differentiable stage forward + backward on fresh leaves: phi (both compressors, its weights' gradients
+    too), the compressed branch, selected attention (the picks given) and the window (FlexAttention's backward on
+    CUDA for the two dense branches, the torch path's on a CPU). The compressed branch also with its queries not
+    folded into batch rows where `unfolded` (impl/flex.py fold_count; M7C's layout at UNFOLDED_AT, each a compile of
+    its own): the second GPU session's profile put 6.2 ms of a 32k layer in those two backwards, 8.6x their
+    forwards."""
+    import torch
+
     from nsa.attention.impl import flex
 
-    leaves = [t.detach().clone() for t in (q, ck, cv, *win)]
-    qq, kk, vv, wk, wv = leaves
-    calls = {"compressed": lambda: ops.compressed_attention(qq, kk, vv, 0, c.l, c.d, c.q_chunk, c.kernel),
-             "window": lambda: ops.window_attention(qq, wk, wv, 0, 0, c.w, c.win_block, c.kernel)}
+    B, H_kv, G, hd = q.shape[0], br["sel"][0].shape[1], q.shape[1] // br["sel"][0].shape[1], q.shape[-1]
+    qq, *kv = (t.detach().clone() for t in (q, *br["cmp"], *br["sel"], *br["win"]))
+    raw_k, raw_v, sel_k, sel_v, win_k, win_v = kv
+    with torch.no_grad():
+        ck, cv = (t.detach() for t in ops.compress_blocks(raw_k, raw_v, *phis, 0, count, c.l, c.d, c.kernel))
+    calls = {  # stage -> (forward, its leaves)
+        "compress": (lambda: sum(ops.compress_blocks(raw_k, raw_v, *phis, 0, count, c.l, c.d, c.kernel)),
+                     [raw_k, raw_v]),
+        "compressed": (lambda: ops.compressed_attention(qq, ck, cv, 0, c.l, c.d, c.q_chunk, c.kernel), [qq, ck, cv]),
+        "selected": (lambda: ops.selected_attention(qq.view(B, H_kv, G, T, hd), sel_k, sel_v, idx, 0, c.l_sel,
+                                                    c.sel_tile, kernel=c.kernel, chunk=c.sel_chunk), [qq, sel_k, sel_v]),
+        "window": (lambda: ops.window_attention(qq, win_k, win_v, 0, 0, c.w, c.win_block, c.kernel), [qq, win_k, win_v]),
+    }
     out, saved = {}, flex.FOLD_QUERIES
-    arms = (("compressed", saved), ("compressed_unfolded", 0), ("window", saved))
-    for name, fold in (arm for arm in arms if unfolded or arm[0] != "compressed_unfolded"):
+    arms = [(name, saved) for name in calls] + ([("compressed_unfolded", 0)] if unfolded else [])
+    for name, fold in arms:
+        fwd, leaves = calls[name.split("_")[0]]
         flex.FOLD_QUERIES = fold
         try:
-            ms = time_ms(lambda: fwd_bwd(calls[name.split("_")[0]], leaves), device, repeats)  # noqa: B023
-            out[f"{name}_fwd_bwd"] = {"fwd_bwd_ms": ms, "folds": flex.fold_count(T) if name != "window" else 1}
-        except Exception as exc:  # one arm's failure must not lose the stages timed before it
+            out[f"{name}_fwd_bwd"] = {"fwd_bwd_ms": time_ms(lambda: fwd_bwd(fwd, leaves), device, repeats)}  # noqa: B023
+            if name.startswith("compressed"):
+                out[f"{name}_fwd_bwd"]["folds"] = flex.fold_count(T)
+        except Exception as exc:  # one stage's failure must not lose the stages timed before it
             out[f"{name}_fwd_bwd"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
         finally:
             flex.FOLD_QUERIES = saved

@@ -56,8 +56,8 @@ def test_tiny_run_checks_then_times_every_arm_and_stage_and_merges(tmp_path):
         for arm in ("nsa", "sdpa"):
             assert r[f"{arm}_fwd_ms"] > 0 and r[f"{arm}_fwd_bwd_ms"] > 0, r
         assert r["flex_fwd_ms"] > 0 and "flex_fwd_bwd_ms" not in r  # FlexAttention has no backward on CPU
-        backward = {"compressed_fwd_bwd", "window_fwd_bwd"} | ({"compressed_unfolded_fwd_bwd"} if r["layout"] == "m7c"
-                                                                else set())  # the fold compared at M7C's layout
+        backward = {f"{stage}_fwd_bwd" for stage in ("compress", "compressed", "selected", "window")} | (
+            {"compressed_unfolded_fwd_bwd"} if r["layout"] == "m7c" else set())  # the fold compared at M7C's layout
         assert set(r["stages"]) == {"compress", "compressed", "select", "selected", "window"} | backward
         assert all(r["stages"][name]["fwd_bwd_ms"] > 0 for name in backward), r["stages"]
         # the selected branch reads n*l' keys per query at most: its counted FLOPs are below dense causal's
