@@ -496,7 +496,9 @@ def stage_backward(q, br, phis, count: int, idx, c, T: int, device: str, repeats
     calls = {  # stage -> (forward, its leaves)
         "compress": (lambda: sum(ops.compress_blocks(raw_k, raw_v, *phis, 0, count, c.l, c.d, c.kernel)),
                      [raw_k, raw_v]),
-        "compressed": (lambda: ops.compressed_attention(qq, ck, cv, 0, c.l, c.d, c.q_chunk, c.kernel), [qq, ck, cv]),
+        # with its log-sum-exps, as the layer calls it: the layer's compiled FlexAttention graph serves (no compile)
+        "compressed": (lambda: ops.compressed_attention(qq, ck, cv, 0, c.l, c.d, c.q_chunk, c.kernel,
+                                                        return_lse=True)[0], [qq, ck, cv]),
         "selected": (lambda: ops.selected_attention(qq.view(B, H_kv, G, T, hd), sel_k, sel_v, idx, 0, c.l_sel,
                                                     c.sel_tile, kernel=c.kernel, chunk=c.sel_chunk), [qq, sel_k, sel_v]),
         "window": (lambda: ops.window_attention(qq, win_k, win_v, 0, 0, c.w, c.win_block, c.kernel), [qq, win_k, win_v]),
