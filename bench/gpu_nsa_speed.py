@@ -65,7 +65,7 @@ TINY_LAYOUTS = {"m7c": dict(n_heads=12, n_kv_heads=2, head_dim=16), "paper": dic
 INDEXER_ARMS = {"indexer": dict(selector="indexer"),  # the defaults: one key per block, the compressed target
                 "indexer_scores": dict(selector="indexer", indexer_pool="scores", indexer_target="dense")}
 UNFOLDED_AT = (8192, 32768)  # M7C lengths where the compressed branch is also timed without folding its queries
-SECTIONS = ("environment", "correctness", "ceilings", "attention", "train", "decode")
+SECTIONS = ("environment", "correctness", "ceilings", "attention", "train", "decode", "mfu")
 # relative RMS error in bf16, and the share of rows whose picks may differ (see correctness())
 TOLERANCE = {"reference_out": 1e-2, "out": 1e-2, "grad": 2e-2, "selection_disagreement": 0.02}
 INTERPRETER_SLACK = 2.5  # Triton's interpreter truncates float32 -> bf16 casts (correctness' docstring)
@@ -601,14 +601,29 @@ def layer_busy(args, layout: dict, geometry: dict, T: int) -> dict:
     return out
 
 
-def train(args) -> dict:
-    import tempfile
-
+def _acceptance():
+    """bench/gpu_acceptance.py as a module: its M7C and Qwen3 training runs, heartbeat parsing."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("gpu_acceptance", REPO / "bench" / "gpu_acceptance.py")
-    acceptance = importlib.util.module_from_spec(spec)  # bench/gpu_acceptance.py: M7C configs, heartbeat parsing
+    acceptance = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(acceptance)
+    return acceptance
+
+
+def mfu(args) -> dict:
+    """The dense ~1B Qwen3-style model's MFU, compiled on CUDA (bench/gpu_acceptance.py's dense_1b_mfu run: 12 layers,
+    seq 2048, batch 4, 12 steps on synthetic tokens; the trainer's own MFU from the GPU's bf16 peak). Eager on a CPU
+    (--tiny: the plumbing). Summary key dense_1b_mfu_compiled (a fraction: 0.45 = 45%, the seeds' plan)."""
+    compiled = args.device == "cuda"
+    run_args = argparse.Namespace(tiny=args.tiny, device=args.device, full=compiled, limit=args.section_limit)
+    return {**_acceptance().dense_1b_mfu(run_args), "compiled": compiled}
+
+
+def train(args) -> dict:
+    import tempfile
+
+    acceptance = _acceptance()
 
     from nsa.flops import flops_per_token
     from train.core.config import load_config
@@ -706,6 +721,8 @@ def summarise(sections: dict) -> dict:
     for key, v in decode_.get("model", {}).get("summary", {}).items():  # the goal's: the whole model, CUDA graphs
         if key.startswith("decode_nsa_over_dense_"):
             s[key] = v
+    if sections.get("mfu", {}).get("compiled") and sections["mfu"].get("mfu") is not None:
+        s["dense_1b_mfu_compiled"] = sections["mfu"]["mfu"]
     return s
 
 

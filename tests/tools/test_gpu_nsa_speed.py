@@ -89,6 +89,9 @@ def test_tiny_run_checks_then_times_every_arm_and_stage_and_merges(tmp_path):
         assert 0 < decode["model"]["checks"][kind]["eager_vs_full"] < 1e-5  # float32 on CPU
     assert summary["decode_nsa_over_dense_160_b2_eager"] == decode["model"]["summary"]["decode_nsa_over_dense_160_b2_eager"]
     assert summary["decode_layer_nsa_over_dense_160_b1"] == decode["layer"]["summary"]["speedup_160"]
+    mfu = sections["mfu"]  # the dense ~1B run through the trainer: eager on a CPU, so no compiled MFU in the summary
+    assert mfu["ok"] and mfu["toks_per_s"] > 0 and mfu["compiled"] is False
+    assert "dense_1b_mfu_compiled" not in summary
 
     # a later call replaces its own sections and keeps the others
     proc = run(tmp_path, "--only", "ceilings")
@@ -128,3 +131,6 @@ def test_summary_names_graphed_training_apart():
             "nsa_2048_graphs": {"exit": 1, "output": "..."}, "dense_2048_graphs": {"toks_per_s": 1.0}}
     summary = bench.summarise({"train": {"runs": runs}})
     assert summary == {"train_nsa_over_dense_8k": 0.5, "train_nsa_over_dense_8k_graphs": 0.75}
+    # the dense ~1B MFU enters the summary only from a compiled run (issue 50's key is the compiled one)
+    assert bench.summarise({"mfu": {"ok": True, "mfu": 0.41, "compiled": True}}) == {"dense_1b_mfu_compiled": 0.41}
+    assert bench.summarise({"mfu": {"ok": True, "mfu": 0.31, "compiled": False}}) == {}
