@@ -628,7 +628,7 @@ def train(args) -> dict:
     from nsa.flops import flops_per_token
     from train.core.config import load_config
 
-    seqs = args.train_S or ([128] if args.tiny else [2048, 8192])
+    seqs = args.train_S or ([128] if args.tiny else [2048, 8192, 32768])  # issue 50's three lengths
     compile_ = args.device == "cuda"
     graphs = [False, True] if args.train_graphs and compile_ else [False]  # CUDA graphs need CUDA and compile
     runs = {}
@@ -758,7 +758,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help="tiny shapes: the plumbing on CPU")
     ap.add_argument("--only", nargs="+", choices=SECTIONS, help="these sections (default: all)")
     ap.add_argument("--S", type=int, nargs="+", help="attention lengths (default 8k 16k 32k 64k)")
-    ap.add_argument("--train_S", type=int, nargs="+", help="training sequence lengths (default 2048 8192)")
+    ap.add_argument("--train_S", type=int, nargs="+", help="training sequence lengths (default 2048 8192 32768)")
     ap.add_argument("--decode_S", type=int, nargs="+", help="decode context lengths (default 32k 64k)")
     ap.add_argument("--train_graphs", action="store_true",
                     help="train: also run NSA and dense with CUDA graphs (runtime.cuda_graphs; CUDA only)")
