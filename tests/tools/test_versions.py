@@ -125,3 +125,22 @@ def test_the_packages_report_names_versions_outside_the_range():
         assert f"triton: {problem}" in proc.stdout.splitlines()
     else:
         assert not any(line.startswith("triton:") for line in proc.stdout.splitlines())
+
+
+def test_the_kernel_choice_reads_the_installed_triton_once_per_process(monkeypatch):
+    """resolve_kernel runs on every NSA op call (~10 per layer forward + backward): the installed Triton's version is
+    read from the package metadata once per process, not per call (each read took ~0.25-1 ms of host time on this
+    project's CPU VMs: half a layer's host path; bench/bench_host.py)."""
+    import importlib.metadata
+
+    import torch
+
+    from nsa.attention.ops import resolve_kernel
+
+    triton_unavailable()  # the process's one read (already made by any earlier NSA op)
+    reads = []
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: reads.append(name) or real(name))
+    for _ in range(20):
+        resolve_kernel("auto", torch.device("cuda"))  # a device object only: no CUDA needed to ask
+    assert reads == []
