@@ -370,6 +370,7 @@ def _folded_block_mask(B: int, Tq: int, q_start: int, folds: int, Tk: int, l: in
     """The folded compressed branch's mask without documents: row b*NC + c holds queries at positions
     q_start + c*Tc + t, and every row reads compressed tokens from index 0 (a frame with q_pos those positions and
     c_base 0). Depends on the geometry only: cached like _block_mask's in eager mode."""
+
     def build() -> BlockMask:
         pos = torch.arange(q_start, q_start + Tq, device=device).expand(B, Tq)
         frame = torch.stack([pos, torch.zeros_like(pos), torch.zeros_like(pos)]).reshape(3, B * folds, Tq // folds)
