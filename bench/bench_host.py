@@ -140,8 +140,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--json", help="also write the JSON here")
     args = ap.parse_args()
-    from nsa.attention.kernels.interpreter import interpreter_active
-
+    try:
+        from nsa.attention.kernels.interpreter import interpreter_active
+    except ImportError as exc:
+        raise SystemExit(f"error: the Triton kernels need triton, which failed to import ({exc})") from None
     if not interpreter_active():
         raise SystemExit("error: run with TRITON_INTERPRET=1 (the kernels are skipped in Triton's interpreter)")
     torch.set_num_threads(1)
