@@ -25,6 +25,7 @@ import statistics
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from nsa.config import ModelConfig, NSAConfig
 
@@ -35,36 +36,35 @@ CPU_ONLY_OPS = ("compressed_attention", "compressed_attention_backward", "window
 LAYOUT = dict(n_heads=12, n_kv_heads=2, head_dim=16, dim=192)
 
 
+class _OpTimer(TorchDispatchMode):
+    """The nsa:: op calls dispatched inside it, and the seconds spent in CPU_ONLY_OPS."""
+
+    def __init__(self):
+        super().__init__()
+        self.op_calls, self.cpu_only_s = 0, 0.0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.op_calls += func.namespace == "nsa"
+        t = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        if func.namespace == "nsa" and func.name().split("::")[1].split(".")[0] in CPU_ONLY_OPS:
+            self.cpu_only_s += time.perf_counter() - t
+        return out
+
+
 class _Skipped:
-    """Triton's interpreter with kernel execution skipped, counting launches; and the nsa:: op calls."""
+    """Triton's interpreter with kernel execution skipped; `launches` counts the launches."""
 
     def __enter__(self):
-        from torch.utils._python_dispatch import TorchDispatchMode
         from triton.runtime import interpreter
 
-        self.launches, self.op_calls, self.cpu_only_s = 0, 0, 0.0
-        self._run = interpreter.InterpretedFunction.run
-        outer = self
+        self.launches, self._run = 0, interpreter.InterpretedFunction.run
 
         def skip(fn, *args, **kwargs):
-            outer.launches += 1
+            self.launches += 1
 
         interpreter.InterpretedFunction.run = skip
-
-        class Ops(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                outer.op_calls += func.namespace == "nsa"
-                t = time.perf_counter()
-                out = func(*args, **(kwargs or {}))
-                if func.namespace == "nsa" and func.name().split("::")[1].split(".")[0] in CPU_ONLY_OPS:
-                    outer.cpu_only_s += time.perf_counter() - t
-                return out
-
-        self._ops = Ops
         return self
-
-    def count(self):
-        return self._ops()
 
     def __exit__(self, *exc):
         from triton.runtime import interpreter
@@ -102,16 +102,16 @@ def layer_host(repeats: int, skipped: _Skipped) -> dict:
     ms = _median_ms(step, repeats)
     cpu_only = []
     for _ in range(5):
-        skipped.launches, skipped.op_calls, skipped.cpu_only_s = 0, 0, 0.0
-        with skipped.count():
+        skipped.launches = 0
+        with _OpTimer() as ops:
             step()
-        cpu_only.append(skipped.cpu_only_s * 1e3)
+        cpu_only.append(ops.cpu_only_s * 1e3)
     branches = statistics.median(cpu_only)
     return {"host_ms": round(ms - branches, 3), "cpu_branches_ms": round(branches, 3), "total_ms": round(ms, 3),
-            "triton_launches": skipped.launches, "nsa_op_calls": skipped.op_calls}
+            "triton_launches": skipped.launches, "nsa_op_calls": ops.op_calls}
 
 
-def decode_host(repeats: int, skipped: _Skipped) -> dict:
+def decode_host(repeats: int) -> dict:
     from nsa.model import Transformer
     from nsa.static_decode import StaticDecoder
 
@@ -149,7 +149,7 @@ def main() -> None:
     torch.set_num_threads(1)
     with _Skipped() as skipped:
         result = {"bench": "host", "threads": 1, "layer_fwd_bwd": layer_host(args.repeats, skipped),
-                  "decode_step": decode_host(args.repeats, skipped)}
+                  "decode_step": decode_host(args.repeats)}
     line = json.dumps(result)
     print(line)
     if args.json:

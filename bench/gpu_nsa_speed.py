@@ -473,26 +473,23 @@ def stages(layer, q, br, rope, layout, geo, T, device, repeats, ceil, ops) -> di
             if name in costs:
                 out[name].update(**costs[name], roofline_fraction=roofline_fraction(costs[name], ms, ceil))
     unfolded = layout == LAYOUTS["m7c"] and T in UNFOLDED_AT or layout == TINY_LAYOUTS["m7c"]
-    out.update(stage_backward(q, br, phis, count, idx, c, T, device, repeats, ops, unfolded))
+    out.update(stage_backward(q, br, phis, count, ck, cv, idx, c, T, device, repeats, ops, unfolded))
     return out
 
 
-def stage_backward(q, br, phis, count: int, idx, c, T: int, device: str, repeats: int, ops, unfolded: bool) -> dict:
+def stage_backward(q, br, phis, count: int, ck, cv, idx, c, T: int, device: str, repeats: int, ops,
+                   unfolded: bool) -> dict:
     """Each differentiable stage forward + backward on fresh leaves: phi (both compressors, its weights' gradients
     too), the compressed branch, selected attention (the picks given) and the window (FlexAttention's backward on
     CUDA for the two dense branches, the torch path's on a CPU). The compressed branch also with its queries not
     folded into batch rows where `unfolded` (impl/flex.py fold_count; M7C's layout at UNFOLDED_AT, each a compile of
     its own): the second GPU session's profile put 6.2 ms of a 32k layer in those two backwards, 8.6x their
     forwards."""
-    import torch
-
     from nsa.attention.impl import flex
 
     B, H_kv, G, hd = q.shape[0], br["sel"][0].shape[1], q.shape[1] // br["sel"][0].shape[1], q.shape[-1]
-    qq, *kv = (t.detach().clone() for t in (q, *br["cmp"], *br["sel"], *br["win"]))
-    raw_k, raw_v, sel_k, sel_v, win_k, win_v = kv
-    with torch.no_grad():
-        ck, cv = (t.detach() for t in ops.compress_blocks(raw_k, raw_v, *phis, 0, count, c.l, c.d, c.kernel))
+    qq, *kv = (t.detach().clone() for t in (q, *br["cmp"], ck, cv, *br["sel"], *br["win"]))
+    raw_k, raw_v, ck, cv, sel_k, sel_v, win_k, win_v = kv  # fresh leaves (the stages' compressed keys and values too)
     calls = {  # stage -> (forward, its leaves)
         "compress": (lambda: sum(ops.compress_blocks(raw_k, raw_v, *phis, 0, count, c.l, c.d, c.kernel)),
                      [raw_k, raw_v]),
