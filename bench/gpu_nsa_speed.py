@@ -444,6 +444,7 @@ def stages(layer, q, br, rope, layout, geo, T, device, repeats, ceil, ops) -> di
     import torch
 
     from nsa.attention.impl.compression import num_compressed
+    from nsa.attention.kernels.select_topk import fused_select_blocks
 
     c = layer.cfg
     B, H_kv, G, hd = q.shape[0], layer.n_kv_heads, layer.n_groups, layer.head_dim
@@ -460,11 +461,15 @@ def stages(layer, q, br, rope, layout, geo, T, device, repeats, ceil, ops) -> di
         "compress": lambda: ops.compress_blocks(*br["cmp"], *phis, 0, count, c.l, c.d, c.kernel),  # phi_K and phi_V
         "compressed": lambda: ops.compressed_attention(q, ck, cv, 0, c.l, c.d, c.q_chunk, c.kernel, return_lse=True),
         "select": lambda: ops.select_blocks(qg, ck, 0, c.l, c.d, c.l_sel, c.n_sel, c.q_chunk, c.kernel, lse=lse),
+        # the one-launch kernel the layer used before the two-launch selection (kernels/select_two_pass.py), timed
+        # beside it: which design is faster on this GPU (docs/BENCHMARKS.md predicts the two launches)
+        "select_fused": lambda: fused_select_blocks(qg, ck, 0, c.l, c.d, c.l_sel, c.n_sel, lse=lse),
         "selected": lambda: ops.selected_attention(qg, *br["sel"], idx, 0, c.l_sel, c.sel_tile, kernel=c.kernel,
                                                    chunk=c.sel_chunk),
         "window": lambda: ops.window_attention(q, *br["win"], 0, 0, c.w, c.win_block, c.kernel),
     }
     costs = stage_costs(layout, geo, T)
+    costs["select_fused"] = costs["select"]
     out = {}
     with torch.no_grad():
         for name, call in calls.items():
@@ -472,6 +477,8 @@ def stages(layer, q, br, rope, layout, geo, T, device, repeats, ceil, ops) -> di
             out[name] = {"fwd_ms": ms}
             if name in costs:
                 out[name].update(**costs[name], roofline_fraction=roofline_fraction(costs[name], ms, ceil))
+        # the share of (query, KV head) rows whose picks differ between the two designs (bf16 near ties only)
+        out["select_fused"]["rows_differing"] = (calls["select_fused"]() != idx).any(-1).double().mean().item()
     unfolded = layout == LAYOUTS["m7c"] and T in UNFOLDED_AT or layout == TINY_LAYOUTS["m7c"]
     out.update(stage_backward(q, br, phis, count, ck, cv, idx, c, T, device, repeats, ops, unfolded))
     return out

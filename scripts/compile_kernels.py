@@ -242,6 +242,26 @@ def exercise_select_topk(shape: Shape, dtype: torch.dtype) -> None:
                             lse=given)
 
 
+def exercise_select_two_pass(shape: Shape, dtype: torch.dtype) -> bool:
+    """Block selection in two launches, as nsa/attention/ops.py calls it without documents (with the compressed
+    branch's log-sum-exps, and without them), at the shape's length and at 64k (the top-n kernel is specialised on
+    the padded block count: 1,024 blocks a row at l' = 64)."""
+    from nsa.attention.impl.compression import num_compressed
+    from nsa.attention.kernels import select_two_pass
+
+    ran = False
+    for T in sorted({shape.T, 65536}):
+        if not select_two_pass.applies(0, T, shape.l_sel, None):
+            continue
+        q = _meta(1, shape.H_kv, shape.G, T, shape.hd, dtype=dtype)  # [B, H_kv, G, Tq, hd]
+        ck = _meta(1, shape.H_kv, num_compressed(T, shape.l, shape.d), shape.hd, dtype=dtype)  # [B, H_kv, N_c, hd]
+        lse = _meta(1, shape.H_kv, shape.G, T, dtype=torch.promote_types(dtype, torch.float32))
+        for given in (None, lse):
+            select_two_pass.two_pass_select_blocks(q, ck, 0, shape.l, shape.d, shape.l_sel, shape.n, lse=given)
+        ran = True
+    return ran
+
+
 def exercise_indexer_topk(shape: Shape, dtype: torch.dtype) -> None:
     """The learned indexer's picks (nsa.selector=indexer), as ops.indexer_picks calls them, at the indexer's default
     sizes (NSAConfig: heads, dim) with one key per block and one per token."""
@@ -310,6 +330,7 @@ KERNEL_MODULES = (
     ("nsa.attention.kernels.block_centric", exercise_selection),  # launched by selected_attention's wrappers
     ("nsa.attention.kernels.index_tiles", exercise_selection),  # launched by selected_attention's index
     ("nsa.attention.kernels.select_topk", exercise_select_topk),
+    ("nsa.attention.kernels.select_two_pass", exercise_select_two_pass),
     ("nsa.attention.kernels.indexer_topk", exercise_indexer_topk),
     ("nsa.attention.kernels.indexer_kl", exercise_indexer_kl),
     ("nsa.attention.kernels.dense_mass", exercise_dense_mass),

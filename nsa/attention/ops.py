@@ -332,8 +332,11 @@ def _select_blocks(q: Tensor, ck: Tensor, q_start: int, l: int, d: int, l_sel: i
 
 def _select_blocks_any_layout(q, ck, q_start, l, d, l_sel, n, q_chunk, kernel, frame, lse) -> Tensor:
     if _triton(kernel, q):
+        from nsa.attention.kernels import select_two_pass
         from nsa.attention.kernels.select_topk import fused_select_blocks
 
+        if select_two_pass.applies(q_start, q.shape[3], l_sel, frame):  # scores written out, then each row's top-n
+            return select_two_pass.two_pass_select_blocks(q, ck, q_start, l, d, l_sel, n, lse=lse)
         return fused_select_blocks(q, ck, q_start, l, d, l_sel, n, frame=frame, lse=lse)
     if frame is not None:
         if masked.fits(q, q.shape[1] * q.shape[2], q.shape[3] + l_sel):

@@ -58,7 +58,9 @@ def test_tiny_run_checks_then_times_every_arm_and_stage_and_merges(tmp_path):
         assert r["flex_fwd_ms"] > 0 and "flex_fwd_bwd_ms" not in r  # FlexAttention has no backward on CPU
         backward = {f"{stage}_fwd_bwd" for stage in ("compress", "compressed", "selected", "window")} | (
             {"compressed_unfolded_fwd_bwd"} if r["layout"] == "m7c" else set())  # the fold compared at M7C's layout
-        assert set(r["stages"]) == {"compress", "compressed", "select", "selected", "window"} | backward
+        assert set(r["stages"]) == {"compress", "compressed", "select", "select_fused", "selected", "window"} | backward
+        # the one-launch selection kernel timed beside the layer's (the torch path's on CPU): the same picks here
+        assert r["stages"]["select_fused"]["fwd_ms"] > 0 and r["stages"]["select_fused"]["rows_differing"] <= 0.02
         assert all(r["stages"][name]["fwd_bwd_ms"] > 0 for name in backward), r["stages"]
         # the selected branch reads n*l' keys per query at most: its counted FLOPs are below dense causal's
         assert 0 < r["stages"]["selected"]["flops"] and 0 < r["stages"]["selected"]["roofline_fraction"]
