@@ -572,8 +572,8 @@ def layer_busy(args, layout: dict, geometry: dict, T: int) -> dict:
     x = torch.randn(1, T, layer.q_proj.in_features, device=args.device, requires_grad=True)
     rope = rope_for(layout["head_dim"], T, args.device)
 
-    def step():
-        with torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16):
+    def step(cache_casts: bool = True):  # autocast's cast cache must be off inside a graph capture (PyTorch's docs)
+        with torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16, cache_enabled=cache_casts):
             y = layer(x, rope)
         y.float().square().mean().backward()
 
@@ -602,7 +602,36 @@ def layer_busy(args, layout: dict, geometry: dict, T: int) -> dict:
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         device_ms = sum(e.device_time for e in kernels) / 1e3
         out.update(device_ms=round(device_ms, 3), kernels=len(kernels), busy_fraction=round(device_ms / wall_ms, 3))
+        try:  # the same step captured once and replayed: what is left when the host issues nothing
+            graphed_ms = graphed_step_ms(lambda: step(cache_casts=False), n)
+            out.update(graphed_wall_ms=round(graphed_ms, 3), busy_fraction_graphed=round(min(1.0, device_ms / graphed_ms), 3))
+        except Exception as exc:  # a capture failure must not lose the eager numbers
+            out["graphed_error"] = f"{type(exc).__name__}: {exc}"[:300]
     return out
+
+
+def graphed_step_ms(step, n: int) -> float:
+    """Wall ms per replay of `step` (a forward + backward) captured as one CUDA graph, as PyTorch's whole-network
+    capture does it: warm-up on a side stream (compiles, caches, the allocator's blocks), the gradients then
+    allocated inside the capture (replays overwrite them), n replays timed after one."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    graph.replay()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) * 1e3 / n
 
 
 def _acceptance():
@@ -712,6 +741,8 @@ def summarise(sections: dict) -> dict:
     busy = sections.get("attention", {}).get("busy", {})
     if "busy_fraction" in busy:
         s[f"gpu_busy_fraction_{length_tag(busy['T'])}"] = busy["busy_fraction"]
+    if "busy_fraction_graphed" in busy:  # the layer's step replayed as a CUDA graph (no host work between kernels)
+        s[f"gpu_busy_fraction_{length_tag(busy['T'])}_graphed"] = busy["busy_fraction_graphed"]
     runs = sections.get("train", {}).get("runs", {})
     for key, r in runs.items():  # nsa_<seq> and nsa_<seq>_graphs against dense's run of the same kind
         if key.startswith("nsa_") and "toks_per_s" in r and "toks_per_s" in runs.get("dense_" + key[4:], {}):
