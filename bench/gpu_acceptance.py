@@ -106,7 +106,8 @@ CUDA_TESTS_FIRST = ["tests/nsa/test_nsa_gpu.py", "tests/nsa/test_kernel_document
                     "tests/nsa/test_rotary_op.py", "tests/nsa/test_gated_combine.py", "tests/nsa/test_compress_blocks.py",
                     "tests/nsa/test_row_dot.py", "tests/nsa/test_decode_step_kernel.py"]
 CUDA_TESTS_FULL = CUDA_TESTS_FIRST + ["tests/nsa/test_triton_selection.py", "tests/nsa/test_block_centric.py",
-                                      "tests/nsa/test_flex_branches.py", "tests/nsa/test_flex_documents.py"]
+                                      "tests/nsa/test_flex_branches.py", "tests/nsa/test_flex_documents.py",
+                                      "tests/nsa/test_fused_select.py", "tests/nsa/test_select_two_pass.py"]
 
 
 def cuda_tests(args) -> dict:
