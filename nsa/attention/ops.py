@@ -335,8 +335,12 @@ def _select_blocks_any_layout(q, ck, q_start, l, d, l_sel, n, q_chunk, kernel, f
         from nsa.attention.kernels import select_two_pass
         from nsa.attention.kernels.select_topk import fused_select_blocks
 
-        if select_two_pass.applies(q_start, q.shape[3], l_sel, frame):  # scores written out, then each row's top-n
-            return select_two_pass.two_pass_select_blocks(q, ck, q_start, l, d, l_sel, n, lse=lse)
+        # the blocks a row may reach: with packed documents as many as the window's layout allows (document-relative)
+        width = (select_two_pass.row_blocks(q_start, q.shape[3], l_sel) if frame is None
+                 else masked.document_block_count(ck.shape[2], q.shape[3], l, d, l_sel))
+        if select_two_pass.applies(width):  # scores written out, then each row's top-n
+            return select_two_pass.two_pass_select_blocks(q, ck, q_start, l, d, l_sel, n, frame=frame, lse=lse,
+                                                          width=width)
         return fused_select_blocks(q, ck, q_start, l, d, l_sel, n, frame=frame, lse=lse)
     if frame is not None:
         if masked.fits(q, q.shape[1] * q.shape[2], q.shape[3] + l_sel):

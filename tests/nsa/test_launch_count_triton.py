@@ -153,9 +153,8 @@ def test_the_indexer_adds_its_kernels_and_nothing_else(opened, pool, target, doc
                 for name in set(count.by_op) | set(pooled.by_op) if count.by_op[name] != pooled.by_op[name]}
         extra[T] = count.total - pooled.total
         assert not count.syncs, dict(count.syncs)  # the indexer's picks and KL never wait for the device either
-        # pooled selection's kernels, gone: two launches without documents, the fused kernel with them
-        pooled_selection = ({"triton._select_topk_kernel": -1} if documents else
-                            {"triton._block_scores_kernel": -1, "triton._top_n_kernel": -1})
+        # pooled selection's two kernels, gone (the scores' frame variant with documents)
+        pooled_selection = {f"triton._block_scores{'_frame' if documents else ''}_kernel": -1, "triton._top_n_kernel": -1}
         assert diff == {"aten.mm": 2, "triton._indexer_topk_kernel": 1, "triton._kl_fwd_kernel": 1,
                         "triton._kl_bwd_kernel": 1, **pooled_selection}, (T, diff)
     assert max(extra.values()) <= INDEXER_EXTRA, extra

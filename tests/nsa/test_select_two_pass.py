@@ -160,16 +160,15 @@ def test_low_precision_agrees_with_the_fused_kernel_up_to_near_ties(dtype):
             assert gap <= 1e-5 * s.max().item(), (b, h, t, sorted(mine), sorted(theirs), gap)
 
 
-def test_the_layer_op_takes_two_launches_without_documents_and_the_fused_kernel_with_them(monkeypatch):
-    """nsa::select_blocks on the Triton path: two_pass where `applies` (no frame, rows within MAX_ROW_BLOCKS), the
-    fused kernel for packed documents and for rows too long to hold; both give the torch path's picks here."""
+def test_the_layer_op_takes_two_launches_and_the_fused_kernel_only_for_rows_too_long(monkeypatch):
+    """nsa::select_blocks on the Triton path: two_pass where `applies` (rows within MAX_ROW_BLOCKS blocks), with or
+    without packed documents, the fused kernel for rows too long to hold; both give the torch path's picks here."""
     from nsa.attention import ops
     from nsa.attention.documents import compressed_layout
 
     calls = []
-    for name in ("two_pass_select_blocks",):
-        real = getattr(select_two_pass, name)
-        monkeypatch.setattr(select_two_pass, name, lambda *a, _r=real, **k: calls.append("two_pass") or _r(*a, **k))
+    real = select_two_pass.two_pass_select_blocks
+    monkeypatch.setattr(select_two_pass, "two_pass_select_blocks", lambda *a, **k: calls.append("two_pass") or real(*a, **k))
     real_fused = select_topk.fused_select_blocks
     monkeypatch.setattr(select_topk, "fused_select_blocks", lambda *a, **k: calls.append("fused") or real_fused(*a, **k))
     B, H_kv, G, Tq, hd, l, d, l_sel, n = 1, 1, 2, 64, 16, 8, 4, 16, 4
@@ -181,7 +180,74 @@ def test_the_layer_op_takes_two_launches_without_documents_and_the_fused_kernel_
                                rtol=0, atol=0)
     monkeypatch.setattr(select_two_pass, "MAX_ROW_BLOCKS", 2)
     torch.testing.assert_close(ops.select_blocks(q, ck, 0, l, d, l_sel, n, 32, "triton"), want, rtol=0, atol=0)
-    assert calls == ["two_pass", "fused", "fused"]
+    assert calls == ["two_pass", "two_pass", "fused"]
+
+
+# packed documents: (H_kv, G, l', n, document lengths of row 0 and row 1), as tests/nsa/test_kernel_documents.py
+DOCUMENTS = {"G2_lsel8_n4": (1, 2, 8, 4, ([5, 37, 3, 31, 14], [51, 2, 7, 30])),
+             "G3_lsel12_n5": (2, 3, 12, 5, ([9, 39, 6, 25, 11], [3, 70, 17]))}
+
+
+@pytest.mark.parametrize("case", DOCUMENTS, ids=list(DOCUMENTS))
+def test_packed_documents_equal_the_fused_kernel_and_each_document_alone(case, monkeypatch):
+    """With a frame each query scores its own document's blocks at its position in it: the picks equal the fused
+    kernel's with the same frame (float64, with and without the compressed branch's log-sum-exps) and, document by
+    document, this path's picks for that document alone (no frame, its own compressed tokens); queries in chunks
+    (SCORE_BYTES small) change nothing."""
+    from nsa.attention.impl.compression import num_compressed
+    from nsa.attention.impl.masked import document_block_count
+    from tests.nsa.test_kernel_documents import compress, documents, window_starts
+    from nsa.attention.documents import compressed_layout
+
+    H_kv, G, l_sel, n, lengths = DOCUMENTS[case]
+    l, d, hd = 8, 4, 16
+    start = window_starts(lengths)
+    B, T = start.shape
+    layout = compressed_layout(start, l, d)
+    g = torch.Generator().manual_seed(len(case))
+    q = (2 * torch.randn(B, H_kv, G, T, hd, generator=g, dtype=torch.float64)).to(DEV)
+    ck = compress(torch.randn(B, H_kv, T, hd, generator=g, dtype=torch.float64), layout).to(DEV)
+    frame = layout.frame.to(DEV)
+    width = document_block_count(ck.shape[2], T, l, d, l_sel)
+    lse = torch.randn(B, H_kv, G, T, generator=g, dtype=torch.float64).to(DEV) + 3.0  # any normaliser: both read it
+    for given in (lse, None):  # got: the picks without the log-sum-exps, compared with each document alone below
+        got = two_pass(q, ck, 0, l, d, l_sel, n, frame=frame, lse=given, width=width)
+        want = select_topk.fused_select_blocks(q, ck, 0, l, d, l_sel, n, frame=frame, lse=given)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for b, first, n_tok in documents(lengths):
+        c_base, count = int(layout.frame[2, b, first]), num_compressed(n_tok, l, d)
+        alone = two_pass(q[b:b + 1, :, :, first:first + n_tok], ck[b:b + 1, :, c_base:c_base + count], 0, l, d, l_sel, n)
+        torch.testing.assert_close(got[b:b + 1, :, first:first + n_tok], alone, rtol=0, atol=0,
+                                   msg=lambda m: f"row {b} document at {first} ({n_tok} tokens): {m}")
+    monkeypatch.setattr(select_two_pass, "SCORE_BYTES", B * H_kv * 24 * width * 8)  # 24 queries a launch pair
+    torch.testing.assert_close(two_pass(q, ck, 0, l, d, l_sel, n, frame=frame, width=width), got, rtol=0, atol=0)
+
+
+def test_positions_past_the_width_read_nothing_beyond_it():
+    """A position whose current block lies past the scores' width (a frame outrunning its compressed tokens): the
+    row keeps min(n, width) blocks within the width and never reads the column after it (NaN there would rank
+    first)."""
+    width, n, l_sel = 5, 3, 4
+    big = torch.rand(1, 1, 2, width + 1, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(DEV)
+    big[..., width] = float("nan")
+    positions = torch.tensor([[100, 2 * l_sel]], device=DEV)  # current blocks 25 (past the width) and 2
+    got = select_two_pass.top_n_rows(big[..., :width], 0, l_sel, n, positions=positions)[0, 0]
+    want = select_blocks(big[..., :width].nan_to_num(), 0, l_sel, n, positions=positions.clamp_max(width * l_sel - 1)
+                         [:, None, :])[0, 0]
+    assert got[0].max() < width and torch.equal(got[1], want[1]), got
+
+
+def test_a_one_document_frame_equals_q_start():
+    """plain_frame (one document at positions q_start ..) with the kernel's q_start 0 gives what q_start gives without
+    a frame, at the width the layout allows."""
+    from nsa.attention.documents import plain_frame
+    from nsa.attention.impl.masked import document_block_count
+
+    B, H_kv, G, Tq, hd, q_start, l, d, l_sel, n = 2, 1, 3, 37, 16, 1100, 32, 16, 64, 16
+    q, ck = make_inputs(B, H_kv, G, Tq, hd, q_start, l, d, seed=4)
+    width = document_block_count(ck.shape[2], Tq, l, d, l_sel)
+    got = two_pass(q, ck, 0, l, d, l_sel, n, frame=plain_frame(B, Tq, q_start, DEV), width=width)
+    torch.testing.assert_close(got, two_pass(q, ck, q_start, l, d, l_sel, n), rtol=0, atol=0)
 
 
 def test_rejects_bad_input_in_one_line():
@@ -192,5 +258,7 @@ def test_rejects_bad_input_in_one_line():
         two_pass(q, ck, 0, 6, 4, 16, 4)
     with pytest.raises(ValueError, match="blocks a row"):
         two_pass(q, ck, 10 ** 6, 8, 4, 16, 4)
+    with pytest.raises(ValueError, match="with a width"):
+        two_pass(q, ck, 0, 8, 4, 16, 4, frame=torch.zeros(3, 1, 16, dtype=torch.long, device=DEV))
     with pytest.raises(ValueError, match="fp32 / fp64"):
         select_two_pass.top_n_rows(torch.zeros(1, 1, 4, 1, dtype=torch.long, device=DEV), 0, 4, 2)

@@ -4,29 +4,36 @@ Same result as the torch path `nsa.attention.impl.block_select.select_by_score` 
 (kernels/select_topk.py `fused_select_blocks`), ties included. Why two launches: the fused kernel merges each chunk
 of BJ block scores into a running top-n held in registers, and that merge is most of its chunk loop. Compiled for
 sm_90 (bf16, M7C's shape, Triton 3.9), the fused kernel's chunk loop is 1,896 instructions with 74 barriers (each
-a shared-memory round trip: the merge's rank counting and the group sum's layout changes) at 189 registers a
-thread (2 programs an SM); the same loop without the merge (here) is 658 instructions with 22 barriers at 92
-registers (5 programs an SM). The second GPU session measured the fused kernel at 5.3 ms at 32k (before Eq. 8
-sharing halved its matmuls) against a ~0.07 ms roofline: a chain of barrier-separated steps with little resident
-to hide it.
+a shared-memory round trip: the merge's rank counting, the group sum's layout changes) at 189 registers a thread
+(2 programs an SM); the same loop storing the scores instead (here) is 666 instructions with 22 barriers at 104
+registers (4 programs an SM). The second GPU session measured the fused kernel at 5.3 ms at 32k (before Eq. 8
+sharing removed its first pass) against a ~0.07 ms roofline: a chain of barrier-separated steps with little
+resident to hide it (docs/BENCHMARKS.md, the chunk loops counted from the SASS).
 
     1 block scores  grid (cdiv(Tq, BT), B*H_kv): the fused kernel's programs (GP*BT (head, query) rows of one KV
                       group) and its pass 2 chunk by chunk (select_topk._pooled_rows: Eq. 9-10 per chunk of BJ
                       blocks, the compressed branch's log-sum-exps given or pass 1 here), each chunk's scores
-                      stored to S [B, H_kv, Tq, n_blocks] (fp32; fp64 for fp64 inputs) up to the tile's last
-                      current block; nothing merged.
-    2 top-n         grid (cdiv(Tq, BR), B*H_kv): BR rows of S held whole in registers ([BR, NBP], NBP = n_blocks
-                      padded to a power of two, <= MAX_ROW_BLOCKS); each score's bits as an integer key
-                      (non-negative floats order as their bits: scores are sums of probabilities), forced blocks
-                      (0, previous, current) the bits of +inf, blocks after the current -1; n rounds of a row max
-                      with its index (ties -> the lowest index, as select_blocks), each pick's key set to -2;
-                      picks with key -1 (fewer than n blocks exist) are empty; the picks ascending, -1 last.
+                      stored to S [B, H_kv, Tq, width] (fp32; fp64 for fp64 inputs) up to the tile's last current
+                      block; nothing merged. Packed documents (a frame: q_pos, k_base, c_base per query):
+                      select_topk.pooled_mass_tile with every query a row, each over its own document's compressed
+                      tokens at its position in it, one document of the tile at a time (the learned indexer's
+                      target loop), every document-relative block below the width (0 past what a row sees).
+    2 top-n         grid (cdiv(Tq, BR), B*H_kv): BR rows of S whole in registers ([BR, NBP], NBP = the width
+                      padded to a power of two, <= MAX_ROW_BLOCKS; a query at q_start + t, or at its frame's
+                      q_pos): each score's bits as an integer key (scores are sums of probabilities, >= 0, and
+                      non-negative floats order as their bits; a NaN clamped to +inf's bits), forced blocks (0,
+                      previous, current) +inf's bits, blocks after the current -1; the k-th largest key (k =
+                      min(n, c + 1)) by bisection over the key range (31 rounds of a count per row, 63 for fp64);
+                      every key above it kept, and of those equal to it the lowest-indexed (a cumulative sum):
+                      select_blocks' rule exactly; the kept blocks stored ascending by a second cumulative sum,
+                      -1 after them.
 
-Traffic: S is written once and read once (at 32k, M7C, batch 1: 2 x 32,768 x 512 x 4 B = 128 MiB each way, ~0.06
-ms at an H200's 4.3 TB/s; 512 MiB at 64k). Above SCORE_BYTES (1 GiB) the queries run in consecutive chunks, a
-launch pair each (each chunk's S only as wide as its last query's blocks). Rows longer than MAX_ROW_BLOCKS blocks
-(over 256k tokens at l' = 64) and packed documents (a frame) take the fused kernel: `applies` decides.
-Kernels and launcher; nsa/attention/ops.py chooses.
+Traffic: S is written once and read once (M7C at 32k, batch 1: at most 2 x 32,768 x 512 x 4 B = 128 MiB each way,
+half of it without documents; ~0.06 ms at an H200's 4.3 TB/s; 512 MiB at 64k). Above SCORE_BYTES (1 GiB) the
+queries run in consecutive chunks, a launch pair each (without documents each chunk's S only as wide as its last
+query's blocks). Rows wider than MAX_ROW_BLOCKS blocks (over 256k tokens at l' = 64) take the fused kernel:
+`applies` decides. Kernels and launcher; nsa/attention/ops.py chooses (and with a frame gives the width the
+window's layout allows).
 """
 from __future__ import annotations
 
@@ -35,7 +42,7 @@ import triton
 import triton.language as tl
 
 from nsa.attention.kernels.interpreter import interpreter_active
-from nsa.attention.kernels.select_topk import _pooled_rows, _row_lse, kernel_constexprs, num_stages
+from nsa.attention.kernels.select_topk import _pooled_rows, _row_lse, kernel_constexprs, num_stages, pooled_mass_tile
 
 SCORE_BYTES = 1 << 30  # most bytes of block scores one launch pair writes (read at call time)
 MAX_ROW_BLOCKS = 4096  # NBP: a row's blocks the top-n kernel holds in registers; longer rows take the fused kernel
@@ -88,31 +95,61 @@ def _block_scores_kernel(
                  GP, L, D, L_SEL, BT, BJ, SHIFT, SCALE, RUP, ACC, UPCAST, PREC, True)
 
 
+@triton.jit(do_not_specialize=["Tq", "N_c", "n_blocks"])
+def _block_scores_frame_kernel(
+    Q, CK, LSE, S, FRAME,
+    sqb, sqh, sqg, sqt, sqd,
+    skb, skh, skn, skd,
+    slb, slh, slg, slt,
+    ssb, ssh, sst, ssj,
+    sf0, sf1, sf2,
+    Tq, N_c, n_blocks,
+    H_KV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, DP: tl.constexpr,
+    L: tl.constexpr, D: tl.constexpr, L_SEL: tl.constexpr, BT: tl.constexpr, BJ: tl.constexpr,
+    SHIFT: tl.constexpr, SCALE: tl.constexpr, RUP: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr,
+    PREC: tl.constexpr, HAS_LSE: tl.constexpr,
+):
+    """Packed documents (frame [3, B, Tq]: q_pos, k_base, c_base): S[b, h, t, j] for every document-relative block
+    j < n_blocks, each query over its own document's compressed tokens at its position in the document (0 past what
+    it sees): select_topk.pooled_mass_tile with every query a row, one document of the tile at a time."""
+    bh = tl.program_id(1).to(tl.int64)
+    pooled_mass_tile(Q, CK, LSE, S, FRAME, sqb, sqh, sqg, sqt, sqd, skb, skh, skn, skd, slb, slh, slg, slt,
+                     ssb, ssh, sst, ssj, sf0, sf1, sf2, bh // H_KV, bh % H_KV, tl.program_id(0) * BT, Tq, Tq, Tq, N_c,
+                     n_blocks, G, GP, HD, DP, L, D, L_SEL, BT, BJ, SHIFT, SCALE, RUP, ACC, UPCAST, PREC, HAS_LSE, True)
+
+
 @triton.jit(do_not_specialize=["q_start", "Tq"])
 def _top_n_kernel(
-    S, OUT,
+    S, OUT, FRAME,
     ssb, ssh, sst, ssj,
     sob, soh, sot, sos,
-    q_start, Tq,
+    sf1, sf2,
+    q_start, Tq, width,
     H_KV: tl.constexpr, L_SEL: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, BR: tl.constexpr,
-    NBP: tl.constexpr, KEY: tl.constexpr, INF_KEY: tl.constexpr, KEY_BITS: tl.constexpr,
+    NBP: tl.constexpr, KEY: tl.constexpr, INF_KEY: tl.constexpr, KEY_BITS: tl.constexpr, HAS_FRAME: tl.constexpr,
 ):
     """OUT[b, h, t] = the top-n blocks of S[b, h, t] (block 0, the previous and the current block forced; only
-    blocks up to the current compete; ties -> the lower block), ascending, -1 last."""
+    blocks up to the current compete; ties -> the lower block), ascending, -1 last. Query t is at position
+    q_start + t, or with a frame at FRAME[0, b, t] (its document's; the blocks document-relative). Columns past
+    `width` are never read (a position beyond them keeps the blocks within)."""
     bh = tl.program_id(1).to(tl.int64)
     b = bh // H_KV
     h = bh % H_KV
     t = tl.program_id(0) * BR + tl.arange(0, BR)  # [BR]
     t_ok = t < Tq
-    current = (q_start + t) // L_SEL  # [BR]
+    if HAS_FRAME:
+        pos = tl.load(FRAME + b * sf1 + t.to(tl.int64) * sf2, mask=t_ok, other=0).to(tl.int32)  # [BR]
+    else:
+        pos = q_start + t
+    current = pos // L_SEL  # [BR]
     blk = tl.arange(0, NBP)  # [NBP]
-    allowed = t_ok[:, None] & (blk[None, :] <= current[:, None])  # [BR, NBP]
+    allowed = t_ok[:, None] & (blk[None, :] <= current[:, None]) & (blk < width)[None, :]  # [BR, NBP]
     s = tl.load(S + b * ssb + h * ssh + t.to(tl.int64)[:, None] * sst + blk[None, :] * ssj, mask=allowed, other=0.0)
     # scores >= 0: their bits order as the values do (a NaN's bits are clamped into range: kept counts stay exact)
     key = tl.maximum(tl.minimum(s.to(KEY, bitcast=True), INF_KEY), 0)
     forced = (blk[None, :] == 0) | (blk[None, :] == current[:, None]) | (blk[None, :] == current[:, None] - 1)
     key = tl.where(allowed, tl.where(forced, INF_KEY, key), -1)
-    k = tl.minimum(current + 1, N)  # [BR] blocks a row keeps: every competing one, at most n
+    k = tl.minimum(tl.minimum(current + 1, width), N)  # [BR] blocks a row keeps: every competing one, at most n
     # the k-th largest key: the largest v with #(key >= v) >= k, by bisection over the keys' range (every allowed key
     # is >= 0, so #(key >= 0) >= k holds at the start, and #(key >= INF_KEY + 1) = 0 < k)
     lo = tl.zeros([BR], dtype=KEY)
@@ -140,16 +177,15 @@ def row_blocks(q_start: int, Tq: int, l_sel: int) -> int:
     return (q_start + Tq - 1) // l_sel + 1
 
 
-def applies(q_start: int, Tq: int, l_sel: int, frame: torch.Tensor | None) -> bool:
-    """Whether selection runs in two launches (else the fused kernel): no packed documents, rows of at most
-    MAX_ROW_BLOCKS blocks."""
-    return frame is None and Tq > 0 and triton.next_power_of_2(row_blocks(q_start, Tq, l_sel)) <= MAX_ROW_BLOCKS
+def applies(width: int) -> bool:
+    """Whether selection runs in two launches (else the fused kernel): rows of at most MAX_ROW_BLOCKS blocks (width:
+    the scores' columns, row_blocks without documents)."""
+    return 0 < triton.next_power_of_2(width) <= MAX_ROW_BLOCKS
 
 
-def query_chunk(B: int, H_kv: int, q_start: int, Tq: int, l_sel: int, elem: int) -> int:
-    """Queries per launch pair: S of [B, H_kv, chunk, blocks] within SCORE_BYTES (blocks as the call's last query
-    sees them, an upper bound for every chunk); at least one."""
-    return max(1, min(Tq, SCORE_BYTES // (B * H_kv * row_blocks(q_start, Tq, l_sel) * elem)))
+def query_chunk(B: int, H_kv: int, Tq: int, width: int, elem: int) -> int:
+    """Queries per launch pair: S of [B, H_kv, chunk, width] within SCORE_BYTES; at least one."""
+    return max(1, min(Tq, SCORE_BYTES // (B * H_kv * width * elem)))
 
 
 @torch.no_grad()
@@ -161,16 +197,24 @@ def two_pass_select_blocks(
     d: int,
     l_sel: int,
     n: int,
+    frame: torch.Tensor | None = None,  # [3, B, Tq] int64 (q_pos, k_base, c_base): documents; q_start unused
     lse: torch.Tensor | None = None,  # [B, H_kv, G, Tq] the compressed branch's log-sum-exps (Eq. 8), any strides
+    width: int | None = None,  # with a frame: the document-relative blocks any query may reach (its caller knows
+    # the layout: impl/masked.document_block_count); without one row_blocks(q_start, Tq, l_sel)
 ) -> torch.Tensor:  # [B, H_kv, Tq, n] int64 block indices, ascending; -1 pads |I_p| = min(n, p // l' + 1)
-    """Top-n selection blocks per query as fused_select_blocks without a frame (the same contract and checks), in
-    two launches per chunk of queries (one chunk unless S exceeds SCORE_BYTES). No host sync."""
+    """Top-n selection blocks per query as fused_select_blocks (the same contract and checks), in two launches per
+    chunk of queries (one chunk unless S exceeds SCORE_BYTES). No host sync. With a frame a query whose position
+    lies past `width` blocks keeps the blocks within it (a frame whose positions outrun its compressed tokens)."""
     B, H_kv, G, Tq, hd = q.shape
     if ck.dim() != 4 or ck.shape[:2] != (B, H_kv) or ck.shape[3] != hd:
         raise ValueError(f"two_pass_select_blocks: q {tuple(q.shape)} and ck {tuple(ck.shape)} do not match")
     if d < 1 or l < 1 or l % d or l_sel % d or l_sel < 1 or n < 1 or q_start < 0:
         raise ValueError(f"two_pass_select_blocks: need d | l, d | l', n >= 1, q_start >= 0 "
                          f"(l={l}, d={d}, l'={l_sel}, n={n}, q_start={q_start})")
+    if frame is not None and (frame.shape != (3, B, Tq) or frame.dtype != torch.long or frame.device != q.device
+                              or width is None):
+        raise ValueError(f"two_pass_select_blocks: frame must be int64 [3, {B}, {Tq}] on {q.device} with a width, got "
+                         f"{frame.dtype} {tuple(frame.shape)} on {frame.device}, width {width}")
     if lse is not None and (lse.shape != (B, H_kv, G, Tq) or lse.device != q.device or not lse.is_floating_point()):
         raise ValueError(f"two_pass_select_blocks: lse must be [{B}, {H_kv}, {G}, {Tq}] floating point on "
                          f"{q.device}, got {lse.dtype} {tuple(lse.shape)} on {lse.device}")
@@ -183,52 +227,68 @@ def two_pass_select_blocks(
     out = torch.empty(B, H_kv, Tq, n, dtype=torch.long, device=q.device)
     if out.numel() == 0:
         return out
-    if triton.next_power_of_2(row_blocks(q_start, Tq, l_sel)) > MAX_ROW_BLOCKS:
-        raise ValueError(f"two_pass_select_blocks: {row_blocks(q_start, Tq, l_sel)} blocks a row exceed "
-                         f"{MAX_ROW_BLOCKS} (the fused kernel takes such rows)")
+    if frame is None:
+        width = row_blocks(q_start, Tq, l_sel)
+    if not applies(width):
+        raise ValueError(f"two_pass_select_blocks: {width} blocks a row exceed {MAX_ROW_BLOCKS} (the fused kernel "
+                         f"takes such rows)")
     meta = kernel_constexprs(q.dtype, G, hd, l, d, l_sel, n)
     meta.pop("N"), meta.pop("NP")
     acc = torch.promote_types(q.dtype, torch.float32)
-    chunk = query_chunk(B, H_kv, q_start, Tq, l_sel, acc.itemsize)
+    chunk = query_chunk(B, H_kv, Tq, width, acc.itemsize)
     for a in range(0, Tq, chunk):
         t_n = min(chunk, Tq - a)
-        n_blocks = row_blocks(q_start + a, t_n, l_sel)
-        scores = torch.empty(B, H_kv, t_n, n_blocks, dtype=acc, device=q.device)
+        cols = width if frame is not None else row_blocks(q_start + a, t_n, l_sel)  # this chunk's blocks
+        scores = torch.empty(B, H_kv, t_n, cols, dtype=acc, device=q.device)
         q_a = q[:, :, :, a:a + t_n]
         lse_arg, l_strides = (ck, (0, 0, 0, 0)) if lse is None else (lse[..., a:a + t_n], lse.stride())
-        _block_scores_kernel[(triton.cdiv(t_n, meta["BT"]), B * H_kv)](
-            q_a, ck, lse_arg, scores, *q_a.stride(), *ck.stride(), *l_strides, *scores.stride(), q_start + a, t_n,
-            ck.shape[2], H_KV=H_kv, **meta, HAS_LSE=lse is not None, num_stages=num_stages(q.dtype, hd),
-            maxnreg=255)  # as the fused kernel's
-        top_n_rows(scores, q_start + a, l_sel, n, out=out[:, :, a:a + t_n])
+        grid = (triton.cdiv(t_n, meta["BT"]), B * H_kv)
+        common = dict(H_KV=H_kv, **meta, HAS_LSE=lse is not None, num_stages=num_stages(q.dtype, hd),
+                      maxnreg=255)  # as the fused kernel's
+        if frame is None:
+            _block_scores_kernel[grid](q_a, ck, lse_arg, scores, *q_a.stride(), *ck.stride(), *l_strides,
+                                       *scores.stride(), q_start + a, t_n, ck.shape[2], **common)
+        else:
+            f_a = frame[:, :, a:a + t_n]
+            _block_scores_frame_kernel[grid](q_a, ck, lse_arg, scores, f_a, *q_a.stride(), *ck.stride(), *l_strides,
+                                             *scores.stride(), *f_a.stride(), t_n, ck.shape[2], cols, **common)
+        top_n_rows(scores, q_start + a, l_sel, n, out=out[:, :, a:a + t_n],
+                   positions=None if frame is None else frame[0, :, a:a + t_n])
     return out
 
 
 @torch.no_grad()
 def top_n_rows(
-    scores: torch.Tensor,  # [B, H_kv, Tq, >= blocks] block scores (>= 0) of queries at q_start .., any strides;
-    # only blocks up to each query's current one are read
+    scores: torch.Tensor,  # [B, H_kv, Tq, width] block scores (>= 0), any strides; only blocks up to each query's
+    # current one (and within width) are read
     q_start: int,
     l_sel: int,
     n: int,
     out: torch.Tensor | None = None,  # [B, H_kv, Tq, n] int64 to write into (a view is fine)
+    positions: torch.Tensor | None = None,  # [B, Tq] int64 each query's position (packed documents: within its
+    # document, the blocks document-relative); default q_start ..
 ) -> torch.Tensor:  # [B, H_kv, Tq, n] int64, ascending, -1 last: impl.selection.select_blocks(scores, ...)
     """Launch 2 alone: each row's top-n blocks as impl.selection.select_blocks picks them (block 0, the previous and
     the current block forced; ties -> the lower block). One launch."""
     B, H_kv, Tq, width = scores.shape
-    nbp = triton.next_power_of_2(row_blocks(q_start, Tq, l_sel))
-    if width < row_blocks(q_start, Tq, l_sel) or nbp > MAX_ROW_BLOCKS or scores.dtype not in (torch.float32,
-                                                                                               torch.float64):
+    cols = width if positions is not None else row_blocks(q_start, Tq, l_sel)
+    if width < cols or not applies(cols) or scores.dtype not in (torch.float32, torch.float64):
         raise ValueError(f"top_n_rows: scores {scores.dtype} {tuple(scores.shape)} need fp32 / fp64 and "
-                         f"{row_blocks(q_start, Tq, l_sel)} <= blocks (<= {MAX_ROW_BLOCKS} padded)")
+                         f"{cols} <= blocks (<= {MAX_ROW_BLOCKS} padded)")
+    if positions is not None and (positions.shape != (B, Tq) or positions.device != scores.device):
+        raise ValueError(f"top_n_rows: positions must be [{B}, {Tq}] on {scores.device}, got "
+                         f"{tuple(positions.shape)} on {positions.device}")
     if out is None:
         out = torch.empty(B, H_kv, Tq, n, dtype=torch.long, device=scores.device)
     if out.numel() == 0:
         return out
+    nbp = triton.next_power_of_2(cols)
     rows = max(1, min(MAX_TOPN_ROWS, TOPN_ELEMENTS // nbp))
     f64 = scores.dtype == torch.float64
+    pos, p_strides = (scores, (0, 0)) if positions is None else (positions, positions.stride())  # unread without
     _top_n_kernel[(triton.cdiv(Tq, rows), B * H_kv)](
-        scores, out, *scores.stride(), *out.stride(), q_start, Tq, H_KV=H_kv, L_SEL=l_sel, N=n,
-        NP=triton.next_power_of_2(n), BR=rows, NBP=nbp, KEY=tl.int64 if f64 else tl.int32,
-        INF_KEY=0x7FF0000000000000 if f64 else 0x7F800000, KEY_BITS=63 if f64 else 31)
+        scores, out, pos, *scores.stride(), *out.stride(), *p_strides, q_start, Tq, cols, H_KV=H_kv, L_SEL=l_sel,
+        N=n, NP=triton.next_power_of_2(n), BR=rows, NBP=nbp, KEY=tl.int64 if f64 else tl.int32,
+        INF_KEY=0x7FF0000000000000 if f64 else 0x7F800000, KEY_BITS=63 if f64 else 31,
+        HAS_FRAME=positions is not None)
     return out
