@@ -244,25 +244,23 @@ def exercise_select_topk(shape: Shape, dtype: torch.dtype) -> None:
 
 def exercise_select_two_pass(shape: Shape, dtype: torch.dtype) -> bool:
     """Block selection in two launches, as nsa/attention/ops.py calls it (with the compressed branch's log-sum-exps,
-    and without them; without and with a document frame, at the width the window's layout allows), at the shape's
-    length and at 64k (the top-n kernel is specialised on the padded block count: 1,024 blocks a row at l' = 64)."""
+    and without them; without and with a document frame), at the shape's length and at 64k (the top-n kernel is
+    specialised on the padded block count: 1,024 blocks a row at l' = 64)."""
     from nsa.attention.impl.compression import num_compressed
-    from nsa.attention.impl.masked import document_block_count
     from nsa.attention.kernels import select_two_pass
 
     ran = False
     for T in sorted({shape.T, 65536}):
+        if not select_two_pass.applies(0, T, shape.l_sel):
+            continue
         q = _meta(1, shape.H_kv, shape.G, T, shape.hd, dtype=dtype)  # [B, H_kv, G, Tq, hd]
         ck = _meta(1, shape.H_kv, num_compressed(T, shape.l, shape.d), shape.hd, dtype=dtype)  # [B, H_kv, N_c, hd]
         lse = _meta(1, shape.H_kv, shape.G, T, dtype=torch.promote_types(dtype, torch.float32))
-        framed = document_block_count(T // shape.d, T, shape.l, shape.d, shape.l_sel)  # the layout's T // d slots
-        for frame, width in ((None, None), (_meta(3, 1, T, dtype=torch.long), framed)):
-            if not select_two_pass.applies(width or select_two_pass.row_blocks(0, T, shape.l_sel)):
-                continue
+        for frame in (None, _meta(3, 1, T, dtype=torch.long)):
             for given in (None, lse):
                 select_two_pass.two_pass_select_blocks(q, ck, 0, shape.l, shape.d, shape.l_sel, shape.n, frame=frame,
-                                                       lse=given, width=width)
-            ran = True
+                                                       lse=given)
+        ran = True
     return ran
 
 

@@ -335,12 +335,8 @@ def _select_blocks_any_layout(q, ck, q_start, l, d, l_sel, n, q_chunk, kernel, f
         from nsa.attention.kernels import select_two_pass
         from nsa.attention.kernels.select_topk import fused_select_blocks
 
-        # the blocks a row may reach: with packed documents as many as the window's layout allows (document-relative)
-        width = (select_two_pass.row_blocks(q_start, q.shape[3], l_sel) if frame is None
-                 else masked.document_block_count(ck.shape[2], q.shape[3], l, d, l_sel))
-        if select_two_pass.applies(width):  # scores written out, then each row's top-n
-            return select_two_pass.two_pass_select_blocks(q, ck, q_start, l, d, l_sel, n, frame=frame, lse=lse,
-                                                          width=width)
+        if select_two_pass.applies(q_start, q.shape[3], l_sel):  # scores written out, then each row's top-n
+            return select_two_pass.two_pass_select_blocks(q, ck, q_start, l, d, l_sel, n, frame=frame, lse=lse)
         return fused_select_blocks(q, ck, q_start, l, d, l_sel, n, frame=frame, lse=lse)
     if frame is not None:
         if masked.fits(q, q.shape[1] * q.shape[2], q.shape[3] + l_sel):
@@ -359,7 +355,8 @@ def select_blocks(
     q: Tensor,  # [B, H_kv, G, Tq, hd] queries (RoPE applied) at positions q_start ..
     ck: Tensor,  # [B, H_kv, N_c, hd] compressed keys (RoPE applied)
     q_start: int, l: int, d: int, l_sel: int, n: int, q_chunk: int, kernel: str,
-    frame: Tensor | None = None,  # [3, B, Tq] documents (nsa/attention/documents.py); then q_start is unused
+    frame: Tensor | None = None,  # [3, B, Tq] documents (nsa/attention/documents.py); q_start then stays the absolute
+    # position of query 0 (the layer's 0), which bounds every document position (the Triton path sizes its scores by it)
     lse: Tensor | None = None,  # [B, H_kv, G, Tq] the compressed branch's log-sum-exps over the same q, ck
 ) -> Tensor:  # [B, H_kv, Tq, n] int64, ascending, -1 = none (impl.selection.select_blocks' contract);
     # with a frame the blocks are counted from each query's document start. lse: the Triton kernel reuses the

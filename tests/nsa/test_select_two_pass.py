@@ -195,7 +195,6 @@ def test_packed_documents_equal_the_fused_kernel_and_each_document_alone(case, m
     document, this path's picks for that document alone (no frame, its own compressed tokens); queries in chunks
     (SCORE_BYTES small) change nothing."""
     from nsa.attention.impl.compression import num_compressed
-    from nsa.attention.impl.masked import document_block_count
     from tests.nsa.test_kernel_documents import compress, documents, window_starts
     from nsa.attention.documents import compressed_layout
 
@@ -208,10 +207,9 @@ def test_packed_documents_equal_the_fused_kernel_and_each_document_alone(case, m
     q = (2 * torch.randn(B, H_kv, G, T, hd, generator=g, dtype=torch.float64)).to(DEV)
     ck = compress(torch.randn(B, H_kv, T, hd, generator=g, dtype=torch.float64), layout).to(DEV)
     frame = layout.frame.to(DEV)
-    width = document_block_count(ck.shape[2], T, l, d, l_sel)
     lse = torch.randn(B, H_kv, G, T, generator=g, dtype=torch.float64).to(DEV) + 3.0  # any normaliser: both read it
     for given in (lse, None):  # got: the picks without the log-sum-exps, compared with each document alone below
-        got = two_pass(q, ck, 0, l, d, l_sel, n, frame=frame, lse=given, width=width)
+        got = two_pass(q, ck, 0, l, d, l_sel, n, frame=frame, lse=given)
         want = select_topk.fused_select_blocks(q, ck, 0, l, d, l_sel, n, frame=frame, lse=given)
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     for b, first, n_tok in documents(lengths):
@@ -219,34 +217,32 @@ def test_packed_documents_equal_the_fused_kernel_and_each_document_alone(case, m
         alone = two_pass(q[b:b + 1, :, :, first:first + n_tok], ck[b:b + 1, :, c_base:c_base + count], 0, l, d, l_sel, n)
         torch.testing.assert_close(got[b:b + 1, :, first:first + n_tok], alone, rtol=0, atol=0,
                                    msg=lambda m: f"row {b} document at {first} ({n_tok} tokens): {m}")
+    width = select_two_pass.row_blocks(0, T, l_sel)
     monkeypatch.setattr(select_two_pass, "SCORE_BYTES", B * H_kv * 24 * width * 8)  # 24 queries a launch pair
-    torch.testing.assert_close(two_pass(q, ck, 0, l, d, l_sel, n, frame=frame, width=width), got, rtol=0, atol=0)
+    torch.testing.assert_close(two_pass(q, ck, 0, l, d, l_sel, n, frame=frame), got, rtol=0, atol=0)
 
 
-def test_positions_past_the_width_read_nothing_beyond_it():
-    """A position whose current block lies past the scores' width (a frame outrunning its compressed tokens): the
-    row keeps min(n, width) blocks within the width and never reads the column after it (NaN there would rank
-    first)."""
-    width, n, l_sel = 5, 3, 4
-    big = torch.rand(1, 1, 2, width + 1, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(DEV)
+def test_positions_past_the_bound_read_nothing_beyond_it():
+    """A document position past the absolute one (a malformed frame): the row keeps min(n, blocks) picks within
+    row_blocks(q_start, Tq, l') and never reads the column after them (NaN there would rank first)."""
+    q_start, Tq, n, l_sel = 9, 2, 3, 4
+    width = select_two_pass.row_blocks(q_start, Tq, l_sel)  # 3 blocks
+    big = torch.rand(1, 1, Tq, width + 1, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(DEV)
     big[..., width] = float("nan")
-    positions = torch.tensor([[100, 2 * l_sel]], device=DEV)  # current blocks 25 (past the width) and 2
-    got = select_two_pass.top_n_rows(big[..., :width], 0, l_sel, n, positions=positions)[0, 0]
-    want = select_blocks(big[..., :width].nan_to_num(), 0, l_sel, n, positions=positions.clamp_max(width * l_sel - 1)
-                         [:, None, :])[0, 0]
+    positions = torch.tensor([[100, 8]], device=DEV)  # current blocks 25 (past the bound) and 2
+    got = select_two_pass.top_n_rows(big, q_start, l_sel, n, positions=positions)[0, 0]
+    want = select_blocks(big[..., :width], 0, l_sel, n, positions=torch.tensor([[[100, 8]]]).clamp_max(
+        width * l_sel - 1).to(DEV))[0, 0]
     assert got[0].max() < width and torch.equal(got[1], want[1]), got
 
 
 def test_a_one_document_frame_equals_q_start():
-    """plain_frame (one document at positions q_start ..) with the kernel's q_start 0 gives what q_start gives without
-    a frame, at the width the layout allows."""
+    """plain_frame (one document at positions q_start ..) gives what q_start gives without a frame."""
     from nsa.attention.documents import plain_frame
-    from nsa.attention.impl.masked import document_block_count
 
     B, H_kv, G, Tq, hd, q_start, l, d, l_sel, n = 2, 1, 3, 37, 16, 1100, 32, 16, 64, 16
     q, ck = make_inputs(B, H_kv, G, Tq, hd, q_start, l, d, seed=4)
-    width = document_block_count(ck.shape[2], Tq, l, d, l_sel)
-    got = two_pass(q, ck, 0, l, d, l_sel, n, frame=plain_frame(B, Tq, q_start, DEV), width=width)
+    got = two_pass(q, ck, q_start, l, d, l_sel, n, frame=plain_frame(B, Tq, q_start, DEV))
     torch.testing.assert_close(got, two_pass(q, ck, q_start, l, d, l_sel, n), rtol=0, atol=0)
 
 
@@ -258,7 +254,7 @@ def test_rejects_bad_input_in_one_line():
         two_pass(q, ck, 0, 6, 4, 16, 4)
     with pytest.raises(ValueError, match="blocks a row"):
         two_pass(q, ck, 10 ** 6, 8, 4, 16, 4)
-    with pytest.raises(ValueError, match="with a width"):
-        two_pass(q, ck, 0, 8, 4, 16, 4, frame=torch.zeros(3, 1, 16, dtype=torch.long, device=DEV))
+    with pytest.raises(ValueError, match="frame must be"):
+        two_pass(q, ck, 0, 8, 4, 16, 4, frame=torch.zeros(3, 1, 15, dtype=torch.long, device=DEV))
     with pytest.raises(ValueError, match="fp32 / fp64"):
         select_two_pass.top_n_rows(torch.zeros(1, 1, 4, 1, dtype=torch.long, device=DEV), 0, 4, 2)

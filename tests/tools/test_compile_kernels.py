@@ -138,3 +138,50 @@ def test_shared_memory_over_the_target_limit_fails(synthetic_rows):
 def test_a_compile_error_fails(synthetic_rows):
     for row in synthetic_rows["bad_arange"]:
         assert row.error.startswith("compile error:") and row.failures == [row.error]
+
+
+# ---------------------------------------------------------------- scripts/kernel_loops.py: the loops' SASS counted
+SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_0:
+        /*0010*/                   LDS R2, [R3] ;
+        /*0020*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0030*/               @P0 BRA `(.L_x_1) ;
+        /*0040*/                   SHFL.BFLY PT, R4, R2, 0x1, 0x1f ;
+.L_x_1:
+        /*0050*/                   MUFU.EX2 R5, R4 ;
+        /*0060*/              @!P1 BRA `(.L_x_0) ;
+        /*0070*/                   EXIT ;
+"""
+
+
+def test_kernel_loops_reads_a_loop_from_its_backward_branch():
+    """A backward branch spans its loop (the forward branch inside is part of the body, not a loop); predicated
+    opcodes count by family."""
+    spec = importlib.util.spec_from_file_location("kernel_loops", REPO / "scripts" / "kernel_loops.py")
+    kl = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # dataclasses look their module up
+    spec.loader.exec_module(kl)
+    whole, loops = kl.sass_loops(SASS)
+    assert whole.instructions == 8 and whole.families == {"BAR": 1, "LDS": 1, "SHFL": 1, "MUFU": 1}
+    assert [(loop.first, loop.last, loop.instructions) for loop in loops] == [(1, 6, 6)]
+    assert loops[0].families == {"BAR": 1, "LDS": 1, "SHFL": 1, "MUFU": 1}
+
+
+def test_kernel_loops_counts_the_selection_kernels(shipped_run, tmp_path):
+    """The script on the real kernels at the shipped M7C shape (compiled above: Triton's cache), sm_90: the fused
+    selection kernel's chunk loop waits on more barriers than the two-launch design's scores loop (the reason for
+    that design, docs/BENCHMARKS.md); both loops hold the chunk's MMA and exps; the top-n kernel has no loop."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "kernel_loops.py"), "--T", "2048", "--json",
+                           str(tmp_path / "loops.json")], cwd=REPO, env={**env, "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    kernels = json.loads((tmp_path / "loops.json").read_text())["kernels"]
+    assert set(kernels) == {"fused", "two_pass_scores", "two_pass_top_n", "two_pass_scores_documents",
+                            "two_pass_top_n_documents"}
+    fused, scores = kernels["fused"]["loops"][0]["families"], kernels["two_pass_scores"]["loops"][0]["families"]
+    assert fused["BAR"] > scores["BAR"] > 0, (fused, scores)
+    for loop in (fused, scores):
+        assert loop.get("HGMMA", 0) + loop.get("HMMA", 0) > 0 and loop["MUFU"] > 0
+    assert kernels["two_pass_top_n"]["loops"] == [] and kernels["two_pass_top_n"]["families"]["BAR"] > 0
+    assert "| fused | _select_topk_kernel |" in proc.stdout

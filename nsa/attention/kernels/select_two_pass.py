@@ -13,13 +13,15 @@ resident to hide it (docs/BENCHMARKS.md, the chunk loops counted from the SASS).
     1 block scores  grid (cdiv(Tq, BT), B*H_kv): the fused kernel's programs (GP*BT (head, query) rows of one KV
                       group) and its pass 2 chunk by chunk (select_topk._pooled_rows: Eq. 9-10 per chunk of BJ
                       blocks, the compressed branch's log-sum-exps given or pass 1 here), each chunk's scores
-                      stored to S [B, H_kv, Tq, width] (fp32; fp64 for fp64 inputs) up to the tile's last current
+                      stored to S [B, H_kv, Tq, blocks] (fp32; fp64 for fp64 inputs) up to the tile's last current
                       block; nothing merged. Packed documents (a frame: q_pos, k_base, c_base per query):
                       select_topk.pooled_mass_tile with every query a row, each over its own document's compressed
                       tokens at its position in it, one document of the tile at a time (the learned indexer's
-                      target loop), every document-relative block below the width (0 past what a row sees).
-    2 top-n         grid (cdiv(Tq, BR), B*H_kv): BR rows of S whole in registers ([BR, NBP], NBP = the width
-                      padded to a power of two, <= MAX_ROW_BLOCKS; a query at q_start + t, or at its frame's
+                      target loop), every document-relative block the chunk's queries may reach (0 past what a
+                      row sees).
+    2 top-n         grid (cdiv(Tq, BR), B*H_kv): BR rows of S whole in registers ([BR, NBP], NBP = the row's
+                      blocks padded to a power of two, <= MAX_ROW_BLOCKS; a row within one warp up to 1,024 blocks,
+                      so its counts and sums are shuffles, no barrier; a query at q_start + t, or at its frame's
                       q_pos): each score's bits as an integer key (scores are sums of probabilities, >= 0, and
                       non-negative floats order as their bits; a NaN clamped to +inf's bits), forced blocks (0,
                       previous, current) +inf's bits, blocks after the current -1; the k-th largest key (k =
@@ -30,10 +32,10 @@ resident to hide it (docs/BENCHMARKS.md, the chunk loops counted from the SASS).
 
 Traffic: S is written once and read once (M7C at 32k, batch 1: at most 2 x 32,768 x 512 x 4 B = 128 MiB each way,
 half of it without documents; ~0.06 ms at an H200's 4.3 TB/s; 512 MiB at 64k). Above SCORE_BYTES (1 GiB) the
-queries run in consecutive chunks, a launch pair each (without documents each chunk's S only as wide as its last
-query's blocks). Rows wider than MAX_ROW_BLOCKS blocks (over 256k tokens at l' = 64) take the fused kernel:
-`applies` decides. Kernels and launcher; nsa/attention/ops.py chooses (and with a frame gives the width the
-window's layout allows).
+queries run in consecutive chunks, a launch pair each, each chunk's S as wide as its last query's blocks (with
+documents too: a position within a document never exceeds the absolute one). Rows wider than MAX_ROW_BLOCKS blocks
+(over 256k tokens at l' = 64) take the fused kernel: `applies` decides. Kernels and launcher; nsa/attention/ops.py
+chooses.
 """
 from __future__ import annotations
 
@@ -46,7 +48,8 @@ from nsa.attention.kernels.select_topk import _pooled_rows, _row_lse, kernel_con
 
 SCORE_BYTES = 1 << 30  # most bytes of block scores one launch pair writes (read at call time)
 MAX_ROW_BLOCKS = 4096  # NBP: a row's blocks the top-n kernel holds in registers; longer rows take the fused kernel
-TOPN_ELEMENTS = 2048  # BR * NBP per top-n program (16 keys a thread at 4 warps: 68 registers on sm_90)
+WARP_ROW_BLOCKS = 1024  # a row's blocks one warp of the top-n kernel holds (32 a lane); longer rows take more warps
+LANE_KEYS = 16  # keys a lane holds when rows are short (several rows a warp)
 MAX_TOPN_ROWS = 16
 
 
@@ -177,15 +180,20 @@ def row_blocks(q_start: int, Tq: int, l_sel: int) -> int:
     return (q_start + Tq - 1) // l_sel + 1
 
 
-def applies(width: int) -> bool:
-    """Whether selection runs in two launches (else the fused kernel): rows of at most MAX_ROW_BLOCKS blocks (width:
-    the scores' columns, row_blocks without documents)."""
-    return 0 < triton.next_power_of_2(width) <= MAX_ROW_BLOCKS
+def applies(q_start: int, Tq: int, l_sel: int) -> bool:
+    """Whether selection runs in two launches (else the fused kernel): rows of at most MAX_ROW_BLOCKS blocks."""
+    return Tq > 0 and triton.next_power_of_2(row_blocks(q_start, Tq, l_sel)) <= MAX_ROW_BLOCKS
 
 
 def query_chunk(B: int, H_kv: int, Tq: int, width: int, elem: int) -> int:
     """Queries per launch pair: S of [B, H_kv, chunk, width] within SCORE_BYTES; at least one."""
     return max(1, min(Tq, SCORE_BYTES // (B * H_kv * width * elem)))
+
+
+def top_n_programs(nbp: int) -> tuple[int, int]:
+    """(rows, warps) of a top-n program for rows of nbp (a power of two) blocks: a row within one warp up to
+    WARP_ROW_BLOCKS blocks (its counts and sums are shuffles, no barrier), several short rows a warp."""
+    return max(1, min(MAX_TOPN_ROWS, 32 * LANE_KEYS // nbp)), max(1, nbp // WARP_ROW_BLOCKS)
 
 
 @torch.no_grad()
@@ -197,24 +205,23 @@ def two_pass_select_blocks(
     d: int,
     l_sel: int,
     n: int,
-    frame: torch.Tensor | None = None,  # [3, B, Tq] int64 (q_pos, k_base, c_base): documents; q_start unused
+    frame: torch.Tensor | None = None,  # [3, B, Tq] int64 (q_pos, k_base, c_base): documents
     lse: torch.Tensor | None = None,  # [B, H_kv, G, Tq] the compressed branch's log-sum-exps (Eq. 8), any strides
-    width: int | None = None,  # with a frame: the document-relative blocks any query may reach (its caller knows
-    # the layout: impl/masked.document_block_count); without one row_blocks(q_start, Tq, l_sel)
 ) -> torch.Tensor:  # [B, H_kv, Tq, n] int64 block indices, ascending; -1 pads |I_p| = min(n, p // l' + 1)
     """Top-n selection blocks per query as fused_select_blocks (the same contract and checks), in two launches per
-    chunk of queries (one chunk unless S exceeds SCORE_BYTES). No host sync. With a frame a query whose position
-    lies past `width` blocks keeps the blocks within it (a frame whose positions outrun its compressed tokens)."""
+    chunk of queries (one chunk unless S exceeds SCORE_BYTES). No host sync. With a frame, q_start is still the
+    absolute position of query 0 (0 for a window's layout, documents.compressed_layout): a position within a
+    document never exceeds the absolute one, so row_blocks(q_start, Tq, l') bounds every document-relative block
+    (a frame breaking that keeps each query's picks within the bound)."""
     B, H_kv, G, Tq, hd = q.shape
     if ck.dim() != 4 or ck.shape[:2] != (B, H_kv) or ck.shape[3] != hd:
         raise ValueError(f"two_pass_select_blocks: q {tuple(q.shape)} and ck {tuple(ck.shape)} do not match")
     if d < 1 or l < 1 or l % d or l_sel % d or l_sel < 1 or n < 1 or q_start < 0:
         raise ValueError(f"two_pass_select_blocks: need d | l, d | l', n >= 1, q_start >= 0 "
                          f"(l={l}, d={d}, l'={l_sel}, n={n}, q_start={q_start})")
-    if frame is not None and (frame.shape != (3, B, Tq) or frame.dtype != torch.long or frame.device != q.device
-                              or width is None):
-        raise ValueError(f"two_pass_select_blocks: frame must be int64 [3, {B}, {Tq}] on {q.device} with a width, got "
-                         f"{frame.dtype} {tuple(frame.shape)} on {frame.device}, width {width}")
+    if frame is not None and (frame.shape != (3, B, Tq) or frame.dtype != torch.long or frame.device != q.device):
+        raise ValueError(f"two_pass_select_blocks: frame must be int64 [3, {B}, {Tq}] on {q.device}, got "
+                         f"{frame.dtype} {tuple(frame.shape)} on {frame.device}")
     if lse is not None and (lse.shape != (B, H_kv, G, Tq) or lse.device != q.device or not lse.is_floating_point()):
         raise ValueError(f"two_pass_select_blocks: lse must be [{B}, {H_kv}, {G}, {Tq}] floating point on "
                          f"{q.device}, got {lse.dtype} {tuple(lse.shape)} on {lse.device}")
@@ -227,18 +234,16 @@ def two_pass_select_blocks(
     out = torch.empty(B, H_kv, Tq, n, dtype=torch.long, device=q.device)
     if out.numel() == 0:
         return out
-    if frame is None:
-        width = row_blocks(q_start, Tq, l_sel)
-    if not applies(width):
-        raise ValueError(f"two_pass_select_blocks: {width} blocks a row exceed {MAX_ROW_BLOCKS} (the fused kernel "
-                         f"takes such rows)")
+    if not applies(q_start, Tq, l_sel):
+        raise ValueError(f"two_pass_select_blocks: {row_blocks(q_start, Tq, l_sel)} blocks a row exceed "
+                         f"{MAX_ROW_BLOCKS} (the fused kernel takes such rows)")
     meta = kernel_constexprs(q.dtype, G, hd, l, d, l_sel, n)
     meta.pop("N"), meta.pop("NP")
     acc = torch.promote_types(q.dtype, torch.float32)
-    chunk = query_chunk(B, H_kv, Tq, width, acc.itemsize)
+    chunk = query_chunk(B, H_kv, Tq, row_blocks(q_start, Tq, l_sel), acc.itemsize)
     for a in range(0, Tq, chunk):
         t_n = min(chunk, Tq - a)
-        cols = width if frame is not None else row_blocks(q_start + a, t_n, l_sel)  # this chunk's blocks
+        cols = row_blocks(q_start + a, t_n, l_sel)  # the blocks this chunk's queries may reach
         scores = torch.empty(B, H_kv, t_n, cols, dtype=acc, device=q.device)
         q_a = q[:, :, :, a:a + t_n]
         lse_arg, l_strides = (ck, (0, 0, 0, 0)) if lse is None else (lse[..., a:a + t_n], lse.stride())
@@ -259,20 +264,21 @@ def two_pass_select_blocks(
 
 @torch.no_grad()
 def top_n_rows(
-    scores: torch.Tensor,  # [B, H_kv, Tq, width] block scores (>= 0), any strides; only blocks up to each query's
-    # current one (and within width) are read
+    scores: torch.Tensor,  # [B, H_kv, Tq, >= row_blocks(q_start, Tq, l')] block scores (>= 0), any strides; only
+    # blocks up to each query's current one are read
     q_start: int,
     l_sel: int,
     n: int,
     out: torch.Tensor | None = None,  # [B, H_kv, Tq, n] int64 to write into (a view is fine)
-    positions: torch.Tensor | None = None,  # [B, Tq] int64 each query's position (packed documents: within its
-    # document, the blocks document-relative); default q_start ..
+    positions: torch.Tensor | None = None,  # [B, Tq] int64 each query's position within its document (packed
+    # documents: the blocks document-relative), at most its absolute one q_start + t; default q_start + t
 ) -> torch.Tensor:  # [B, H_kv, Tq, n] int64, ascending, -1 last: impl.selection.select_blocks(scores, ...)
     """Launch 2 alone: each row's top-n blocks as impl.selection.select_blocks picks them (block 0, the previous and
-    the current block forced; ties -> the lower block). One launch."""
+    the current block forced; ties -> the lower block). One launch. Columns from row_blocks(q_start, Tq, l') on are
+    never read (a position past them keeps the picks within)."""
     B, H_kv, Tq, width = scores.shape
-    cols = width if positions is not None else row_blocks(q_start, Tq, l_sel)
-    if width < cols or not applies(cols) or scores.dtype not in (torch.float32, torch.float64):
+    cols = row_blocks(q_start, Tq, l_sel)
+    if width < cols or not applies(q_start, Tq, l_sel) or scores.dtype not in (torch.float32, torch.float64):
         raise ValueError(f"top_n_rows: scores {scores.dtype} {tuple(scores.shape)} need fp32 / fp64 and "
                          f"{cols} <= blocks (<= {MAX_ROW_BLOCKS} padded)")
     if positions is not None and (positions.shape != (B, Tq) or positions.device != scores.device):
@@ -283,12 +289,12 @@ def top_n_rows(
     if out.numel() == 0:
         return out
     nbp = triton.next_power_of_2(cols)
-    rows = max(1, min(MAX_TOPN_ROWS, TOPN_ELEMENTS // nbp))
+    rows, warps = top_n_programs(nbp)
     f64 = scores.dtype == torch.float64
     pos, p_strides = (scores, (0, 0)) if positions is None else (positions, positions.stride())  # unread without
     _top_n_kernel[(triton.cdiv(Tq, rows), B * H_kv)](
         scores, out, pos, *scores.stride(), *out.stride(), *p_strides, q_start, Tq, cols, H_KV=H_kv, L_SEL=l_sel,
         N=n, NP=triton.next_power_of_2(n), BR=rows, NBP=nbp, KEY=tl.int64 if f64 else tl.int32,
         INF_KEY=0x7FF0000000000000 if f64 else 0x7F800000, KEY_BITS=63 if f64 else 31,
-        HAS_FRAME=positions is not None)
+        HAS_FRAME=positions is not None, num_warps=warps)
     return out
