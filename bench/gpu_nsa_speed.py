@@ -20,7 +20,8 @@ Sections, in this order (`--only` picks some; each is recorded as it ends, so a 
                configurations, their KL term differentiated too; `m7c_indexer*_extra_fwd_bwd_<T>` in the summary is
                their time over pooled NSA's, a fraction of it); each NSA stage alone with its counted FLOPs and bytes
                and the fraction
-               of the measured ceilings it reaches; the whole NSA layer (projections included) fwd+bwd at 8k under
+               of the measured ceilings it reaches (the selected branch also against the bytes its own kernel order
+               moves: `m7c_selected_fwd_roofline_fraction_as_built_<T>`); the whole NSA layer (projections included) fwd+bwd at 8k under
                the profiler: device-busy fraction, host time and kernel launches
   train        M7C-125M compiled, NSA and its dense twin, tokens/s at each --train_S, with the ideal ratio from
                counted FLOPs (nsa/flops.py v3); --train_graphs also runs both with CUDA graphs (runtime.cuda_graphs:
@@ -342,11 +343,20 @@ def stage_costs(layout: dict, geometry: dict, T: int, elem: int = 2) -> dict:
     }
 
 
-def roofline_fraction(cost: dict, ms: float, ceil: dict | None) -> float | None:
+def roofline_fraction(cost: dict, ms: float, ceil: dict | None, bytes_key: str = "bytes") -> float | None:
+    """The least time the stage's counted FLOPs and bytes (`bytes_key`: the floor, or what one design moves) take at
+    the measured ceilings, over the time measured."""
     if not ceil or not ms:
         return None
-    ideal_s = max(cost["flops"] / ceil["bf16_matmul_flops_per_s"], cost["bytes"] / ceil["copy_bytes_per_s"])
+    ideal_s = max(cost["flops"] / ceil["bf16_matmul_flops_per_s"], cost[bytes_key] / ceil["copy_bytes_per_s"])
     return float(f"{ideal_s * 1e3 / ms:.3g}")
+
+
+def selected_order(G: int) -> str:
+    """The bytes key of the order the selected-attention kernels run for a group of G query heads per KV head."""
+    from nsa.attention.kernels.selected_attention import use_block_centric
+
+    return "bytes_block_order" if use_block_centric(G) else "bytes_query_order"
 
 
 def attention(args, ceil: dict | None) -> dict:
@@ -480,6 +490,12 @@ def stages(layer, q, br, rope, layout, geo, T, device, repeats, ceil, ops) -> di
             out[name] = {"fwd_ms": ms}
             if name in costs:
                 out[name].update(**costs[name], roofline_fraction=roofline_fraction(costs[name], ms, ceil))
+        # the selected branch against the bytes its own order moves too (block order: each (row, slot) partial
+        # written and read back; query order: each query's n*l' keys loaded): no G = 6 kernel in block order can
+        # beat that floor, which is 4.6x the ideal at M7C's 64k (docs/BENCHMARKS.md "Pick coherence")
+        order = selected_order(G)
+        out["selected"].update(order=order, roofline_fraction_as_built=roofline_fraction(
+            costs["selected"], out["selected"]["fwd_ms"], ceil, order))
         # the share of (query, KV head) rows whose picks differ between the two designs (bf16 near ties only)
         out["select_fused"]["rows_differing"] = (calls["select_fused"]() != idx).any(-1).double().mean().item()
     unfolded = layout == LAYOUTS["m7c"] and T in UNFOLDED_AT or layout == TINY_LAYOUTS["m7c"]
@@ -738,6 +754,10 @@ def summarise(sections: dict) -> dict:
             for what in ("fwd_bwd", "fwd"):
                 if f"nsa_over_{arm}_{what}" in row:
                     s[f"{row['layout']}_nsa_over_{arm}_{what}_{tag}"] = row[f"nsa_over_{arm}_{what}"]
+        selected = row.get("stages", {}).get("selected", {})  # issue 50's goal: >= 0.4 at 64k (M7C)
+        for key in ("roofline_fraction", "roofline_fraction_as_built"):
+            if selected.get(key) is not None:
+                s[f"{row['layout']}_selected_fwd_{key}_{tag}"] = selected[key]
     fla = [v for k, v in s.items() if k.startswith("paper_nsa_over_fla_fwd_bwd_")]
     if fla:
         s["paper_nsa_over_fla_fwd_bwd_min"] = min(fla)

@@ -64,6 +64,10 @@ def test_tiny_run_checks_then_times_every_arm_and_stage_and_merges(tmp_path):
         assert all(r["stages"][name]["fwd_bwd_ms"] > 0 for name in backward), r["stages"]
         # the selected branch reads n*l' keys per query at most: its counted FLOPs are below dense causal's
         assert 0 < r["stages"]["selected"]["flops"] and 0 < r["stages"]["selected"]["roofline_fraction"]
+        # against the bytes its own order moves (block order for M7C's G = 6, partials included): a higher floor
+        sel = r["stages"]["selected"]
+        assert sel["order"] == ("bytes_block_order" if r["layout"] == "m7c" else "bytes_query_order")
+        assert sel["roofline_fraction_as_built"] >= sel["roofline_fraction"]
     for r in rows:  # issue 51: NSA with the learned indexer (its KL differentiated too) beside pooled NSA, at M7C's
         if r["layout"] == "m7c":
             for arm in ("indexer", "indexer_scores"):
@@ -77,6 +81,8 @@ def test_tiny_run_checks_then_times_every_arm_and_stage_and_merges(tmp_path):
     assert summary["m7c_nsa_over_sdpa_fwd_bwd_160"] == next(
         r["nsa_over_sdpa_fwd_bwd"] for r in rows if r["layout"] == "m7c" and r["T"] == 160)
     assert "paper_nsa_over_flex_fwd_160" in summary
+    m7c_160 = next(r for r in rows if r["layout"] == "m7c" and r["T"] == 160)["stages"]["selected"]
+    assert summary["m7c_selected_fwd_roofline_fraction_as_built_160"] == m7c_160["roofline_fraction_as_built"]
     assert summary["m7c_indexer_scores_extra_fwd_bwd_160"] == next(
         r["indexer_scores_extra_fwd_bwd"] for r in rows if r["layout"] == "m7c" and r["T"] == 160)
     runs = sections["train"]["runs"]  # a tiny M7C and its dense twin through the trainer, tokens/s from the heartbeat
