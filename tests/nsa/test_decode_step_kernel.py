@@ -4,6 +4,7 @@ whole-model decode steps on the same weights, the picks crossing compression, bl
 boundaries; the kernel really runs (a spy counts its launches), and a perturbed kernel output is caught."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -39,11 +40,28 @@ def _models(dtype: torch.dtype) -> tuple[Transformer, Transformer]:
     return fused, plain
 
 
+@contextlib.contextmanager
+def _torch_path(model: Transformer):
+    """The model's attention layers on the torch path inside (their cfg.kernel, read at every call)."""
+    layers = [blk.attn for blk in model.blocks]
+    saved = [layer.cfg for layer in layers]
+    for layer in layers:
+        layer.cfg = dataclasses.replace(layer.cfg, kernel="torch")
+    try:
+        yield
+    finally:
+        for layer, cfg in zip(layers, saved):
+            layer.cfg = cfg
+
+
 def _steps(model: Transformer, ids: torch.Tensor, prompt: int) -> torch.Tensor:
-    """Prefill ids[:, :prompt] into static caches of 120 positions, then step through the rest -> logits [B, n, V]."""
+    """Prefill ids[:, :prompt] into static caches of 120 positions, then step through the rest -> logits [B, n, V].
+    The prefill runs on the torch path whatever the model's kernel (the same caches for both models: the steps are
+    what differs; the prefill's kernels have their own tests, and in the interpreter they cost most of the time)."""
     decoder = StaticDecoder(model, ids.shape[0], 120, graphs=False)
     with torch.no_grad():
-        out = [decoder.prefill(ids[:, :prompt])]
+        with _torch_path(model):
+            out = [decoder.prefill(ids[:, :prompt])]
         out += [decoder.step(ids[:, t]).clone() for t in range(prompt, ids.shape[1])]
     return torch.stack(out, dim=1)
 
