@@ -25,11 +25,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from train.checkpoint.io import load_checkpoint, model_from_checkpoint, resolve_checkpoint
 
-from bench.selection_hits import capture_selection  # noqa: E402
-from train.checkpoint.io import load_checkpoint, model_from_checkpoint, resolve_checkpoint  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 def union_sizes(idx: torch.Tensor, Q: int, first: int) -> tuple[float, float]:
@@ -51,6 +49,8 @@ def union_sizes(idx: torch.Tensor, Q: int, first: int) -> tuple[float, float]:
 
 @torch.inference_mode()
 def measure(model, tokens: np.ndarray, Ts: list[int], tiles: list[int], windows: int, seed: int) -> dict:
+    from selection_hits import capture_selection  # the sibling tool (bench/ is this script's sys.path[0])
+
     captured = capture_selection(model)
     attn = next(blk.attn for blk in model.blocks if hasattr(blk.attn, "branches"))
     c = attn.cfg

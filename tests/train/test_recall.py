@@ -405,6 +405,29 @@ def test_selection_hits_count_the_facts_block_among_the_picks(nsa_recall_run):
     assert "4-8w" in result["lengths"]["2"]["by_layer"]["layer1"]  # the longer document's new bucket
 
 
+def test_pick_coherence_reads_a_run_and_counts_unions_that_grow_with_the_tile(nsa_recall_run, tmp_path):
+    """bench/pick_coherence.py on a tiny NSA run (l' = 8, n = 3): per layer and length, one query's union is its own
+    picks, a tile's union grows with the tile and never exceeds Q times the picks; the trained and initial models both."""
+    out, report = nsa_recall_run, tmp_path / "coherence.json"
+    proc = subprocess.run([sys.executable, "bench/pick_coherence.py", str(out), "--T", "32", "64", "--tiles", "1", "2", "4",
+                           "--windows", "2", "--out", str(report)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(report.read_text())
+    assert result["train_seq_len"] == 32 and result["config"]["nsa"]["n_sel"] == 3
+    for kind in ("trained", "initial"):
+        rows = result[kind]["rows"]
+        assert {(r["T"], r["layer"], r["Q"]) for r in rows} == {(T, layer, Q) for T in (32, 64) for layer in (0, 1)
+                                                               for Q in (1, 2, 4)}
+        for r in rows:  # picks <= n: a query early in its document (the recall corpus packs documents) has fewer
+            assert 0 < r["picks"] <= 3 and r["picks"] <= r["union"] <= r["Q"] * r["picks"]
+            assert r["union"] == r["picks"] or r["Q"] > 1
+        for T in (32, 64):
+            for layer in (0, 1):
+                unions = [r["union"] for r in rows if r["T"] == T and r["layer"] == layer]
+                assert unions == sorted(unions)
+
+
 def test_indexer_target_position_reads_an_indexer_run_and_refuses_one_without(nsa_recall_run, tmp_path):
     """bench/indexer_target_position.py: per layer, KL(target || .) of the run's indexer, of a position-only predictor
     and of uniform scores (each >= 0; a KL to uniform is at most log of the candidates); a run without an indexer is
