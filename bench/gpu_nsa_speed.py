@@ -4,7 +4,8 @@
     PYTHONPATH=. python3 bench/gpu_nsa_speed.py --out bench/results --only attention --S 8192 32768
     TRITON_INTERPRET=1 PYTHONPATH=. python3 bench/gpu_nsa_speed.py --out DIR --device cpu --tiny  # the plumbing (CPU)
 
-Sections, in this order (`--only` picks some; each is recorded as it ends, so a call cut short keeps what it had):
+Sections, in this order (`--only` picks some; each is recorded as it ends, attention also after its first step and
+each row, so a call cut short keeps what it had):
   environment  torch, Triton, CUDA, the GPU, whether fla's `parallel_nsa` imports
   correctness  before any timing. (a) the NSA layer on the Triton kernels in bf16 against the float64 per-token
                reference (nsa/attention/reference.py) at small T, forward; (b) the same layer on the Triton kernels in
@@ -359,7 +360,9 @@ def selected_order(G: int) -> str:
     return "bytes_block_order" if use_block_centric(G) else "bytes_query_order"
 
 
-def attention(args, ceil: dict | None) -> dict:
+def attention(args, ceil: dict | None, record=lambda partial: None) -> dict:
+    """record(section so far) after the busy-fraction step and after each row: a call killed at the device's time
+    limit keeps the rows it finished (`partial: true` until the section ends)."""
     import torch
     import torch.nn.functional as F
 
@@ -368,10 +371,13 @@ def attention(args, ceil: dict | None) -> dict:
     layouts, geometry = (TINY_LAYOUTS, TINY_GEOMETRY) if args.tiny else (LAYOUTS, NSA_GEOMETRY)
     Ss = args.S or ([96, 160] if args.tiny else [8192, 16384, 32768, 65536])
     repeats = 1 if args.tiny else 10  # tiny: the plumbing, one timed call each
+    # first the whole layer at the shortest length (the busy-fraction goal: cheap, and kept if a later row is cut)
+    busy = layer_busy(args, layouts["m7c"], geometry, Ss[0])
+    rows = []
+    record({"ok": True, "partial": True, "rows": rows, "busy": busy})
     dtype = torch.bfloat16
     flex = flex_causal(args.device)
     fla = fla_arm()
-    rows = []
     variants = [(name, layout, geometry) for name, layout in layouts.items()]
     if not args.tiny:
         variants.append(("paper_fla_geometry", LAYOUTS["paper"], FLA_GEOMETRY))
@@ -429,8 +435,8 @@ def attention(args, ceil: dict | None) -> dict:
                 row[f"{arm}_extra_fwd_bwd"] = round(row[f"{arm}_fwd_bwd_ms"] / row["nsa_fwd_bwd_ms"] - 1, 3)
         print(json.dumps({k: v for k, v in row.items() if k != "stages"}), flush=True)
         rows.append(row)
+        record({"ok": True, "partial": True, "rows": rows, "busy": busy})
         del layer, q, br, gates, leaves
-    busy = layer_busy(args, layouts["m7c"], geometry, Ss[0])
     return {"ok": True, "rows": rows, "busy": busy}
 
 
@@ -848,7 +854,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.time()
         try:
             if section == "attention":
-                result = attention(args, ceil)
+                result = attention(args, ceil, lambda partial: save(path, {**header, "sections": {section: partial}}))
             elif section == "ceilings":
                 result = ceil = ceilings(args)
             else:

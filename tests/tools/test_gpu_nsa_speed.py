@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -51,6 +53,7 @@ def test_tiny_run_checks_then_times_every_arm_and_stage_and_merges(tmp_path):
         assert all(0 < g["triton_bf16"] <= g["bound"] for g in case["grad"].values())
     assert sections["ceilings"]["copy_bytes_per_s"] > 0 and sections["ceilings"]["bf16_matmul_flops_per_s"] > 0
     rows = sections["attention"]["rows"]
+    assert "partial" not in sections["attention"]  # the section's last save replaces the partial ones
     assert {(r["layout"], r["T"]) for r in rows} == {(layout, T) for layout in ("m7c", "paper") for T in (96, 160)}
     for r in rows:
         for arm in ("nsa", "sdpa"):
@@ -107,6 +110,30 @@ def test_tiny_run_checks_then_times_every_arm_and_stage_and_merges(tmp_path):
     again = results(tmp_path)
     assert again["sections"]["attention"] == sections["attention"] and again["summary"] == summary
     assert again["sections"]["ceilings"] != sections["ceilings"]  # measured again
+
+
+def test_a_call_killed_inside_the_attention_section_keeps_the_rows_it_finished(tmp_path):
+    """The device kills a command at its time limit: the attention section is saved after its busy step and after each
+    row (`partial: true`), so a SIGKILL after the first row leaves a whole results file holding that row."""
+    cmd = [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--device", "cpu", "--tiny", "--only", "attention",
+           "--arms", "flex"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    rows, deadline = [], time.time() + 300
+    try:
+        while not rows and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+            files = list(tmp_path.glob("gpu_nsa_speed_cpu_*.json"))
+            if files:
+                rows = json.loads(files[0].read_text())["sections"]["attention"]["rows"]
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]  # still running: the kill lands mid-section
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    section = results(tmp_path)["sections"]["attention"]  # a whole JSON file (written to a temporary, then renamed)
+    assert section["partial"] is True and section["busy"]["wall_ms"] > 0
+    assert 1 <= len(section["rows"]) < 4 and section["rows"][0]["nsa_fwd_bwd_ms"] > 0
 
 
 def test_refuses_cpu_without_the_interpreter(tmp_path):
