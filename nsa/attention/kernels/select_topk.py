@@ -494,6 +494,29 @@ def num_stages(dtype: torch.dtype, hd: int) -> int:
     return 1 if dtype in (torch.float32, torch.float64) and hd > 128 else 3
 
 
+def checked_select_args(name: str, q: torch.Tensor, ck: torch.Tensor, q_start: int, l: int, d: int, l_sel: int,
+                        n: int, frame: torch.Tensor | None, lse: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The selection kernels' one set of argument checks (`name` leads each error); returns (q, ck) in one dtype."""
+    B, H_kv, G, Tq, hd = q.shape
+    if ck.dim() != 4 or ck.shape[:2] != (B, H_kv) or ck.shape[3] != hd:
+        raise ValueError(f"{name}: q {tuple(q.shape)} and ck {tuple(ck.shape)} do not match")
+    if d < 1 or l < 1 or l % d or l_sel % d or l_sel < 1 or n < 1 or q_start < 0:
+        raise ValueError(f"{name}: need d | l, d | l', n >= 1, q_start >= 0 "
+                         f"(l={l}, d={d}, l'={l_sel}, n={n}, q_start={q_start})")
+    if frame is not None and (frame.shape != (3, B, Tq) or frame.dtype != torch.long or frame.device != q.device):
+        raise ValueError(f"{name}: frame must be int64 [3, {B}, {Tq}] on {q.device}, got "
+                         f"{frame.dtype} {tuple(frame.shape)} on {frame.device}")
+    if lse is not None and (lse.shape != (B, H_kv, G, Tq) or lse.device != q.device or not lse.is_floating_point()):
+        raise ValueError(f"{name}: lse must be [{B}, {H_kv}, {G}, {Tq}] floating point on {q.device}, "
+                         f"got {lse.dtype} {tuple(lse.shape)} on {lse.device}")
+    if q.device.type == "cpu" and not interpreter_active():
+        raise RuntimeError(f"{name} needs a CUDA tensor, or TRITON_INTERPRET=1 set before triton is imported")
+    if ck.dtype != q.dtype:
+        dtype = torch.promote_types(q.dtype, ck.dtype)
+        q, ck = q.to(dtype), ck.to(dtype)
+    return q, ck
+
+
 @torch.no_grad()
 def fused_select_blocks(
     q: torch.Tensor,  # [B, H_kv, G, Tq, hd] queries (RoPE applied) at positions q_start .., any strides
@@ -524,24 +547,8 @@ def fused_select_blocks(
     passes); the picks equal those without it up to the roundings of the two log-sum-exps (a near-tie of two
     blocks' scores may resolve differently).
     """
+    q, ck = checked_select_args("fused_select_blocks", q, ck, q_start, l, d, l_sel, n, frame, lse)
     B, H_kv, G, Tq, hd = q.shape
-    if ck.dim() != 4 or ck.shape[:2] != (B, H_kv) or ck.shape[3] != hd:
-        raise ValueError(f"fused_select_blocks: q {tuple(q.shape)} and ck {tuple(ck.shape)} do not match")
-    if d < 1 or l < 1 or l % d or l_sel % d or l_sel < 1 or n < 1 or q_start < 0:
-        raise ValueError(f"fused_select_blocks: need d | l, d | l', n >= 1, q_start >= 0 "
-                         f"(l={l}, d={d}, l'={l_sel}, n={n}, q_start={q_start})")
-    if frame is not None and (frame.shape != (3, B, Tq) or frame.dtype != torch.long or frame.device != q.device):
-        raise ValueError(f"fused_select_blocks: frame must be int64 [3, {B}, {Tq}] on {q.device}, got "
-                         f"{frame.dtype} {tuple(frame.shape)} on {frame.device}")
-    if lse is not None and (lse.shape != (B, H_kv, G, Tq) or lse.device != q.device or not lse.is_floating_point()):
-        raise ValueError(f"fused_select_blocks: lse must be [{B}, {H_kv}, {G}, {Tq}] floating point on {q.device}, "
-                         f"got {lse.dtype} {tuple(lse.shape)} on {lse.device}")
-    if q.device.type == "cpu" and not interpreter_active():
-        raise RuntimeError("fused_select_blocks needs a CUDA tensor, or TRITON_INTERPRET=1 set before triton "
-                           "is imported")
-    if ck.dtype != q.dtype:
-        dtype = torch.promote_types(q.dtype, ck.dtype)
-        q, ck = q.to(dtype), ck.to(dtype)
     out = torch.empty(B, H_kv, Tq, n, dtype=torch.long, device=q.device)
     if out.numel() == 0:
         return out

@@ -43,8 +43,9 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa.attention.kernels.interpreter import interpreter_active
-from nsa.attention.kernels.select_topk import _pooled_rows, _row_lse, kernel_constexprs, num_stages, pooled_mass_tile
+from nsa.attention.kernels.interpreter import interpreter_active  # noqa: F401  (kernels built as the switch says)
+from nsa.attention.kernels.select_topk import (_pooled_rows, _row_lse, checked_select_args, kernel_constexprs,
+                                               num_stages, pooled_mass_tile)
 
 SCORE_BYTES = 1 << 30  # most bytes of block scores one launch pair writes (read at call time)
 MAX_ROW_BLOCKS = 4096  # NBP: a row's blocks the top-n kernel holds in registers; longer rows take the fused kernel
@@ -213,24 +214,8 @@ def two_pass_select_blocks(
     absolute position of query 0 (0 for a window's layout, documents.compressed_layout): a position within a
     document never exceeds the absolute one, so row_blocks(q_start, Tq, l') bounds every document-relative block
     (a frame breaking that keeps each query's picks within the bound)."""
+    q, ck = checked_select_args("two_pass_select_blocks", q, ck, q_start, l, d, l_sel, n, frame, lse)
     B, H_kv, G, Tq, hd = q.shape
-    if ck.dim() != 4 or ck.shape[:2] != (B, H_kv) or ck.shape[3] != hd:
-        raise ValueError(f"two_pass_select_blocks: q {tuple(q.shape)} and ck {tuple(ck.shape)} do not match")
-    if d < 1 or l < 1 or l % d or l_sel % d or l_sel < 1 or n < 1 or q_start < 0:
-        raise ValueError(f"two_pass_select_blocks: need d | l, d | l', n >= 1, q_start >= 0 "
-                         f"(l={l}, d={d}, l'={l_sel}, n={n}, q_start={q_start})")
-    if frame is not None and (frame.shape != (3, B, Tq) or frame.dtype != torch.long or frame.device != q.device):
-        raise ValueError(f"two_pass_select_blocks: frame must be int64 [3, {B}, {Tq}] on {q.device}, got "
-                         f"{frame.dtype} {tuple(frame.shape)} on {frame.device}")
-    if lse is not None and (lse.shape != (B, H_kv, G, Tq) or lse.device != q.device or not lse.is_floating_point()):
-        raise ValueError(f"two_pass_select_blocks: lse must be [{B}, {H_kv}, {G}, {Tq}] floating point on "
-                         f"{q.device}, got {lse.dtype} {tuple(lse.shape)} on {lse.device}")
-    if q.device.type == "cpu" and not interpreter_active():
-        raise RuntimeError("two_pass_select_blocks needs a CUDA tensor, or TRITON_INTERPRET=1 set before triton "
-                           "is imported")
-    if ck.dtype != q.dtype:
-        dtype = torch.promote_types(q.dtype, ck.dtype)
-        q, ck = q.to(dtype), ck.to(dtype)
     out = torch.empty(B, H_kv, Tq, n, dtype=torch.long, device=q.device)
     if out.numel() == 0:
         return out
