@@ -66,7 +66,8 @@ def measure(model, tokens: np.ndarray, Ts: list[int], tiles: list[int], windows:
             idx = store[-1].cpu()  # [B, H_kv, T, n]
             for Q in tiles:
                 union, picks = union_sizes(idx, Q, c.n_sel * c.l_sel)
-                rows.append({"T": T, "layer": layer, "Q": Q, "union": round(union, 2), "picks": round(picks, 2),
+                rows.append({"T": T, "windows": windows, "layer": layer, "Q": Q, "union": round(union, 2),
+                             "picks": round(picks, 2),
                              "sharing": round(Q * picks / union, 2), "work_ratio": round(union / picks, 2)})
     return {"geometry": {"l_sel": c.l_sel, "n_sel": c.n_sel, "G": attn.n_groups}, "rows": rows}
 
