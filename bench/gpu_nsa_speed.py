@@ -437,6 +437,8 @@ def attention(args, ceil: dict | None, record=lambda partial: None) -> dict:
         rows.append(row)
         record({"ok": True, "partial": True, "rows": rows, "busy": busy})
         del layer, q, br, gates, leaves
+    if "device_ms" in busy:  # CUDA: the busy step replayed as a graph, after the rows
+        busy.update(layer_graphed(args, layouts["m7c"], geometry, busy))
     return {"ok": True, "rows": rows, "busy": busy}
 
 
@@ -587,21 +589,30 @@ def fla_arm():
     return call
 
 
-def layer_busy(args, layout: dict, geometry: dict, T: int) -> dict:
-    """The whole NSA layer (projections included), bf16 autocast as the trainer runs, forward+backward at T: wall per
-    step (10 steps, one sync), host time to issue a step, and under the profiler the device-busy time and the number
-    of kernels. busy_fraction = device time / wall: < 1 where the GPU waits for the host."""
+def layer_step(args, layout: dict, geometry: dict, T: int):
+    """The whole NSA layer (projections included) forward+backward at T, bf16 autocast as the trainer runs it:
+    step(cache_casts=True). Autocast's cast cache must be off inside a graph capture (PyTorch's docs)."""
     import torch
 
     layer = nsa_layer(layout, geometry, "auto", T, args.device, torch.float32, 0)
     x = torch.randn(1, T, layer.q_proj.in_features, device=args.device, requires_grad=True)
     rope = rope_for(layout["head_dim"], T, args.device)
 
-    def step(cache_casts: bool = True):  # autocast's cast cache must be off inside a graph capture (PyTorch's docs)
+    def step(cache_casts: bool = True):
         with torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16, cache_enabled=cache_casts):
             y = layer(x, rope)
         y.float().square().mean().backward()
 
+    return step
+
+
+def layer_busy(args, layout: dict, geometry: dict, T: int) -> dict:
+    """The layer step (layer_step): wall per step (10 steps, one sync), host time to issue a step, and under the
+    profiler the device-busy time and the number of kernels. busy_fraction = device time / wall: < 1 where the GPU
+    waits for the host."""
+    import torch
+
+    step = layer_step(args, layout, geometry, T)
     for _ in range(0 if args.tiny else 2):  # warm-up on the GPU only (time_ms)
         step()
     sync(args.device)
@@ -627,12 +638,20 @@ def layer_busy(args, layout: dict, geometry: dict, T: int) -> dict:
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         device_ms = sum(e.device_time for e in kernels) / 1e3
         out.update(device_ms=round(device_ms, 3), kernels=len(kernels), busy_fraction=round(device_ms / wall_ms, 3))
-        try:  # the same step captured once and replayed: what is left when the host issues nothing
-            graphed_ms = graphed_step_ms(lambda: step(cache_casts=False), n)
-            out.update(graphed_wall_ms=round(graphed_ms, 3), busy_fraction_graphed=round(min(1.0, device_ms / graphed_ms), 3))
-        except Exception as exc:  # a capture failure must not lose the eager numbers
-            out["graphed_error"] = f"{type(exc).__name__}: {exc}"[:300]
     return out
+
+
+def layer_graphed(args, layout: dict, geometry: dict, busy: dict) -> dict:
+    """The layer step of `busy` (layer_busy's, CUDA) captured once as a CUDA graph and replayed: what is left when
+    the host issues nothing (busy_fraction_graphed: the eager step's kernel time over the replay's wall). Run last in
+    the attention section, so that a capture that fails cannot touch the rows measured before it."""
+    step = layer_step(args, layout, geometry, busy["T"])
+    try:
+        graphed_ms = graphed_step_ms(lambda: step(cache_casts=False), 10)
+    except Exception as exc:  # a capture failure must not lose the eager numbers
+        return {"graphed_error": f"{type(exc).__name__}: {exc}"[:300]}
+    return {"graphed_wall_ms": round(graphed_ms, 3),
+            "busy_fraction_graphed": round(min(1.0, busy["device_ms"] / graphed_ms), 3)}
 
 
 def graphed_step_ms(step, n: int) -> float:
