@@ -49,11 +49,15 @@ def test_exact_ties_go_to_lower_blocks(dtype, G, q_start, n):
     torch.testing.assert_close(got, forced_or_lowest(q_start, Tq, l_sel, n), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("tiling", ["interpreter", "gpu"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("q_start, Tq, l_sel, n", [(0, 70, 4, 5), (37, 50, 8, 16), (0, 9, 4, 3), (300, 20, 16, 1)])
-def test_top_n_equals_select_blocks_with_many_ties(dtype, q_start, Tq, l_sel, n):
+def test_top_n_equals_select_blocks_with_many_ties(dtype, q_start, Tq, l_sel, n, tiling, monkeypatch):
     """Launch 2 alone on scores from {0, 1, 2, 3} (ties everywhere, zeros included) and junk past each row's current
-    block (never read: NaN): exactly select_blocks' picks, including rows with fewer than n blocks."""
+    block (never read: NaN): exactly select_blocks' picks, including rows with fewer than n blocks. Both tilings: the
+    GPU's (a few rows a program, the last program's rows partly past Tq) and the interpreter's larger programs."""
+    if tiling == "gpu":
+        monkeypatch.setattr(select_two_pass, "INTERPRETER_ROW_KEYS", 0)
     g = torch.Generator().manual_seed(q_start + Tq)
     n_blocks = (q_start + Tq - 1) // l_sel + 1
     scores = torch.randint(0, 4, (2, 3, Tq, n_blocks + 3), generator=g).to(DEV, dtype)  # wider than needed

@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa.attention.kernels.interpreter import interpreter_active  # noqa: F401  (kernels built as the switch says)
+from nsa.attention.kernels.interpreter import interpreter_active
 from nsa.attention.kernels.select_topk import (_pooled_rows, _row_lse, checked_select_args, kernel_constexprs,
                                                num_stages, pooled_mass_tile)
 
@@ -52,6 +52,10 @@ MAX_ROW_BLOCKS = 4096  # NBP: a row's blocks the top-n kernel holds in registers
 WARP_ROW_BLOCKS = 1024  # a row's blocks one warp of the top-n kernel holds (32 a lane); longer rows take more warps
 LANE_KEYS = 16  # keys a lane holds when rows are short (several rows a warp)
 MAX_TOPN_ROWS = 16
+# keys a top-n program holds in Triton's interpreter (0: the GPU's tiling there too). The interpreter runs each of a
+# program's ops as one numpy call whatever its size, so a float64 row's 63 bisection rounds cost the same for 16 rows
+# as for 2,048: fewer, larger programs there. Each row's arithmetic is the same; tests run both tilings.
+INTERPRETER_ROW_KEYS = 1 << 14
 
 
 @triton.jit(do_not_specialize=["q_start", "Tq", "N_c"])  # new chunk offsets / lengths: no recompile
@@ -275,6 +279,8 @@ def top_n_rows(
         return out
     nbp = triton.next_power_of_2(cols)
     rows, warps = top_n_programs(nbp)
+    if interpreter_active() and INTERPRETER_ROW_KEYS:
+        rows = max(rows, min(INTERPRETER_ROW_KEYS // nbp, triton.next_power_of_2(Tq)))
     f64 = scores.dtype == torch.float64
     pos, p_strides = (scores, (0, 0)) if positions is None else (positions, positions.stride())  # unread without
     _top_n_kernel[(triton.cdiv(Tq, rows), B * H_kv)](
