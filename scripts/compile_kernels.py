@@ -385,6 +385,7 @@ class Row:
     mma: str = ""
     error: str = ""
     failures: list[str] = field(default_factory=list)
+    compile_s: float = 0.0  # seconds this row took: a fresh compile, or a read of Triton's cache
 
     @property
     def spills(self) -> bool:
@@ -412,6 +413,7 @@ def _short_error(exc: BaseException) -> str:
 def compile_row(label: str, launch: Launch, shape: str, dtype: str, capability: int, shipped: bool) -> Row:
     """Compile one recorded launch for sm_<capability> and judge it."""
     row = Row(label, shape, dtype, capability)
+    start = time.perf_counter()
     try:
         kernel, usage = compile_with_usage(launch, capability)
     except Exception as exc:  # a compile error is a result of the check, not a crash of it
@@ -421,6 +423,7 @@ def compile_row(label: str, launch: Launch, shape: str, dtype: str, capability: 
         row.spill_stores, row.spill_loads = usage.spill_stores, usage.spill_loads
         row.num_warps, row.num_stages, row.mma = kernel.metadata.num_warps, kernel.metadata.num_stages, mma_family(kernel)
     row.failures = judge(row, shipped)
+    row.compile_s = round(time.perf_counter() - start, 3)
     return row
 
 
@@ -519,6 +522,15 @@ def legend(shapes: dict[Shape, list[str]]) -> list[str]:
     return out + [f"shared-memory limits: {limits}"]
 
 
+def seconds_by_module(rows: list[Row]) -> dict[str, float]:
+    """Compile seconds per kernel module, most first: where a cold cache's time goes (a warm one reads each row back)."""
+    total: dict[str, float] = {}
+    for row in rows:
+        module = row.kernel.split(".", 1)[0]
+        total[module] = total.get(module, 0.0) + row.compile_s
+    return {m: round(s, 1) for m, s in sorted(total.items(), key=lambda item: -item[1])}
+
+
 def write_json(path: Path, shapes, kernels, rows: list[Row], seconds: float) -> None:
     doc = {
         "targets": {c: {"gpu": gpu, "shared_limit": limit} for c, (gpu, limit) in TARGETS.items()},
@@ -527,6 +539,7 @@ def write_json(path: Path, shapes, kernels, rows: list[Row], seconds: float) -> 
         "rows": [asdict(r) for r in rows],
         "failures": sum(bool(r.failures) for r in rows),
         "seconds": round(seconds, 1),
+        "seconds_by_module": seconds_by_module(rows),
     }
     path.write_text(json.dumps(doc, indent=1) + "\n")
 
@@ -552,6 +565,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text_table(rows))
     failed = [r for r in rows if r.failures]
     print(f"{len(rows)} kernel compiles ({args.shapes} shapes) in {seconds:.1f} s; {len(failed)} failed")
+    print("seconds by module: " + ", ".join(f"{m} {s:.1f}" for m, s in seconds_by_module(rows).items()))
     if args.markdown:
         args.markdown.write_text("\n".join(f"- {line}" for line in legend(shapes)) + "\n\n" + markdown_table(rows) + "\n")
     if args.json:
