@@ -24,10 +24,30 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-def run(out: Path, *args: str, code: str | None = None) -> subprocess.CompletedProcess:
+# what the GPU machine's image lacks (the device README): the harness must run without them. A sitecustomize on the
+# subprocess's path makes their imports fail as they would there.
+NOT_ON_THE_IMAGE = ("datasets", "flash_attn")
+BLOCKER = """import sys
+class _NotOnTheImage:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {blocked!r}:
+            raise ImportError(f"{{name}} is not on the GPU machine's image")
+sys.meta_path.insert(0, _NotOnTheImage())
+"""
+
+
+def image_env(tmp: Path) -> dict[str, str]:
+    """The subprocess environment with NOT_ON_THE_IMAGE's imports failing."""
+    site = tmp / "image_site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(BLOCKER.format(blocked=set(NOT_ON_THE_IMAGE)))
+    return {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{REPO}", "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
+
+
+def run(out: Path, *args: str, code: str | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, *(["-c", code] if code else []), str(SCRIPT), "--out", str(out), "--device", "cpu", "--tiny",
            *args]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
+    env = env or {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -37,9 +57,14 @@ def results(out: Path) -> dict:
 
 
 def test_tiny_run_checks_then_times_every_arm_and_stage_and_merges(tmp_path):
-    proc = run(tmp_path)  # every section
+    env = image_env(tmp_path)  # as on the GPU machine's image: no datasets, no flash-attn
+    for package in NOT_ON_THE_IMAGE:
+        probe = subprocess.run([sys.executable, "-c", f"import {package}"], env=env, capture_output=True, text=True)
+        assert "not on the GPU machine's image" in probe.stderr, probe.stderr[-500:]
+    out = tmp_path / "out"
+    proc = run(out, env=env)  # every section
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = results(tmp_path)
+    report = results(out)
     assert report["device"] == "cpu" and report["tiny"] is True
     sections = report["sections"]
     correct = sections["correctness"]
@@ -105,9 +130,9 @@ def test_tiny_run_checks_then_times_every_arm_and_stage_and_merges(tmp_path):
     assert "dense_1b_mfu_compiled" not in summary
 
     # a later call replaces its own sections and keeps the others
-    proc = run(tmp_path, "--only", "ceilings")
+    proc = run(out, "--only", "ceilings")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    again = results(tmp_path)
+    again = results(out)
     assert again["sections"]["attention"] == sections["attention"] and again["summary"] == summary
     assert again["sections"]["ceilings"] != sections["ceilings"]  # measured again
 
