@@ -11,14 +11,18 @@ recorded as such (with the reason) and the rest go on.
 
 First pass, in this order, inside FIRST_PASS_BUDGET_S (each item's limit: its cap, less what the items after it are
 guaranteed; an item that ends early leaves its time to the next):
-1. environment: Python, torch, CUDA, Triton, the GPU (name, memory, capability), optional packages
-2. cuda_tests: the CUDA correctness tests (kernels vs the float64 reference at bf16 tolerances, document masking)
-3. attention: NSA vs SDPA forward + backward at 8k and 32k (bf16, batch 1, M7C head layout)
-4. m7c_training: M7C-125M training tokens/s at seq 2048, NSA and its dense twin, eager, then compiled if time allows
-5. decode: one decode step at 32k (NSA vs dense KV cache)
-6. dense_1b_mfu: a dense ~1B Qwen3-style model's MFU on one GPU
+1. runbook: the M7C runbook as an operator runs it here: scripts/prime_bootstrap.sh over this Python with no package
+   index -> scripts/train_m7c_prime.sh (config by the GPU's memory, smoke, training on synthetic tokens) -> .HALT ->
+   a launch over the stale .HALT refused -> the resume -> scripts/monitor_run.sh; run.info, metrics.json and the
+   monitor checked at each stop, each phase timed (goal: under 2 minutes)
+2. environment: Python, torch, CUDA, Triton, the GPU (name, memory, capability), optional packages
+3. cuda_tests: the CUDA correctness tests (kernels vs the float64 reference at bf16 tolerances, document masking)
+4. attention: NSA vs SDPA forward + backward at 8k and 32k (bf16, batch 1, M7C head layout)
+5. m7c_training: M7C-125M training tokens/s at seq 2048, NSA and its dense twin, eager, then compiled if time allows
+6. decode: one decode step at 32k (NSA vs dense KV cache)
+7. dense_1b_mfu: a dense ~1B Qwen3-style model's MFU on one GPU
 
---full items (ITEM_LIMITS, seconds each):
+--full items (ITEM_LIMITS, seconds each): the runbook, then
 1. launches: ops per NSA / dense layer, forward + backward, 2k .. 64k (meta device; runs anywhere)
 2. kernel_compile: every Triton kernel compiled ahead of time for sm_80 / sm_90 at the shipped shapes
    (scripts/compile_kernels.py: shared memory, registers, spills, MMA instruction; runs anywhere)
@@ -71,7 +75,7 @@ def last_json(text: str) -> dict:
 
 
 # seconds per item, compilation included (Triton JIT of every kernel, torch.compile of the models)
-ITEM_LIMITS = {"launches": 60, "kernel_compile": 300, "cuda_tests": 600, "attention": 420, "branches": 300,
+ITEM_LIMITS = {"runbook": 240, "launches": 60, "kernel_compile": 300, "cuda_tests": 600, "attention": 420, "branches": 300,
                "m7c_training": 900, "decode": 240, "dense_1b_mfu": 480, "documents": 300, "tasks": 300,
                "nsa_speed": 900}
 DOCUMENTS_GOAL = 1.10  # masked time / unmasked time, at most (issue 28: within 10%)
@@ -304,6 +308,152 @@ def tasks(args) -> dict:
                       f"~{r['seconds_all_docs_estimate'] / 60:.1f} min" for r in res["results"]]}
 
 
+RUNBOOK_GOAL_S = 120  # issue 50 item 4: the runbook end to end on the GPU box in under 2 minutes
+# the training launches' overrides: log every step (the .HALT waits for two rows), no evaluation or periodic save (the
+# stop writes the checkpoint the resume reads), a short warm-up; steps never reached (the run ends by .HALT)
+RUNBOOK_TRAIN = ("--train.steps=100000 --train.log_every=1 --train.eval_every=0 --train.save_every=0 "
+                 "--train.warmup_steps=2")
+# --tiny (a CPU): the M7C CPU config and the smoke's showcase model shrunk to seconds a step
+RUNBOOK_TINY_TRAIN = ("--model.dim=64 --model.n_layers=2 --model.ffn_dim=128 --model.head_dim=16 --train.seq_len=64 "
+                      "--train.batch_size=2 --runtime.threads=1")
+RUNBOOK_TINY_SMOKE = ("--model.vocab_size=256 --model.dim=32 --model.n_layers=1 --model.ffn_dim=64 --train.seq_len=32 "
+                      "--train.batch_size=2 --runtime.threads=1 --train.log_every=1")
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL a process and every process below it (Linux: parents read from /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # exited meanwhile
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    tree, stack = [], [pid]
+    while stack:
+        tree.append(stack.pop())
+        stack += children.get(tree[-1], [])
+    for member in tree:
+        try:
+            os.kill(member, 9)
+        except ProcessLookupError:
+            pass
+
+
+def _run_dirs(artifacts: Path) -> list[Path]:
+    return sorted((artifacts / "train_runs").glob("m7c_*"))
+
+
+def runbook(args) -> dict:
+    """The M7C runbook as an operator runs it, on this machine (issue 50 item 4): scripts/prime_bootstrap.sh over this
+    Python with no package index (its torch, nothing installed) -> scripts/train_m7c_prime.sh (the config chosen by
+    the GPU's memory, the smoke, training on synthetic tokens: no network) -> .HALT -> a second launch refused while
+    .HALT stays -> the launch resumed from the stop's checkpoint -> scripts/monitor_run.sh --once. run.info,
+    metrics.json and the monitor's frame are read at each stop; each phase timed (goal: all under RUNBOOK_GOAL_S)."""
+    from train.core.artifacts import read_csv, read_kv
+
+    started = time.time()
+    left = lambda: max(5.0, args.limit - (time.time() - started))  # noqa: E731
+    phases, checks = {}, {}
+    with tempfile.TemporaryDirectory(prefix="gpu_acceptance_runbook_") as tmp:
+        tmp = Path(tmp)
+        artifacts, out = tmp / "artifacts", tmp / "out"
+        common = f"--train.out_dir={out} {RUNBOOK_TRAIN}" + (f" {RUNBOOK_TINY_TRAIN}" if args.tiny else "")
+        env = {"PYTHON": sys.executable, "VENV": str(tmp / "venv"), "PIP_NO_INDEX": "1", "ARTIFACTS_DIR": str(artifacts),
+               "DATASET": "synthetic", "EXTRA_ARGS": common,
+               **({"SMOKE_STEPS": "2", "SMOKE_ARGS": RUNBOOK_TINY_SMOKE} if args.tiny else {})}
+
+        def phase(name: str, since: float) -> None:
+            phases[name] = round(time.time() - since, 1)
+
+        def failed(why: str, output: str = "") -> dict:
+            return {"ok": False, "failed": why, "phase_s": phases, "checks": checks,
+                    **({"output": output[-1500:]} if output else {})}
+
+        # 1. the bootstrap: a venv over this Python, offline
+        t = time.time()
+        code, text = run(["bash", "scripts/prime_bootstrap.sh"], left(), env)
+        phase("bootstrap", t)
+        missing = [line.split("missing: ", 1)[1] for line in text.splitlines() if "[bootstrap] missing: " in line]
+        if code or "[bootstrap] ready" not in text:
+            return failed(f"prime_bootstrap.sh exited {code}", text)
+
+        # 2. the first launch: smoke, training until two rows are logged, then the operator's .HALT. The launch stays
+        # in this process's group (a kill of the acceptance run ends it too); on a time-out it is killed as a tree.
+        t = time.time()
+        log = open(tmp / "first_launch.log", "w+")
+        proc = subprocess.Popen(["bash", "scripts/train_m7c_prime.sh"], cwd=REPO, env={**os.environ, **env},
+                                stdout=log, stderr=subprocess.STDOUT, text=True)
+        try:
+            while len(read_csv(out / "training.csv")) < 2 and proc.poll() is None and time.time() - started < args.limit:
+                time.sleep(0.2)
+            if proc.poll() is not None or len(read_csv(out / "training.csv")) < 2:
+                raise TimeoutError(f"training never logged two steps (exit {proc.poll()})")
+            phase("launch_to_training", t)
+            t = time.time()
+            (out / ".HALT").touch()
+            proc.wait(timeout=left())
+            phase("halt_to_exit", t)
+        except (TimeoutError, subprocess.TimeoutExpired) as exc:
+            _kill_tree(proc.pid)
+            proc.wait()
+            log.seek(0)
+            return failed(f"first launch: {exc}", log.read())
+        finally:
+            log.close()
+        text = (tmp / "first_launch.log").read_text()
+        runs = _run_dirs(artifacts)
+        info = read_kv(runs[-1] / "run.info") if runs else {}
+        metrics = json.loads((out / "metrics.json").read_text()) if (out / "metrics.json").exists() else {}
+        halted_at = metrics.get("step")
+        checkpoint = out / f"checkpoint_step{halted_at}.pt"
+        checks["first_launch"] = (proc.returncode == 0 and info.get("exit_code") == "0"
+                                  and info.get("final_status") == "stopped" and info.get("smoke", "").startswith("ok")
+                                  and metrics.get("status") == "stopped" and checkpoint.exists())
+        # the config chosen by the GPU's memory (nvidia-smi): a GPU config on a CUDA machine, the CPU one without
+        checks["config_by_memory"] = (info.get("config") != "configs/m7c_cpu.yaml") == (args.device == "cuda")
+        if not checks["first_launch"]:
+            return failed(f"first launch: exit {proc.returncode}, run.info {info}, metrics status "
+                          f"{metrics.get('status')}, checkpoint {checkpoint.name} exists: {checkpoint.exists()}", text)
+
+        # 3. a launch while .HALT stays is refused before anything is written
+        t = time.time()
+        code, text = run(["bash", "scripts/train_m7c_prime.sh"], left(), {**env, "SMOKE_STEPS": "0"})
+        phase("refused", t)
+        checks["stale_halt_refused"] = code == 2 and ".HALT exists" in text and len(_run_dirs(artifacts)) == 1
+        if not checks["stale_halt_refused"]:
+            return failed(f"a launch over a stale .HALT: exit {code} (expected 2, nothing written)", text)
+
+        # 4. the operator removes .HALT and launches again: the run resumes from the stop's checkpoint
+        (out / ".HALT").unlink()
+        t = time.time()
+        code, text = run(["bash", "scripts/train_m7c_prime.sh"], left(),
+                         {**env, "SMOKE_STEPS": "0", "EXTRA_ARGS": f"{common} --train.stop_after=2"})
+        phase("resume", t)
+        run2 = _run_dirs(artifacts)[-1]
+        info2 = read_kv(run2 / "run.info")
+        step2 = json.loads((out / "metrics.json").read_text()).get("step")
+        checks["resumed"] = code == 0 and info2.get("resume_from") == str(checkpoint) and step2 == halted_at + 2
+        if not checks["resumed"]:
+            return failed(f"resume: exit {code}, resume_from {info2.get('resume_from')}, step {step2} "
+                          f"(expected {halted_at + 2})", text)
+
+        # 5. the monitor's frame tells the same
+        t = time.time()
+        code, frame = run(["bash", "scripts/monitor_run.sh", "--once", str(run2)], left(), env)
+        phase("monitor", t)
+        checks["monitor"] = code == 0 and "status      stopped" in frame and f"step {step2:,} /" in frame
+        if not checks["monitor"]:
+            return failed(f"monitor_run.sh --once: exit {code}", frame)
+    total = round(time.time() - started, 1)
+    met = total < RUNBOOK_GOAL_S
+    return {"ok": all(checks.values()), "phase_s": phases, "total_s": total, "checks": checks, "config": info.get("config"),
+            "config_reason": info.get("config_reason"), "halted_at": halted_at, "resumed_to": step2,
+            "missing_optional": missing,
+            "goal": f"bootstrap -> smoke -> train -> .HALT -> refused -> resume -> monitor in {total:.0f} s "
+                    f"(goal < {RUNBOOK_GOAL_S} s: {'met' if met else 'NOT met'}); config {info.get('config')}"}
+
+
 def nsa_speed(args) -> dict:
     cmd = [PY, "bench/gpu_nsa_speed.py", "--out", str(args.out), "--device", args.device,
            "--only", "environment", "correctness", "ceilings", "attention", *(["--tiny"] if args.tiny else [])]
@@ -316,15 +466,15 @@ def nsa_speed(args) -> dict:
             "goal": "NSA over SDPA / Flex / fla, fwd+bwd (> 1: NSA faster): see summary and the results file"}
 
 
-ITEMS = {"launches": launches, "kernel_compile": kernel_compile, "cuda_tests": cuda_tests, "attention": attention,
+ITEMS = {"runbook": runbook, "launches": launches, "kernel_compile": kernel_compile, "cuda_tests": cuda_tests, "attention": attention,
          "branches": branches, "m7c_training": m7c_training, "decode": decode, "dense_1b_mfu": dense_1b_mfu,
          "documents": documents, "tasks": tasks, "nsa_speed": nsa_speed}
 FIRST_PASS_BUDGET_S = 540  # the first pass's items together: a 10-minute window less start-up and the machine's own
 # first pass: item -> (seconds guaranteed to it, seconds at most), in the order they run
-FIRST_PASS = {"environment": (5, 30), "cuda_tests": (90, 150), "attention": (60, 120), "m7c_training": (120, 210),
+FIRST_PASS = {"runbook": (60, 150), "environment": (5, 30), "cuda_tests": (90, 150), "attention": (60, 120), "m7c_training": (120, 210),
               "decode": (40, 90), "dense_1b_mfu": (60, 150)}
 COMPILED_RUN_MIN_S = 90  # what a compiled M7C training run needs at least (compilation included), first pass
-FIRST_PASS_ITEMS = {"environment": environment, **{name: ITEMS[name] for name in FIRST_PASS if name in ITEMS}}
+FIRST_PASS_ITEMS = {name: {"environment": environment, **ITEMS}[name] for name in FIRST_PASS}  # FIRST_PASS's order
 
 
 def first_pass_limits(budget_left: float, remaining: list[str]) -> float:

@@ -72,9 +72,10 @@ def test_the_first_pass_fits_its_budget_and_each_item_keeps_its_share():
     assert ga.first_pass_limits(5, names[1:]) == ga.FIRST_PASS[names[1]][0]  # overrun: the floor, never less
 
 
-def first_pass(out: Path) -> subprocess.Popen:
+def first_pass(out: Path, *only: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.Popen([sys.executable, "bench/gpu_acceptance.py", "--out", str(out), "--device", "cpu", "--tiny"],
+    return subprocess.Popen([sys.executable, "bench/gpu_acceptance.py", "--out", str(out), "--device", "cpu", "--tiny",
+                             *(["--only", *only] if only else [])],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
 
@@ -92,14 +93,25 @@ def test_the_tiny_first_pass_runs_every_item_and_a_kill_leaves_whole_lines(tmp_p
     assert [line["item"] for line in lines] == ["start", *ga.FIRST_PASS]
     for line in lines[1:]:
         assert line["ok"] and (line.get("skipped") or line["seconds"] > 0 or line["item"] == "environment"), line
-    assert lines[2]["skipped"].startswith("needs CUDA")  # the CUDA tests, on CPU: skipped with the reason
+    by_item = {line["item"]: line for line in lines}
+    assert by_item["cuda_tests"]["skipped"].startswith("needs CUDA")  # the CUDA tests, on CPU: skipped with the reason
+    # the runbook first (issue 50 item 4): bootstrap over this Python offline, smoke, train, .HALT, a refused launch
+    # over the stale .HALT, the resume from the stop's checkpoint, the monitor; each checked from run.info, metrics.json
+    # and the monitor's frame inside the item, and timed
+    book = by_item["runbook"]
+    assert book["ok"] and book["checks"] == {"first_launch": True, "config_by_memory": True, "stale_halt_refused": True,
+                                             "resumed": True, "monitor": True}
+    assert book["config"] == "configs/m7c_cpu.yaml" and book["resumed_to"] == book["halted_at"] + 2 >= 4
+    assert list(book["phase_s"]) == ["bootstrap", "launch_to_training", "halt_to_exit", "refused", "resume", "monitor"]
+    assert sum(book["phase_s"].values()) <= book["total_s"] + 0.5 and "(goal < 120 s: " in book["goal"]
     summary = (tmp_path / "whole" / "summary.md").read_text()
     assert all(f"## {name}: " in summary for name in ga.FIRST_PASS)
     assert json.loads((tmp_path / "whole" / "acceptance.json").read_text())["items"].keys() == set(ga.FIRST_PASS)
 
     seed = random.randrange(2**32)
     moment = random.Random(seed).uniform(1.0, 12.0)  # a random moment of the run (it takes ~20 s here)
-    killed = first_pass(tmp_path / "killed")
+    after_runbook = [name for name in ga.FIRST_PASS if name != "runbook"]  # (the runbook alone takes ~40 s)
+    killed = first_pass(tmp_path / "killed", *after_runbook)
     started = time.monotonic()  # the moment counts from the run's first line: its start-up (imports) varies with
     while not (tmp_path / "killed" / "acceptance.jsonl").exists() and time.monotonic() - started < 120:  # the load
         time.sleep(0.05)
@@ -108,4 +120,36 @@ def test_the_tiny_first_pass_runs_every_item_and_a_kill_leaves_whole_lines(tmp_p
     killed.communicate(timeout=60)
     lines = read_lines(tmp_path / "killed" / "acceptance.jsonl")
     items = [line["item"] for line in lines]
-    assert items == ["start", *ga.FIRST_PASS][:len(items)], (seed, moment, items)
+    assert items == ["start", *after_runbook][:len(items)], (seed, moment, items)
+
+
+def test_a_timed_out_launch_is_killed_with_every_process_below_it():
+    """The runbook item's clean-up on a time-out: a shell whose children run on (as train_m7c_prime.sh's trainer
+    would) is killed with them, none left behind."""
+    proc = subprocess.Popen(["bash", "-c", "sleep 300 & (sleep 300 & wait) & wait"])
+    deadline = time.time() + 30
+    while len(below := _descendants(proc.pid)) < 3 and time.time() < deadline:  # a sleep, a subshell and its sleep
+        time.sleep(0.05)
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    assert len(below) >= 3 and len(children) < len(below), below  # grandchildren too
+    ga._kill_tree(proc.pid)
+    assert proc.wait(timeout=10) == -signal.SIGKILL
+    deadline = time.time() + 10
+    while any(_alive(pid) for pid in below) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not [pid for pid in below if _alive(pid)]
+
+
+def _descendants(pid: int) -> list[int]:
+    out = []
+    for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+        out += [int(child), *_descendants(int(child))]
+    return out
+
+
+def _alive(pid: int) -> bool:
+    """Running and not a zombie (a killed child of an exited parent is reaped by init)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
