@@ -390,6 +390,12 @@ def runbook(args) -> dict:
             if proc.poll() is not None or len(read_csv(out / "training.csv")) < 2:
                 raise TimeoutError(f"training never logged two steps (exit {proc.poll()})")
             phase("launch_to_training", t)
+            # while it trains: the launch's record has no end yet, and the monitor says it runs
+            live_dir = _run_dirs(artifacts)[-1]
+            code, live = run(["bash", "scripts/monitor_run.sh", "--once", str(live_dir)], left(), env)
+            live_info = read_kv(live_dir / "run.info")
+            checks["while_training"] = (code == 0 and "status      running" in live and "train_start" in live_info
+                                        and "final_status" not in live_info)
             t = time.time()
             (out / ".HALT").touch()
             proc.wait(timeout=left())

@@ -99,8 +99,8 @@ def test_the_tiny_first_pass_runs_every_item_and_a_kill_leaves_whole_lines(tmp_p
     # over the stale .HALT, the resume from the stop's checkpoint, the monitor; each checked from run.info, metrics.json
     # and the monitor's frame inside the item, and timed
     book = by_item["runbook"]
-    assert book["ok"] and book["checks"] == {"first_launch": True, "config_by_memory": True, "stale_halt_refused": True,
-                                             "resumed": True, "monitor": True}
+    assert book["ok"] and book["checks"] == {"while_training": True, "first_launch": True, "config_by_memory": True,
+                                             "stale_halt_refused": True, "resumed": True, "monitor": True}
     assert book["config"] == "configs/m7c_cpu.yaml" and book["resumed_to"] == book["halted_at"] + 2 >= 4
     assert list(book["phase_s"]) == ["bootstrap", "launch_to_training", "halt_to_exit", "refused", "resume", "monitor"]
     assert sum(book["phase_s"].values()) <= book["total_s"] + 0.5 and "(goal < 120 s: " in book["goal"]
