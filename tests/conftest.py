@@ -62,13 +62,16 @@ def pytest_unconfigure(config):
     FORKSERVER = None
 
 
-# the files that take longest (20-80 s each with empty Triton and inductor caches, docs/BENCHMARKS.md "The test
-# suite's time"), longest first: the forward order starts them, so the two workers end on short files together
-# (`make test` passes --no-loadscope-reorder: xdist would start the files with the most tests first)
-LONG_FIRST = ("tests/tools/test_compile_kernels.py", "tests/train/test_remote_training.py",
-              "tests/nsa/test_kernel_documents.py", "tests/nsa/test_nsa_compile.py", "tests/nsa/test_loss.py",
-              "tests/nsa/test_activation_checkpointing.py", "tests/tools/test_gpu_acceptance.py",
-              "tests/train/test_compiled_run.py")
+# the files that take longest, longest first (a cold run's --durations, seventeenth session: the ahead-of-time
+# compile ~740 s with an empty Triton cache, 10 s warm; the others 40-70 s): the forward order starts them, so the two
+# workers end on short files together (`make test` passes --no-loadscope-reorder: xdist would start the files with
+# the most tests first)
+LONG_FIRST = ("tests/tools/test_compile_kernels.py", "tests/nsa/test_indexer_kl_op.py",
+              "tests/tools/test_gpu_acceptance.py", "tests/train/test_remote_training.py",
+              "tests/nsa/test_nsa_compile.py", "tests/tools/test_gpu_nsa_speed.py", "tests/nsa/test_kernel_documents.py",
+              "tests/nsa/test_indexer_picks_kernel.py", "tests/nsa/test_launch_count_triton.py",
+              "tests/nsa/test_decode_step_kernel.py", "tests/nsa/test_select_two_pass.py",
+              "tests/nsa/test_activation_checkpointing.py", "tests/train/test_compiled_run.py", "tests/nsa/test_loss.py")
 
 
 def pytest_collection_modifyitems(config, items):
