@@ -58,10 +58,16 @@ M7C = REPO / "configs" / "m7c_125m_80g.yaml"
 QWEN3 = REPO / "configs" / "full_qwen3_1.8b_optimal.yaml"
 
 
+def child_env(extra: dict | None = None) -> dict[str, str]:
+    """The environment of the processes the items start: this checkout first on PYTHONPATH, then what this process's
+    PYTHONPATH held (the packages carried to a GPU machine, e.g. fla's wheel unpacked into /tmp/site)."""
+    path = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return {**os.environ, "PYTHONPATH": path, **(extra or {})}
+
+
 def run(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int, str]:
     try:
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
-                              env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=child_env(env))
         return proc.returncode, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as exc:
         return 124, f"timed out after {timeout:.0f} s\n{(exc.stdout or b'')[-2000:]!r}"
@@ -382,7 +388,7 @@ def runbook(args) -> dict:
         # in this process's group (a kill of the acceptance run ends it too); on a time-out it is killed as a tree.
         t = time.time()
         log = open(tmp / "first_launch.log", "w+")
-        proc = subprocess.Popen(["bash", "scripts/train_m7c_prime.sh"], cwd=REPO, env={**os.environ, **env},
+        proc = subprocess.Popen(["bash", "scripts/train_m7c_prime.sh"], cwd=REPO, env=child_env(env),
                                 stdout=log, stderr=subprocess.STDOUT, text=True)
         try:
             while len(read_csv(out / "training.csv")) < 2 and proc.poll() is None and time.time() - started < args.limit:

@@ -735,7 +735,7 @@ def decode(args) -> dict:
     eager, CUDA graphs, compiled + graphs; checked against a full forward first), then one attention layer's step over
     the growing caches (bench/bench_decode.py, batch 1: the second GPU session's measurement, for comparison)."""
     Ss = args.decode_S or ([96, 160] if args.tiny else [32768, 65536])
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = _acceptance().child_env()
     out = {"ok": True}
     model_cmd = [sys.executable, "bench/bench_decode_model.py", "--S", *map(str, Ss), "--device", args.device]
     model_cmd += ["--tiny"] if args.tiny else []

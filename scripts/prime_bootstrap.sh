@@ -33,7 +33,19 @@ fi
 base_torch=$("$PYTHON" -c 'import torch; print(torch.__version__)' 2>/dev/null || true)
 if [ ! -x "$VENV/bin/python" ]; then
   log "creating $VENV"
-  "$PYTHON" -m venv "$VENV"
+  venv_was_there=0
+  if [ -e "$VENV" ]; then venv_was_there=1; fi
+  if ! venv_err=$("$PYTHON" -m venv "$VENV" 2>&1); then
+    # a Debian / Ubuntu Python without python3-venv has no ensurepip: the venv is left without pip. Over a Python
+    # that has torch the venv needs none of its own (pip, where that Python has it, comes with its packages below)
+    if [ -z "$base_torch" ] || ! "$PYTHON" -m venv --without-pip "$VENV"; then
+      printf '%s\n' "$venv_err" | tail -n 3 >&2
+      if [ "$venv_was_there" = 0 ]; then rm -rf "$VENV"; fi  # not a half-made venv that a rerun would take as made
+      echo "[bootstrap] error: $PYTHON cannot create a venv with pip (no ensurepip: install python3-venv) and has no torch to build on" >&2
+      exit 1
+    fi
+    log "$PYTHON has no ensurepip (python3-venv missing): $VENV created without pip of its own"
+  fi
   if [ -n "$base_torch" ]; then
     # the venv sees what $PYTHON has installed, after its own packages (a venv's python too, where
     # --system-site-packages would show the base interpreter's instead)

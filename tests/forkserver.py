@@ -51,6 +51,8 @@ from pathlib import Path
 PRELOAD = ("numpy", "yaml", "torch", "torch._dynamo", "torch.optim", "torch.distributed", "torch.distributed.fsdp",
            "torch.distributed.tensor", "torch.distributed.checkpoint", "torch.utils.tensorboard",
            "torch.nn.attention.flex_attention")
+# modules site.py imports at start-up from the path (a PYTHONPATH entry holding one: a fresh interpreter)
+CUSTOMIZE = ("sitecustomize.py", "sitecustomize", "usercustomize.py", "usercustomize")
 # environment variables read when the interpreter starts or those modules are imported: a child whose value differs
 # from the server's runs in a fresh interpreter (prefixes; LAZY lists the ones read later, at use)
 STARTUP_PREFIXES = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS", "ATEN_", "NPY_", "ONEDNN_", "DNNL_", "LD_",
@@ -242,6 +244,10 @@ class Server:
         differ = sorted(k for k in set(wanted) | set(self.startup) if wanted.get(k) != self.startup.get(k))
         if differ:
             return f"start-up environment differs: {', '.join(differ)}"
+        customizing = [entry for entry in request["env"].get("PYTHONPATH", "").split(os.pathsep) if entry and any(
+            os.path.exists(os.path.join(request["cwd"], entry, name)) for name in CUSTOMIZE)]
+        if customizing:  # the interpreter imports it at start-up (site.py): a forked child never would
+            return f"PYTHONPATH entry {customizing[0]} has a sitecustomize / usercustomize"
         if request["kind"] == "script" and not os.path.isfile(os.path.join(request["cwd"], request["target"])):
             return f"script {request['target']} is not a file"
         if not os.path.isdir(request["cwd"]):

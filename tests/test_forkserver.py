@@ -130,6 +130,19 @@ def test_an_uncaught_exception_and_a_start_up_variable(server, tmp_path):
     assert proc.returncode == 0 and report["preloaded"] is False
 
 
+def test_a_sitecustomize_on_pythonpath_runs_as_at_start_up(server, tmp_path):
+    """site.py imports a sitecustomize found on the path when the interpreter starts (tests use one to make imports
+    fail as on another machine); a forked child never starts, so such a command runs in a fresh interpreter."""
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "sitecustomize.py").write_text("import os\nos.environ['PROBE_VALUE'] = 'customized'\n")
+    for forked in (True, False):
+        proc, report = run_probe(server, tmp_path, forked)
+        assert proc.returncode == 0 and report["env"] == "customized" and report["preloaded"] is False, (forked, report)
+    (tmp_path / "lib" / "sitecustomize.py").unlink()  # without it the same command is forked again
+    proc, report = run_probe(server, tmp_path, True)
+    assert proc.returncode == 0 and report["env"] is None and report["preloaded"] is True
+
+
 def wait_gone(pid: int, timeout: float = 10.0) -> bool:
     deadline = time.time() + timeout
     while time.time() < deadline:
