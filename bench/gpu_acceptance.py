@@ -61,8 +61,10 @@ QWEN3 = REPO / "configs" / "full_qwen3_1.8b_optimal.yaml"
 def child_env(extra: dict | None = None) -> dict[str, str]:
     """The environment of the processes the items start: this checkout first on PYTHONPATH, then what this process's
     PYTHONPATH held (the packages carried to a GPU machine, e.g. fla's wheel unpacked into /tmp/site)."""
-    path = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
-    return {**os.environ, "PYTHONPATH": path, **(extra or {})}
+    from train.core import env
+
+    path = os.pathsep.join([str(REPO), *filter(None, [env.text("PYTHONPATH", "")])])
+    return {**env.environment(), "PYTHONPATH": path, **(extra or {})}
 
 
 def run(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int, str]:
