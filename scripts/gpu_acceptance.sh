@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU acceptance (bench/gpu_acceptance.py), into artifacts/gpu_acceptance_<timestamp>/: acceptance.jsonl (a line
 # per item as it finishes), acceptance.json, summary.md (each number beside its goal).
-#   bash scripts/gpu_acceptance.sh            # on a CUDA machine: the first pass, under 10 minutes on one H100:
-#                                             # environment, CUDA tests, NSA vs SDPA, M7C tokens/s, decode, dense MFU
+#   bash scripts/gpu_acceptance.sh            # on a CUDA machine: the first pass, under 10 minutes on one H100: the
+#                                             # runbook (bootstrap, smoke, train, .HALT, resume, monitor), environment,
+#                                             # CUDA tests, NSA vs SDPA, M7C tokens/s, decode, dense MFU
 #   bash scripts/gpu_acceptance.sh --full     # every item with its long limit (about an hour)
 # Runs with the machine's python (a .venv when there is one) and needs no network: `PYTHONPATH=.` is set here.
 # Without CUDA it says so and runs what a CPU can check: launch counts per layer and every Triton kernel compiled
