@@ -15,7 +15,7 @@ import pytest
 from tests.scripts.helpers import REPO, run_script
 
 RUNBOOK = ("train_m7c_prime.sh", "production_50k_launch.sh", "run_2xa100_production.sh", "monitor_run.sh",
-           "monitor_production_50k.sh", "run_tensorboard.sh", "gpu_acceptance.sh")
+           "monitor_production_50k.sh", "run_tensorboard.sh", "gpu_acceptance.sh", "gpu_session.sh")
 OURS = [REPO / "scripts" / name for name in RUNBOOK] + sorted((REPO / "scripts" / "lib").glob("*.sh"))
 SCRIPTS = OURS + [REPO / "scripts" / "prime_bootstrap.sh", REPO / "scripts" / "test_isa.sh"]
 

@@ -194,3 +194,33 @@ def test_summary_names_graphed_training_apart():
     # the dense ~1B MFU enters the summary only from a compiled run (issue 50's key is the compiled one)
     assert bench.summarise({"mfu": {"ok": True, "mfu": 0.41, "compiled": True}}) == {"dense_1b_mfu_compiled": 0.41}
     assert bench.summarise({"mfu": {"ok": True, "mfu": 0.31, "compiled": False}}) == {}
+
+
+def test_the_gpu_session_calls_cover_every_section_and_name_only_real_ones(tmp_path):
+    """scripts/gpu_session.sh N (DRY_RUN=1 prints its commands): each call runs the harness or the acceptance with
+    sections they have, every harness section is in some call, and the runbook item is in the last."""
+    import importlib.util
+    import shlex
+
+    loaded = {}
+    for name in ("gpu_nsa_speed", "gpu_acceptance"):
+        spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
+        loaded[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(loaded[name])
+    choices = {"bench/gpu_nsa_speed.py": set(loaded["gpu_nsa_speed"].SECTIONS),
+               "bench/gpu_acceptance.py": set(loaded["gpu_acceptance"].ITEMS) | set(loaded["gpu_acceptance"].FIRST_PASS)}
+    covered = {script: set() for script in choices}
+    for call in "1234":
+        proc = subprocess.run(["bash", "scripts/gpu_session.sh", call], cwd=REPO, capture_output=True, text=True,
+                              env={**os.environ, "DRY_RUN": "1", "OUT": str(tmp_path)}, timeout=60)
+        assert proc.returncode == 0 and proc.stdout.strip(), proc.stderr
+        for line in proc.stdout.splitlines():
+            argv = shlex.split(line)
+            script, only = argv[1], argv[argv.index("--only") + 1:]
+            assert argv[argv.index("--out") + 1].startswith(str(tmp_path))  # only $OUT comes back from the device
+            assert only and set(only) <= choices[script], (call, line)
+            covered[script] |= set(only)
+    assert covered["bench/gpu_nsa_speed.py"] == choices["bench/gpu_nsa_speed.py"]
+    assert covered["bench/gpu_acceptance.py"] == {"runbook"} and "runbook" in line  # call 4's last command
+    bad = subprocess.run(["bash", "scripts/gpu_session.sh", "5"], cwd=REPO, capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.startswith("usage: ")
