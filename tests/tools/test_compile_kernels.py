@@ -196,3 +196,22 @@ def test_kernel_loops_counts_the_selection_kernels(shipped_run, tmp_path):
         assert loop.get("HGMMA", 0) + loop.get("HMMA", 0) > 0 and loop["MUFU"] > 0
     assert kernels["two_pass_top_n"]["loops"] == [] and kernels["two_pass_top_n"]["families"]["BAR"] > 0
     assert "| fused | _select_topk_kernel |" in proc.stdout
+
+
+def test_harness_shapes_are_what_the_speed_harness_times():
+    """--shapes harness: bench/gpu_nsa_speed.py's layouts at its geometries (fla's only at the paper's layout), 64k,
+    read from the harness itself; not shipped, so their spills are reported, not failed."""
+    spec = importlib.util.spec_from_file_location("gpu_nsa_speed", REPO / "bench" / "gpu_nsa_speed.py")
+    harness = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(harness)
+    shapes = ck.select_shapes("harness")
+    assert sorted(src for sources in shapes.values() for src in sources) == [
+        "harness_m7c", "harness_paper", "harness_paper_fla_geometry"]
+    for shape, (source,) in shapes.items():
+        layout = harness.LAYOUTS[source.split("_")[1]]
+        geometry = harness.FLA_GEOMETRY if source.endswith("fla_geometry") else harness.NSA_GEOMETRY
+        assert (shape.hd, shape.G * shape.H_kv, shape.H_kv) == (layout["head_dim"], layout["n_heads"], layout["n_kv_heads"])
+        assert (shape.l, shape.d, shape.l_sel, shape.n, shape.T) == (geometry["l"], geometry["d"], geometry["l_sel"],
+                                                                     geometry["n_sel"], 65536)
+        assert not ck.is_shipped([source])
+    assert set(shapes) <= set(ck.select_shapes("all"))
