@@ -170,6 +170,10 @@ def _accumulate_rows(q, w, OUT, ob, sot, sop, k_col, offs_e, e_ok, T, tgt, stj, 
     blocks 1 .. last - 2 of the keys from ob on (T of them): the online log-sum-exp (m, den) and the target's total,
     sum t log t and sum t * I."""
     cols = tl.arange(0, BJ)
+    # the target's total per (row, block lane), summed over lanes after the loop: a loop-carried row sum (total +=
+    # tl.sum(t, 1)) that the kernel then reads three times fails Triton 3.6's compile (the GPU image's Triton; its
+    # TritonGPUOptimizeThreadLocality pass asserts that such a loop result has one use); 3.9 compiles either form
+    total_lanes = tl.zeros([BT, BJ], dtype=ACC)
     for j0 in range(0, last - 1, BJ):  # candidates are blocks 1 .. c - 2
         _, _, _, I = _chunk_scores(q, w, OUT, ob, sot, sop, k_col, offs_e, e_ok, j0, T, HP, BT, BJ, LP, BN,
                                    L_SEL, PER_TOKEN, SCALE, ACC, PREC)
@@ -180,10 +184,10 @@ def _accumulate_rows(q, w, OUT, ob, sot, sop, k_col, offs_e, e_ok, T, tgt, stj, 
         m_new = tl.maximum(m, tl.max(I, axis=1))
         den = den * tl.exp(m - m_new) + tl.sum(tl.exp(I - m_new[:, None]), axis=1)
         m = m_new
-        total += tl.sum(t, axis=1)
+        total_lanes += t
         a_sum += tl.sum(tl.where(t > 0, t * tl.log(tl.where(t > 0, t, 1.0)), 0.0), axis=1)
         b_sum += tl.sum(tl.where(cand, t * tl.where(cand, I, 0.0), 0.0), axis=1)
-    return m, den, total, a_sum, b_sum
+    return m, den, total + tl.sum(total_lanes, axis=1), a_sum, b_sum
 
 
 @triton.jit(do_not_specialize=["T", "R"])

@@ -43,7 +43,10 @@ from nsa.attention.kernels.indexer_kl import block_keys
 from nsa.attention.kernels.select_topk import ascending, merge_topn
 
 ROWS = 64  # (index head, query) rows per program: BT = ROWS // HP queries (1 .. MAX_BLOCK_QUERIES)
-MAX_BLOCK_QUERIES = 16  # the top-n merge holds [BT, NP, BJ] comparisons: more spills registers at n = 16
+# the top-n merge holds [BT, NP, BJ] comparisons in registers. M7C's shapes (n 16, bf16, ahead of time, 2026-12-07):
+# 16 queries take 209-247 registers with Triton 3.9 and spill 32-104 B at 255 with 3.6 (the GPU image's); 8 take
+# 130-185 (3.9) and 161-201 (3.6), no spill
+MAX_BLOCK_QUERIES = 8
 TOKEN_LANES = 128  # PER_TOKEN: token lanes per chunk (BJ * LP): the [R, BN] scores tile stays in registers
 
 
