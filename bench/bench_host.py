@@ -5,7 +5,7 @@
 On a GPU a layer's host work (Python, the custom ops' dispatch and autograd, ATen's dispatch, Triton's launcher) runs
 while the device computes; where it takes longer than the kernels, the GPU waits (the second GPU session: 32.9 ms of
 CPU against 5.8 ms of GPU for one layer forward + backward at 8k, under the profiler). Here the Triton kernels are
-built for the interpreter and their execution is skipped (InterpretedFunction.run returns at once: outputs hold
+built for the interpreter and their execution is skipped (the interpreter's launch returns at once: outputs hold
 whatever the allocator held; every size on this path comes from shapes, never from data, so the same ops run), on
 tiny tensors so that ATen's own arithmetic is small: what is left is the host path. Not in it: Triton's compiled
 launcher (a GPU's: ~10-30 µs a launch) and FlexAttention's compiled wrappers (on a CPU the compressed and window
@@ -53,23 +53,23 @@ class _OpTimer(TorchDispatchMode):
 
 
 class _Skipped:
-    """Triton's interpreter with kernel execution skipped; `launches` counts the launches."""
+    """Triton's interpreter with kernel execution skipped (its launch point returns at once); `launches` counts the
+    launches."""
 
     def __enter__(self):
-        from triton.runtime import interpreter
+        from nsa.launch_count import triton_launch_points
 
-        self.launches, self._run = 0, interpreter.InterpretedFunction.run
+        self._cls, self._name = triton_launch_points()["interpreted"]
+        self.launches, self._launch = 0, getattr(self._cls, self._name)
 
-        def skip(fn, *args, **kwargs):
+        def skip(executor, *args, **kwargs):
             self.launches += 1
 
-        interpreter.InterpretedFunction.run = skip
+        setattr(self._cls, self._name, skip)
         return self
 
     def __exit__(self, *exc):
-        from triton.runtime import interpreter
-
-        interpreter.InterpretedFunction.run = self._run
+        setattr(self._cls, self._name, self._launch)
 
 
 def _median_ms(fn, repeats: int) -> float:

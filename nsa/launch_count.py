@@ -79,37 +79,45 @@ def _custom_op_body(func):
     return OPDEFS[name]._init_fn if name in OPENED else None
 
 
+def triton_launch_points() -> dict[str, tuple[type, str]]:
+    """{"compiled": ..., "interpreted": ...}: the (class, method) through which every Triton kernel launch passes. A
+    compiled kernel's is `JITFunction.run`; in Triton's interpreter it is `GridExecutor.__call__`, which
+    `kernel[grid](...)` reaches in every Triton from 3.5 (3.5's `InterpretedFunction.run` is a per-instance closure
+    that `__getitem__` bypasses; 3.6 and 3.9 go through a class-level `run`). Each instance holds the kernel's Python
+    function as `.fn`. Empty without Triton."""
+    try:
+        from triton.runtime import interpreter, jit
+    except ImportError:  # no Triton: nothing can launch a Triton kernel
+        return {}
+    return {"compiled": (jit.JITFunction, "run"), "interpreted": (interpreter.GridExecutor, "__call__")}
+
+
 @contextlib.contextmanager
 def _triton_launch_spy(counter: "LaunchCounter"):
     """Inside the block, every Triton kernel launch (compiled or interpreted) is recorded in `counter`, and nothing
     the launch itself dispatches (the interpreter's host copies: no kernel on a GPU) is."""
-    try:
-        from triton.runtime import interpreter, jit
-    except ImportError:  # no Triton: nothing can launch a Triton kernel
-        yield
-        return
-    patched = [(cls, cls.run) for cls in (jit.JITFunction, interpreter.InterpretedFunction)]
+    patched = [(cls, name, getattr(cls, name)) for cls, name in triton_launch_points().values()]
 
-    def spying(run):
+    def spying(launch):
         def spy(self, *args, **kwargs):
             if kwargs.get("warmup"):
-                return run(self, *args, **kwargs)
+                return launch(self, *args, **kwargs)
             if not counter.paused:
                 counter.by_op[TRITON + self.fn.__name__] += 1
             counter.paused += 1
             try:
-                return run(self, *args, **kwargs)
+                return launch(self, *args, **kwargs)
             finally:
                 counter.paused -= 1
         return spy
 
-    for cls, run in patched:
-        cls.run = spying(run)
+    for cls, name, launch in patched:
+        setattr(cls, name, spying(launch))
     try:
         yield
     finally:
-        for cls, run in patched:
-            cls.run = run
+        for cls, name, launch in patched:
+            setattr(cls, name, launch)
 
 
 class LaunchCounter(TorchDispatchMode):

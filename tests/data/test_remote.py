@@ -8,6 +8,8 @@ import importlib.util
 import io
 import os
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -91,6 +93,7 @@ def test_datasets_own_remote_reads_resume_at_the_same_document(tmp_path, docs, m
     """hf: and fineweb_edu streams read through `datasets`' own fsspec files: with its retries cut to one, every fault
     reaches sources.iter_documents, which reopens the shard at the next unread document."""
     datasets = pytest.importorskip("datasets", reason="datasets is not installed here (hf: and fineweb_edu need it)")
+    http_filesystem_or_skip()  # datasets reads the URLs through fsspec's HTTP filesystem
 
     files = parquet_files(docs, 3)
     monkeypatch.setattr(datasets.config, "STREAMING_READ_MAX_RETRIES", 1)  # one attempt, then ...
@@ -166,6 +169,38 @@ def test_bad_urls_are_one_line_at_the_launch_check(url, message):
             check_data_source(cfg, vocab_size=320)
     line = str(caught.value)
     assert "\n" not in line and "secret" not in line and "abc" not in line
+
+
+AIOHTTP_BLOCKED = """import sys
+class _NoAiohttp:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "aiohttp":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)  # as where it is not installed
+sys.meta_path.insert(0, _NoAiohttp())
+"""
+CHECK_HTTP_SOURCE = """from train.core.data_config import DataConfig
+from train.core.errors import DataError
+from train.data.build import check_data_source
+try:
+    check_data_source(DataConfig(source="parquet:http://127.0.0.1:9/a.parquet", tokenizer="byte"), vocab_size=320)
+except DataError as exc:
+    print(exc)
+"""
+
+
+def test_an_http_url_without_aiohttp_is_the_missing_package_line_at_the_launch_check(tmp_path):
+    """Where aiohttp cannot be imported (the GPU image lacks it; here its import is made to fail in a fresh
+    interpreter), the launch check says what open_filesystem would: the optional-package line naming aiohttp, with the
+    URL, before anything is read (tests/conftest.py then skips the remote tests on such a machine with that line)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(AIOHTTP_BLOCKED)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(Path(__file__).resolve().parents[2])])}
+    proc = subprocess.run([sys.executable, "-c", CHECK_HTTP_SOURCE], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == ("parquet:http://127.0.0.1:9/a.parquet: aiohttp is not installed: https:// and http:// "
+                                   "stream sources (fsspec's HTTP filesystem) needs it (pip install aiohttp)"), proc.stdout
 
 
 def test_a_shard_that_is_not_parquet_is_one_line_naming_the_url(tmp_path):

@@ -36,8 +36,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
-from train.core.errors import DataError
+from train.core.errors import DataError, UserError
 from train.core.optional import require
+
+HTTP_PROTOCOLS = ("http", "https")  # fsspec's HTTP filesystem (aiohttp)
 
 CHUNK_BYTES = 8 << 20  # one ranged read; a failure costs at most this much again
 BACKOFF_BASE_S = 0.5
@@ -111,6 +113,11 @@ def filesystem_class(protocol: str, shown: str):
     if protocol not in known_implementations and protocol not in fsspec.registry:
         raise DataError(f"{shown}: unknown protocol {protocol!r} (fsspec serves: "
                         f"{', '.join(sorted(p for p in known_implementations if p not in ('file', 'local'))[:12])}, ...)")
+    if protocol in HTTP_PROTOCOLS:  # open_filesystem's timeouts need aiohttp: its one line here, before any read
+        try:
+            require("aiohttp")
+        except UserError as exc:
+            raise DataError(f"{shown}: {exc}") from None
     try:
         return fsspec.get_filesystem_class(protocol)
     except ImportError as e:
@@ -124,7 +131,7 @@ def open_filesystem(url: str, read_timeout_s: float):
 
     protocol = urlsplit(url).scheme
     options: dict = {}
-    if protocol in ("http", "https"):
+    if protocol in HTTP_PROTOCOLS:
         aiohttp = require("aiohttp")
 
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=read_timeout_s, sock_read=read_timeout_s)
