@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.fault_http import FaultServer
+from tests.scripts.helpers import blocking_site
 from train.core.data_config import DataConfig
 from train.core.errors import DataError
 from train.data import remote
@@ -171,13 +172,6 @@ def test_bad_urls_are_one_line_at_the_launch_check(url, message):
     assert "\n" not in line and "secret" not in line and "abc" not in line
 
 
-AIOHTTP_BLOCKED = """import sys
-class _NoAiohttp:
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] == "aiohttp":
-            raise ModuleNotFoundError(f"No module named {name!r}", name=name)  # as where it is not installed
-sys.meta_path.insert(0, _NoAiohttp())
-"""
 CHECK_HTTP_SOURCE = """from train.core.data_config import DataConfig
 from train.core.errors import DataError
 from train.data.build import check_data_source
@@ -192,9 +186,7 @@ def test_an_http_url_without_aiohttp_is_the_missing_package_line_at_the_launch_c
     """Where aiohttp cannot be imported (the GPU image lacks it; here its import is made to fail in a fresh
     interpreter), the launch check says what open_filesystem would: the optional-package line naming aiohttp, with the
     URL, before anything is read (tests/conftest.py then skips the remote tests on such a machine with that line)."""
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(AIOHTTP_BLOCKED)
+    site = blocking_site(tmp_path / "site", ["aiohttp"], "is blocked in this test")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(Path(__file__).resolve().parents[2])])}
     proc = subprocess.run([sys.executable, "-c", CHECK_HTTP_SOURCE], env=env, capture_output=True, text=True,
                           timeout=120)

