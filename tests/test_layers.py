@@ -25,7 +25,8 @@ COMMANDS = ("train.__main__", "train.analyze", "train.artifacts", "train.compare
 LAYERS = (
     ("machine", ("nsa.triton_support",), "what this machine's software can run: the Triton the kernels need"),
     ("model config", ("nsa.config", "nsa.profiling"), "model and NSA config dataclasses; profiling ranges"),
-    ("building blocks", ("nsa", "nsa.layers", "nsa.loss"), "norms, rotary embedding, MLP; the chunked loss"),
+    ("building blocks", ("nsa", "nsa.layers", "nsa.loss", "nsa.custom_op"),
+     "norms, rotary embedding, MLP; the chunked loss; custom ops called directly in eager mode"),
     ("kernels", ("nsa.attention.kernels",), "Triton kernels and their launchers"),
     ("implementations", ("nsa.attention.impl",), "pure torch implementations of NSA's stages (and FlexAttention)"),
     ("ops", ("nsa.attention.ops",), "the custom ops: the only place that registers ops and chooses a kernel"),

@@ -22,7 +22,8 @@ the problem is small (impl/masked.py, `masked.fits`) and each document as if alo
 Each op is one node for the dispatcher, for torch.compile (no graph break: every op has a fake
 implementation that only computes shapes) and for the meta device, so what is counted on a CPU (ops per
 layer, graph breaks, recompiles) is the structure a GPU runs: a constant number of launches per layer,
-whatever the sequence length. Implementations, chosen per call by NSAConfig.kernel
+whatever the sequence length. Eager calls outside any dispatch mode run the same bodies without the
+dispatcher (nsa/custom_op.py: ~90 µs less host time a call), with the same results bit for bit. Implementations, chosen per call by NSAConfig.kernel
 (`resolve_kernel`: "auto" = Triton on CUDA tensors, torch elsewhere):
   torch:  the chunked paths of impl/compression.py, impl/selection.py, impl/window.py and
           impl/block_select.py; forward ops return (o, log-sum-exp) and the backward ops recompute scores
@@ -41,6 +42,7 @@ from torch import Tensor
 
 from nsa.attention.impl import block_select, combine, compression, index_scores, masked, segments, selection, window
 from nsa.attention.impl.flex import flex_compressed_attention, flex_window_attention, use_flex
+from nsa.custom_op import custom_op
 from nsa.layers import apply_rotary
 from nsa.triton_support import triton_unavailable
 
@@ -85,7 +87,7 @@ def _triton(kernel: str, x: Tensor) -> bool:
 
 
 # ---------------------------------------------------------------- rotary position embedding
-@torch.library.custom_op("nsa::rotary", mutates_args=())
+@custom_op("nsa::rotary")
 def _rotary(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool, kernel: str, at: Tensor | None = None) -> Tensor:
     if _triton(kernel, x):
         from nsa.attention.kernels.rotary import rotary
@@ -130,7 +132,7 @@ def rotary(
 
 
 # ---------------------------------------------------------------- phi, the block compressor (Triton path)
-@torch.library.custom_op("nsa::compress_blocks", mutates_args=())
+@custom_op("nsa::compress_blocks")
 def _compress_blocks(raw_k: Tensor, raw_v: Tensor, ek: Tensor, w1k: Tensor, b1k: Tensor | None, w2k: Tensor,
                      b2k: Tensor | None, ev: Tensor, w1v: Tensor, b1v: Tensor | None, w2v: Tensor, b2v: Tensor | None,
                      lo: int, count: int, l: int, d: int, block_start: Tensor | None, valid: Tensor | None,
@@ -148,7 +150,7 @@ def _(raw_k, raw_v, ek, w1k, b1k, w2k, b2k, ev, w1v, b1v, w2v, b2v, lo, count, l
     return ck, raw_v.new_empty(ck.shape), raw_k.new_empty(2, B, H, count, hd, dtype=_lse_dtype(raw_k.dtype))
 
 
-@torch.library.custom_op("nsa::compress_blocks_backward", mutates_args=())
+@custom_op("nsa::compress_blocks_backward")
 def _compress_blocks_bwd(d_ck: Tensor, d_cv: Tensor, raw_k: Tensor, raw_v: Tensor, weights: list[Tensor], a: Tensor,
                          has_bias: bool, lo: int, l: int, d: int, block_start: Tensor | None, valid: Tensor | None,
                          frame: Tensor | None) -> list[Tensor]:
@@ -235,7 +237,7 @@ def compress_blocks(
 
 
 # ---------------------------------------------------------------- the gated combination of the branches
-@torch.library.custom_op("nsa::decode_branches", mutates_args=())
+@custom_op("nsa::decode_branches")
 def _decode_branches(qg: Tensor, cmp_k: Tensor, cmp_v: Tensor, sel_k: Tensor, sel_v: Tensor, win_k: Tensor,
                      win_v: Tensor, pos: Tensor, l: int, d: int, l_sel: int, n_sel: int) -> Tensor:
     from nsa.attention.kernels.decode_step import decode_branches
@@ -265,7 +267,7 @@ def decode_branches(
     return tuple(_decode_branches(qg, cmp_k, cmp_v, sel_k, sel_v, win_k, win_v, pos, l, d, l_sel, n_sel).unbind(0))
 
 
-@torch.library.custom_op("nsa::gated_combine", mutates_args=())
+@custom_op("nsa::gated_combine")
 def _combine(g: Tensor, o_cmp: Tensor, o_sel: Tensor, o_win: Tensor, kernel: str) -> Tensor:
     if _triton(kernel, o_cmp):
         from nsa.attention.kernels.gated_combine import gated_combine_fwd
@@ -280,7 +282,7 @@ def _(g, o_cmp, o_sel, o_win, kernel):
     return o_cmp.new_empty(B, T, H, hd)
 
 
-@torch.library.custom_op("nsa::gated_combine_backward", mutates_args=())
+@custom_op("nsa::gated_combine_backward")
 def _combine_bwd(d_y: Tensor, g: Tensor, o_cmp: Tensor, o_sel: Tensor, o_win: Tensor,
                  kernel: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     if _triton(kernel, o_cmp):
@@ -323,7 +325,7 @@ def gated_combine(
 
 
 # ---------------------------------------------------------------- block selection (no autograd)
-@torch.library.custom_op("nsa::select_blocks", mutates_args=())
+@custom_op("nsa::select_blocks")
 def _select_blocks(q: Tensor, ck: Tensor, q_start: int, l: int, d: int, l_sel: int, n: int, q_chunk: int,
                    kernel: str, frame: Tensor | None, lse: Tensor | None) -> Tensor:
     # contiguous, as the fake below says: inductor asserts a custom op's strides (a torch path returns a slice)
@@ -365,7 +367,7 @@ def select_blocks(
     return _select_blocks(q.detach(), ck.detach(), q_start, l, d, l_sel, n, q_chunk, kernel, frame, lse)
 
 
-@torch.library.custom_op("nsa::indexer_picks", mutates_args=())
+@custom_op("nsa::indexer_picks")
 def _indexer_picks(q: Tensor, w: Tensor, keys: Tensor, q_start: int, l_sel: int, n: int, per_token: bool,
                    token_keys: bool, kernel: str, frame: Tensor | None = None) -> Tensor:
     if _triton(kernel, q):
@@ -400,7 +402,7 @@ def indexer_picks(
                           frame)
 
 
-@torch.library.custom_op("nsa::pooled_mass_rows", mutates_args=())
+@custom_op("nsa::pooled_mass_rows")
 def _pooled_mass_rows(q: Tensor, ck: Tensor, lse: Tensor | None, R: int, l: int, d: int, l_sel: int, n_blocks: int,
                       kernel: str) -> Tensor:
     if _triton(kernel, q):
@@ -444,7 +446,7 @@ def pooled_mass_rows(
     return _pooled_mass_rows(q.detach(), ck.detach(), lse, R, l, d, l_sel, n_blocks, kernel)
 
 
-@torch.library.custom_op("nsa::dense_mass_rows", mutates_args=())
+@custom_op("nsa::dense_mass_rows")
 def _dense_mass_rows(q: Tensor, k: Tensor, R: int, l_sel: int, n_blocks: int, kernel: str) -> Tensor:
     if _triton(kernel, q):
         from nsa.attention.kernels.dense_mass import dense_block_mass_rows
@@ -478,7 +480,7 @@ def _counted_rows(frame: Tensor | None, counted: Tensor | None, R: int, l_sel: i
     return counted
 
 
-@torch.library.custom_op("nsa::indexer_kl", mutates_args=())
+@custom_op("nsa::indexer_kl")
 def _indexer_kl(out: Tensor, target: Tensor | None, source: str, source_q: Tensor | None, source_k: Tensor | None,
                 source_lse: Tensor | None, l: int, d: int, n_kv_heads: int, heads: int, index_dim: int, R: int,
                 l_sel: int, per_token: bool, weight: float, kernel: str, frame: Tensor | None = None,
@@ -508,7 +510,7 @@ def _(out, target, source, source_q, source_k, source_lse, l, d, n_kv_heads, hea
             out.new_empty(B, n_kv_heads, R, n_blocks, dtype=acc))
 
 
-@torch.library.custom_op("nsa::indexer_kl_backward", mutates_args=())
+@custom_op("nsa::indexer_kl_backward")
 def _indexer_kl_bwd(grad: Tensor, out: Tensor, target: Tensor, stats: Tensor, n_kv_heads: int, heads: int,
                     index_dim: int, R: int, l_sel: int, per_token: bool, weight: float, kernel: str,
                     frame: Tensor | None = None, counted: Tensor | None = None) -> Tensor:
@@ -569,7 +571,7 @@ def indexer_kl(
 
 
 # ---------------------------------------------------------------- selected attention
-@torch.library.custom_op("nsa::selected_attention", mutates_args=())
+@custom_op("nsa::selected_attention")
 def _selected(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, q_start: int, l_sel: int, tile: int,
               chunk: int, kernel: str, frame: Tensor | None) -> tuple[Tensor, Tensor, list[Tensor]]:
     """-> o, lse and what the backward reuses: the Triton block-centric path's slot index (built once per forward:
@@ -599,7 +601,7 @@ def _(q, k, v, block_idx, q_start, l_sel, tile, chunk, kernel, frame):
     return q.new_empty(q.shape), q.new_empty(q.shape[:4], dtype=_lse_dtype(q.dtype)), index
 
 
-@torch.library.custom_op("nsa::selected_attention_backward", mutates_args=())
+@custom_op("nsa::selected_attention_backward")
 def _selected_bwd(d_o: Tensor, q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, o: Tensor, lse: Tensor,
                   index: list[Tensor], q_start: int, l_sel: int, tile: int, chunk: int, kernel: str,
                   frame: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
@@ -658,7 +660,7 @@ def selected_attention(
 
 
 # ---------------------------------------------------------------- compressed attention (torch path op)
-@torch.library.custom_op("nsa::compressed_attention", mutates_args=())
+@custom_op("nsa::compressed_attention")
 def _compressed(q: Tensor, ck: Tensor, cv: Tensor, q_start: int, l: int, d: int, chunk: int,
                 frame: Tensor | None) -> tuple[Tensor, Tensor]:
     if frame is not None:
@@ -673,7 +675,7 @@ def _(q, ck, cv, q_start, l, d, chunk, frame):
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=_lse_dtype(q.dtype))
 
 
-@torch.library.custom_op("nsa::compressed_attention_backward", mutates_args=())
+@custom_op("nsa::compressed_attention_backward")
 def _compressed_bwd(d_o: Tensor, q: Tensor, ck: Tensor, cv: Tensor, o: Tensor, lse: Tensor, q_start: int, l: int,
                     d: int, chunk: int, frame: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     if frame is not None:
@@ -724,7 +726,7 @@ def compressed_attention(
 
 
 # ---------------------------------------------------------------- sliding window (torch path op)
-@torch.library.custom_op("nsa::window_attention", mutates_args=())
+@custom_op("nsa::window_attention")
 def _window(q: Tensor, k: Tensor, v: Tensor, q_start: int, k_start: int, w: int, chunk: int,
             frame: Tensor | None) -> tuple[Tensor, Tensor]:
     if frame is not None:
@@ -740,7 +742,7 @@ def _(q, k, v, q_start, k_start, w, chunk, frame):
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=_lse_dtype(q.dtype))
 
 
-@torch.library.custom_op("nsa::window_attention_backward", mutates_args=())
+@custom_op("nsa::window_attention_backward")
 def _window_bwd(d_o: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, q_start: int, k_start: int,
                 w: int, chunk: int, frame: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     if frame is not None:

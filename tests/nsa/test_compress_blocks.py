@@ -197,7 +197,7 @@ def test_compress_blocks_op_passes_opcheck():
     raw_k, raw_v = (t.to(DEV).requires_grad_(True) for t in _raw(seed=15))
     weights = [p.detach().to(DEV).requires_grad_(True) for p in (*pk.weights(), *pv.weights())]
     count = (R - L) // D + 1
-    torch.library.opcheck(ops._compress_blocks, (raw_k, raw_v, *weights, 0, count, L, D, None, None, None))
+    torch.library.opcheck(ops._compress_blocks.op, (raw_k, raw_v, *weights, 0, count, L, D, None, None, None))
 
 
 def _layer_outputs(layer, x, rope, documents=None):

@@ -46,9 +46,9 @@ def test_torch_path_equals_gated_sum_with_autograd(dtype):
 
 def test_gated_combine_ops_pass_opcheck():
     gates, oc, os_, ow, d_y = _case(torch.float64)
-    torch.library.opcheck(ops._combine, tuple(t.requires_grad_(True) for t in (gates, oc, os_.contiguous(), ow))
+    torch.library.opcheck(ops._combine.op, tuple(t.requires_grad_(True) for t in (gates, oc, os_.contiguous(), ow))
                           + ("torch",))
-    torch.library.opcheck(ops._combine_bwd, (d_y, gates.detach(), oc.detach(), os_.detach(), ow.detach(), "torch"))
+    torch.library.opcheck(ops._combine_bwd.op, (d_y, gates.detach(), oc.detach(), os_.detach(), ow.detach(), "torch"))
 
 
 DEV = KERNEL_DEVICE

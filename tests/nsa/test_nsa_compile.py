@@ -145,7 +145,7 @@ def test_custom_ops_pass_opcheck():
         else:
             cases.append((backward, (d_o, *tensors, o, lse, *args[3:])))
     for op, args in cases:
-        torch.library.opcheck(op, args)
+        torch.library.opcheck(op.op, args)
 
 
 @pytest.mark.parametrize("pool, target", [("keys", "compressed"), ("scores", "dense")])
@@ -181,15 +181,15 @@ def test_an_indexer_model_compiles_fullgraph_and_matches_eager(pool, target):
     P = 2 * 2 * 9 + 8
     out = torch.randn(1, 40, P, dtype=torch.float64, requires_grad=True)
     target = torch.rand(1, 2, 40, 5, dtype=torch.float64)
-    torch.library.opcheck(ops._indexer_kl, (out, target, "given", None, None, None, 0, 0, 2, 2, 8, 40, 8,
+    torch.library.opcheck(ops._indexer_kl.op, (out, target, "given", None, None, None, 0, 0, 2, 2, 8, 40, 8,
                                             pool == "scores", 1.0, "torch"))
     q, w, k = out.detach()[..., :32].unflatten(-1, (2, 2, 8)), out.detach()[..., 32:36].unflatten(-1, (2, 2)), \
         out.detach()[..., 36:]
-    torch.library.opcheck(ops._indexer_picks, (q, w, k, 0, 8, 3, pool == "scores", True, "torch"))
+    torch.library.opcheck(ops._indexer_picks.op, (q, w, k, 0, 8, 3, pool == "scores", True, "torch"))
     qg = torch.randn(1, 2, 3, 40, 8, dtype=torch.float64)  # [B, H_kv, G, T, hd]
     ck = torch.randn(1, 2, 9, 8, dtype=torch.float64)  # l = 8, d = 4: 9 compressed tokens over 40
     sel_k = torch.randn(1, 2, 40, 8, dtype=torch.float64)
-    torch.library.opcheck(ops._pooled_mass_rows, (qg, ck, None, 40, 8, 4, 8, 5, "torch"))
-    torch.library.opcheck(ops._dense_mass_rows, (qg, sel_k, 40, 8, 5, "torch"))
+    torch.library.opcheck(ops._pooled_mass_rows.op, (qg, ck, None, 40, 8, 4, 8, 5, "torch"))
+    torch.library.opcheck(ops._dense_mass_rows.op, (qg, sel_k, 40, 8, 5, "torch"))
     source = ("compressed", qg, ck, None, 8, 4) if target == "compressed" else ("dense", qg, sel_k, None, 0, 0)
-    torch.library.opcheck(ops._indexer_kl, (out, None, *source, 2, 2, 8, 40, 8, pool == "scores", 1.0, "torch"))
+    torch.library.opcheck(ops._indexer_kl.op, (out, None, *source, 2, 2, 8, 40, 8, pool == "scores", 1.0, "torch"))

@@ -53,9 +53,9 @@ def test_torch_path_is_apply_rotary_and_its_gradient_the_inverse_rotation(dtype,
 
 def test_rotary_op_passes_opcheck():
     x, cos, sin = _case(torch.float64, per_row=True)
-    torch.library.opcheck(ops._rotary, (x.contiguous().requires_grad_(True), cos, sin, False, "torch"))
+    torch.library.opcheck(ops._rotary.op, (x.contiguous().requires_grad_(True), cos, sin, False, "torch"))
     at = torch.randint(0, x.shape[2], (x.shape[0], 5), generator=torch.Generator().manual_seed(4))
-    torch.library.opcheck(ops._rotary, (x[:, :, :5].contiguous().requires_grad_(True), cos, sin, False, "torch", at))
+    torch.library.opcheck(ops._rotary.op, (x[:, :, :5].contiguous().requires_grad_(True), cos, sin, False, "torch", at))
 
 
 DEV = KERNEL_DEVICE
