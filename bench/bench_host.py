@@ -15,7 +15,9 @@ Measured, median of --repeats after warm-up: one NSA layer forward + backward (M
 l=32 d=16 l'=64 n=16 w=512, head dim 16, T=64; host_ms leaves out the torch path's compressed and window branches,
 cpu_branches_ms, which a GPU runs as FlexAttention), and one whole-model decode step over static caches (eager, the
 decode kernels; per layer, a 2-layer model less a 1-layer one). Also the custom-op calls and Triton launches each
-makes (the host work scales with them). One JSON line.
+makes (the host work scales with them), and both again with every nsa:: op call through the dispatcher
+(`*_dispatched`: the custom ops as torch.library calls them, which eager calls skip since nsa/custom_op.py), the two
+alternating call by call. One JSON line.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from nsa import custom_op
 from nsa.config import ModelConfig, NSAConfig
 
 GEOMETRY = dict(l=32, d=16, l_sel=64, n_sel=16, w=512, kernel="triton")
@@ -72,15 +75,22 @@ class _Skipped:
         setattr(self._cls, self._name, self._launch)
 
 
-def _median_ms(fn, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
+def _median_ms(fn, repeats: int) -> tuple[float, float]:
+    """Median ms of fn as the ops are called (eager: directly, nsa/custom_op.py) and with every nsa:: op call
+    through the dispatcher (the custom ops, as before the direct path), the two alternating call by call so that
+    this machine's drift falls on both alike."""
+    times = {False: [], True: []}
+    for i in range(2 * (repeats + 3)):
+        dispatched = custom_op.ALWAYS_DISPATCH = bool(i % 2)
+        try:
+            t = time.perf_counter()
+            fn()
+            elapsed = time.perf_counter() - t
+        finally:
+            custom_op.ALWAYS_DISPATCH = False
+        if i >= 6:  # three warm-up calls each
+            times[dispatched].append(elapsed)
+    return statistics.median(times[False]) * 1e3, statistics.median(times[True]) * 1e3
 
 
 def layer_host(repeats: int, skipped: _Skipped) -> dict:
@@ -99,7 +109,7 @@ def layer_host(repeats: int, skipped: _Skipped) -> dict:
         y = layer(xi, rope)
         y.backward(torch.ones_like(y))
 
-    ms = _median_ms(step, repeats)
+    ms, ms_dispatched = _median_ms(step, repeats)
     cpu_only = []
     for _ in range(5):
         skipped.launches = 0
@@ -108,7 +118,8 @@ def layer_host(repeats: int, skipped: _Skipped) -> dict:
         cpu_only.append(ops.cpu_only_s * 1e3)
     branches = statistics.median(cpu_only)
     return {"host_ms": round(ms - branches, 3), "cpu_branches_ms": round(branches, 3), "total_ms": round(ms, 3),
-            "triton_launches": skipped.launches, "nsa_op_calls": ops.op_calls}
+            "host_ms_dispatched": round(ms_dispatched - branches, 3), "triton_launches": skipped.launches,
+            "nsa_op_calls": ops.op_calls}
 
 
 def decode_host(repeats: int) -> dict:
@@ -132,7 +143,9 @@ def decode_host(repeats: int) -> dict:
                 decoder.step(token)
 
         per[n_layers] = _median_ms(step, repeats)
-    return {"host_ms_per_layer": round(per[2] - per[1], 3), "host_ms_besides": round(2 * per[1] - per[2], 3)}
+    (one, one_d), (two, two_d) = per[1], per[2]
+    return {"host_ms_per_layer": round(two - one, 3), "host_ms_besides": round(2 * one - two, 3),
+            "host_ms_per_layer_dispatched": round(two_d - one_d, 3)}
 
 
 def main() -> None:

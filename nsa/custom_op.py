@@ -29,11 +29,13 @@ from torch import Tensor
 _DEVICES = ("cpu", "cuda")
 _PLAIN = (Tensor, torch.nn.Parameter)
 _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+# every call through the custom op, as before the direct path (bench/bench_host.py measures the two in one process)
+ALWAYS_DISPATCH = False
 
 
 def _dispatcher_needed() -> bool:
     """Whether the state of this thread needs the dispatcher (see the module docstring)."""
-    return (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0  # noqa: SLF001
+    return (ALWAYS_DISPATCH or torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
             or _functorch_active())
 
 
