@@ -612,18 +612,21 @@ def layer_busy(args, layout: dict, geometry: dict, T: int) -> dict:
     waits for the host."""
     import torch
 
+    from nsa import custom_op
+
     step = layer_step(args, layout, geometry, T)
     for _ in range(0 if args.tiny else 2):  # warm-up on the GPU only (time_ms)
         step()
-    sync(args.device)
     n = 1 if args.tiny else 10
-    t = time.perf_counter()
-    for _ in range(n):
-        step()
-    host_ms = (time.perf_counter() - t) * 1e3 / n  # issuing only (no sync inside)
-    sync(args.device)
-    wall_ms = (time.perf_counter() - t) * 1e3 / n
+    host_ms, wall_ms = issue_and_wall_ms(step, n, args.device)
     out = {"T": T, "wall_ms": round(wall_ms, 3), "host_issue_ms": round(host_ms, 3)}
+    # the same steps with every nsa:: op call through the dispatcher (as before nsa/custom_op.py's direct path)
+    custom_op.ALWAYS_DISPATCH = True
+    try:
+        host_d, wall_d = issue_and_wall_ms(step, n, args.device)
+    finally:
+        custom_op.ALWAYS_DISPATCH = False
+    out.update(wall_ms_dispatched=round(wall_d, 3), host_issue_ms_dispatched=round(host_d, 3))
     # what a CPU counts for the same layer (nsa/launch_count.py, the meta device: each op one launch, a custom op
     # one), beside the kernels the profiler sees below (autocast's weight casts and the loss's ops included there)
     from nsa.launch_count import attention_layer_launches
@@ -639,6 +642,17 @@ def layer_busy(args, layout: dict, geometry: dict, T: int) -> dict:
         device_ms = sum(e.device_time for e in kernels) / 1e3
         out.update(device_ms=round(device_ms, 3), kernels=len(kernels), busy_fraction=round(device_ms / wall_ms, 3))
     return out
+
+
+def issue_and_wall_ms(step, n: int, device: str) -> tuple[float, float]:
+    """(ms to issue a step, wall ms per step) over n steps after a sync: issuing has no sync inside."""
+    sync(device)
+    t = time.perf_counter()
+    for _ in range(n):
+        step()
+    host_ms = (time.perf_counter() - t) * 1e3 / n
+    sync(device)
+    return host_ms, (time.perf_counter() - t) * 1e3 / n
 
 
 def layer_graphed(args, layout: dict, geometry: dict, busy: dict) -> dict:

@@ -93,6 +93,7 @@ def test_tiny_run_checks_then_times_every_arm_and_stage_and_merges(tmp_path):
             assert "indexer_fwd_ms" not in r
     busy = sections["attention"]["busy"]
     assert busy["wall_ms"] >= busy["host_issue_ms"] > 0
+    assert busy["wall_ms_dispatched"] >= busy["host_issue_ms_dispatched"] > 0  # the ops through the dispatcher
     summary = report["summary"]
     assert summary["m7c_nsa_over_sdpa_fwd_bwd_160"] == next(
         r["nsa_over_sdpa_fwd_bwd"] for r in rows if r["layout"] == "m7c" and r["T"] == 160)
