@@ -22,6 +22,7 @@ alternating call by call. One JSON line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -29,8 +30,8 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from nsa import custom_op
 from nsa.config import ModelConfig, NSAConfig
+from nsa.custom_op import through_dispatcher
 
 GEOMETRY = dict(l=32, d=16, l_sel=64, n_sel=16, w=512, kernel="triton")
 # the torch path's compressed and window branches, which a CPU runs in their place (FlexAttention on CUDA): their time
@@ -81,13 +82,11 @@ def _median_ms(fn, repeats: int) -> tuple[float, float]:
     this machine's drift falls on both alike."""
     times = {False: [], True: []}
     for i in range(2 * (repeats + 3)):
-        dispatched = custom_op.ALWAYS_DISPATCH = bool(i % 2)
-        try:
+        dispatched = bool(i % 2)
+        with through_dispatcher() if dispatched else contextlib.nullcontext():
             t = time.perf_counter()
             fn()
             elapsed = time.perf_counter() - t
-        finally:
-            custom_op.ALWAYS_DISPATCH = False
         if i >= 6:  # three warm-up calls each
             times[dispatched].append(elapsed)
     return statistics.median(times[False]) * 1e3, statistics.median(times[True]) * 1e3

@@ -612,7 +612,7 @@ def layer_busy(args, layout: dict, geometry: dict, T: int) -> dict:
     waits for the host."""
     import torch
 
-    from nsa import custom_op
+    from nsa.custom_op import through_dispatcher
 
     step = layer_step(args, layout, geometry, T)
     for _ in range(0 if args.tiny else 2):  # warm-up on the GPU only (time_ms)
@@ -620,12 +620,8 @@ def layer_busy(args, layout: dict, geometry: dict, T: int) -> dict:
     n = 1 if args.tiny else 10
     host_ms, wall_ms = issue_and_wall_ms(step, n, args.device)
     out = {"T": T, "wall_ms": round(wall_ms, 3), "host_issue_ms": round(host_ms, 3)}
-    # the same steps with every nsa:: op call through the dispatcher (as before nsa/custom_op.py's direct path)
-    custom_op.ALWAYS_DISPATCH = True
-    try:
+    with through_dispatcher():  # the same steps with every nsa:: op call as before nsa/custom_op.py's direct path
         host_d, wall_d = issue_and_wall_ms(step, n, args.device)
-    finally:
-        custom_op.ALWAYS_DISPATCH = False
     out.update(wall_ms_dispatched=round(wall_d, 3), host_issue_ms_dispatched=round(host_d, 3))
     # what a CPU counts for the same layer (nsa/launch_count.py, the meta device: each op one launch, a custom op
     # one), beside the kernels the profiler sees below (autocast's weight casts and the loss's ops included there)

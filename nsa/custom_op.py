@@ -20,8 +20,9 @@ meta device and torch.compile see.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -29,13 +30,25 @@ from torch import Tensor
 _DEVICES = ("cpu", "cuda")
 _PLAIN = (Tensor, torch.nn.Parameter)
 _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
-# every call through the custom op, as before the direct path (bench/bench_host.py measures the two in one process)
-ALWAYS_DISPATCH = False
+_always_dispatch = False  # set inside through_dispatcher()
+REGISTRY: dict[str, Op] = {}  # "nsa::name" -> its Op (nsa/launch_count.py runs an op's body through it)
+
+
+@contextlib.contextmanager
+def through_dispatcher() -> Iterator[None]:
+    """Inside the block every call goes through the custom op, as before the direct path: what the benchmarks time
+    beside the direct calls (bench/bench_host.py, bench/gpu_nsa_speed.py)."""
+    global _always_dispatch
+    before, _always_dispatch = _always_dispatch, True
+    try:
+        yield
+    finally:
+        _always_dispatch = before
 
 
 def _dispatcher_needed() -> bool:
     """Whether the state of this thread needs the dispatcher (see the module docstring)."""
-    return (ALWAYS_DISPATCH or torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
+    return (_always_dispatch or torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
             or _functorch_active())
 
 
@@ -86,6 +99,7 @@ class Op:
     def __init__(self, name: str, fn: Callable):
         self.op = torch.library.custom_op(name, mutates_args=())(fn)
         self.fn = fn
+        REGISTRY[name] = self
         params = list(inspect.signature(fn).parameters.values())
         self._arity = len(params)
         self._defaults = tuple(p.default for p in params if p.default is not inspect.Parameter.empty)

@@ -73,10 +73,10 @@ OPENED = ("nsa::rotary", "nsa::compress_blocks", "nsa::compress_blocks_backward"
 
 def _custom_op_body(func):
     """The Python implementation of an OPENED custom op (what its CPU kernel runs), or None for other ops."""
-    from torch._library.custom_ops import OPDEFS
+    from nsa.custom_op import REGISTRY
 
     name = func.name().split(".")[0]  # "nsa::selected_attention"
-    return OPDEFS[name]._init_fn if name in OPENED else None
+    return REGISTRY[name].fn if name in OPENED else None
 
 
 def triton_launch_points() -> dict[str, tuple[type, str]]:
