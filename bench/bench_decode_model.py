@@ -14,7 +14,8 @@ Per model (configs/m7c_125m_long.yaml's M7C-125M and its dense twin: the same mo
           at the --compile_at points compiled + graphed (NSA also with its three branches as torch ops instead of
           the decode kernels, kernels/decode_step.py: "unfused"); the
           bytes a step must read (the weights once, every cache slot it reads: the buffers whole) and the time that
-          takes at the copy bandwidth measured here (a 1 GiB device copy).
+          takes at the copy bandwidth measured here (a 1 GiB device copy); on CUDA each arm's device operations per
+          step (`kernels_<arm>`, torch.profiler).
 Prints one JSON line per row and a last line {"summary": ..., "rows": ...}; summary keys
 decode_nsa_over_dense_<S>_b<B> (graphed when CUDA, else eager: dense's ms / NSA's, > 1 when NSA is faster).
 """
@@ -155,6 +156,22 @@ def time_steps(decoder: StaticDecoder, device: str, steps: int) -> float:
     return statistics.median(times)
 
 
+def kernels_per_step(decoder: StaticDecoder, device: str) -> int | None:
+    """Device operations (kernels, copies, fills) of one step, a graph replay's included, counted by torch.profiler
+    (CUPTI), the position put back after it; None off CUDA. bench/bench_launches.py --compiled predicts the compiled
+    step's from inductor's generated code on a CPU."""
+    if device != "cuda":
+        return None
+    token = torch.zeros(decoder.batch, dtype=torch.long, device=device)
+    at, t = decoder.pos.clone(), decoder.t
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        decoder.step(token)
+        torch.cuda.synchronize()
+    decoder.pos.copy_(at)
+    decoder.t = t
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
 def copy_bandwidth(device: str) -> float | None:
     """Bytes per second of a 1 GiB device copy (read + write), or None on CPU."""
     if device != "cuda":
@@ -224,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
                 decoder = StaticDecoder(model, B, S + 2, graphs=graphs, compile=compile_, fused="unfused" not in name)
                 fill_random(decoder, S, seed=S + B)
                 row[name] = round(time_steps(decoder, args.device, args.steps), 4)
+                if (kernels := kernels_per_step(decoder, args.device)) is not None:
+                    row["kernels_" + name[:-3]] = kernels  # a launch-bound step's cost is its count
                 row["bytes_per_step"] = step_bytes(model, decoder)
                 release(decoder)
             if bandwidth:

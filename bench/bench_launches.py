@@ -20,6 +20,7 @@ Prints a markdown table (docs/BENCHMARKS.md) and one JSON line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 
@@ -79,11 +80,86 @@ def decode_step_launches(max_len: int = 1024, at: int = 1000) -> dict:
     return out
 
 
+def decode_step_compiled(max_len: int = 1024, at: int = 1000) -> dict:
+    """Kernels of one whole-model decode step compiled as the harness's `compiled_graphed` arm runs it
+    (StaticDecoder(compile=True): the embedding, one block's graph for every block, the head), read from the wrapper
+    code inductor generates for each graph (nsa.launch_count.wrapper_launches): its Triton kernels, library calls and
+    custom ops, each custom op counted as what its body launches in the eager step at the same position. Inductor is
+    told to write Triton for this CPU's tensors (`cpu_backend="triton"`), so its scheduler fuses as it does for a
+    GPU; the kernels are generated, never run (`_triton_codegen_only`): the count is the code's, the values are not
+    read. Per layer: the block graph's launches; per step besides: the embedding's and the head's."""
+    import torch._dynamo
+    from torch._inductor.utils import run_and_get_code
+
+    from nsa.attention.kernels.selected_attention import interpreter_active
+    from nsa.launch_count import LaunchCounter, wrapper_launches
+    from nsa.model import Transformer
+    from nsa.static_decode import StaticDecoder
+
+    if not interpreter_active():
+        return {"skipped": "Triton's interpreter is off: run with TRITON_INTERPRET=1"}
+    out = {"max_len": max_len, "position": at, "scheduled_as": "triton (inductor's GPU code generation)"}
+    nsa = NSAConfig(l=32, d=16, l_sel=64, n_sel=16, w=512, kernel="triton")
+    for arm in ("nsa", "dense"):
+        torch.manual_seed(0)
+        model = Transformer(ModelConfig(**M7C, vocab_size=512, n_layers=1, max_seq_len=max_len, attention=arm,
+                                        nsa=nsa)).eval()
+        eager = StaticDecoder(model, 1, max_len, graphs=False)
+        eager.pos.fill_(at)
+        with torch.no_grad(), LaunchCounter(open_custom_ops=True) as opened:
+            eager.step(torch.zeros(1, dtype=torch.long))
+        decoder = StaticDecoder(model, 1, max_len, graphs=False, compile=True)
+        decoder.pos.fill_(at)
+        try:
+            with torch.no_grad(), _triton_codegen_only():
+                _, codes = run_and_get_code(decoder._step)  # (resets Dynamo: every graph compiles here)
+        except Exception as exc:  # an inductor whose internals moved: say so, count nothing
+            return {"skipped": f"inductor's Triton code generation for CPU tensors failed: {type(exc).__name__}: "
+                               f"{str(exc).splitlines()[0][:200]}"}
+        if len(codes) != 3:
+            return {"skipped": f"expected 3 compiled graphs (embedding, block, head), got {len(codes)}"}
+        embed, block, head = (wrapper_launches(code, opened.per_call()) for code in codes)
+        out[arm] = {"per_layer": sum(block.values()), "per_step_besides": sum((embed + head).values()),
+                    "per_layer_by_kind": dict(sorted(block.items()))}
+    return out
+
+
+@contextlib.contextmanager
+def _triton_codegen_only():
+    """Inside the block inductor writes Triton kernels for CPU tensors and never runs them: the scheduler's fusions are
+    the GPU's (the C++ backend would write consecutive fused nodes into one function), and a launch returns at once
+    (Triton's CPU interpreter cannot run every generated kernel: a 0-dim tensor passed as a scalar). Patched: the
+    backend choice, the Triton hash that asks for an active GPU driver, the launcher's run; no cache read or written."""
+    import torch._functorch.config
+    import torch._inductor.codegen.triton as codegen_triton
+    import torch._inductor.config
+    import torch.utils._triton as utils_triton
+    from torch._inductor.runtime import triton_heuristics
+
+    patched = [(utils_triton, "triton_hash_with_backend", lambda: "cpu-codegen-only"),
+               (triton_heuristics.CachingAutotuner, "run", lambda self, *args, **kwargs: None)]
+    if hasattr(codegen_triton, "triton_hash_with_backend"):
+        patched.append((codegen_triton, "triton_hash_with_backend", lambda: "cpu-codegen-only"))
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patched]
+    for owner, name, value in patched:
+        setattr(owner, name, value)
+    try:
+        with torch._inductor.config.patch(cpu_backend="triton", fx_graph_cache=False), \
+                torch._functorch.config.patch(enable_autograd_cache=False):
+            yield
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+        torch._dynamo.reset()  # no generated code that cannot run survives the block
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--T", type=int, nargs="+", default=[2048, 8192, 32768, 65536])
     ap.add_argument("--triton-T", type=int, default=256, help="tokens for the Triton path's count (0: skip it)")
     ap.add_argument("--json", help="also write the JSON here")
+    ap.add_argument("--compiled", action="store_true", help="also the compiled decode step's kernels (inductor's "
+                    "Triton code for this CPU's tensors, not run: ~1 minute)")
     args = ap.parse_args()
     nsa = ModelConfig(**M7C, attention="nsa", nsa=NSAConfig(l=32, d=16, l_sel=64, n_sel=16, w=512))
     dense = ModelConfig(**M7C)
@@ -121,6 +197,14 @@ def main() -> None:
             print("decode step over static caches (eager; a CUDA graph replays these): "
                   + "; ".join(f"{arm} {step[arm]['per_layer']} per layer + {step[arm]['per_step_besides']}"
                               for arm in ("nsa_fused", "nsa_unfused", "dense")))
+    if args.triton_T and args.compiled:
+        result["decode_step_compiled"] = step = decode_step_compiled()
+        if "skipped" not in step:
+            print("decode step compiled (the harness's compiled + graphed arm; kernels a graph replays): "
+                  + "; ".join(f"{arm} {step[arm]['per_layer']:g} per layer + {step[arm]['per_step_besides']:g}"
+                              for arm in ("nsa", "dense")))
+        else:
+            print(f"decode step compiled: skipped: {step['skipped']}")
     print(json.dumps(result))
     if args.json:
         with open(args.json, "w") as f:

@@ -21,6 +21,7 @@ Not counted, in both: views (`OpOverload.is_view`), `_unsafe_view` (a reshape's 
 from __future__ import annotations
 
 import contextlib
+import re
 from collections import Counter
 
 import torch
@@ -130,6 +131,8 @@ class LaunchCounter(TorchDispatchMode):
         self.by_op: Counter[str] = Counter()
         self.syncs: Counter[str] = Counter()
         self.open_custom_ops = open_custom_ops
+        self.inside: Counter[str] = Counter()  # opened op ("nsa.name") -> the launches counted inside its calls
+        self.opened_calls: Counter[str] = Counter()  # opened op -> its calls
         self.paused = 0  # > 0 while a Triton kernel runs (in the interpreter: host copies, not launches)
         self._spy = contextlib.ExitStack()
 
@@ -147,8 +150,12 @@ class LaunchCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if self.open_custom_ops and (body := _custom_op_body(func)) is not None:
+            name, before = str(func.overloadpacket), self.total
             with self:  # the body's own ops come back through this mode
-                return body(*args, **kwargs)
+                out = body(*args, **kwargs)
+            self.inside[name] += self.total - before
+            self.opened_calls[name] += 1
+            return out
         out = func(*args, **kwargs)
         if not self.paused and _syncs(func, args, kwargs):
             self.syncs[str(func.overloadpacket)] += 1
@@ -164,6 +171,39 @@ class LaunchCounter(TorchDispatchMode):
     def triton(self) -> int:
         """Triton kernel launches among the total."""
         return sum(n for name, n in self.by_op.items() if name.startswith(TRITON))
+
+    def per_call(self) -> dict[str, float]:
+        """Opened op ("nsa.name") -> the launches one of its calls made (the mean over its calls)."""
+        return {name: self.inside[name] / calls for name, calls in self.opened_calls.items()}
+
+
+# one launch in the `call` function of the Python wrapper inductor generates for a compiled graph: a kernel it generated
+# (C++ `cpp_fused_*` on a CPU, `triton_*.run` on a GPU), a library call (`extern_kernels.mm`), a fallback ATen op or a
+# custom op (`torch.ops.<namespace>.<op>.<overload>`); the wrapper's other lines allocate, view or assert
+_WRAPPER_LAUNCH = re.compile(r"^\s+(?:\w+ = )?(?P<call>cpp_fused_\w+|triton_\w+(?=\.run\()|extern_kernels\.\w+|"
+                             r"torch\.ops\.\w+\.\w+)(?:\.\w+)?\(", re.M)
+
+
+def wrapper_launches(code: str, per_call: dict[str, float] | None = None) -> Counter[str]:
+    """Launches of one call of a compiled graph, read from its inductor wrapper's source (torch._inductor.utils.
+    run_and_get_code): "fused" (kernels inductor generated), "extern.<name>", "aten.<name>" (fallbacks) and
+    "nsa.<name>" (custom ops). A custom op counts as per_call["nsa.<name>"] launches where given (what its body
+    launches: LaunchCounter.per_call of an eager run at the same shapes), else 1."""
+    per_call = per_call or {}
+    body = code[code.index("def call("):]
+    end = re.search(r"^\S", body[body.index("\n"):], re.M)  # the next line that is not inside call()
+    body = body[: body.index("\n") + end.start()] if end else body
+    count: Counter[str] = Counter()
+    for m in _WRAPPER_LAUNCH.finditer(body):
+        call = m.group("call")
+        if call.startswith(("cpp_fused_", "triton_")):
+            count["fused"] += 1
+        elif call.startswith("extern_kernels."):
+            count["extern." + call.split(".", 1)[1]] += 1
+        else:
+            name = call[len("torch.ops."):]
+            count[name] += per_call.get(name, 1)
+    return count
 
 
 def count_forward_backward(module, x: torch.Tensor, *args, open_custom_ops: bool = False, aux=None) -> LaunchCounter:

@@ -71,8 +71,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
         cos, sin = cos[:, None], sin[:, None]
     compute = torch.promote_types(x.dtype, torch.float32)
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].to(compute), x[..., half:].to(compute)
     cos, sin = cos.to(compute), sin.to(compute)
+    if torch.compiler.is_compiling():
+        # the same products and sums with no concatenation, which inductor realizes as a buffer of its own: as one
+        # pointwise expression the rotation fuses into whatever reads it (a cache write, a scale). x[i] * cos[i] +
+        # x[i + hd/2] * -sin[i] is x1 * cos - x2 * sin to the bit (negation is exact), likewise the second half
+        i = torch.arange(2 * half, device=x.device)
+        cos_i, sin_i = cos[..., i % half], sin[..., i % half]
+        xc = x.to(compute)
+        return (xc * cos_i + torch.roll(xc, half, dims=-1) * torch.where(i < half, -sin_i, sin_i)).to(x.dtype)
+    x1, x2 = x[..., :half].to(compute), x[..., half:].to(compute)
     out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     return out.to(x.dtype)
 

@@ -172,16 +172,25 @@ class NativeSparseAttention(nn.Module):
         Selection and window keys are rotated at their positions; compression keys are returned raw
         (phi compresses un-rotated keys; the compressed key is rotated afterwards, see `forward`).
         """
-        B, T, _ = x.shape
+        return self.project_from(self.q_proj(x), self.kv_proj(x), rope)
+
+    def project_from(self, q_lin: torch.Tensor, kv_lin: torch.Tensor, rope=None):
+        """`project` after its two matmuls: q_lin [B, T, H*hd] (q_proj's output), kv_lin [B, T, 2*n*H_kv*hd]
+        (kv_proj's) -> what `project` returns. The static decoder runs the matmuls as one (fused_input_projection)."""
+        B, T, _ = q_lin.shape
         H, H_kv, hd = self.n_heads, self.n_kv_heads, self.head_dim
         n_kv = 2 * len(self.branches)
-        q = self.q_proj(x).view(B, T, H, hd).transpose(1, 2)
+        q = q_lin.view(B, T, H, hd).transpose(1, 2)
         # unbind (backward: one stack) rather than strided slices (backward: zero-filled scatters)
-        kv = self.kv_proj(x).view(B, T, n_kv, H_kv, hd).permute(2, 0, 3, 1, 4).unbind(0)  # n_kv x [B, H_kv, T, hd]
+        kv = kv_lin.view(B, T, n_kv, H_kv, hd).permute(2, 0, 3, 1, 4).unbind(0)  # n_kv x [B, H_kv, T, hd]
         keys, values = list(kv[0::2]), kv[1::2]
         if self.q_norm is not None:
             q, keys = self.q_norm(q), [self.k_norm(k) for k in keys]
-        if rope is not None:  # one rotation for q and the selection and window keys; compression keys
+        if rope is not None and torch.compiler.is_compiling():  # RoPE is torch ops here (ops.ELEMENTWISE_TO_INDUCTOR):
+            # each rotation fused into what reads it, no concatenated copy
+            q = ops.rotary(q, *rope, self.cfg.kernel)
+            keys = [k if name == "cmp" else ops.rotary(k, *rope, self.cfg.kernel) for name, k in zip(self.branches, keys)]
+        elif rope is not None:  # one rotation for q and the selection and window keys; compression keys
             # stay raw (rotated after phi)
             rotate = [i for i, name in enumerate(self.branches) if name != "cmp"]
             qk = torch.cat((q, *(keys[i] for i in rotate)), dim=1)  # [B, H + n*H_kv, T, hd]
@@ -191,12 +200,30 @@ class NativeSparseAttention(nn.Module):
                 keys[i] = k
         return q, dict(zip(self.branches, zip(keys, values)))
 
+    def fused_input_projection(self) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int]]:
+        """The matmuls that read the layer's input, stacked for one matmul: (weight [q + kv + gate_hidden, dim],
+        bias [q + kv + gate_hidden], the three widths): q_proj, kv_proj and the gate MLP's first layer, whose outputs
+        project_from and gates_from take. A detached copy (a missing bias as zeros: adding 0 changes nothing), made
+        by the static decoder when it is built: at batch 1 a decode step is launch-bound, and one matmul is two
+        launches fewer than three (docs/BENCHMARKS.md, "the compiled decode step's kernels")."""
+        linears = (self.q_proj, self.kv_proj, self.gate_mlp[0])
+        weight = torch.cat([m.weight.detach() for m in linears])
+        bias = torch.cat([m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features)
+                          for m in linears])
+        return weight, bias, tuple(m.out_features for m in linears)
+
     def gates(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, dim] -> [B, T, H, 3] in [0, 1]
         pinned = WINDOW_GATES if self.cfg.window_only else self.forced_gates
+        return self.gates_from(x if pinned is not None else self.gate_mlp[0](x))
+
+    def gates_from(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`gates` after the gate MLP's first matmul: hidden [B, T, gate_hidden] (gate_mlp[0]'s output; with pinned
+        gates any [B, T, *] tensor, unread) -> [B, T, H, 3]."""
+        pinned = WINDOW_GATES if self.cfg.window_only else self.forced_gates
         if pinned is not None:
-            g = torch.tensor(pinned, dtype=x.dtype, device=x.device)
-            return g.expand(x.shape[0], x.shape[1], self.n_heads, 3)
-        g = torch.sigmoid(self.gate_mlp(x)).view(x.shape[0], x.shape[1], self.n_heads, 3)
+            g = torch.tensor(pinned, dtype=hidden.dtype, device=hidden.device)
+            return g.expand(hidden.shape[0], hidden.shape[1], self.n_heads, 3)
+        g = torch.sigmoid(self.gate_mlp[2](self.gate_mlp[1](hidden))).view(*hidden.shape[:2], self.n_heads, 3)
         if self.knocked_out:
             keep = torch.tensor([name not in self.knocked_out for name in BRANCHES], dtype=g.dtype, device=g.device)
             g = g * keep  # [B, T, H, 3]
@@ -405,11 +432,12 @@ class NativeSparseAttention(nn.Module):
                  **outside_window_share(outside_window_counts(block_idx, q_pos, c.l_sel, c.w))}
         return stats, recall_sample(q, sel_k, block_idx, q_pos, k_base)
 
-    def _combine(self, x, o_cmp, o_sel, o_win, block_idx, record, return_indices: bool):
+    def _combine(self, x, o_cmp, o_sel, o_win, block_idx, record, return_indices: bool, g=None):
         """Gate the branch outputs (each [B, H, T, hd]) and project: -> y [B, T, dim] (and block_idx).
-        record: _selection_record's (stats, sample) when statistics are on, else None."""
+        record: _selection_record's (stats, sample) when statistics are on, else None. g: the gates [B, T, H, 3]
+        where the caller has them (the static decoder: gates_from), else computed from x."""
         B, T, _ = x.shape
-        g = self.gates(x)  # [B, T, H, 3]
+        g = self.gates(x) if g is None else g  # [B, T, H, 3]
         y = ops.gated_combine(g, o_cmp, o_sel, o_win, self.cfg.kernel)  # [B, T, H, hd]
         y = self.dropout(self.proj(y.view(B, T, -1)))
         if record is not None:

@@ -86,6 +86,14 @@ def _triton(kernel: str, x: Tensor) -> bool:
     return resolve_kernel(kernel, x.device) == "triton"
 
 
+# Under torch.compile the elementwise ops (RoPE, the gated sum) are left as torch ops, for inductor to fuse with their
+# neighbours: a custom op is a launch of its own and a wall that no fusion crosses. Eager, the custom ops' one launch
+# per direction is fewer than the torch ops' several. With RoPE's compiled form (nsa.layers.apply_rotary) and the
+# static decoder's one input matmul, an M7C layer's compiled decode step is 25 launches, 34 before (bench/
+# bench_launches.py --compiled; docs/BENCHMARKS.md "The compiled decode step's kernels").
+ELEMENTWISE_TO_INDUCTOR = ("nsa::rotary", "nsa::gated_combine")
+
+
 # ---------------------------------------------------------------- rotary position embedding
 @custom_op("nsa::rotary")
 def _rotary(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool, kernel: str, at: Tensor | None = None) -> Tensor:
@@ -93,6 +101,11 @@ def _rotary(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool, kernel: str, at:
         from nsa.attention.kernels.rotary import rotary
 
         return rotary(x, cos, sin, inverse, at)
+    return _rotary_torch(x, cos, sin, inverse, at)
+
+
+def _rotary_torch(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool, at: Tensor | None) -> Tensor:
+    """nsa::rotary's torch path: apply_rotary, the tables' rows gathered first where `at` is given."""
     if at is not None:  # rows at[b, t] of the tables [T', hd/2] or [B, T', hd/2] -> [B, T, hd/2]
         index = at[..., None].expand(-1, -1, cos.shape[-1])
         cos, sin = (r.expand(at.shape[0], *r.shape[-2:]).gather(1, index) for r in (cos, sin))
@@ -127,7 +140,10 @@ def rotary(
     # T', hd/2]); the Triton kernel reads it, the torch path gathers those rows first
 ) -> Tensor:  # [B, H, T, hd] contiguous, x's dtype
     """nsa.layers.apply_rotary as one op (forward and backward one launch each on the Triton path); the torch path
-    runs apply_rotary itself, so CPU results are those of apply_rotary's, bit for bit."""
+    runs apply_rotary itself, so CPU results are those of apply_rotary's, bit for bit. Under torch.compile the torch
+    ops themselves (ELEMENTWISE_TO_INDUCTOR)."""
+    if torch.compiler.is_compiling():
+        return _rotary_torch(x, cos.detach(), sin.detach(), False, at)
     return _rotary(x, cos.detach(), sin.detach(), False, kernel, at)
 
 
@@ -317,10 +333,13 @@ def gated_combine(
     o_win: Tensor,
     kernel: str = "torch",  # NSAConfig.kernel: the Triton kernels (kernels/gated_combine.py) or impl/combine.py
 ) -> Tensor:  # [B, T, H, hd] contiguous: the output projection's layout
-    """sum_i g_i o_i (paper Eq. 5) as one op per direction; the torch path's forward is gated_sum's, bit for bit."""
+    """sum_i g_i o_i (paper Eq. 5) as one op per direction; the torch path's forward is gated_sum's, bit for bit.
+    Under torch.compile the torch ops themselves (ELEMENTWISE_TO_INDUCTOR)."""
     if not o_cmp.dtype == o_sel.dtype == o_win.dtype:  # autocast may mix them
         dtype = torch.promote_types(torch.promote_types(o_cmp.dtype, o_sel.dtype), o_win.dtype)
         o_cmp, o_sel, o_win = o_cmp.to(dtype), o_sel.to(dtype), o_win.to(dtype)
+    if torch.compiler.is_compiling():
+        return combine.gated_combine_fwd(g, o_cmp, o_sel, o_win)
     return _combine(g, o_cmp, o_sel, o_win, kernel)
 
 

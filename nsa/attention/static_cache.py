@@ -113,6 +113,9 @@ class StaticNSACache:
         self.raw_k, self.raw_v = buf(c.l), buf(c.l)
         self.cmp_k, self.cmp_v = buf(self.n_cmp + 1), buf(self.n_cmp + 1)
         self.key_offsets = torch.arange(c.l_sel, device=device)  # [l'] a key's offset in its block
+        # q_proj, kv_proj and the gate MLP's first layer as one matmul: (weight, bias, widths), a copy of the weights
+        # as they are now (the decoder serves the model it was built for); weights, not cache state
+        self.input_projection = attn.fused_input_projection()
         # nsa.selector=indexer: every token's index key (indexer_pool=scores), or each block's (the elementwise max
         # of its tokens' keys so far: the current block's grows a step at a time)
         self.index_tokens = self.index_blocks = None
@@ -161,7 +164,10 @@ class StaticNSACache:
         given = picks is not None
         if attn.indexer is not None:
             picks = None  # an indexer layer picks its own
-        q, br = attn.project(x, rope)  # q [B, H, 1, hd]; br {branch: (k, v) [B, H_kv, 1, hd]}
+        weight, bias, widths = self.input_projection
+        q_lin, kv_lin, gate_hidden = F.linear(x, weight, bias).split(widths, dim=-1)
+        q, br = attn.project_from(q_lin, kv_lin, rope)  # q [B, H, 1, hd]; br {branch: (k, v) [B, H_kv, 1, hd]}
+        g = attn.gates_from(gate_hidden)  # [B, 1, H, 3]
         B, H, _, hd = q.shape
         H_kv = attn.n_kv_heads
         qg = q.view(B, H_kv, H // H_kv, hd) * (1.0 / math.sqrt(hd))  # [B, H_kv, G, hd], scale folded in
@@ -186,7 +192,7 @@ class StaticNSACache:
                                         at.pos, c.l, c.d, c.l_sel, c.n_sel, c.kernel)
         if fused is not None:
             shape = (B, H, 1, hd)
-            y = attn._combine(x, *(o.view(shape) for o in fused), None, None, False)
+            y = attn._combine(x, *(o.view(shape) for o in fused), None, None, False, g)
             return y, None  # a pooled layer passes nothing on
         o_cmp = torch.zeros_like(qg)
         p_group = qg.new_zeros(B, H_kv, self.n_cmp)
@@ -219,7 +225,7 @@ class StaticNSACache:
         o_win, _ = _attend_masked(qg, self.win_k, self.win_v, at.win_visible)
 
         shape = (B, H, 1, hd)
-        y = attn._combine(x, o_cmp.view(shape), o_sel.view(shape), o_win.view(shape), None, None, False)
+        y = attn._combine(x, o_cmp.view(shape), o_sel.view(shape), o_win.view(shape), None, None, False, g)
         # nsa.indexer_every > 1 (as NativeSparseAttention._pass_on): an indexer layer passes its picks on while its
         # indexer selects, a reusing layer the picks it was given
         passes = attn.cfg.shares_picks and (attn.indexer_selects if attn.indexer is not None else given)

@@ -4,11 +4,13 @@ pick-count boundaries; refusals in one line. The CUDA graph replay itself runs o
 decode section compares it with the eager step before timing)."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
 from nsa.config import ModelConfig, NSAConfig
-from nsa.gate_health import distance_capped
+from nsa.gate_health import distance_capped, knock_out
 from nsa.model import Transformer
 from nsa.static_decode import StaticDecodeError, StaticDecoder, static_decode_problem
 from tests.nsa._nsa_helpers import distinct_ids
@@ -45,6 +47,28 @@ def test_nsa_static_steps_equal_a_full_forward(prompt, variant):
         full = model(ids)  # [B, T, V]
         steps = _decode(model, ids, prompt, max_len=90)  # caches larger than the sequence: unused slots masked
     torch.testing.assert_close(steps, full[:, prompt - 1:], rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("gates", ["knocked_out", "forced"])
+def test_static_steps_take_the_layers_gates_as_a_full_forward_does(gates):
+    """The static step runs q_proj, kv_proj and the gate MLP's first layer as one matmul (fused_input_projection)
+    and gates from its output (gates_from): a branch knocked out (nsa.gate_health.knock_out) or gates pinned
+    (forced_gates) reach the step as they reach a full forward."""
+    model = _model()
+    ids = torch.randint(0, 64, (2, 60), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad(), contextlib.ExitStack() as stack:
+        if gates == "knocked_out":
+            stack.enter_context(knock_out(model, ("sel",)))
+        else:
+            for blk in model.blocks:
+                blk.attn.forced_gates = (0.2, 0.7, 0.9)
+        full = model(ids)
+        steps = _decode(model, ids, 21, max_len=64)
+        unchanged = Transformer(model.cfg).double().eval()  # the same weights with the gates the model learned
+        unchanged.load_state_dict(model.state_dict())
+        learned = unchanged(ids)
+    torch.testing.assert_close(steps, full[:, 20:], rtol=0, atol=1e-10)
+    assert (full - learned).abs().amax() > 1e-3  # the gates changed what the model computes
 
 
 INDEXER = dict(selector="indexer", indexer_heads=2, indexer_dim=8)
