@@ -186,8 +186,8 @@ class NativeSparseAttention(nn.Module):
         keys, values = list(kv[0::2]), kv[1::2]
         if self.q_norm is not None:
             q, keys = self.q_norm(q), [self.k_norm(k) for k in keys]
-        if rope is not None and torch.compiler.is_compiling():  # RoPE is torch ops here (ops.ELEMENTWISE_TO_INDUCTOR):
-            # each rotation fused into what reads it, no concatenated copy
+        if rope is not None and ops.left_to_inductor():  # RoPE is torch ops here: each rotation fused into what
+            # reads it, no concatenated copy
             q = ops.rotary(q, *rope, self.cfg.kernel)
             keys = [k if name == "cmp" else ops.rotary(k, *rope, self.cfg.kernel) for name, k in zip(self.branches, keys)]
         elif rope is not None:  # one rotation for q and the selection and window keys; compression keys
@@ -212,14 +212,17 @@ class NativeSparseAttention(nn.Module):
                           for m in linears])
         return weight, bias, tuple(m.out_features for m in linears)
 
+    @property
+    def _pinned_gates(self) -> tuple[float, float, float] | None:
+        return WINDOW_GATES if self.cfg.window_only else self.forced_gates
+
     def gates(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, dim] -> [B, T, H, 3] in [0, 1]
-        pinned = WINDOW_GATES if self.cfg.window_only else self.forced_gates
-        return self.gates_from(x if pinned is not None else self.gate_mlp[0](x))
+        return self.gates_from(x if self._pinned_gates is not None else self.gate_mlp[0](x))
 
     def gates_from(self, hidden: torch.Tensor) -> torch.Tensor:
         """`gates` after the gate MLP's first matmul: hidden [B, T, gate_hidden] (gate_mlp[0]'s output; with pinned
         gates any [B, T, *] tensor, unread) -> [B, T, H, 3]."""
-        pinned = WINDOW_GATES if self.cfg.window_only else self.forced_gates
+        pinned = self._pinned_gates
         if pinned is not None:
             g = torch.tensor(pinned, dtype=hidden.dtype, device=hidden.device)
             return g.expand(hidden.shape[0], hidden.shape[1], self.n_heads, 3)

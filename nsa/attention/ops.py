@@ -86,12 +86,14 @@ def _triton(kernel: str, x: Tensor) -> bool:
     return resolve_kernel(kernel, x.device) == "triton"
 
 
-# Under torch.compile the elementwise ops (RoPE, the gated sum) are left as torch ops, for inductor to fuse with their
-# neighbours: a custom op is a launch of its own and a wall that no fusion crosses. Eager, the custom ops' one launch
-# per direction is fewer than the torch ops' several. With RoPE's compiled form (nsa.layers.apply_rotary) and the
-# static decoder's one input matmul, an M7C layer's compiled decode step is 25 launches, 34 before (bench/
-# bench_launches.py --compiled; docs/BENCHMARKS.md "The compiled decode step's kernels").
-ELEMENTWISE_TO_INDUCTOR = ("nsa::rotary", "nsa::gated_combine")
+def left_to_inductor() -> bool:
+    """Whether the elementwise stages (RoPE, the gated sum) run as plain torch ops instead of their custom ops: under
+    torch.compile, for inductor to fuse them with their neighbours (a custom op is a launch of its own and a wall no
+    fusion crosses). Eager, the custom ops' one launch per direction is fewer than the torch ops' several. With RoPE's
+    compiled form (nsa.layers.apply_rotary) and the static decoder's one input matmul, an M7C layer's compiled decode
+    step is 25 launches, 34 before (bench/bench_launches.py --compiled; docs/BENCHMARKS.md "The compiled decode
+    step's kernels")."""
+    return torch.compiler.is_compiling()
 
 
 # ---------------------------------------------------------------- rotary position embedding
@@ -141,8 +143,8 @@ def rotary(
 ) -> Tensor:  # [B, H, T, hd] contiguous, x's dtype
     """nsa.layers.apply_rotary as one op (forward and backward one launch each on the Triton path); the torch path
     runs apply_rotary itself, so CPU results are those of apply_rotary's, bit for bit. Under torch.compile the torch
-    ops themselves (ELEMENTWISE_TO_INDUCTOR)."""
-    if torch.compiler.is_compiling():
+    ops themselves (left_to_inductor)."""
+    if left_to_inductor():
         return _rotary_torch(x, cos.detach(), sin.detach(), False, at)
     return _rotary(x, cos.detach(), sin.detach(), False, kernel, at)
 
@@ -334,11 +336,11 @@ def gated_combine(
     kernel: str = "torch",  # NSAConfig.kernel: the Triton kernels (kernels/gated_combine.py) or impl/combine.py
 ) -> Tensor:  # [B, T, H, hd] contiguous: the output projection's layout
     """sum_i g_i o_i (paper Eq. 5) as one op per direction; the torch path's forward is gated_sum's, bit for bit.
-    Under torch.compile the torch ops themselves (ELEMENTWISE_TO_INDUCTOR)."""
+    Under torch.compile the torch ops themselves (left_to_inductor)."""
     if not o_cmp.dtype == o_sel.dtype == o_win.dtype:  # autocast may mix them
         dtype = torch.promote_types(torch.promote_types(o_cmp.dtype, o_sel.dtype), o_win.dtype)
         o_cmp, o_sel, o_win = o_cmp.to(dtype), o_sel.to(dtype), o_win.to(dtype)
-    if torch.compiler.is_compiling():
+    if left_to_inductor():
         return combine.gated_combine_fwd(g, o_cmp, o_sel, o_win)
     return _combine(g, o_cmp, o_sel, o_win, kernel)
 

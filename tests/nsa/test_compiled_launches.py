@@ -1,5 +1,5 @@
 """What a compiled graph launches (nsa/launch_count.py `wrapper_launches`, read from inductor's generated wrapper) and
-what NSA leaves to inductor under torch.compile (nsa/attention/ops.py ELEMENTWISE_TO_INDUCTOR): RoPE and the gated sum
+what NSA leaves to inductor under torch.compile (nsa/attention/ops.py left_to_inductor): RoPE and the gated sum
 are torch ops in a compiled graph, for inductor to fuse with their neighbours, and custom ops in eager calls; the
 attention branches stay custom ops in both. bench/bench_launches.py --compiled counts the whole decode step."""
 from __future__ import annotations
